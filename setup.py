@@ -1,0 +1,34 @@
+"""Packaging for tensorshare. Tool settings live in pyproject.toml."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tensorshare",
+    version="0.1.0",
+    description="Share PyTorch tensors between processes and machines: a Twisted server of named "
+    "in-memory bins, thread-safe clients, and helpers for distributed deep RL.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.11",
+    packages=find_packages(include=["tensorshare", "tensorshare.*"]),
+    install_requires=[
+        "twisted>=23.10",
+        "msgpack>=1.0",
+        "lz4>=4.0",
+        # torch is needed to send and receive tensors; the server itself never imports it.
+        # Install the build you want first (CPU or CUDA); any 2.x satisfies this.
+        "torch>=2.1",
+    ],
+    extras_require={
+        "numpy": ["numpy"],
+        "test": ["pytest>=7", "pytest-timeout", "numpy", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["tensorshare=tensorshare.cli:main"]},
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Framework :: Twisted",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,91 @@
+"""tensorshare: share PyTorch tensors between processes and machines.
+
+A Twisted server keeps named bins in memory; clients put, append, get, peek, list, delete and
+listen to them over one TCP connection each. Values travel as a msgpack header plus raw tensor
+bytes, never as pickle. Importing this package starts no reactor and imports neither Twisted
+nor torch: the names below are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .errors import (
+    BinNotFound,
+    CodecError,
+    ConnectError,
+    ConnectionLost,
+    InvalidRequest,
+    LimitExceeded,
+    MemoryLimitExceeded,
+    ProtocolError,
+    ServerError,
+    TensorShareError,
+    Timeout,
+    TransportError,
+    UnsupportedType,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "NOWAIT",
+    "BinNotFound",
+    "Client",
+    "CodecError",
+    "ConnectError",
+    "ConnectionLost",
+    "EmbeddedServer",
+    "FetchResult",
+    "InvalidRequest",
+    "LimitExceeded",
+    "Limits",
+    "MemoryLimitExceeded",
+    "ProtocolError",
+    "RLTrainer",
+    "RLWorker",
+    "ServerError",
+    "TensorShare",
+    "TensorShareError",
+    "Timeout",
+    "TransportError",
+    "UnsupportedType",
+    "UnsupportedVersion",
+    "__version__",
+    "run_server",
+]
+
+# name -> module that defines it; imported on first access (PEP 562).
+_LAZY = {
+    "NOWAIT": "client",
+    "Client": "client",
+    "FetchResult": "client",
+    "EmbeddedServer": "server",
+    "run_server": "server",
+    "Limits": "messages",
+    "TensorShare": "compat",
+    "RLTrainer": "rl",
+    "RLWorker": "rl",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorshare' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .client import NOWAIT, Client, FetchResult
+    from .compat import TensorShare
+    from .messages import Limits
+    from .rl import RLTrainer, RLWorker
+    from .server import EmbeddedServer, run_server
