@@ -255,6 +255,8 @@ class Store:
         for w in list(q):
             if name not in self._bins:
                 break
+            if not w.active:  # cancelled, or served by a re-entrant call from a callback
+                continue
             taken = self._try_fetch(name, w.remove, w.max_items, w.min_tag, w.newer_than,
                                     w.min_items, report_unchanged=False)
             if taken is None:
@@ -262,8 +264,8 @@ class Store:
             w.active = False
             q.remove(w)
             w.callback(taken)
-        if not q:
-            self._waiters.pop(name, None)
+        if not q and self._waiters.get(name) is q:  # a callback may have made a new queue
+            del self._waiters[name]
 
     def _try_fetch(
         self,
