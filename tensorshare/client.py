@@ -227,7 +227,8 @@ class Client:
         self._conn = Connection(CLIENT)
         self._send_lock = threading.Lock()
         self._pending: dict[int, _Slot] = {}
-        self._listeners: dict[str, list[Callable[[dict[str, Any]], Any]]] = {}
+        # bin -> [(callback, inline)]; inline callbacks run on the reader thread (see begin_listen)
+        self._listeners: dict[str, list[tuple[Callable[[dict[str, Any]], Any], bool]]] = {}
         self._listen_lock = threading.Lock()
         self._events: queue.SimpleQueue[tuple[str, dict[str, Any]] | None] | None = None
         self._dispatcher: threading.Thread | None = None
@@ -347,7 +348,15 @@ class Client:
         thread, one at a time, in the order the changes happened; a slow callback delays later
         events, never replies. Returns once the server has registered the listener.
         """
-        self.begin_listen(name, callback).result()
+        try:
+            self.begin_listen(name, callback).result()
+        except BaseException:
+            with self._listen_lock:  # not registered on the server: forget it here too
+                callbacks = self._listeners.get(name, [])
+                callbacks[:] = [entry for entry in callbacks if entry[0] is not callback]
+                if not callbacks:
+                    self._listeners.pop(name, None)
+            raise
 
     def unlisten(self, name: str) -> bool:
         """Stop listening to bin ``name``. Returns whether this client was listening."""
@@ -401,13 +410,21 @@ class Client:
         return self._begin(lambda rid: Delete(rid, name), f"delete of bin {name!r}",
                            lambda r: r.existed)
 
-    def begin_listen(self, name: str, callback: Callable[[dict[str, Any]], Any]) -> PendingCall:
-        """Register ``callback`` and send the listen request now (see :meth:`listen`)."""
+    def begin_listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,
+                     inline: bool = False) -> PendingCall:
+        """Register ``callback`` and send the listen request now (see :meth:`listen`).
+
+        Args:
+            inline: run ``callback`` on the reader thread, before any reply that arrives
+                after the event is handed over. Only for callbacks that return at once (e.g.
+                put the event on a queue): a slow inline callback stalls every reply.
+        """
         self._check_name(name)
-        self._start_dispatcher()
+        if not inline:
+            self._start_dispatcher()
         with self._listen_lock:
             first = name not in self._listeners
-            self._listeners.setdefault(name, []).append(callback)
+            self._listeners.setdefault(name, []).append((callback, inline))
         if not first:
             return PendingCall.done(None)
         return self._begin(lambda rid: Listen(rid, name), f"listen to bin {name!r}", _none)
@@ -546,9 +563,15 @@ class Client:
 
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, Changed):
-            if self._events is not None:
-                self._events.put((msg.bin, {"status": "OK", "bin": msg.bin, "op": msg.op,
-                                            "n_items": msg.n_items, "version": msg.version}))
+            event = {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
+                     "version": msg.version}
+            with self._listen_lock:
+                listeners = list(self._listeners.get(msg.bin, ()))
+            for cb, inline in listeners:
+                if inline:
+                    _call_listener(cb, event, msg.bin)
+            if self._events is not None and any(not inline for _, inline in listeners):
+                self._events.put((msg.bin, event))
             return
         rid = getattr(msg, "id", 0)
         if rid == 0 and isinstance(msg, ErrorReply):
@@ -591,9 +614,14 @@ class Client:
                 return
             name, event = entry
             with self._listen_lock:
-                callbacks = list(self._listeners.get(name, ()))
+                callbacks = [cb for cb, inline in self._listeners.get(name, ()) if not inline]
             for cb in callbacks:
-                try:
-                    cb(dict(event))
-                except Exception:
-                    log.exception("listen callback for bin %r raised", name)
+                _call_listener(cb, event, name)
+
+
+def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, Any],
+                   name: str) -> None:
+    try:
+        callback(dict(event))  # a copy each: one callback cannot change what another sees
+    except Exception:
+        log.exception("listen callback for bin %r raised", name)

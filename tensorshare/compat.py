@@ -102,7 +102,10 @@ class TensorShare:
             self._queue.put((None, callback, event))
 
         # The confirmation is not passed to the callback: it only ever sees change events.
-        self._request(lambda c: c.begin_listen(bin, forward), callback, None, errors_only=True)
+        # forward() runs on the reader thread, so an event is queued before the reply that
+        # followed it on the wire: callbacks see changes and replies in the server's order.
+        self._request(lambda c: c.begin_listen(bin, forward, inline=True), callback, None,
+                      errors_only=True)
 
     def ignore(self, bin: str, callback: Callback | None = None) -> None:
         """Stop listening to ``bin``. Callback data: whether this object was listening."""
@@ -135,6 +138,8 @@ class TensorShare:
             self._before_callbacks.clear()
             for begin, callback in queued:
                 self._enqueue(begin, callback)
+            if self._stopping:  # stop() came before we connected: stop after the queued ones
+                self._queue.put(_STOP)
         try:
             self._run_callbacks()
         finally:
@@ -151,7 +156,8 @@ class TensorShare:
         with self._lock:
             if not self._stopping:
                 self._stopping = True
-                self._queue.put(_STOP)
+                if self._client is not None:  # else start() adds it after the queued requests
+                    self._queue.put(_STOP)
             running = self._loop_thread
         if running is None or running is threading.current_thread():
             return
