@@ -1,0 +1,173 @@
+"""RLTrainer / RLWorker against a real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from tensorshare import Client, ConnectionLost, EmbeddedServer, RLTrainer, RLWorker
+from tests.conftest import wait_until
+
+
+def _params(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    net = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        net.weight.fill_(scale)
+    return net.state_dict()
+
+
+def test_versions_live_on_the_server_and_survive_a_trainer_restart(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer:
+        assert trainer.publish_parameters(_params(1)) == 1
+        assert trainer.publish_parameters(_params(2)) == 2
+    # publish_parameters returned only once the server held them: a fresh client sees them.
+    with Client("127.0.0.1", server.port) as c:
+        assert torch.equal(c.peek("rl/parameters")["weight"], torch.full((2, 4), 2.0))
+    with RLTrainer("127.0.0.1", server.port) as restarted:
+        assert restarted.publish_parameters(_params(3)) == 3  # continues the count
+
+
+def test_worker_downloads_each_version_at_most_once(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        assert w.get_parameters() is None  # nothing published yet
+        trainer.publish_parameters(_params(1))
+        first = w.get_parameters()
+        for _ in range(5):
+            assert w.get_parameters() is first  # unchanged: nothing downloaded
+        assert w.downloads == 1 and w.version == 1
+        trainer.publish_parameters(_params(2))
+        assert torch.equal(w.get_parameters()["weight"], torch.full((2, 4), 2.0))
+        assert w.downloads == 2 and w.version == 2
+
+
+def test_await_new_parameters_has_no_lost_wakeup(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        trainer.publish_parameters(_params(1))
+        w.get_parameters()
+        # The publish happens between the worker's last fetch and its wait: the wait must
+        # still see it (the server compares versions; no notification can be missed).
+        trainer.publish_parameters(_params(2))
+        got = w.await_new_parameters(timeout=5)
+        assert got is not None and w.version == 2
+
+
+def test_await_new_parameters_waits_then_returns_none_on_timeout(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        assert w.await_new_parameters(timeout=0.2) is None  # nothing published: None, not stale
+        trainer.publish_parameters(_params(1))
+        w.get_parameters()
+        assert w.await_new_parameters(timeout=0.2) is None  # nothing newer than version 1
+        result: list[Any] = []
+        t = threading.Thread(target=lambda: result.append(w.await_new_parameters(timeout=None)))
+        t.start()
+        wait_until(lambda: server.call(lambda: server.factory.store.n_waiters) == 1,
+                   what="the worker's wait to reach the server")
+        trainer.publish_parameters(_params(5))
+        t.join(10)
+        assert not t.is_alive()
+        assert torch.equal(result[0]["weight"], torch.full((2, 4), 5.0)) and w.version == 2
+
+
+def test_filter_version_drops_stale_rollouts_on_the_server(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        trainer.publish_parameters(_params(1))
+        w.get_parameters()
+        for i in range(3):
+            w.add_data(torch.tensor([i]))  # made with version 1
+        trainer.publish_parameters(_params(2))
+        w.get_parameters()
+        w.add_data(torch.tensor([10]))  # made with version 2
+        data = trainer.get_data(return_versions=True)
+        assert [(int(x), v) for x, v in data] == [(10, 2)]
+        assert trainer.last_dropped == 3 and trainer.dropped == 3
+        with Client("127.0.0.1", server.port) as c:
+            assert c.list() == {"rl/parameters": 1}  # the stale ones are gone, not shipped
+
+
+def test_no_filter_and_max_version_lag(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port, filter_version=False) as t0, \
+            RLWorker("127.0.0.1", server.port) as w:
+        for v in range(1, 4):
+            t0.publish_parameters(_params(v))
+            w.get_parameters()
+            w.add_data(torch.tensor([v]))
+        assert [int(x) for x in t0.get_data()] == [1, 2, 3]
+        for v in range(1, 4):
+            w.add_data(torch.tensor([v]))  # all tagged with version 3 now
+        with RLTrainer("127.0.0.1", server.port, max_version_lag=1) as lagged:
+            lagged.publish_parameters(_params(4))  # version 4: keeps versions 3 and 4
+            w.get_parameters()
+            w.add_data(torch.tensor([4]))
+            assert [(int(x), v) for x, v in lagged.get_data(return_versions=True)] == \
+                [(1, 3), (2, 3), (3, 3), (4, 4)]
+
+
+def test_get_data_waits_for_min_items_and_returns_what_arrived(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        trainer.publish_parameters(_params(1))
+        w.get_parameters()
+        assert trainer.get_data() == []  # nothing yet: at once, empty
+        w.add_data(torch.tensor([1]))
+        # Fewer than min_items arrive within the timeout: what did arrive is returned.
+        assert [int(x) for x in trainer.get_data(timeout=0.3, min_items=2)] == [1]
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.extend(trainer.get_data(timeout=10, min_items=3)))
+        t.start()
+        for i in range(3):
+            w.add_data(torch.tensor([i]))
+        t.join(15)
+        assert not t.is_alive() and [int(x) for x in got] == [0, 1, 2]
+
+
+def test_parameters_of_every_kind_are_bit_exact(server: EmbeddedServer) -> None:
+    base = torch.randn(6, 8)
+    state = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "noncontig": base.t()[::2],
+        "half": torch.randn(7).half(),
+        "int": torch.arange(10),
+        "scalar": torch.tensor(3.5),
+    }
+    with RLTrainer("127.0.0.1", server.port) as trainer, RLWorker("127.0.0.1", server.port) as w:
+        trainer.publish_parameters(state)
+        got = w.get_parameters()
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert torch.equal(got[k], v), k
+
+
+def test_hosting_trainer_stops_and_workers_get_a_clear_error() -> None:
+    trainer = RLTrainer("127.0.0.1", 0, host_server=True)
+    worker = RLWorker("127.0.0.1", trainer.port)
+    trainer.publish_parameters(_params(1))
+    assert worker.get_parameters() is not None
+    errors: list[BaseException] = []
+
+    def wait_forever() -> None:
+        try:
+            worker.await_new_parameters(timeout=None)
+        except BaseException as exc:  # recorded and checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=wait_forever)
+    t.start()
+    trainer.stop()
+    t.join(10)
+    assert not t.is_alive(), "a worker waiting for parameters hung after the trainer stopped"
+    assert isinstance(errors[0], ConnectionLost)
+    with pytest.raises(ConnectionLost):
+        worker.add_data(torch.ones(1))
+    worker.stop()
+
+
+def test_start_blocks_until_stop_from_another_thread(server: EmbeddedServer) -> None:
+    w = RLWorker("127.0.0.1", server.port)
+    t = threading.Thread(target=w.start)
+    t.start()
+    assert t.is_alive()
+    w.stop()
+    t.join(10)
+    assert not t.is_alive()
