@@ -24,13 +24,14 @@ from .codec import Encoded, decode, encode
 from .errors import (
     ConnectError,
     ConnectionLost,
+    LimitExceeded,
     ProtocolError,
     TensorShareError,
     Timeout,
     TransportError,
     error_from_code,
 )
-from .frames import BytesLike
+from .frames import ALIGN, PREFIX, BytesLike
 from .messages import (
     Append,
     Cancel,
@@ -51,7 +52,7 @@ from .messages import (
     Put,
     Unlisten,
 )
-from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, check_bin_name
+from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, ProtocolViolation, check_bin_name
 
 __all__ = ["NOWAIT", "Client", "FetchResult", "PendingCall"]
 
@@ -491,6 +492,7 @@ class Client:
                 raise type(self._lost)(f"cannot send {what}: {self._lost}")
             rid = self._conn.next_id()
             chunks = self._conn.send(build(rid))
+            self._check_size(chunks, what, rid)
             self._pending[rid] = slot
             try:
                 self._sendall(chunks)
@@ -502,6 +504,19 @@ class Client:
                 raise err from exc
         return PendingCall(self, rid, slot, convert,
                            self.timeout if timeout is NOWAIT else timeout, cancel_on_timeout)
+
+    def _check_size(self, chunks: Sequence[BytesLike], what: str, rid: int) -> None:
+        """Refuse, before sending, a frame the server would refuse (nothing is sent)."""
+        limits = self._conn.limits
+        header = len(chunks[0]) - PREFIX  # prefix + header + padding
+        size = sum(len(c) for c in chunks)
+        if size > limits.max_frame_bytes or header > limits.max_header_bytes + ALIGN:
+            self._conn.forget(rid)
+            which = (f"{size} bytes, over the server's max_frame_bytes={limits.max_frame_bytes}"
+                     if size > limits.max_frame_bytes else
+                     f"a header of about {header} bytes (strings, bytes and numbers travel "
+                     f"there), over the server's max_header_bytes={limits.max_header_bytes}")
+            raise LimitExceeded(f"{what} not sent: the request takes {which}")
 
     def _cancel_quietly(self, target: int) -> None:
         try:
@@ -547,6 +562,8 @@ class Client:
                 if msgs is None:
                     break
                 for msg in msgs:
+                    if type(msg) is ProtocolViolation:
+                        raise ProtocolError(msg.message)
                     self._on_message(msg)
         except ProtocolError as exc:
             reason = f"protocol error: {exc}"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import reprlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -748,25 +748,34 @@ def _make_ndarray(
     return arr
 
 
-def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
+def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH,
+             raw_sizes: Sequence[int] | None = None) -> None:
     """Check a received value tree without building tensors (never imports torch).
 
     Checks that ``value`` is one complete msgpack value of this format: only known ext
     codes, well-formed tensor/array descriptors (dtype in ``DTYPES``, shape of
     non-negative ints, buffer index in ``[0, n_buffers)``), each buffer referenced at
-    most once, str map keys, nesting at most ``max_depth``, no trailing bytes. Buffer
-    sizes are not checked against the shapes.
+    most once, str map keys, nesting at most ``max_depth``, no trailing bytes. With
+    ``raw_sizes`` (the uncompressed size of each buffer), each tensor's buffer must hold
+    exactly ``prod(shape) * itemsize`` bytes, so whatever the server stores, readers can
+    decode.
 
     Args:
         value: the msgpack bytes of the value tree.
         n_buffers: how many buffers travel with it.
         max_depth: the deepest container nesting accepted.
+        raw_sizes: the uncompressed byte size of each buffer, or ``None`` to skip the check.
 
     Raises:
         CodecError: the value is malformed.
     """
 
     def make(code: int, name: str, shape: list[int], index: int) -> None:
+        if raw_sizes is not None:
+            expected = math.prod(shape) * _ITEMSIZE[name]
+            if raw_sizes[index] != expected:
+                raise CodecError(f"buffer {index} holds {raw_sizes[index]} bytes but its "
+                                 f"{name} tensor of shape {shape} needs {expected}")
         return None
 
     _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)

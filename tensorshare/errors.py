@@ -134,6 +134,9 @@ ERROR_CODES: dict[str, type[TensorShareError]] = {
     "memory_limit": MemoryLimitExceeded,
     "unsupported_version": UnsupportedVersion,
     "timeout": Timeout,
+    # Sent in an "error" message just before the server closes a connection that broke the
+    # wire format; the client reports it as the reason of the ConnectionLost that follows.
+    "protocol_error": ProtocolError,
 }
 _CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 

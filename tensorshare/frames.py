@@ -192,6 +192,16 @@ class FrameDecoder:
         """
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         out: list[Frame | OversizedFrame] = []
+        try:
+            self._feed(view, out)
+        except ProtocolError as exc:
+            # Frames completed earlier in this chunk are good: hand them over with the error,
+            # so what a client sent before its garbage is still served (or refused) in order.
+            exc.frames = out  # type: ignore[attr-defined]
+            raise
+        return out
+
+    def _feed(self, view: memoryview, out: list[Frame | OversizedFrame]) -> None:
         i, n = 0, len(view)
         while i < n:
             state = self._state
@@ -214,7 +224,6 @@ class FrameDecoder:
                 i += take
                 if self._remaining_skip == 0:
                     self._skip_done(out)
-        return out
 
     # -- state machine --------------------------------------------------------------------
     def _start_frame(self, out: list[Frame | OversizedFrame]) -> None:
@@ -244,7 +253,11 @@ class FrameDecoder:
             self._header = bytes(self._target)
             self._target = bytearray()
             if not self._payload_len:
-                self._emit(out, bytearray())
+                if self._oversized:
+                    out.append(OversizedFrame(self._header, 0, self.max_frame_bytes))
+                    self._reset()
+                else:
+                    self._emit(out, bytearray())
                 return
             head_len = PREFIX + len(self._header)
             self._remaining_skip = aligned(head_len) - head_len

@@ -15,6 +15,7 @@ A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ __all__ = [
     "SERVER",
     "BadRequest",
     "Connection",
+    "ProtocolViolation",
     "check_bin_name",
 ]
 
@@ -71,6 +73,17 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 
 def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolViolation:
+    """The peer broke the wire format: the connection must be closed.
+
+    It comes last in the list returned by ``receive_data``, after every message that was
+    complete before the violation, so those are still handled in order.
+    """
+
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,59 +171,69 @@ class Connection:
         self._decoder.max_header_bytes = limits.max_header_bytes
 
     # -- input ------------------------------------------------------------------------------
-    def receive_data(self, data: BytesLike) -> list[Message | BadRequest]:
+    def receive_data(self, data: BytesLike) -> list[Message | BadRequest | ProtocolViolation]:
         """Feed received bytes; return the messages they complete.
 
-        Raises:
-            ProtocolError: the peer broke the wire format; close the connection.
+        Never raises for bad input: if the peer broke the wire format, the last event is a
+        :class:`ProtocolViolation` and the connection must be closed.
         """
-        return self._parse_frames(self._decoder.feed(data))
+        try:
+            frames = self._decoder.feed(data)
+        except ProtocolError as exc:
+            return self._parse_frames(getattr(exc, "frames", []), exc)
+        return self._parse_frames(frames)
 
     def get_buffer(self) -> memoryview | None:
         """A writable view to ``recv_into`` directly, when a large frame part is expected."""
         return self._decoder.get_buffer()
 
-    def buffer_updated(self, nbytes: int) -> list[Message | BadRequest]:
-        """Account for bytes received into :meth:`get_buffer`'s view."""
+    def buffer_updated(self, nbytes: int) -> list[Message | BadRequest | ProtocolViolation]:
+        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
         return self._parse_frames(self._decoder.buffer_updated(nbytes))
 
-    def _parse_frames(self, frames: list[Frame | OversizedFrame]) -> list[Message | BadRequest]:
-        out: list[Message | BadRequest] = []
-        for frame in frames:
-            try:
-                header = _unpackb(frame.header)
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
-            if not isinstance(header, dict):
-                raise ProtocolError("frame header is not a msgpack map")
-            if isinstance(frame, OversizedFrame):
-                rid = header.get("id")
-                if self.role != SERVER or not isinstance(rid, int):
-                    raise ProtocolError(
-                        f"frame payload of {frame.payload_len} bytes exceeds "
-                        f"max_frame_bytes={frame.limit}"
-                    )
-                out.append(
-                    BadRequest(
-                        rid,
-                        "limit_exceeded",
-                        f"frame payload of {frame.payload_len} bytes exceeds the server's "
-                        f"max_frame_bytes={frame.limit}; nothing was stored",
-                    )
-                )
-                continue
-            if self.role == SERVER:
-                out.append(self._parse_request(header, frame.payload))
-            else:
-                out.append(self._parse_server_message(header, frame.payload))
+    def _parse_frames(self, frames: list[Frame | OversizedFrame],
+                      error: ProtocolError | None = None,
+                      ) -> list[Message | BadRequest | ProtocolViolation]:
+        out: list[Message | BadRequest | ProtocolViolation] = []
+        try:
+            for frame in frames:
+                out.append(self._parse_frame(frame))
+        except ProtocolError as exc:
+            error = exc
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
         return out
+
+    def _parse_frame(self, frame: Frame | OversizedFrame) -> Message | BadRequest:
+        try:
+            header = _unpackb(frame.header)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError("frame header is not a msgpack map")
+        if isinstance(frame, OversizedFrame):
+            rid = header.get("id")
+            if self.role != SERVER or not _is_int(rid) or rid < 1:
+                raise ProtocolError(
+                    f"frame payload of {frame.payload_len} bytes exceeds "
+                    f"max_frame_bytes={frame.limit}"
+                )
+            return BadRequest(
+                rid,
+                "limit_exceeded",
+                f"frame of {frame.payload_len} payload bytes exceeds the server's "
+                f"max_frame_bytes={frame.limit}; nothing was stored",
+            )
+        if self.role == SERVER:
+            return self._parse_request(header, frame.payload)
+        return self._parse_server_message(header, frame.payload)
 
     # -- server side: parse requests ----------------------------------------------------------
     def _parse_request(self, h: dict[str, Any], payload: bytearray) -> Message | BadRequest:
         op = h.get("op")
         rid = h.get("id")
-        if not isinstance(rid, int) or isinstance(rid, bool) or rid < 0:
-            raise ProtocolError(f"request without a valid 'id' (op {op!r})")
+        if not _is_int(rid) or rid < 1:
+            raise ProtocolError(f"request without a valid 'id' (an integer >= 1; op {op!r})")
         try:
             return self._build_request(op, rid, h, payload)
         except _Invalid as exc:
@@ -238,13 +261,16 @@ class Connection:
             min_tag = _opt_int(h, "min_tag")
             newer_than = _opt_int(h, "newer_than")
             min_items = _opt_int(h, "min_items", minimum=1) or 1
-            wait = h.get("wait", False)
-            if not isinstance(wait, bool):
+            wait = h.get("wait")
+            if wait is None:
+                wait = False
+            elif not isinstance(wait, bool):
                 raise _Invalid("'wait' must be a bool")
             timeout = h.get("timeout")
             if timeout is not None:
-                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-                    raise _Invalid("'timeout' must be a non-negative number or nil")
+                if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                        or not math.isfinite(timeout) or timeout < 0):
+                    raise _Invalid("'timeout' must be a finite non-negative number or nil")
                 timeout = float(timeout)
             return _FETCH_OPS[op](  # type: ignore[no-any-return]
                 rid, name, max_items, wait, timeout, min_tag, newer_than, min_items
@@ -297,7 +323,8 @@ class Connection:
                 buf, end = _parse_buffer(desc, view, end)
                 buffers.append(buf)
             try:
-                validate(value, len(buffers), max_depth=max_depth)
+                validate(value, len(buffers), max_depth=max_depth,
+                         raw_sizes=[b.raw_nbytes for b in buffers])
             except ValueError as exc:
                 code = "limit_exceeded" if "depth" in str(exc) else "invalid_request"
                 raise _Invalid(f"malformed value: {exc}", code) from None
@@ -350,10 +377,13 @@ class Connection:
             return Listening(rid, _int(h, "version"), _int(h, "n_items"))
         if req_op == "hello":
             lim = h["limits"]
-            limits = Limits(
-                int(lim["max_frame_bytes"]), int(lim["max_header_bytes"]),
-                int(lim["max_depth"]), int(lim["max_name_bytes"]),
-            )
+            try:
+                limits = Limits(
+                    int(lim["max_frame_bytes"]), int(lim["max_header_bytes"]),
+                    int(lim["max_depth"]), int(lim["max_name_bytes"]),
+                )
+            except ValueError as exc:
+                raise _Invalid(f"impossible limits in the handshake: {exc}") from None
             return HelloReply(rid, _int(h, "version"), _str(h, "server"), limits)
         return Acked(rid, bool(h.get("flag", True)))
 
@@ -473,7 +503,7 @@ def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
     if not isinstance(desc, list) or len(desc) not in (2, 4):
         raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
     off, n = desc[0], desc[1]
-    if not (isinstance(off, int) and isinstance(n, int)) or off < 0 or n < 0:
+    if not (_is_int(off) and _is_int(n)) or off < 0 or n < 0:
         raise _Invalid("buffer offset and size must be non-negative integers")
     if off & _ALIGN_MASK:
         raise _Invalid(f"buffer offset {off} is not a multiple of 64")
@@ -483,17 +513,22 @@ def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
         raise _Invalid(f"buffer [{off}, {off + n}) lies outside the {len(view)}-byte payload")
     if len(desc) == 4:
         codec, raw = desc[2], desc[3]
-        if codec != "lz4" or not isinstance(raw, int) or raw < 0:
+        if codec != "lz4" or not _is_int(raw) or raw < 0:
             raise _Invalid(f"unsupported buffer codec {codec!r}")
         return Buffer(view[off : off + n], codec, raw), off + n
     return Buffer(view[off : off + n]), off + n
+
+
+def _is_int(v: object) -> bool:
+    """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
     v = h.get(key)
     if v is None:
         return None
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not _is_int(v):
         raise _Invalid(f"{key!r} must be an integer")
     if minimum is not None and v < minimum:
         raise _Invalid(f"{key!r} must be at least {minimum}")
@@ -502,7 +537,7 @@ def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | N
 
 def _int(h: dict[str, Any], key: str) -> int:
     v = h[key]
-    if not isinstance(v, int):
+    if not _is_int(v):
         raise _Invalid(f"{key!r} must be an integer")
     return v
 

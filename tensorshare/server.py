@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 
 from ._fasttcp import listen_fast_tcp
 from ._version import __version__
-from .errors import ProtocolError, ServerError, code_for
+from .errors import InvalidRequest, ProtocolError, ServerError, code_for
 from .frames import BytesLike
 from .messages import (
     Acked,
@@ -49,7 +49,7 @@ from .messages import (
     Stored,
     Unlisten,
 )
-from .protocol import PROTOCOL_VERSIONS, SERVER, BadRequest, Connection
+from .protocol import PROTOCOL_VERSIONS, SERVER, BadRequest, Connection, ProtocolViolation
 from .store import Store, Taken, Waiter
 
 __all__ = ["EmbeddedServer", "ServerFactory", "ServerProtocol", "run_server"]
@@ -116,34 +116,33 @@ class ServerProtocol(Protocol):
         self.transport.loseConnection()  # type: ignore[union-attr]
 
     def _handle(self, receive: Any) -> None:
-        try:
-            msgs = receive()
-        except ProtocolError as exc:
-            self._fail_connection("protocol_error", str(exc))
-            return
-        for msg in msgs:
+        for msg in receive():
             if self._closed:
+                return
+            if type(msg) is ProtocolViolation:
+                self._fail_connection("protocol_error", msg.message)
                 return
             try:
                 self._dispatch(msg)
             except ServerError as exc:
-                self.send(ErrorReply(msg.id, code_for(exc), str(exc)))  # type: ignore[union-attr]
+                self.send(ErrorReply(msg.id, code_for(exc), str(exc)))
             except Exception:  # a bug must cost one request, never the server
                 log.failure("internal error serving {msg!r} from {peer}",
                             msg=type(msg).__name__, peer=self.peer)
-                self.send(ErrorReply(msg.id, "error", "internal server error; see the server log"))  # type: ignore[union-attr]
+                self.send(ErrorReply(msg.id, "error", "internal server error; see the server log"))
 
     # -- requests ---------------------------------------------------------------------------
     def _dispatch(self, msg: Message | BadRequest) -> None:
         if self.version is None and not isinstance(msg, Hello):
-            self._fail_connection("protocol_error", "the first request must be 'hello'")
+            reason = msg.message if isinstance(msg, BadRequest) else "the first request must be 'hello'"
+            self._fail_connection("protocol_error", f"handshake failed: {reason}")
             return
         store = self.factory.store
         cls = type(msg)
         if cls is Put or cls is Append:
             m: Put | Append = msg  # type: ignore[assignment]
             do = store.put if cls is Put else store.append
-            version, n = do(m.bin, m.item, m.item.value.nbytes, m.item.tag)
+            version, n = do(m.bin, m.item, _wire_size(m.item), m.item.tag)
             self.send(Stored(m.id, version, n))
         elif cls is Get or cls is Peek:
             self._fetch(msg)  # type: ignore[arg-type]
@@ -196,12 +195,16 @@ class ServerProtocol(Protocol):
     def _fetch(self, msg: Get | Peek) -> None:
         store = self.factory.store
         remove = type(msg) is Get
+        max_bytes = self.factory.max_reply_bytes
         if not msg.wait:
             taken = store.fetch(msg.bin, remove=remove, max_items=msg.max_items,
-                                min_tag=msg.min_tag, newer_than=msg.newer_than)
+                                min_tag=msg.min_tag, newer_than=msg.newer_than,
+                                max_bytes=max_bytes)
             self.send(_fetched(msg.id, taken))
             return
         rid = msg.id
+        if rid in self._waiting:
+            raise InvalidRequest(f"request id {rid} is already waiting on this connection")
 
         def served(taken: Taken) -> None:
             _, timer = self._waiting.pop(rid, (None, None))
@@ -211,9 +214,11 @@ class ServerProtocol(Protocol):
 
         result = store.fetch_or_wait(
             msg.bin, served, remove=remove, max_items=msg.max_items, min_tag=msg.min_tag,
-            newer_than=msg.newer_than, min_items=msg.min_items)
+            newer_than=msg.newer_than, min_items=msg.min_items, max_bytes=max_bytes)
         if isinstance(result, Taken):
             self.send(_fetched(rid, result))
+            return
+        if not result.active:  # served at once, through ``served``, behind earlier waiters
             return
         timer = None
         if msg.timeout is not None:
@@ -239,6 +244,15 @@ class ServerProtocol(Protocol):
         return self.factory.store.cancel(waiter)
 
 
+def _wire_size(item: Item) -> int:
+    """Bytes an item takes in a frame: its value and buffers, plus padding and descriptors.
+
+    The store counts this per item, for the memory limit and to keep every reply within
+    the frame limit (a get of a long list bin returns the items that fit; the rest stay).
+    """
+    return item.value.nbytes + 64 * (len(item.value.buffers) + 1)
+
+
 def _fetched(rid: int, taken: Taken) -> Fetched:
     items: tuple[Item, ...] = taken.items
     return Fetched(rid, taken.kind, items, taken.version, taken.n_items, taken.dropped,
@@ -258,6 +272,8 @@ class ServerFactory(Factory):
                  max_memory: int | None = None) -> None:
         self.reactor = reactor
         self.limits = limits or Limits()
+        # Room for the reply's own header fields around the items (a few hundred bytes).
+        self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
         self.store = Store(max_memory=max_memory, on_change=self._changed)
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}

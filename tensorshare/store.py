@@ -78,6 +78,7 @@ class Waiter:
     min_tag: int | None
     newer_than: int | None
     min_items: int
+    max_bytes: int | None
     callback: Callable[[Taken], None]
     active: bool = True
 
@@ -170,13 +171,17 @@ class Store:
         max_items: int | None = None,
         min_tag: int | None = None,
         newer_than: int | None = None,
+        max_bytes: int | None = None,
     ) -> Taken:
         """Get (``remove=True``) or peek at the content of a bin, without waiting.
+
+        ``max_bytes`` caps the summed size of the items of a list bin returned at once (at
+        least one item is always returned); the rest stay in the bin.
 
         Raises:
             BinNotFound: the bin is missing or empty (or holds only stale items).
         """
-        taken = self._try_fetch(name, remove, max_items, min_tag, newer_than, 1)
+        taken = self._try_fetch(name, remove, max_items, min_tag, newer_than, 1, max_bytes)
         if taken is None:
             raise BinNotFound(self._missing_message(name, min_tag))
         return taken
@@ -191,6 +196,7 @@ class Store:
         min_tag: int | None = None,
         newer_than: int | None = None,
         min_items: int = 1,
+        max_bytes: int | None = None,
     ) -> Taken | Waiter:
         """Fetch now if the bin can satisfy the request, else register a waiter.
 
@@ -200,13 +206,19 @@ class Store:
             The :class:`Taken` if served at once, else the :class:`Waiter` (pass it to
             :meth:`cancel` on timeout or disconnect); ``callback`` is then called when served.
         """
-        if not self._waiters.get(name):  # FIFO: never overtake an earlier waiter
+        queue = self._waiters.get(name)
+        if not queue:
             taken = self._try_fetch(name, remove, max_items, min_tag, newer_than, min_items,
-                                    report_unchanged=False)
+                                    max_bytes, report_unchanged=False)
             if taken is not None:
                 return taken
-        w = Waiter(name, remove, max_items, min_tag, newer_than, min_items, callback)
+        w = Waiter(name, remove, max_items, min_tag, newer_than, min_items, max_bytes, callback)
         self._waiters.setdefault(name, deque()).append(w)
+        if queue:
+            # Earlier waiters keep their turn, but one that cannot be served yet (say it
+            # wants more items) must not hold back this one: serve the queue in order now.
+            # If this waiter is served, ``callback`` has run and ``w.active`` is False.
+            self._serve_waiters(name)
         return w
 
     def cancel(self, waiter: Waiter) -> bool:
@@ -258,7 +270,7 @@ class Store:
             if not w.active:  # cancelled, or served by a re-entrant call from a callback
                 continue
             taken = self._try_fetch(name, w.remove, w.max_items, w.min_tag, w.newer_than,
-                                    w.min_items, report_unchanged=False)
+                                    w.min_items, w.max_bytes, report_unchanged=False)
             if taken is None:
                 continue
             w.active = False
@@ -275,6 +287,7 @@ class Store:
         min_tag: int | None,
         newer_than: int | None,
         min_items: int,
+        max_bytes: int | None = None,
         report_unchanged: bool = True,
     ) -> Taken | None:
         b = self._bins.get(name)
@@ -303,6 +316,13 @@ class Store:
                 self._after_removal(name, b)
             return None
         n = len(fresh) if (max_items is None or b.kind == "value") else min(max_items, len(fresh))
+        if max_bytes is not None and n > 1:
+            total = 0
+            for i in range(n):  # at least one item, then as many as fit
+                total += fresh[i].nbytes
+                if i and total > max_bytes:
+                    n = i
+                    break
         if remove:
             chosen = [entries.popleft() for _ in range(n)]
             freed = sum(e.nbytes for e in chosen)

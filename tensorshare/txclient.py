@@ -74,7 +74,7 @@ from .messages import (
     Put,
     Unlisten,
 )
-from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, check_bin_name
+from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, ProtocolViolation, check_bin_name
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -161,14 +161,12 @@ class TxProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self._lost is not None:
             return  # closed by us, or the stream is already known to be broken
-        try:
-            msgs = self.conn.receive_data(data)
-        except ProtocolError as exc:
-            self._drop(f"protocol error: {exc}")
-            return
-        for msg in msgs:
+        for msg in self.conn.receive_data(data):
             if self._lost is not None:
                 return  # a callback closed the client: the rest is not for anyone
+            if type(msg) is ProtocolViolation:
+                self._drop(f"protocol error: {msg.message}")
+                return
             self._on_message(msg)  # type: ignore[arg-type]
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]

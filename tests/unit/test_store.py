@@ -680,30 +680,50 @@ def test_delete_does_not_serve_or_drop_waiters(store):
     assert store.list() == {}
 
 
-def test_later_waiter_does_not_overtake_an_earlier_one_even_if_data_exists(store):
+def test_a_waiter_that_cannot_be_served_does_not_hold_back_a_later_one(store):
     store.append("x", "a", 1)
     early = Callback()
     w1 = store.fetch_or_wait("x", early, remove=False, newer_than=1)
     assert isinstance(w1, Waiter)
     late = Callback()
-    # The bin could satisfy this get right now, but an earlier waiter is queued on "x".
+    # An earlier waiter is queued on "x" but cannot be served yet (it wants a newer
+    # version). The queue is served in order at once, so the get is served now.
     w2 = store.fetch_or_wait("x", late, remove=True)
-    assert isinstance(w2, Waiter)
-    assert late.calls == []
-    assert store.list() == {"x": 1}
-    assert store.n_waiters == 2
+    assert isinstance(w2, Waiter) and not w2.active
+    assert [t.items for t in late.calls] == [("a",)]
+    assert early.calls == [] and w1.active
+    assert store.list() == {} and store.n_waiters == 1
+    # The earlier waiter keeps its turn: it is served first by the next change.
+    late2 = Callback()
+    w3 = store.fetch_or_wait("x", late2, remove=True)
+    assert isinstance(w3, Waiter) and w3.active
+    store.append("x", "b", 1)
+    assert [t.items for t in early.calls] == [("b",)]
+    assert [t.items for t in late2.calls] == [("b",)]
+    assert store.list() == {} and store.n_waiters == 0
+
+
+def test_fifo_order_among_waiters_that_can_all_be_served(store):
+    a, b = Callback(), Callback()
+    store.fetch_or_wait("x", a, remove=True)
+    store.fetch_or_wait("x", b, remove=True)
+    store.append("x", "1", 1)
+    store.append("x", "2", 1)
+    assert [t.items for t in a.calls] == [("1",)]
+    assert [t.items for t in b.calls] == [("2",)]
     # A waiter on another bin does not block this one.
-    other = store.fetch_or_wait("y", Callback(), remove=True)
+    store.fetch_or_wait("y", Callback(), remove=True)
     store.append("z", "z", 1)
     assert isinstance(store.fetch_or_wait("z", Callback(), remove=True), Taken)
-    store.cancel(other)
-    # The next change serves them in order: the peek first, then the get.
-    store.append("x", "b", 1)
-    assert [t.items for t in early.calls] == [("a", "b")]
-    assert [t.items for t in late.calls] == [("a", "b")]
-    assert store.list() == {}
-    assert store.n_waiters == 0
-    assert not w1.active and not w2.active
+
+
+def test_max_bytes_caps_the_items_of_one_fetch(store):
+    for i in range(5):
+        store.append("x", i, 100)
+    taken = store.fetch("x", remove=True, max_bytes=250)
+    assert taken.items == (0, 1) and taken.n_items == 3
+    taken = store.fetch("x", remove=True, max_bytes=10)  # always at least one item
+    assert taken.items == (2,)
 
 
 def test_waiter_cancelled_by_an_earlier_waiters_callback_is_never_called(store):
