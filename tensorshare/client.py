@@ -13,6 +13,7 @@ callback never delays replies to other requests.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import threading
@@ -112,7 +113,9 @@ class _Slot:
         self._lock.release()
 
     def wait(self, timeout: float | None) -> bool:
-        return self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        if timeout is None or timeout >= threading.TIMEOUT_MAX:  # "forever", in lock terms
+            return self._lock.acquire()
+        return self._lock.acquire(timeout=max(timeout, 0.0))
 
 
 class PendingCall:
@@ -387,8 +390,8 @@ class Client:
                     newer_than: int | None = None, min_items: int = 1) -> PendingCall:
         """Send a get/peek now; ``.result()`` gives the :class:`FetchResult`."""
         wait = timeout is not NOWAIT
-        if wait and timeout is not None and timeout < 0:
-            raise ValueError("timeout must be >= 0 or None")
+        if wait and timeout is not None and not 0 <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
         self._check_name(name)
         cls = Get if remove else Peek
         what = f"{'get' if remove else 'peek'} on bin {name!r}"

@@ -259,6 +259,10 @@ class FrameDecoder:
                 else:
                     self._emit(out, bytearray())
                 return
+            if self._oversized:
+                # Report it now, so the peer gets its error at once rather than after
+                # streaming a payload we will drop anyway.
+                out.append(OversizedFrame(self._header, self._payload_len, self.max_frame_bytes))
             head_len = PREFIX + len(self._header)
             self._remaining_skip = aligned(head_len) - head_len
             self._state = _PAD
@@ -278,8 +282,7 @@ class FrameDecoder:
                 self._state = _PAYLOAD
                 self._target = bytearray(self._payload_len)
                 self._pos = 0
-        else:  # skipped an oversized payload
-            out.append(OversizedFrame(self._header, self._payload_len, self.max_frame_bytes))
+        else:  # skipped an oversized payload (already reported)
             self._reset()
 
     def _emit(self, out: list[Frame | OversizedFrame], payload: bytearray) -> None:

@@ -222,7 +222,11 @@ class ServerProtocol(Protocol):
             return
         timer = None
         if msg.timeout is not None:
-            timer = self.factory.reactor.callLater(msg.timeout, self._timed_out, rid, msg)
+            try:
+                timer = self.factory.reactor.callLater(msg.timeout, self._timed_out, rid, msg)
+            except BaseException:
+                store.cancel(result)  # never leave a waiter nobody will answer
+                raise
         self._waiting[rid] = (result, timer)
 
     def _timed_out(self, rid: int, msg: Get | Peek) -> None:

@@ -378,7 +378,8 @@ def test_oversized_payload_is_skipped_without_being_stored():
     head = prefix(len(header), 2**40) + header + bytes(aligned(PREFIX + len(header)) - PREFIX - len(header))
     tracemalloc.start()
     try:
-        assert dec.feed(head) == []
+        # Reported as soon as the header is in, so the peer hears about it at once.
+        assert dec.feed(head) == [OversizedFrame(header, 2**40, 1 * MiB)]
         for _ in range(4):
             assert dec.feed(chunk) == []
         _, peak = tracemalloc.get_traced_memory()
@@ -401,12 +402,14 @@ def test_oversized_frame_is_reported_and_the_connection_stays_usable():
         expected_frame(b"\x81\xa2op\xa4ping", (b"ok",)),
     ]
     assert decoder(max_frame_bytes=limit, max_header_bytes=100).feed(big + after) == expected
-    # Same with one byte at a time: the OversizedFrame comes only after the last skipped byte.
+    # Same with one byte at a time: the OversizedFrame comes with the header's last byte,
+    # then the payload is skipped without producing anything.
     dec = decoder(max_frame_bytes=limit, max_header_bytes=100)
+    header_end = PREFIX + len(header)
     out: list = []
     for i in range(len(big)):
         got = dec.feed(big[i : i + 1])
-        if i < len(big) - 1:
+        if i != header_end - 1:
             assert got == []
         out.extend(got)
     assert out == expected[:1]
