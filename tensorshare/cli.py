@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--port", type=int, default=8000)
     ls.add_argument("--timeout", type=float, default=5.0)
 
-    d = sub.add_parser("demo", help="a distributed RL run on a local server (about a minute)")
+    d = sub.add_parser("demo", help="a distributed RL run (CartPole) on a local server; ~10-60 s")
     d.add_argument("--workers", type=int, default=3, help="rollout worker processes (default 3)")
     d.add_argument("--max-seconds", type=float, default=90.0, help="stop after this long")
     d.add_argument("--target", type=float, default=195.0, help="stop at this average return")

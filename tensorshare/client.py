@@ -575,7 +575,9 @@ class Client:
         if self._server_said:
             reason = f"{reason}; the server said: {self._server_said}"
         if not self._closing:
-            log.warning("connection to tensorshare server at %s lost: %s", self.address, reason)
+            # Loud only if it cost a call; pending calls raise ConnectionLost in any case.
+            level = logging.WARNING if self._pending else logging.INFO
+            log.log(level, "connection to tensorshare server at %s lost: %s", self.address, reason)
         self._fail_all(ConnectionLost(f"connection to tensorshare server at {self.address} "
                                       f"lost: {reason}"))
         if self._events is not None:

@@ -55,7 +55,8 @@ class Taken:
         tags: their tags, same order.
         version: the bin's version after the fetch.
         n_items: items left in the bin.
-        dropped: items dropped (get) or skipped (peek) because of ``min_tag``.
+        dropped: items dropped (get; counted since the last get of the bin that returned
+            items) or skipped (peek) because of ``min_tag``.
         unchanged: ``newer_than`` was given and the bin is not newer; no items.
     """
 
@@ -99,6 +100,9 @@ class Store:
         self._bins: dict[str, _Bin] = {}
         self._versions: dict[str, int] = {}
         self._waiters: dict[str, deque[Waiter]] = {}
+        # Stale items a get dropped without returning anything (no fresh item yet, too few for
+        # a waiter): reported by the next get of that bin that returns items.
+        self._unreported_drops: dict[str, int] = {}
 
     # -- queries ----------------------------------------------------------------------------
     def version(self, name: str) -> int:
@@ -306,6 +310,7 @@ class Store:
             dropped = len(entries) - len(fresh)
             if dropped and remove:
                 # Stale items are garbage for this caller: drop them here, never ship them.
+                self._unreported_drops[name] = self._unreported_drops.get(name, 0) + dropped
                 stale = b.nbytes - sum(e.nbytes for e in fresh)
                 self.nbytes -= stale
                 b.nbytes -= stale
@@ -324,6 +329,7 @@ class Store:
                     n = i
                     break
         if remove:
+            dropped = self._unreported_drops.pop(name, 0)
             chosen = [entries.popleft() for _ in range(n)]
             freed = sum(e.nbytes for e in chosen)
             b.nbytes -= freed

@@ -433,6 +433,9 @@ def test_get_with_only_stale_items_raises_and_drops_them(store, hook):
     assert hook.events[-1] == ("r", "get", 0, 3)
     with pytest.raises(BinNotFound):
         peek(store, "r")
+    # The drop is reported by the next get that returns items.
+    store.append("r", "c", 10, tag=5)
+    assert get(store, "r", min_tag=2).dropped == 2
 
 
 def test_without_min_tag_untagged_items_are_returned(store):
@@ -626,7 +629,8 @@ def test_min_tag_waiter(store):
     assert store.list() == {}  # dropped again by the waiter's attempt
     assert store.nbytes == 0
     store.append("r", "fresh", 10, tag=2)
-    assert [(t.items, t.dropped) for t in cb.calls] == [(("fresh",), 0)]
+    # The two stale items dropped while it waited are reported with the items it gets.
+    assert [(t.items, t.dropped) for t in cb.calls] == [(("fresh",), 2)]
     assert store.nbytes == 0
     assert store.n_waiters == 0
 
