@@ -22,7 +22,8 @@ setup(
     ],
     extras_require={
         "numpy": ["numpy"],
-        "test": ["pytest>=7", "pytest-timeout", "numpy", "hypothesis"],
+        "test": ["pytest>=7", "pytest-timeout", "numpy", "hypothesis", "ruff", "mypy",
+                 "mypy-zope"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli:main"]},
     classifiers=[

@@ -183,7 +183,7 @@ class FastServer(tcp.Server):
 
     # ------------------------------------------------------------------ reading
 
-    def doRead(self) -> BaseException | None:
+    def doRead(self) -> BaseException | None:  # type: ignore[override]
         """Read into the protocol's buffer if it offers one, else read the stock way.
 
         Same error contract as :meth:`twisted.internet.tcp.Connection.doRead`:
@@ -207,10 +207,10 @@ class FastServer(tcp.Server):
         if not nbytes:
             return main.CONNECTION_DONE
         if direct:
-            self.protocol.buffer_updated(nbytes)
+            self.protocol.buffer_updated(nbytes)  # type: ignore[attr-defined]
         else:
             # A view of the reused buffer: valid only during this call (the protocol copies).
-            self.protocol.dataReceived(self._read_view[:nbytes])
+            self.protocol.dataReceived(self._read_view[:nbytes])  # type: ignore[arg-type]
         return None
 
     # ------------------------------------------------------------------ writing
@@ -328,14 +328,15 @@ class FastServer(tcp.Server):
         self.stopWriting()
         if self.producer is not None and ((not self.streamingProducer) or self.producerPaused):
             self.producerPaused = False
-            self.producer.resumeProducing()
+            self.producer.resumeProducing()  # type: ignore[attr-defined]
         elif self.disconnecting:
             return self._postLoseConnection()
         elif self._writeDisconnecting:
             # Set before the handler runs: it may call loseConnection(), which
             # checks this attribute.
             self._writeDisconnected = True
-            return self._closeWriteConnection()
+            self._closeWriteConnection()
+            return None
         return None
 
     def connectionLost(self, reason: failure.Failure) -> None:

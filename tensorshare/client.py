@@ -567,7 +567,7 @@ class Client:
                 for msg in msgs:
                     if type(msg) is ProtocolViolation:
                         raise ProtocolError(msg.message)
-                    self._on_message(msg)
+                    self._on_message(msg)  # type: ignore[arg-type]  # no BadRequest client-side
         except ProtocolError as exc:
             reason = f"protocol error: {exc}"
         except OSError as exc:

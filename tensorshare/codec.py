@@ -247,7 +247,7 @@ class _Encoder:
         self.torch = sys.modules.get("torch")
         self.tensor_type = getattr(self.torch, "Tensor", None)
         self.np = sys.modules.get("numpy")
-        self.ndarray_type = getattr(self.np, "ndarray", None)
+        self.ndarray_type: Any = getattr(self.np, "ndarray", None)
 
     def walk(self, x: Any, depth: int) -> Any:
         """Convert ``x`` (at container depth ``depth``) into a packable tree."""
@@ -358,8 +358,8 @@ class _Encoder:
             # numpy view already spans exactly its own bytes.
             name = _torch_dtypes(torch)[0].get(x.dtype)
             if name is not None and name != "bfloat16":  # numpy has no bfloat16
-                data = memoryview(x.numpy()).cast("B")
-                return self.add_buffer(EXT_TENSOR, name, list(x.shape), data)
+                view = memoryview(x.numpy()).cast("B")
+                return self.add_buffer(EXT_TENSOR, name, list(x.shape), view)
         t = x.detach()
         if t.layout is not torch.strided:
             raise _Refusal(

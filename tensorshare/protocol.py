@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -64,8 +64,8 @@ __all__ = [
 CLIENT = "client"
 SERVER = "server"
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
-_FETCH_OPS = {"get": Get, "peek": Peek}
-_STORE_OPS = {"put": Put, "append": Append}
+_FETCH_OPS: dict[str, type[Get] | type[Peek]] = {"get": Get, "peek": Peek}
+_STORE_OPS: dict[str, type[Put] | type[Append]] = {"put": Put, "append": Append}
 _ALIGN_MASK = 63
 
 _packb = msgpack.Packer(use_bin_type=True).pack
@@ -254,7 +254,7 @@ class Connection:
             items = self._parse_items(h, payload)
             if len(items) != 1:
                 raise _Invalid(f"{op} carries exactly one item, got {len(items)}")
-            return _STORE_OPS[op](rid, name, items[0])  # type: ignore[no-any-return]
+            return _STORE_OPS[op](rid, name, items[0])
         if op in _FETCH_OPS:
             name = self._name(h)
             max_items = _opt_int(h, "max_items", minimum=1)
@@ -486,7 +486,7 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[
     k = 0
     out = []
     for it in items:
-        descs = []
+        descs: list[list[Any]] = []
         for b in it.value.buffers:
             off = offsets[k]
             k += 1
@@ -519,7 +519,7 @@ def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
     return Buffer(view[off : off + n]), off + n
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -343,8 +343,11 @@ class TxProtocol(Protocol):
                 log.failure("listen callback for bin {bin!r} raised", bin=msg.bin)
                 continue
             if isinstance(result, Deferred):  # an async callback: log its failure too
-                result.addErrback(lambda f, name=msg.bin: log.failure(
-                    "listen callback for bin {bin!r} failed", f, bin=name))
+                result.addErrback(self._log_callback_failure, msg.bin)
+
+    @staticmethod
+    def _log_callback_failure(failure: Failure, name: str) -> None:
+        log.failure("listen callback for bin {bin!r} failed", failure, bin=name)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> Deferred[None]:
