@@ -1,0 +1,57 @@
+"""The tensorshare command line, run as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tensorshare import Client, EmbeddedServer, MemoryLimitExceeded
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tensorshare", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_ls_lists_bins_and_item_counts(server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as c:
+        c.put("weights", torch.zeros(3))
+        c.append("queue", 1)
+        c.append("queue", 2)
+    out = _cli("ls", "--port", str(server.port))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["bin", "items"]
+    assert [ln.split() for ln in lines[1:]] == [["queue", "2"], ["weights", "1"]]
+
+
+def test_ls_with_no_server_says_so(free_port: int) -> None:
+    out = _cli("ls", "--port", str(free_port), "--timeout", "3")
+    assert out.returncode == 1
+    assert f"cannot connect to tensorshare server at 127.0.0.1:{free_port}" in out.stderr
+
+
+def test_serve_with_max_memory_refuses_what_does_not_fit() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                             "--max-memory", "64K", "-q"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line
+        port = int(line.rsplit(":", 1)[1])
+        with Client("127.0.0.1", port) as c:
+            c.put("small", torch.zeros(1000))  # 4 KB
+            with pytest.raises(MemoryLimitExceeded, match="max_memory=65536"):
+                c.put("big", torch.zeros(100_000))  # 400 KB
+            assert c.list() == {"small": 1}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_bad_size_argument_is_a_usage_error() -> None:
+    out = _cli("serve", "--max-memory", "lots")
+    assert out.returncode == 2 and "not a size" in out.stderr
