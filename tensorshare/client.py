@@ -17,6 +17,7 @@ import math
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +26,13 @@ from .codec import Encoded, decode, encode
 from .errors import (
     ConnectError,
     ConnectionLost,
-    LimitExceeded,
     ProtocolError,
     TensorShareError,
     Timeout,
     TransportError,
     error_from_code,
 )
-from .frames import ALIGN, PREFIX, BytesLike
+from .frames import BytesLike
 from .messages import (
     Append,
     Cancel,
@@ -109,13 +109,19 @@ class _Slot:
         self.what = what  # e.g. "get on bin 'x'", for error messages
 
     def resolve(self, reply: Message | None, error: BaseException | None = None) -> None:
+        """Called exactly once, by whoever popped the slot from the pending table."""
         self.reply, self.error = reply, error
         self._lock.release()
 
     def wait(self, timeout: float | None) -> bool:
+        """Wait until resolved; any number of threads may wait, any number of times."""
         if timeout is None or timeout >= threading.TIMEOUT_MAX:  # "forever", in lock terms
-            return self._lock.acquire()
-        return self._lock.acquire(timeout=max(timeout, 0.0))
+            ok = self._lock.acquire()
+        else:
+            ok = self._lock.acquire(timeout=max(timeout, 0.0))
+        if ok:
+            self._lock.release()  # stay "resolved" for every later wait
+        return ok
 
 
 class PendingCall:
@@ -159,14 +165,23 @@ class PendingCall:
     def _wait(self) -> tuple[bool, Any]:
         slot, client = self._slot, self._client
         assert slot is not None and client is not None
-        if not slot.wait(self._timeout):
+        wait = self._timeout
+        while not slot.wait(wait):
+            assert self._timeout is not None
+            idle = time.monotonic() - client._last_rx
+            if client._conn.receiving and idle < self._timeout:
+                # A frame is streaming in (maybe this reply, maybe one queued before it):
+                # the timeout is about silence, so keep waiting while bytes keep coming.
+                wait = self._timeout - idle
+                continue
             if client._pending.pop(self._rid, None) is not None:
                 client._conn.forget(self._rid)
                 if self._cancel:
                     client._cancel_quietly(self._rid)
                 return False, Timeout(f"no reply from tensorshare server at {client.address} "
                                       f"to {slot.what} within {self._timeout:g} s")
-            slot.wait(None)  # the reader resolved it just now
+            slot.wait(None)  # whoever popped it resolves it now
+            break
         if slot.error is not None:
             return False, slot.error
         reply = slot.reply
@@ -225,6 +240,9 @@ class Client:
                  name: str = "tensorshare-python") -> None:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.host, self.port, self.timeout = host, port, timeout
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.address = f"{host}:{port}"
@@ -239,6 +257,7 @@ class Client:
         self._lost: TransportError | None = None
         self._server_said: str | None = None
         self._closing = False
+        self._last_rx = time.monotonic()  # when the reader last got bytes (see PendingCall)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -451,11 +470,11 @@ class Client:
     def close(self) -> None:
         """Close the connection. Pending calls fail with ConnectionLost. Idempotent."""
         self._closing = True
-        self._fail_all(ConnectionLost(f"client for {self.address} was closed"))
-        try:
+        try:  # first, so that a send blocked in another thread fails now and frees the lock
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._fail_all(ConnectionLost(f"client for {self.address} was closed"))
         self._sock.close()
         if self._reader is not threading.current_thread():
             self._reader.join(5)
@@ -494,8 +513,7 @@ class Client:
             if self._lost is not None:
                 raise type(self._lost)(f"cannot send {what}: {self._lost}")
             rid = self._conn.next_id()
-            chunks = self._conn.send(build(rid))
-            self._check_size(chunks, what, rid)
+            chunks = self._conn.send(build(rid))  # raises LimitExceeded before anything is sent
             self._pending[rid] = slot
             try:
                 self._sendall(chunks)
@@ -507,19 +525,6 @@ class Client:
                 raise err from exc
         return PendingCall(self, rid, slot, convert,
                            self.timeout if timeout is NOWAIT else timeout, cancel_on_timeout)
-
-    def _check_size(self, chunks: Sequence[BytesLike], what: str, rid: int) -> None:
-        """Refuse, before sending, a frame the server would refuse (nothing is sent)."""
-        limits = self._conn.limits
-        header = len(chunks[0]) - PREFIX  # prefix + header + padding
-        size = sum(len(c) for c in chunks)
-        if size > limits.max_frame_bytes or header > limits.max_header_bytes + ALIGN:
-            self._conn.forget(rid)
-            which = (f"{size} bytes, over the server's max_frame_bytes={limits.max_frame_bytes}"
-                     if size > limits.max_frame_bytes else
-                     f"a header of about {header} bytes (strings, bytes and numbers travel "
-                     f"there), over the server's max_header_bytes={limits.max_header_bytes}")
-            raise LimitExceeded(f"{what} not sent: the request takes {which}")
 
     def _cancel_quietly(self, target: int) -> None:
         try:
@@ -556,9 +561,11 @@ class Client:
                 try:
                     if direct is not None:
                         n = sock.recv_into(direct)
+                        self._last_rx = time.monotonic()
                         msgs = conn.buffer_updated(n) if n else None
                     else:
                         n = sock.recv_into(scratch)
+                        self._last_rx = time.monotonic()
                         msgs = conn.receive_data(view[:n]) if n else None
                 except TimeoutError:
                     continue  # idle connection: the timeout is for sends
@@ -572,6 +579,9 @@ class Client:
             reason = f"protocol error: {exc}"
         except OSError as exc:
             reason = str(exc) or type(exc).__name__
+        except BaseException as exc:  # e.g. MemoryError: never leave callers waiting
+            reason = f"the reader thread failed: {exc!r}"
+            log.exception("tensorshare reader thread for %s failed", self.address)
         if self._server_said:
             reason = f"{reason}; the server said: {self._server_said}"
         if not self._closing:
@@ -613,10 +623,12 @@ class Client:
             return
         if self._lost is None:
             self._lost = error
-        pending = list(self._pending.values())
-        self._pending.clear()
-        for slot in pending:
-            slot.resolve(None, type(error)(f"{slot.what} failed: {error}"))
+        # Pop each one: the reader thread pops too (without this lock), and a slot must be
+        # resolved exactly once, by whoever popped it.
+        for rid in list(self._pending):
+            slot = self._pending.pop(rid, None)
+            if slot is not None:
+                slot.resolve(None, type(error)(f"{slot.what} failed: {error}"))
 
     # -- listen dispatch ----------------------------------------------------------------------
     def _start_dispatcher(self) -> None:

@@ -102,8 +102,10 @@ class TensorShare:
             self._queue.put((None, callback, event))
 
         # The confirmation is not passed to the callback: it only ever sees change events.
-        # forward() runs on the reader thread, so an event is queued before the reply that
-        # followed it on the wire: callbacks see changes and replies in the server's order.
+        # forward() runs on the reader thread and only queues the event, so events are queued
+        # the moment they arrive, in order: every event that arrived before stop() is
+        # delivered before start() returns. (A request's callback is queued when the request
+        # is made, so it may run before an event that reached us earlier than its reply.)
         self._request(lambda c: c.begin_listen(bin, forward, inline=True), callback, None,
                       errors_only=True)
 
@@ -131,16 +133,17 @@ class TensorShare:
             with self._lock:
                 self._loop_thread = None
             raise
-        with self._lock:
-            self._client = client
-            queued = list(zip(self._before_start, self._before_callbacks, strict=True))
-            self._before_start.clear()
-            self._before_callbacks.clear()
-            for begin, callback in queued:
-                self._enqueue(begin, callback)
-            if self._stopping:  # stop() came before we connected: stop after the queued ones
-                self._queue.put(_STOP)
         try:
+            with self._lock:
+                self._client = client
+                queued = list(zip(self._before_start, self._before_callbacks, strict=True))
+                self._before_start.clear()
+                self._before_callbacks.clear()
+                for begin, callback in queued:
+                    # Nobody is left to raise to: a local mistake becomes an ERR callback.
+                    self._enqueue(begin, callback, raise_local=False)
+                if self._stopping:  # stop() came before we connected: after the queued ones
+                    self._queue.put(_STOP)
             self._run_callbacks()
         finally:
             client.close()
@@ -176,13 +179,16 @@ class TensorShare:
                 return
             self._enqueue(*entry)  # type: ignore[arg-type]
 
-    def _enqueue(self, begin: Callable[[Client], PendingCall], deliver: Any) -> None:
+    def _enqueue(self, begin: Callable[[Client], PendingCall], deliver: Any, *,
+                 raise_local: bool = True) -> None:
         """Send now (under the lock, so the queue order is the request order)."""
         assert self._client is not None
         try:
             call: PendingCall | BaseException = begin(self._client)
-        except CodecError:
-            raise  # a local mistake: tell the caller at once
+        except (CodecError, TypeError, ValueError) as exc:  # a bad value or bin name
+            if raise_local:
+                raise  # tell the caller at once
+            call = exc
         except TensorShareError as exc:
             call = exc  # e.g. the connection is gone: an ERR callback, never silence
         self._queue.put((call, deliver, None))

@@ -41,6 +41,7 @@ __all__ = [
     "UnsupportedVersion",
     "code_for",
     "error_from_code",
+    "is_server_timeout",
 ]
 
 
@@ -151,8 +152,20 @@ def code_for(exc: BaseException) -> str:
 
 
 def error_from_code(code: str, message: str) -> TensorShareError:
-    """Turn a wire error code and message back into the matching exception instance."""
+    """Turn a wire error code and message back into the matching exception instance.
+
+    The instance carries the wire code as ``.code``, so a ``Timeout`` the server reported
+    (a waiting get found no data: ``code == "timeout"``) can be told apart from a
+    ``Timeout`` raised because the server did not answer at all (no ``code``).
+    """
     cls = ERROR_CODES.get(code, ServerError)
     if issubclass(cls, ServerError):
         return cls(message, code)
-    return cls(message)
+    exc = cls(message)
+    exc.code = code  # type: ignore[attr-defined]
+    return exc
+
+
+def is_server_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server saying a waiting get/peek found no data in time."""
+    return isinstance(exc, Timeout) and getattr(exc, "code", None) == "timeout"

@@ -155,6 +155,11 @@ class FrameDecoder:
         self._payload_len = 0
         self._oversized = False
 
+    @property
+    def in_frame(self) -> bool:
+        """Whether part of a frame has been received and the rest is still to come."""
+        return self._state != _PREFIX_STATE or bool(self._prefix)
+
     # -- zero-copy path -------------------------------------------------------------------
     def get_buffer(self) -> memoryview | None:
         """Return the unfilled part of the current header/payload if it is worth a direct read.

@@ -23,7 +23,7 @@ from typing import Any, TypeGuard
 import msgpack
 
 from .codec import Buffer, Encoded, validate
-from .errors import ProtocolError
+from .errors import LimitExceeded, ProtocolError
 from .frames import BytesLike, Frame, FrameDecoder, OversizedFrame, encode_frame, payload_layout
 from .messages import (
     Acked,
@@ -64,6 +64,7 @@ __all__ = [
 CLIENT = "client"
 SERVER = "server"
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
+REPLY_SLACK = 64 * 1024  # see Connection.set_limits
 _FETCH_OPS: dict[str, type[Get] | type[Peek]] = {"get": Get, "peek": Peek}
 _STORE_OPS: dict[str, type[Put] | type[Append]] = {"put": Put, "append": Append}
 _ALIGN_MASK = 63
@@ -164,11 +165,26 @@ class Connection:
         """How many requests sent by this side still await a reply."""
         return len(self._outstanding)
 
+    @property
+    def receiving(self) -> bool:
+        """Whether a frame is partly received (its rest is still to come)."""
+        return self._decoder.in_frame
+
     def set_limits(self, limits: Limits) -> None:
-        """Adopt new limits (the client takes the server's from the handshake)."""
+        """Adopt new limits (the client takes the server's from the handshake).
+
+        On the client side they bound what it sends; what it receives may be a little
+        larger: a reply carries a few more header fields than the request that stored the
+        value, and the value trees of several items share one reply header. The server keeps
+        each reply's items within ``max_frame_bytes``.
+        """
         self.limits = limits
-        self._decoder.max_frame_bytes = limits.max_frame_bytes
-        self._decoder.max_header_bytes = limits.max_header_bytes
+        if self.role == CLIENT:
+            self._decoder.max_frame_bytes = limits.max_frame_bytes + REPLY_SLACK
+            self._decoder.max_header_bytes = limits.max_frame_bytes + REPLY_SLACK
+        else:
+            self._decoder.max_frame_bytes = limits.max_frame_bytes
+            self._decoder.max_header_bytes = limits.max_header_bytes
 
     # -- input ------------------------------------------------------------------------------
     def receive_data(self, data: BytesLike) -> list[Message | BadRequest | ProtocolViolation]:
@@ -436,12 +452,34 @@ class Connection:
                 header = {"op": "reply", "id": e.id, "ok": False, "code": e.code, "message": e.message}
         else:
             header = _simple_header(msg)
-        if self.role == CLIENT and "id" in header and header["op"] != "reply":
-            self._outstanding[header["id"]] = header["op"]
         buffers: list[BytesLike] = []
         if items:
             header["items"] = _items_header(items, buffers)
-        return encode_frame(_packb(header), buffers)
+        packed = _packb(header)
+        chunks = encode_frame(packed, buffers)
+        if self.role == CLIENT and header["op"] != "reply":
+            self._check_request_size(header, len(packed), sum(len(c) for c in chunks))
+            if "id" in header:
+                self._outstanding[header["id"]] = header["op"]
+        return chunks
+
+    def _check_request_size(self, header: dict[str, Any], header_len: int, size: int) -> None:
+        """Refuse, before sending, a request the server would refuse by its limits.
+
+        Raises:
+            LimitExceeded: the frame or its header is over the server's limit; nothing
+                was sent, and the connection stays usable.
+        """
+        limits = self.limits
+        what = f"{header['op']} of bin {header['bin']!r}" if "bin" in header else header["op"]
+        if size > limits.max_frame_bytes:
+            raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
+                                f"server's max_frame_bytes={limits.max_frame_bytes}")
+        if header_len > limits.max_header_bytes:
+            raise LimitExceeded(
+                f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
+                f"numbers travel there, tensors do not), over the server's "
+                f"max_header_bytes={limits.max_header_bytes}")
 
 
 def _simple_header(msg: Message) -> dict[str, Any]:

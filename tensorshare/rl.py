@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from .client import NOWAIT, Client
-from .errors import BinNotFound, Timeout
+from .errors import BinNotFound, Timeout, is_server_timeout
 
 __all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker"]
 
@@ -144,6 +144,8 @@ class RLTrainer(_Base):
             res = self.client.fetch(self.data_bin, remove=True, max_items=max_items,
                                     timeout=wait, min_tag=min_tag, min_items=min_items)
         except (BinNotFound, Timeout) as exc:
+            if isinstance(exc, Timeout) and not is_server_timeout(exc):
+                raise  # the server did not answer: a failure, not "no data"
             self.last_dropped = 0
             if isinstance(exc, Timeout) and min_items > 1:
                 # Fewer than min_items arrived in time: return the ones that did.
@@ -197,7 +199,9 @@ class RLWorker(_Base):
         try:
             res = self.client.fetch(self.params_bin, remove=False,
                                     newer_than=self.version or 0, timeout=timeout)
-        except Timeout:
+        except Timeout as exc:
+            if not is_server_timeout(exc):
+                raise  # the server did not answer: a failure, not "nothing newer"
             return None
         return self._adopt(res)
 

@@ -56,6 +56,10 @@ __all__ = ["EmbeddedServer", "ServerFactory", "ServerProtocol", "run_server"]
 
 log = Logger(namespace="tensorshare.server")
 
+# A connection we close gets this long to take what is queued for it (say, the error that
+# explains why) before it is cut.
+CLOSE_GRACE_SECONDS = 10.0
+
 
 class ServerProtocol(Protocol):
     """One client connection. Implements the zero-copy read hooks of :mod:`._fasttcp`."""
@@ -68,6 +72,7 @@ class ServerProtocol(Protocol):
         self.listening: set[str] = set()
         self._waiting: dict[int, tuple[Waiter, IDelayedCall | None]] = {}
         self._closed = False
+        self._abort_timer: IDelayedCall | None = None
 
     # -- Twisted hooks ----------------------------------------------------------------------
     def connectionMade(self) -> None:
@@ -87,16 +92,10 @@ class ServerProtocol(Protocol):
         self._handle(lambda: self.conn.buffer_updated(nbytes))
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
-        self._closed = True
+        self._release()
         self.factory.connections.discard(self)
-        for name in self.listening:
-            self.factory.unsubscribe(name, self)
-        self.listening.clear()
-        for waiter, timer in self._waiting.values():
-            self.factory.store.cancel(waiter)
-            if timer is not None and timer.active():
-                timer.cancel()
-        self._waiting.clear()
+        if self._abort_timer is not None and self._abort_timer.active():
+            self._abort_timer.cancel()
         log.info("connection from {peer} closed: {reason}", peer=self.peer,
                  reason=reason.getErrorMessage() if reason else "closed")
 
@@ -109,12 +108,34 @@ class ServerProtocol(Protocol):
     def send(self, msg: Message) -> None:
         self.write_chunks(self.conn.send(msg))
 
+    def _release(self) -> None:
+        """Stop serving this connection: withdraw its waiting fetches and its listeners.
+
+        Done as soon as we decide to close, not when the socket is finally gone: a waiter of
+        a closing connection must never take data it can no longer deliver.
+        """
+        self._closed = True
+        for name in self.listening:
+            self.factory.unsubscribe(name, self)
+        self.listening.clear()
+        for waiter, timer in self._waiting.values():
+            self.factory.store.cancel(waiter)
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._waiting.clear()
+
+    def _close(self) -> None:
+        """Close after what is queued is sent; abort if the peer does not read it in time."""
+        self._release()
+        self.transport.loseConnection()  # type: ignore[union-attr]
+        self._abort_timer = self.factory.reactor.callLater(
+            CLOSE_GRACE_SECONDS, self.transport.abortConnection)  # type: ignore[union-attr]
+
     def _fail_connection(self, code: str, message: str) -> None:
         """Tell the peer why, then close this one connection; the server carries on."""
         log.warn("closing connection from {peer}: {message}", peer=self.peer, message=message)
         self.send(ErrorReply(0, code, message))
-        self._closed = True
-        self.transport.loseConnection()  # type: ignore[union-attr]
+        self._close()
 
     def _handle(self, receive: Any) -> None:
         for msg in receive():
@@ -185,8 +206,7 @@ class ServerProtocol(Protocol):
             self.send(ErrorReply(msg.id, "unsupported_version",
                                  f"client speaks protocol versions {list(msg.versions)}, "
                                  f"this server speaks {list(PROTOCOL_VERSIONS)}"))
-            self._closed = True
-            self.transport.loseConnection()  # type: ignore[union-attr]
+            self._close()
             return
         self.version = max(common)
         log.info("{peer} is {client!r}, protocol version {version}", peer=self.peer,
@@ -373,6 +393,16 @@ class EmbeddedServer:
 
         self.reactor.callFromThread(shutdown)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the server thread on port {self.port} did not stop within "
+                               f"{timeout:g} s")
+        # A private reactor is never used again: give back its epoll and waker descriptors,
+        # or a process that starts many servers (a test suite) runs out of them.
+        try:
+            self.reactor.waker.connectionLost(None)
+            self.reactor._poller.close()
+        except (AttributeError, OSError):  # another reactor type, or already closed
+            pass
 
     @property
     def running(self) -> bool:

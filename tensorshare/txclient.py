@@ -32,6 +32,7 @@ server too).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -455,8 +456,8 @@ class TxClient:
         waiting without limit); when it expires the wait is cancelled on the server.
         """
         wait = timeout is not NOWAIT
-        if wait and timeout is not None and timeout < 0:
-            raise ValueError("timeout must be >= 0 or None")
+        if wait and timeout is not None and not 0 <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
         self._check_name(name)
         cls = Get if remove else Peek
         what = f"{'get' if remove else 'peek'} on bin {name!r}"
