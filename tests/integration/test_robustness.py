@@ -41,7 +41,7 @@ def test_close_racing_with_calls_from_many_threads_never_hangs(server: EmbeddedS
         threads = [threading.Thread(target=hammer) for _ in range(3)]
         for t in threads:
             t.start()
-        wait_until(lambda: len(outcomes) >= 3, what="some calls")
+        wait_until(lambda o=outcomes: len(o) >= 3, what="some calls")
         client.close()  # must not raise, and must release every waiting call
         for t in threads:
             t.join(10)
