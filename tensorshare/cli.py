@@ -23,7 +23,7 @@ def _size(text: str) -> int:
         t = t[:-1]
     try:
         value = int(float(t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1048576, 512M, 2G)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")

@@ -251,7 +251,10 @@ class Client:
         self._pending: dict[int, _Slot] = {}
         # bin -> [(callback, inline)]; inline callbacks run on the reader thread (see begin_listen)
         self._listeners: dict[str, list[tuple[Callable[[dict[str, Any]], Any], bool]]] = {}
-        self._listen_lock = threading.Lock()
+        self._listen_lock = threading.Lock()  # the callback table (the reader reads it)
+        # Orders listen/unlisten table changes with their requests, so that the server's view
+        # and ours agree when threads race; never held by the reader thread.
+        self._subscribe_lock = threading.Lock()
         self._events: queue.SimpleQueue[tuple[str, dict[str, Any]] | None] | None = None
         self._dispatcher: threading.Thread | None = None
         self._lost: TransportError | None = None
@@ -445,22 +448,24 @@ class Client:
         self._check_name(name)
         if not inline:
             self._start_dispatcher()
-        with self._listen_lock:
-            first = name not in self._listeners
-            self._listeners.setdefault(name, []).append((callback, inline))
-        if not first:
-            return PendingCall.done(None)
-        return self._begin(lambda rid: Listen(rid, name), f"listen to bin {name!r}", _none)
+        with self._subscribe_lock:
+            with self._listen_lock:
+                first = name not in self._listeners
+                self._listeners.setdefault(name, []).append((callback, inline))
+            if not first:
+                return PendingCall.done(None)
+            return self._begin(lambda rid: Listen(rid, name), f"listen to bin {name!r}", _none)
 
     def begin_unlisten(self, name: str) -> PendingCall:
         """Drop this bin's listen callbacks and tell the server (see :meth:`unlisten`)."""
         self._check_name(name)
-        with self._listen_lock:
-            was = self._listeners.pop(name, None) is not None
-        if not was:
-            return PendingCall.done(False)
-        return self._begin(lambda rid: Unlisten(rid, name), f"unlisten from bin {name!r}",
-                           lambda r: True)
+        with self._subscribe_lock:
+            with self._listen_lock:
+                was = self._listeners.pop(name, None) is not None
+            if not was:
+                return PendingCall.done(False)
+            return self._begin(lambda rid: Unlisten(rid, name), f"unlisten from bin {name!r}",
+                               lambda r: True)
 
     @property
     def closed(self) -> bool:

@@ -55,3 +55,8 @@ def test_serve_with_max_memory_refuses_what_does_not_fit() -> None:
 def test_bad_size_argument_is_a_usage_error() -> None:
     out = _cli("serve", "--max-memory", "lots")
     assert out.returncode == 2 and "not a size" in out.stderr
+
+
+def test_an_infinite_size_is_a_usage_error() -> None:
+    out = _cli("serve", "--max-memory", "inf")
+    assert out.returncode == 2 and "not a size" in out.stderr
