@@ -304,6 +304,8 @@ class ServerFactory(Factory):
         self._listeners: dict[str, set[ServerProtocol]] = {}
         self._encoder = Connection(SERVER, self.limits)  # stateless on the server side
 
+    noisy = False  # we log connections ourselves
+
     def buildProtocol(self, addr: Any) -> ServerProtocol:
         return ServerProtocol(self)
 

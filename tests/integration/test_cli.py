@@ -60,3 +60,19 @@ def test_bad_size_argument_is_a_usage_error() -> None:
 def test_an_infinite_size_is_a_usage_error() -> None:
     out = _cli("serve", "--max-memory", "inf")
     assert out.returncode == 2 and "not a size" in out.stderr
+
+
+def test_serve_stops_cleanly_on_ctrl_c() -> None:
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "listening on 127.0.0.1:" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
