@@ -141,3 +141,45 @@ def test_stopped_embedded_servers_give_back_their_file_descriptors() -> None:
 def test_client_timeout_must_be_a_positive_number(server: EmbeddedServer, timeout: Any) -> None:
     with pytest.raises(ValueError, match="timeout"):
         Client("127.0.0.1", server.port, timeout=timeout)
+
+
+def test_clients_joining_and_dropping_do_not_disturb_the_others(server: EmbeddedServer) -> None:
+    steady = Client("127.0.0.1", server.port)
+    events: list[dict[str, Any]] = []
+    steady.listen("shared", events.append)
+    errors: list[BaseException] = []
+
+    def churn(k: int) -> None:
+        try:
+            for i in range(15):
+                c = Client("127.0.0.1", server.port, timeout=10)
+                c.append("shared", torch.tensor([k, i]))
+                c.begin_fetch(f"never-{k}", remove=True, timeout=None)  # left waiting
+                if i % 2:
+                    # Cut the TCP connection under the client, as a machine dropping off
+                    # would; the client's own cleanup never runs.
+                    c._sock.shutdown(socket.SHUT_RDWR)  # noqa: SLF001
+                else:
+                    c.close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for n in range(100):  # the steady client keeps working meanwhile
+        steady.put(f"own-{n % 5}", torch.full((4,), float(n)))
+        assert torch.equal(steady.peek(f"own-{n % 5}"), torch.full((4,), float(n)))
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    got = steady.get("shared")
+    assert sorted((int(x[0]), int(x[1])) for x in got) == [(k, i) for k in range(6)
+                                                           for i in range(15)]
+    wait_until(lambda: len(events) >= 91, what="every append and the get as events")
+    assert [e["n_items"] for e in events[:90]] == list(range(1, 91))
+    # Nothing of the departed clients is left behind on the server.
+    wait_until(lambda: server.call(lambda: (server.factory.store.n_waiters,
+                                            len(server.factory.connections))) == (0, 1),
+               what="the departed clients' waiters and connections to be gone")
+    steady.close()
