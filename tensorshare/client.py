@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import Encoded, decode, encode
+from .codec import decode, encode
 from .errors import (
     ConnectError,
     ConnectionLost,
@@ -203,6 +203,54 @@ def _none(reply: Any) -> None:
 
 def _version(reply: Any) -> int:
     return int(reply.version)
+
+
+def _make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
+               compress_min_bytes: int) -> Item:
+    """Check a put/append locally and encode its value (raises before anything is sent)."""
+    check_bin_name(name, limits.max_name_bytes)
+    if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
+        raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
+    enc = encode(value, compress=compress, compress_min_bytes=compress_min_bytes,
+                 max_depth=limits.max_depth)
+    return Item(enc, tag)
+
+
+@dataclass(frozen=True, slots=True)
+class _FetchRequest:
+    """A checked get/peek, ready for either client to send."""
+
+    build: Callable[[int], Message]
+    what: str
+    convert: Callable[[Any], Any]
+    reply_timeout: float | None
+    wait: bool
+
+
+def _fetch_request(name: str, *, remove: bool, max_items: int | None, timeout: Any,
+                   min_tag: int | None, newer_than: int | None, min_items: int,
+                   limits: Limits, answer_timeout: float) -> _FetchRequest:
+    """Check a get/peek locally and say how to send it and how long to wait for its reply."""
+    wait = timeout is not NOWAIT
+    if wait and timeout is not None and not 0 <= timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
+    check_bin_name(name, limits.max_name_bytes)
+    cls = Get if remove else Peek
+    wait_for = timeout if wait else None
+    max_depth = limits.max_depth
+    return _FetchRequest(
+        lambda rid: cls(rid, name, max_items, wait, wait_for, min_tag, newer_than, min_items),
+        f"{'get' if remove else 'peek'} on bin {name!r}",
+        lambda reply: _fetch_result(reply, max_depth),
+        # The server times a waiting fetch; the client allows its usual answer time on top.
+        None if (wait and timeout is None) else answer_timeout + (timeout if wait else 0),
+        wait)
+
+
+def _event(msg: Changed) -> dict[str, Any]:
+    """A change notification as listen callbacks get it."""
+    return {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
+            "version": msg.version}
 
 
 def _fetch_result(reply: Fetched, max_depth: int) -> FetchResult:
@@ -411,20 +459,11 @@ class Client:
                     timeout: Any = NOWAIT, min_tag: int | None = None,
                     newer_than: int | None = None, min_items: int = 1) -> PendingCall:
         """Send a get/peek now; ``.result()`` gives the :class:`FetchResult`."""
-        wait = timeout is not NOWAIT
-        if wait and timeout is not None and not 0 <= timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
-        self._check_name(name)
-        cls = Get if remove else Peek
-        what = f"{'get' if remove else 'peek'} on bin {name!r}"
-        # The server times a waiting fetch; we allow it our usual answer time on top.
-        reply_timeout = None if (wait and timeout is None) else self.timeout + (timeout if wait else 0)
-        max_depth = self._conn.limits.max_depth
-        return self._begin(
-            lambda rid: cls(rid, name, max_items, wait, timeout if wait else None, min_tag,
-                            newer_than, min_items),
-            what, lambda reply: _fetch_result(reply, max_depth), reply_timeout,
-            cancel_on_timeout=wait)
+        req = _fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                             min_tag=min_tag, newer_than=newer_than, min_items=min_items,
+                             limits=self._conn.limits, answer_timeout=self.timeout)
+        return self._begin(req.build, req.what, req.convert, req.reply_timeout,
+                           cancel_on_timeout=req.wait)
 
     def begin_list(self) -> PendingCall:
         """Send a list request now."""
@@ -501,13 +540,8 @@ class Client:
         check_bin_name(name, self._conn.limits.max_name_bytes)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        self._check_name(name)
-        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
-            raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
-        enc: Encoded = encode(value, compress=self.compress,
-                              compress_min_bytes=self.compress_min_bytes,
-                              max_depth=self._conn.limits.max_depth)
-        return Item(enc, tag)
+        return _make_item(name, value, tag, self._conn.limits, self.compress,
+                          self.compress_min_bytes)
 
     def _begin(self, build: Callable[[int], Message], what: str,
                convert: Callable[[Any], Any], timeout: Any = NOWAIT, *,
@@ -600,8 +634,7 @@ class Client:
 
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, Changed):
-            event = {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
-                     "version": msg.version}
+            event = _event(msg)
             with self._listen_lock:
                 listeners = list(self._listeners.get(msg.bin, ()))
             for cb, inline in listeners:

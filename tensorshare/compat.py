@@ -58,8 +58,8 @@ class TensorShare:
         self._client_options = client_options
         self._client: Client | None = None
         self._lock = threading.Lock()
-        self._before_start: list[Callable[[Client], PendingCall]] = []
-        self._before_callbacks: list[Callback | None] = []
+        # Requests made before start(): (send it, deliver its outcome), in order.
+        self._before_start: list[tuple[Callable[[Client], PendingCall], _Deliver]] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = False
         self._finished = threading.Event()
@@ -136,12 +136,10 @@ class TensorShare:
         try:
             with self._lock:
                 self._client = client
-                queued = list(zip(self._before_start, self._before_callbacks, strict=True))
-                self._before_start.clear()
-                self._before_callbacks.clear()
-                for begin, callback in queued:
+                queued, self._before_start = self._before_start, []
+                for begin, deliver in queued:
                     # Nobody is left to raise to: a local mistake becomes an ERR callback.
-                    self._enqueue(begin, callback, raise_local=False)
+                    self._enqueue(begin, deliver, raise_local=False)
                 if self._stopping:  # stop() came before we connected: after the queued ones
                     self._queue.put(_STOP)
             self._run_callbacks()
@@ -174,10 +172,9 @@ class TensorShare:
             if self._stopping:
                 raise RuntimeError("TensorShare.stop() was called; no new requests are accepted")
             if self._client is None:
-                self._before_start.append(entry[0])
-                self._before_callbacks.append(entry[1])  # type: ignore[arg-type]
+                self._before_start.append(entry)
                 return
-            self._enqueue(*entry)  # type: ignore[arg-type]
+            self._enqueue(*entry)
 
     def _enqueue(self, begin: Callable[[Client], PendingCall], deliver: Any, *,
                  raise_local: bool = True) -> None:

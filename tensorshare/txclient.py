@@ -32,7 +32,6 @@ server too).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +42,7 @@ from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .client import NOWAIT, FetchResult, _fetch_result
-from .codec import encode
+from .client import NOWAIT, FetchResult, _event, _fetch_request, _make_item
 from .errors import (
     ConnectError,
     ConnectionLost,
@@ -62,7 +60,6 @@ from .messages import (
     Delete,
     ErrorReply,
     Fetched,
-    Get,
     Hello,
     HelloReply,
     Item,
@@ -70,7 +67,6 @@ from .messages import (
     ListBins,
     Listen,
     Message,
-    Peek,
     Ping,
     Put,
     Unlisten,
@@ -335,8 +331,7 @@ class TxProtocol(Protocol):
         return self._listeners.pop(name, None) is not None
 
     def _dispatch_event(self, msg: Changed) -> None:
-        event = {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
-                 "version": msg.version}
+        event = _event(msg)
         for cb in list(self._listeners.get(msg.bin, ())):
             try:
                 result = cb(dict(event))
@@ -455,19 +450,11 @@ class TxClient:
         The reply timer is the client's ``timeout`` plus the wait time (no timer when
         waiting without limit); when it expires the wait is cancelled on the server.
         """
-        wait = timeout is not NOWAIT
-        if wait and timeout is not None and not 0 <= timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
-        self._check_name(name)
-        cls = Get if remove else Peek
-        what = f"{'get' if remove else 'peek'} on bin {name!r}"
-        reply_timeout = None if (wait and timeout is None) else self.timeout + (timeout if wait else 0)
-        max_depth = self.protocol.conn.limits.max_depth
-        return self.protocol.request(
-            lambda rid: cls(rid, name, max_items, wait, timeout if wait else None, min_tag,
-                            newer_than, min_items),
-            what, lambda reply: _fetch_result(reply, max_depth), reply_timeout,
-            cancel_on_timeout=wait)
+        req = _fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                             min_tag=min_tag, newer_than=newer_than, min_items=min_items,
+                             limits=self.protocol.conn.limits, answer_timeout=self.timeout)
+        return self.protocol.request(req.build, req.what, req.convert, req.reply_timeout,
+                                     cancel_on_timeout=req.wait)
 
     # -- other requests ---------------------------------------------------------------------
     def list(self) -> Deferred[dict[str, int]]:
@@ -526,13 +513,9 @@ class TxClient:
         check_bin_name(name, self.protocol.conn.limits.max_name_bytes)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        self._check_name(name)
-        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
-            raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
         proto = self.protocol
-        enc = encode(value, compress=proto.compress, compress_min_bytes=proto.compress_min_bytes,
-                     max_depth=proto.conn.limits.max_depth)
-        return Item(enc, tag)
+        return _make_item(name, value, tag, proto.conn.limits, proto.compress,
+                          proto.compress_min_bytes)
 
 
 class _TxClientFactory(ClientFactory):
