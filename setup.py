@@ -19,10 +19,13 @@ setup(
         # torch is needed to send and receive tensors; the server itself never imports it.
         # Install the build you want first (CPU or CUDA); any 2.x satisfies this.
         "torch>=2.1",
+        # Tensors are sent from and received into their own memory through numpy views
+        # (Tensor.numpy() / torch.from_numpy), the zero-copy path torch supports; the CPU
+        # torch wheel does not pull numpy in by itself.
+        "numpy>=1.24",
     ],
     extras_require={
-        "numpy": ["numpy"],
-        "test": ["pytest>=7", "pytest-timeout", "numpy", "hypothesis", "ruff", "mypy",
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy",
                  "mypy-zope"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli:main"]},

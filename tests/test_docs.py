@@ -17,13 +17,20 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-def test_readme_opens_with_the_two_setup_commands_and_ci_runs_the_test_one() -> None:
+def test_readme_opens_with_the_two_setup_commands_and_ci_runs_them_in_a_fresh_venv() -> None:
     first = _blocks("bash")[0].strip().splitlines()
     assert len(first) == 2
     assert "tensorshare demo" in first[0]
     assert first[1].endswith("-m pytest")
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert first[1] in ci.splitlines(), "CI must run the README's test command verbatim"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    # Verbatim, in order, the main job before the tests, and both inside a new venv.
+    main_job, tests = ci.index(first[0]), ci.index(first[1])
+    assert main_job < tests, "CI must run the main job before the tests"
+    venv = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv "))
+    activate = next(i for i, line in enumerate(ci) if "/bin/activate" in line)
+    assert venv < activate < main_job
+    # The main job must not find the test extras: nothing is installed before it.
+    assert not any("pip install" in line for line in ci[:main_job])
 
 
 def _run(code: str, server: EmbeddedServer) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -131,10 +132,14 @@ def test_a_bad_value_queued_before_start_becomes_an_err_callback(server: Embedde
 
 def test_stopped_embedded_servers_give_back_their_file_descriptors() -> None:
     EmbeddedServer().stop()
+    # Earlier tests may leave sockets for the garbage collector to close; collect first, so
+    # that only these servers can change the count (each would leak several descriptors).
+    gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(5):
         EmbeddedServer().stop()
-    assert len(os.listdir("/proc/self/fd")) == before
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
 
 
 @pytest.mark.parametrize("timeout", [None, 0, -1, float("nan"), float("inf"), True])
