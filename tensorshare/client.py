@@ -1,10 +1,16 @@
-"""The blocking, thread-safe client. Plain sockets and the sans-I/O protocol; no Twisted.
+"""The blocking, thread-safe client: a socket and a reader thread over :mod:`.session`.
 
-One TCP connection per client. Any number of threads may call it at once: each request gets an
-id, its frame is written whole under a send lock, and a reader thread hands each reply to the
-thread waiting for it, so replies may come back in any order. Tensor bytes are not copied on
-the way out (``sendmsg`` of the header and the tensor's own memory) and are read on the way in
-with ``recv_into`` straight into the buffer the received tensors will live in.
+One connection per client. Any number of threads may call it at once: each request is added
+to the session's table and written whole under a send lock, and a reader thread hands each
+reply to the thread waiting for it, so replies may come back in any order. Tensor bytes are
+not copied on the way out (``sendmsg`` of the header and the tensor's own memory) and are
+read on the way in with ``recv_into`` straight into the buffer the received tensors will
+live in.
+
+The connection is elastic: if it drops, the reader thread connects again (with backoff and
+jitter), resumes the session and resends what had no reply; the server answers requests it
+already ran with the reply it remembered, so nothing is lost or applied twice. Calls made
+meanwhile wait for the connection within their own timeout.
 
 Listen callbacks run on a separate dispatcher thread, in the order events arrived, so a slow
 callback never delays replies to other requests.
@@ -12,9 +18,11 @@ callback never delays replies to other requests.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import math
 import queue
+import select
 import socket
 import threading
 import time
@@ -26,36 +34,34 @@ from .codec import decode, encode
 from .errors import (
     ConnectError,
     ConnectionLost,
-    ProtocolError,
+    LimitExceeded,
     TensorShareError,
-    Timeout,
-    TransportError,
     error_from_code,
 )
 from .frames import BytesLike
 from .messages import (
     Append,
-    Cancel,
-    Changed,
+    Configure,
+    Configured,
     Delete,
     ErrorReply,
+    Fetch,
     Fetched,
-    Get,
-    Hello,
-    HelloReply,
+    FetchSpec,
     Item,
     Limits,
     ListBins,
     Listen,
-    Message,
-    Peek,
     Ping,
     Put,
+    Request,
+    Stats,
     Unlisten,
 )
-from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, ProtocolViolation, check_bin_name
+from .protocol import check_bin_name
+from .session import Call, ClientSession, Done, Drop, Notify, Ready
 
-__all__ = ["NOWAIT", "Client", "FetchResult", "PendingCall"]
+__all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall"]
 
 log = logging.getLogger("tensorshare.client")
 
@@ -70,6 +76,10 @@ class _NoWait:
 NOWAIT: Any = _NoWait()
 _MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
 _READ_CHUNK = 256 * 1024
+# Frame overhead beyond the value itself: the prefix, the header fields, the padding.
+_FRAME_SLACK = 4096
+# The share of the client's timeout an append may wait for room in a full "block" bin.
+BLOCK_SHARE = 0.8
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,20 +106,28 @@ class FetchResult:
     unchanged: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class BinLimits:
+    """A bin's limits as the server applies them (see :meth:`Client.configure`)."""
+
+    max_items: int | None
+    max_bytes: int | None
+    overflow: str
+
+
 class _Slot:
     """Where the reader thread leaves one reply for the thread waiting on it."""
 
-    __slots__ = ("_lock", "reply", "error", "what")
+    __slots__ = ("_lock", "reply", "error")
 
-    def __init__(self, what: str) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
-        self.reply: Message | None = None
+        self.reply: Any = None
         self.error: BaseException | None = None
-        self.what = what  # e.g. "get on bin 'x'", for error messages
 
-    def resolve(self, reply: Message | None, error: BaseException | None = None) -> None:
-        """Called exactly once, by whoever popped the slot from the pending table."""
+    def resolve(self, reply: Any, error: BaseException | None = None) -> None:
+        """Called exactly once (the session finishes each call once)."""
         self.reply, self.error = reply, error
         self._lock.release()
 
@@ -125,25 +143,23 @@ class _Slot:
 
 
 class PendingCall:
-    """A request that was sent and whose reply may not have arrived yet.
+    """A request that was sent (or queued while reconnecting) and whose reply may not have
+    arrived yet.
 
     ``result()`` waits for the reply (up to the client's timeout, plus the wait time of a
     waiting get/peek) and returns what the blocking method would return, or raises its error.
     """
 
-    __slots__ = ("_client", "_rid", "_slot", "_convert", "_timeout", "_cancel", "_outcome")
+    __slots__ = ("_client", "_call", "_slot", "_outcome")
 
-    def __init__(self, client: Client | None, rid: int, slot: _Slot | None,
-                 convert: Callable[[Any], Any], timeout: float | None,
-                 cancel_on_timeout: bool) -> None:
-        self._client, self._rid, self._slot = client, rid, slot
-        self._convert, self._timeout, self._cancel = convert, timeout, cancel_on_timeout
+    def __init__(self, client: Client | None, call: Call | None, slot: _Slot | None) -> None:
+        self._client, self._call, self._slot = client, call, slot
         self._outcome: tuple[bool, Any] | None = None
 
     @classmethod
     def done(cls, value: Any) -> PendingCall:
         """A call that is already complete with ``value``."""
-        call = cls(None, 0, None, _same, None, False)
+        call = cls(None, None, None)
         call._outcome = (True, value)
         return call
 
@@ -151,8 +167,9 @@ class PendingCall:
         """Wait for the reply and return the converted result.
 
         Raises:
-            Timeout: no reply within the time allowed (a waiting get/peek is cancelled).
-            ConnectionLost: the connection dropped before the reply.
+            ReplyTimeout: no reply within the time allowed (a waiting get/peek is cancelled).
+            ConnectionLost: no connection to the server within the time allowed.
+            SessionLost: the server lost this client's session; the outcome is unknown.
             ServerError and subclasses: the server refused the request.
         """
         if self._outcome is None:
@@ -163,97 +180,88 @@ class PendingCall:
         return value
 
     def _wait(self) -> tuple[bool, Any]:
-        slot, client = self._slot, self._client
-        assert slot is not None and client is not None
-        wait = self._timeout
-        while not slot.wait(wait):
-            assert self._timeout is not None
-            idle = time.monotonic() - client._last_rx
-            if client._conn.receiving and idle < self._timeout:
-                # A frame is streaming in (maybe this reply, maybe one queued before it):
-                # the timeout is about silence, so keep waiting while bytes keep coming.
-                wait = self._timeout - idle
-                continue
-            if client._pending.pop(self._rid, None) is not None:
-                client._conn.forget(self._rid)
-                if self._cancel:
-                    client._cancel_quietly(self._rid)
-                return False, Timeout(f"no reply from tensorshare server at {client.address} "
-                                      f"to {slot.what} within {self._timeout:g} s")
-            slot.wait(None)  # whoever popped it resolves it now
-            break
+        slot, client, call = self._slot, self._client, self._call
+        assert slot is not None and client is not None and call is not None
+        while True:
+            deadline = call.deadline
+            wait = None if deadline is None else deadline - time.monotonic() + 0.002
+            if slot.wait(wait):
+                break
+            # Our deadline passed and the reader thread has not expired us yet (it may be
+            # busy): ask the session ourselves. Exactly one of us finishes the call.
+            client._expire(call)
         if slot.error is not None:
             return False, slot.error
         reply = slot.reply
-        if isinstance(reply, ErrorReply):
+        if type(reply) is ErrorReply:
             return False, error_from_code(reply.code, reply.message)
         try:
-            return True, self._convert(reply)
+            return True, call.convert(reply) if call.convert is not None else reply
         except TensorShareError as exc:  # e.g. a malformed value from a peer
             return False, exc
-
-
-def _same(reply: Any) -> Any:
-    return reply
-
-
-def _none(reply: Any) -> None:
-    return None
 
 
 def _version(reply: Any) -> int:
     return int(reply.version)
 
 
-def _make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
-               compress_min_bytes: int) -> Item:
-    """Check a put/append locally and encode its value (raises before anything is sent)."""
+def _none(reply: Any) -> None:
+    return None
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float:
+    """A client timeout: a positive, finite number of seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout < math.inf:
+        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def check_reconnect(reconnect: Any) -> bool | float:
+    """``True``, ``False`` or a positive number of seconds."""
+    if isinstance(reconnect, bool):
+        return reconnect
+    return check_timeout(reconnect, "reconnect")
+
+
+def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
+              compress_min_bytes: int) -> Item:
+    """Check a put/append locally and encode its value (raises before anything is sent).
+
+    Raises:
+        TypeError, ValueError: a bad bin name or tag.
+        UnsupportedType: the value holds a type that cannot be sent.
+        LimitExceeded: the value is larger than the server's frame limit.
+    """
     check_bin_name(name, limits.max_name_bytes)
     if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
         raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
     enc = encode(value, compress=compress, compress_min_bytes=compress_min_bytes,
                  max_depth=limits.max_depth)
+    if enc.nbytes + _FRAME_SLACK > limits.max_frame_bytes:
+        size = enc.nbytes + 64 * (len(enc.buffers) + 1)
+        if size > limits.max_frame_bytes:
+            raise LimitExceeded(f"value for bin {name!r} not sent: it takes about {size} "
+                                f"bytes, over the server's max_frame_bytes="
+                                f"{limits.max_frame_bytes}")
     return Item(enc, tag)
 
 
-@dataclass(frozen=True, slots=True)
-class _FetchRequest:
-    """A checked get/peek, ready for either client to send."""
-
-    build: Callable[[int], Message]
-    what: str
-    convert: Callable[[Any], Any]
-    reply_timeout: float | None
-    wait: bool
-
-
-def _fetch_request(name: str, *, remove: bool, max_items: int | None, timeout: Any,
-                   min_tag: int | None, newer_than: int | None, min_items: int,
-                   limits: Limits, answer_timeout: float) -> _FetchRequest:
-    """Check a get/peek locally and say how to send it and how long to wait for its reply."""
+def fetch_request(name: str, *, remove: bool, max_items: int | None, timeout: Any,
+                  min_tag: int | None, newer_than: int | None, min_items: int,
+                  limits: Limits) -> tuple[Fetch, str]:
+    """Check a get/peek locally; return the message and how errors name it."""
     wait = timeout is not NOWAIT
-    if wait and timeout is not None and not 0 <= timeout < math.inf:
+    if wait and timeout is not None and (isinstance(timeout, bool) or not 0 <= timeout < math.inf):
         raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
     check_bin_name(name, limits.max_name_bytes)
-    cls = Get if remove else Peek
-    wait_for = timeout if wait else None
-    max_depth = limits.max_depth
-    return _FetchRequest(
-        lambda rid: cls(rid, name, max_items, wait, wait_for, min_tag, newer_than, min_items),
-        f"{'get' if remove else 'peek'} on bin {name!r}",
-        lambda reply: _fetch_result(reply, max_depth),
-        # The server times a waiting fetch; the client allows its usual answer time on top.
-        None if (wait and timeout is None) else answer_timeout + (timeout if wait else 0),
-        wait)
+    spec = FetchSpec(remove, max_items, wait, float(timeout) if wait and timeout is not None
+                     else None, min_tag, newer_than, min_items)
+    return Fetch(0, name, spec), f"{spec.op} on bin {name!r}"
 
 
-def _event(msg: Changed) -> dict[str, Any]:
-    """A change notification as listen callbacks get it."""
-    return {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
-            "version": msg.version}
-
-
-def _fetch_result(reply: Fetched, max_depth: int) -> FetchResult:
+def fetch_result(reply: Fetched, max_depth: int) -> FetchResult:
+    """Decode a get/peek reply."""
     if reply.unchanged:
         return FetchResult(None, reply.kind, (), reply.version, reply.n_items, reply.dropped, True)
     values = [decode(it.value, max_depth=max_depth) for it in reply.items]
@@ -263,18 +271,29 @@ def _fetch_result(reply: Fetched, max_depth: int) -> FetchResult:
 
 
 class Client:
-    """A blocking, thread-safe connection to a tensorshare server.
+    """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
         host: server address. port: server port.
-        timeout: seconds to wait for the server to answer a request (and to connect).
-            A get/peek that waits for data gets its own wait time on top of this.
+        timeout: seconds the server has to answer a request (a get/peek that waits for data
+            gets its wait on top); also how long the first connection may take.
+        reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
+            carry on where it stopped (calls wait within their own timeout); a number: give
+            up after that many seconds without a connection; ``False``: fail every call at
+            the first drop, as a plain socket would.
         compress: ``"lz4"`` to compress large tensor buffers before sending, or ``None``.
         compress_min_bytes: buffers smaller than this are never compressed.
         name: how this client introduces itself in the server's log.
+        session: ``True`` (default): exactly-once replay across reconnects. ``False``: no
+            session (a tool that sends one request does not need one).
+        heartbeat: seconds of silence after which a ping checks that the server is still
+            there (a dead peer is noticed, and acknowledgements reach the server); default
+            a third of ``timeout``, at most 5 s.
 
     Raises:
-        ConnectError: the server cannot be reached or the handshake failed, within ``timeout``.
+        ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
+            keeps trying until then: workers may start before their server), or the
+            handshake failed.
 
     Example::
 
@@ -284,53 +303,73 @@ class Client:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
-                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
-                 name: str = "tensorshare-python") -> None:
+                 reconnect: bool | float = True, compress: str | None = None,
+                 compress_min_bytes: int = 64 * 1024, name: str = "tensorshare-python",
+                 session: bool = True, heartbeat: float | None = None) -> None:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-        self.host, self.port, self.timeout = host, port, timeout
+        self.timeout = check_timeout(timeout)
+        self.reconnect = check_reconnect(reconnect)
+        self.host, self.port = host, port
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.address = f"{host}:{port}"
-        self._conn = Connection(CLIENT)
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, _Slot] = {}
-        # bin -> [(callback, inline)]; inline callbacks run on the reader thread (see begin_listen)
-        self._listeners: dict[str, list[tuple[Callable[[dict[str, Any]], Any], bool]]] = {}
-        self._listen_lock = threading.Lock()  # the callback table (the reader reads it)
-        # Orders listen/unlisten table changes with their requests, so that the server's view
-        # and ours agree when threads race; never held by the reader thread.
-        self._subscribe_lock = threading.Lock()
-        self._events: queue.SimpleQueue[tuple[str, dict[str, Any]] | None] | None = None
+        self._session = ClientSession(address=self.address, timeout=self.timeout,
+                                      reconnect=self.reconnect, name=name, session=session,
+                                      heartbeat=heartbeat)
+        self._lock = threading.Lock()  # the session
+        self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
+        self._sock: socket.socket | None = None
+        self._events: queue.SimpleQueue[tuple[list[Any], dict[str, Any], str] | None] | None = None
         self._dispatcher: threading.Thread | None = None
-        self._lost: TransportError | None = None
-        self._server_said: str | None = None
         self._closing = False
-        self._last_rx = time.monotonic()  # when the reader last got bytes (see PendingCall)
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise ConnectError(
-                f"cannot connect to tensorshare server at {self.address}: {exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # The timeout bounds sends (a server that stops reading); the reader retries on it.
-        self._sock.settimeout(timeout)
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+        self._ready = threading.Event()
+        self._wakeup = threading.Event()  # interrupts the reader's backoff sleep (close)
+        self._attempt = 0  # reconnect attempts since the last handshake (for the backoff)
+        self._lost_at: float | None = None  # when the current outage began
+        self._reader = threading.Thread(target=self._run, daemon=True,
                                         name=f"tensorshare-reader-{self.address}")
         self._reader.start()
-        try:
-            reply = self._begin(lambda rid: Hello(rid, PROTOCOL_VERSIONS, name), "handshake",
-                                _same).result()
-        except TensorShareError as exc:
+        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
+            error = self._session.closed
             self.close()
-            raise ConnectError(f"handshake with {self.address} failed: {exc}") from exc
-        assert isinstance(reply, HelloReply)
-        self.server_version: str = reply.server
-        self.protocol_version: int = reply.version
-        self.limits: Limits = reply.limits
-        self._conn.set_limits(reply.limits)
+            if isinstance(error, ConnectError):
+                raise error
+            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
+                               f"{error or 'no answer'}")
+
+    # -- what the server said ---------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        """The server's limits (from the last handshake)."""
+        return self._session.limits
+
+    @property
+    def server_version(self) -> str:
+        """The server's software and version, e.g. ``"tensorshare/0.2.0"``."""
+        hello = self._session.server
+        return hello.server if hello else ""
+
+    @property
+    def protocol_version(self) -> int:
+        hello = self._session.server
+        return hello.version if hello else 0
+
+    @property
+    def server_id(self) -> str:
+        """Random per server data set: it changes when the server restarted without
+        persistence (bin versions then started again)."""
+        hello = self._session.server
+        return hello.server_id if hello else ""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now (``False`` while reconnecting)."""
+        return self._session.connected and self._session.closed is None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (or gave up reconnecting): every call fails."""
+        return self._session.closed is not None
 
     # -- public API ---------------------------------------------------------------------------
     def put(self, name: str, value: Any, *, tag: int | None = None) -> int:
@@ -348,17 +387,21 @@ class Client:
             UnsupportedType: ``value`` holds a type that cannot be sent (nothing was sent).
             MemoryLimitExceeded: the server's memory limit would be exceeded.
             LimitExceeded: the value is larger than the server's frame limit.
-            Timeout, ConnectionLost: no confirmation from the server.
+            BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
+            ReplyTimeout, ConnectionLost, SessionLost: no confirmation from the server (the
+                message says whether the put may have taken effect).
         """
         return self.begin_put(name, value, tag=tag).result()  # type: ignore[no-any-return]
 
     def append(self, name: str, value: Any, *, tag: int | None = None) -> int:
         """Append ``value`` as one item to bin ``name`` (a list is one item, never flattened).
 
-        Appending to a bin that holds a put value turns it into ``[value, new]``.
+        Appending to a bin that holds a put value turns it into ``[value, new]``. On a bin
+        configured with ``overflow="block"`` that is full, this waits on the server for a
+        get to make room (up to 80% of the client's timeout, then ``BinFull``).
 
         Returns:
-            The bin's new version. Raises: as :meth:`put`.
+            The bin's new version. Raises: as :meth:`put`, and ``BinFull`` for a full bin.
         """
         return self.begin_append(name, value, tag=tag).result()  # type: ignore[no-any-return]
 
@@ -370,14 +413,14 @@ class Client:
             max_items: for an appended bin, take at most this many items from the front
                 (FIFO) and leave the rest.
             timeout: by default, do not wait. A number: wait up to that many seconds for
-                data. ``None``: wait without limit (a lost connection still ends the wait).
+                data. ``None``: wait without limit (across reconnects).
 
         Returns:
             The value of a put bin, or the list of items of an appended bin.
 
         Raises:
             BinNotFound: the bin is missing or empty (when not waiting).
-            Timeout: no data arrived within ``timeout``.
+            WaitTimeout: no data arrived within ``timeout`` (a :class:`Timeout`).
         """
         return self.fetch(name, remove=True, max_items=max_items, timeout=timeout).value
 
@@ -414,23 +457,44 @@ class Client:
         """Delete bin ``name``. Returns whether it existed."""
         return self.begin_delete(name).result()  # type: ignore[no-any-return]
 
+    def configure(self, name: str, max_items: int | None = None, max_bytes: int | None = None,
+                  overflow: str = "reject") -> BinLimits:
+        """Bound bin ``name``: at ``max_items`` items or ``max_bytes`` bytes it is full.
+
+        Args:
+            overflow: what an append to a full bin does: ``"reject"`` raises ``BinFull``;
+                ``"drop_oldest"`` removes the oldest items to make room (listeners' events
+                say how many in ``dropped``); ``"block"`` waits on the server until a get
+                makes room (backpressure for producers that outrun their consumers).
+
+        Returns:
+            The limits as the server now applies them (they persist with the bin's name).
+        """
+        check_bin_name(name, self.limits.max_name_bytes)
+        return self._begin(Configure(0, name, max_items, max_bytes, overflow),  # type: ignore[no-any-return]
+                           f"configure of bin {name!r}", _limits).result()
+
+    def stats(self, glob: str | None = None) -> dict[str, Any]:
+        """The server's statistics and a summary of every bin (matching ``glob``).
+
+        Returns:
+            ``{"server": {...}, "bins": {name: {...}}}`` (see docs/PROTOCOL.md, ``stats``).
+        """
+        return self._begin(Stats(0, glob), "stats",  # type: ignore[no-any-return]
+                           lambda r: {"server": r.server, "bins": r.bins}).result()
+
     def listen(self, name: str, callback: Callable[[dict[str, Any]], Any]) -> None:
         """Call ``callback(event)`` on every change of bin ``name``.
 
         ``event`` is a dict: ``{'status': 'OK', 'bin': name, 'op': 'put'|'append'|'get'|
-        'delete', 'n_items': n, 'version': v}``. Callbacks run on this client's dispatcher
-        thread, one at a time, in the order the changes happened; a slow callback delays later
-        events, never replies. Returns once the server has registered the listener.
+        'delete'|'restore', 'n_items': n, 'version': v}``. After a reconnect, a bin that
+        changed meanwhile gives one ``op: 'resync'`` event with its current version and item
+        count (``'restarted': True`` if the server restarted without persistence). Callbacks
+        run on this client's dispatcher thread, one at a time, in the order the changes
+        happened; a slow callback delays later events, never replies. Returns once the
+        server has registered the listener; if it refuses, the callback is forgotten.
         """
-        try:
-            self.begin_listen(name, callback).result()
-        except BaseException:
-            with self._listen_lock:  # not registered on the server: forget it here too
-                callbacks = self._listeners.get(name, [])
-                callbacks[:] = [entry for entry in callbacks if entry[0] is not callback]
-                if not callbacks:
-                    self._listeners.pop(name, None)
-            raise
+        self.begin_listen(name, callback).result()
 
     def unlisten(self, name: str) -> bool:
         """Stop listening to bin ``name``. Returns whether this client was listening."""
@@ -438,42 +502,45 @@ class Client:
 
     def ping(self) -> None:
         """Round-trip to the server (raises if it does not answer within ``timeout``)."""
-        self._begin(Ping, "ping", _none).result()
+        self._begin(Ping(0), "ping", _none).result()
 
     # -- non-blocking halves: send now, collect the result later -----------------------------
     def begin_put(self, name: str, value: Any, *, tag: int | None = None) -> PendingCall:
         """Send a put now; ``.result()`` of the returned call gives what :meth:`put` returns.
 
         Local mistakes (a bad name, an unsupported type) raise here, before anything is sent.
+        Do not modify the tensors of ``value`` until the call has completed: they are sent
+        from their own memory (and sent again if the connection drops meanwhile).
         """
         item = self._item(name, value, tag)
-        return self._begin(lambda rid: Put(rid, name, item), f"put to bin {name!r}", _version)
+        return self._begin(Put(0, name, item), f"put to bin {name!r}", _version)
 
     def begin_append(self, name: str, value: Any, *, tag: int | None = None) -> PendingCall:
         """Send an append now (see :meth:`begin_put`)."""
         item = self._item(name, value, tag)
-        return self._begin(lambda rid: Append(rid, name, item), f"append to bin {name!r}",
-                           _version)
+        # On a full "block" bin the server waits for room; it gives up a little before we
+        # would, so that the caller hears BinFull rather than a timeout.
+        return self._begin(Append(0, name, item, BLOCK_SHARE * self.timeout),
+                           f"append to bin {name!r}", _version)
 
     def begin_fetch(self, name: str, *, remove: bool, max_items: int | None = None,
                     timeout: Any = NOWAIT, min_tag: int | None = None,
                     newer_than: int | None = None, min_items: int = 1) -> PendingCall:
         """Send a get/peek now; ``.result()`` gives the :class:`FetchResult`."""
-        req = _fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
-                             min_tag=min_tag, newer_than=newer_than, min_items=min_items,
-                             limits=self._conn.limits, answer_timeout=self.timeout)
-        return self._begin(req.build, req.what, req.convert, req.reply_timeout,
-                           cancel_on_timeout=req.wait)
+        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                                  min_tag=min_tag, newer_than=newer_than, min_items=min_items,
+                                  limits=self.limits)
+        max_depth = self.limits.max_depth
+        return self._begin(msg, what, lambda r: fetch_result(r, max_depth))
 
     def begin_list(self) -> PendingCall:
         """Send a list request now."""
-        return self._begin(ListBins, "list", lambda r: dict(r.bins))
+        return self._begin(ListBins(0), "list", lambda r: dict(r.bins))
 
     def begin_delete(self, name: str) -> PendingCall:
         """Send a delete now."""
         self._check_name(name)
-        return self._begin(lambda rid: Delete(rid, name), f"delete of bin {name!r}",
-                           lambda r: r.existed)
+        return self._begin(Delete(0, name), f"delete of bin {name!r}", lambda r: r.existed)
 
     def begin_listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,
                      inline: bool = False) -> PendingCall:
@@ -485,41 +552,43 @@ class Client:
                 put the event on a queue): a slow inline callback stalls every reply.
         """
         self._check_name(name)
+        if not callable(callback):
+            raise TypeError("callback must be callable")
         if not inline:
             self._start_dispatcher()
-        with self._subscribe_lock:
-            with self._listen_lock:
-                first = name not in self._listeners
-                self._listeners.setdefault(name, []).append((callback, inline))
+        entry = (callback, inline)
+        with self._lock:
+            first = self._session.add_listener(name, entry)
             if not first:
                 return PendingCall.done(None)
-            return self._begin(lambda rid: Listen(rid, name), f"listen to bin {name!r}", _none)
+            call, slot = self._call(Listen(0, name), f"listen to bin {name!r}", _none, entry)
+        self._flush()
+        return PendingCall(self, call, slot)
 
     def begin_unlisten(self, name: str) -> PendingCall:
         """Drop this bin's listen callbacks and tell the server (see :meth:`unlisten`)."""
         self._check_name(name)
-        with self._subscribe_lock:
-            with self._listen_lock:
-                was = self._listeners.pop(name, None) is not None
-            if not was:
+        with self._lock:
+            if not self._session.remove_listener(name):
                 return PendingCall.done(False)
-            return self._begin(lambda rid: Unlisten(rid, name), f"unlisten from bin {name!r}",
-                               lambda r: True)
-
-    @property
-    def closed(self) -> bool:
-        """Whether the connection is closed or lost."""
-        return self._lost is not None
+            call, slot = self._call(Unlisten(0, name), f"unlisten from bin {name!r}",
+                                    lambda r: True)
+        self._flush()
+        return PendingCall(self, call, slot)
 
     def close(self) -> None:
         """Close the connection. Pending calls fail with ConnectionLost. Idempotent."""
-        self._closing = True
-        try:  # first, so that a send blocked in another thread fails now and frees the lock
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._fail_all(ConnectionLost(f"client for {self.address} was closed"))
-        self._sock.close()
+        with self._lock:
+            self._closing = True
+            events = self._session.close(ConnectionLost(f"client for {self.address} was closed"))
+            sock = self._sock
+        if sock is not None:
+            try:  # wakes the reader, and a send blocked in another thread fails now
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._wakeup.set()
+        self._process(events)
         if self._reader is not threading.current_thread():
             self._reader.join(5)
         if self._events is not None:
@@ -532,145 +601,254 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
         return f"<tensorshare.Client {self.address} {state}>"
 
     # -- requests -----------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
-        check_bin_name(name, self._conn.limits.max_name_bytes)
+        check_bin_name(name, self.limits.max_name_bytes)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return _make_item(name, value, tag, self._conn.limits, self.compress,
-                          self.compress_min_bytes)
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
 
-    def _begin(self, build: Callable[[int], Message], what: str,
-               convert: Callable[[Any], Any], timeout: Any = NOWAIT, *,
-               cancel_on_timeout: bool = False) -> PendingCall:
-        """Send one request now; return the call that will hold its reply."""
-        slot = _Slot(what)
+    def _call(self, msg: Request, what: str, convert: Callable[[Any], Any],
+              extra: Any = None) -> tuple[Call, _Slot]:
+        slot = _Slot()
+        call = self._session.call(msg, what, time.monotonic(), token=slot, convert=convert,
+                                  extra=extra)
+        return call, slot
+
+    def _begin(self, msg: Request, what: str, convert: Callable[[Any], Any]) -> PendingCall:
+        """Add one request to the session and send what can be sent now."""
+        with self._lock:
+            call, slot = self._call(msg, what, convert)
+        self._flush()
+        return PendingCall(self, call, slot)
+
+    def _flush(self) -> None:
+        """Write every request not yet sent on the current connection, in id order."""
         with self._send_lock:
-            if self._lost is not None:
-                raise type(self._lost)(f"cannot send {what}: {self._lost}")
-            rid = self._conn.next_id()
-            chunks = self._conn.send(build(rid))  # raises LimitExceeded before anything is sent
-            self._pending[rid] = slot
+            with self._lock:
+                sock = self._sock
+                chunks = self._session.pop_sendable(time.monotonic()) if sock else []
+                failed = self._session.take_finished()
+            self._process(failed)  # type: ignore[arg-type]
+            if not chunks or sock is None:
+                return
             try:
-                self._sendall(chunks)
+                _sendall(sock, chunks)
             except OSError as exc:
-                # A partly written frame leaves the stream unusable: drop the connection.
-                err = ConnectionLost(f"connection to {self.address} failed while sending "
-                                     f"{what}: {exc}")
-                self._fail_all(err, locked=True)
-                raise err from exc
-        return PendingCall(self, rid, slot, convert,
-                           self.timeout if timeout is NOWAIT else timeout, cancel_on_timeout)
+                # A partly written frame leaves the stream unusable: drop the connection; the
+                # reader reconnects and the session resends what had no reply.
+                log.debug("send to %s failed: %s", self.address, exc)
+                _shutdown(sock)
 
-    def _cancel_quietly(self, target: int) -> None:
+    def _flush_soon(self) -> None:
+        """Flush from another thread: the reader must never block on a send."""
+        threading.Thread(target=self._flush, daemon=True,
+                         name=f"tensorshare-flush-{self.address}").start()
+
+    def _expire(self, call: Call) -> None:
+        with self._lock:
+            events = self._session.expire(call, time.monotonic())
+        self._process(events)
+        if events:
+            self._flush()  # a cancel for a get we gave up on
+
+    def _process(self, events: Sequence[Any]) -> None:
+        """Act on session events (any thread; never holding ``_lock``)."""
+        for ev in events:
+            cls = type(ev)
+            if cls is Done:
+                if ev.call.token is not None:
+                    ev.call.token.resolve(ev.reply, ev.error)
+            elif cls is Notify:
+                self._notify(ev)
+
+    def _notify(self, ev: Notify) -> None:
+        queued = False
+        for cb, inline in ev.callbacks:
+            if inline:
+                _call_listener(cb, ev.event, ev.bin)
+            else:
+                queued = True
+        if queued and self._events is not None:
+            self._events.put((ev.callbacks, ev.event, ev.bin))
+
+    # -- the reader thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        session = self._session
+        start = time.monotonic()
         try:
-            self._begin(lambda rid: Cancel(rid, target), "cancel", _none)
-        except TensorShareError:
-            pass
+            while not self._closing and session.closed is None:
+                try:
+                    sock = self._connect()
+                except OSError as exc:
+                    now = time.monotonic()
+                    if session.server is None:  # never connected yet
+                        if not self.reconnect or now - start >= self.timeout:
+                            with self._lock:
+                                events = session.close(ConnectError(
+                                    f"cannot connect to tensorshare server at {self.address}"
+                                    f": {exc}"))
+                            self._process(events)
+                            break
+                    elif session.give_up_due(now):
+                        self._give_up(now)
+                        break
+                    session.last_loss = f"cannot connect: {exc}"
+                    self._sleep(session.backoff(self._attempt))
+                    self._attempt += 1
+                    continue
+                reason = self._serve(sock)
+                with self._lock:
+                    self._sock = None
+                    events = session.connection_lost(reason, time.monotonic())
+                _close_socket(sock)
+                self._process(events)
+                if self._closing or session.closed is not None:
+                    break
+                if self._lost_at is None:
+                    self._lost_at = time.monotonic()
+                    log.warning("lost connection to tensorshare server at %s (%s); "
+                                "reconnecting", self.address, reason)
+                self._sleep(session.backoff(self._attempt))
+                self._attempt += 1
+        except BaseException:  # never leave callers waiting
+            log.exception("tensorshare reader thread for %s failed", self.address)
+            with self._lock:
+                events = session.close(ConnectionLost(
+                    f"the reader thread of the client for {self.address} failed"))
+            self._process(events)
+        finally:
+            self._ready.set()
+            if self._events is not None:
+                self._events.put(None)
 
-    def _sendall(self, chunks: Sequence[BytesLike]) -> None:
-        views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
-        i = 0
-        sock = self._sock
-        while i < len(views):
-            sent = sock.sendmsg(views[i : i + _MAX_IOV])
-            while sent:
-                n = views[i].nbytes
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
-            while i < len(views) and views[i].nbytes == 0:
-                i += 1
+    def _give_up(self, now: float) -> None:
+        session = self._session
+        since = session.disconnected_since or now
+        with self._lock:
+            events = session.close(ConnectionLost(
+                f"the tensorshare server at {self.address} has been unreachable for "
+                f"{now - since:.1f} s ({session.last_loss}); gave up (reconnect="
+                f"{self.reconnect:g})"))
+        self._process(events)
+        log.warning("gave up reconnecting to tensorshare server at %s", self.address)
 
-    # -- reader thread ------------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        conn, sock = self._conn, self._sock
+    def _sleep(self, seconds: float) -> None:
+        """Wait before the next connection attempt, expiring calls meanwhile."""
+        end = time.monotonic() + seconds
+        while not self._closing:
+            now = time.monotonic()
+            with self._lock:
+                events = self._session.tick(now)
+                nxt = self._session.next_deadline()
+            self._process(events)
+            if now >= end:
+                return
+            wake = end if nxt is None else min(end, nxt)
+            self._wakeup.wait(max(wake - now, 0.0))
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # The timeout bounds each send (a server that stops reading); reads use poll.
+        sock.settimeout(self.timeout)
+        return sock
+
+    def _serve(self, sock: socket.socket) -> str:
+        """Handshake and read until the connection ends; return why it ended."""
+        session = self._session
+        with self._send_lock:
+            with self._lock:
+                if self._closing:
+                    return "closed"
+                self._sock = sock
+                hello = session.connection_made(time.monotonic())
+            try:
+                _sendall(sock, hello)
+            except OSError as exc:
+                return f"handshake failed: {exc}"
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         scratch = bytearray(_READ_CHUNK)
         view = memoryview(scratch)
-        reason = "the server closed the connection"
-        try:
-            while True:
-                direct = conn.get_buffer()
-                try:
-                    if direct is not None:
-                        n = sock.recv_into(direct)
-                        self._last_rx = time.monotonic()
-                        msgs = conn.buffer_updated(n) if n else None
-                    else:
-                        n = sock.recv_into(scratch)
-                        self._last_rx = time.monotonic()
-                        msgs = conn.receive_data(view[:n]) if n else None
-                except TimeoutError:
-                    continue  # idle connection: the timeout is for sends
-                if msgs is None:
-                    break
-                for msg in msgs:
-                    if type(msg) is ProtocolViolation:
-                        raise ProtocolError(msg.message)
-                    self._on_message(msg)  # type: ignore[arg-type]  # no BadRequest client-side
-        except ProtocolError as exc:
-            reason = f"protocol error: {exc}"
-        except OSError as exc:
-            reason = str(exc) or type(exc).__name__
-        except BaseException as exc:  # e.g. MemoryError: never leave callers waiting
-            reason = f"the reader thread failed: {exc!r}"
-            log.exception("tensorshare reader thread for %s failed", self.address)
-        if self._server_said:
-            reason = f"{reason}; the server said: {self._server_said}"
-        if not self._closing:
-            # Loud only if it cost a call; pending calls raise ConnectionLost in any case.
-            level = logging.WARNING if self._pending else logging.INFO
-            log.log(level, "connection to tensorshare server at %s lost: %s", self.address, reason)
-        self._fail_all(ConnectionLost(f"connection to tensorshare server at {self.address} "
-                                      f"lost: {reason}"))
-        if self._events is not None:
-            self._events.put(None)
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                nxt = session.next_deadline()
+                beat = session.heartbeat_due(now) if session.connected else None
+            wake = min(t for t in (nxt, beat, now + 60.0) if t is not None)
+            if wake > now and not poller.poll(max((wake - now) * 1000.0, 1.0)):
+                with self._lock:
+                    events = session.tick(time.monotonic())
+                    send = session.has_sendable
+                if self._handle(events):
+                    return self._drop_reason(events)
+                if send:
+                    self._flush_soon()
+                continue
+            try:
+                direct = session.get_buffer()
+                if direct is not None:
+                    n = sock.recv_into(direct)
+                else:
+                    n = sock.recv_into(scratch)
+            except (BlockingIOError, InterruptedError, TimeoutError):
+                continue
+            except OSError as exc:
+                return str(exc) or type(exc).__name__
+            if not n:
+                return "the server closed the connection"
+            with self._lock:
+                now = time.monotonic()
+                if direct is not None:
+                    events = session.buffer_updated(n, now)
+                else:
+                    events = session.receive_data(view[:n], now)
+                nxt = session.next_deadline()
+                ticked = nxt is not None and nxt <= now
+                if ticked:
+                    events.extend(session.tick(now))
+                    ticked = session.has_sendable
+            if self._handle(events):
+                return self._drop_reason(events)
+            if ticked:
+                self._flush_soon()
 
-    def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, Changed):
-            event = _event(msg)
-            with self._listen_lock:
-                listeners = list(self._listeners.get(msg.bin, ()))
-            for cb, inline in listeners:
-                if inline:
-                    _call_listener(cb, event, msg.bin)
-            if self._events is not None and any(not inline for _, inline in listeners):
-                self._events.put((msg.bin, event))
-            return
-        rid = getattr(msg, "id", 0)
-        if rid == 0 and isinstance(msg, ErrorReply):
-            self._server_said = f"{msg.message} ({msg.code})"
-            return
-        slot = self._pending.pop(rid, None)
-        if slot is not None:
-            slot.resolve(msg)
-        elif isinstance(msg, Fetched) and msg.items:
-            log.warning("discarded a late reply with %d item(s) to request %d that timed out",
-                        len(msg.items), rid)
+    def _handle(self, events: builtins.list[Any]) -> bool:
+        """Act on events from the reader thread; return whether the connection must go."""
+        drop = False
+        for ev in events:
+            cls = type(ev)
+            if cls is Ready:
+                self._ready_event(ev)
+            elif cls is Drop:
+                drop = True
+        self._process(events)
+        return drop
 
-    def _fail_all(self, error: TransportError, *, locked: bool = False) -> None:
-        if not locked:
-            with self._send_lock:
-                self._fail_all(error, locked=True)
-            return
-        if self._lost is None:
-            self._lost = error
-        # Pop each one: the reader thread pops too (without this lock), and a slot must be
-        # resolved exactly once, by whoever popped it.
-        for rid in list(self._pending):
-            slot = self._pending.pop(rid, None)
-            if slot is not None:
-                slot.resolve(None, type(error)(f"{slot.what} failed: {error}"))
+    @staticmethod
+    def _drop_reason(events: builtins.list[Any]) -> str:
+        return next(ev.reason for ev in events if type(ev) is Drop)
+
+    def _ready_event(self, ev: Ready) -> None:
+        self._attempt = 0
+        if ev.first:
+            self._ready.set()
+        else:
+            away = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
+            self._lost_at = None
+            how = "session resumed" if ev.resumed else \
+                "new session: the server did not know ours"
+            log.warning("reconnected to tensorshare server at %s after %.1f s (%s)",
+                        self.address, away, how)
+        self._flush_soon()
 
     # -- listen dispatch ----------------------------------------------------------------------
     def _start_dispatcher(self) -> None:
-        with self._listen_lock:
+        with self._lock:
             if self._dispatcher is not None:
                 return
             self._events = queue.SimpleQueue()
@@ -684,11 +862,14 @@ class Client:
             entry = self._events.get()
             if entry is None:
                 return
-            name, event = entry
-            with self._listen_lock:
-                callbacks = [cb for cb, inline in self._listeners.get(name, ()) if not inline]
-            for cb in callbacks:
-                _call_listener(cb, event, name)
+            callbacks, event, name = entry
+            for cb, inline in callbacks:
+                if not inline:
+                    _call_listener(cb, event, name)
+
+
+def _limits(reply: Configured) -> BinLimits:
+    return BinLimits(reply.max_items, reply.max_bytes, reply.overflow)
 
 
 def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, Any],
@@ -697,3 +878,32 @@ def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, A
         callback(dict(event))  # a copy each: one callback cannot change what another sees
     except Exception:
         log.exception("listen callback for bin %r raised", name)
+
+
+def _sendall(sock: socket.socket, chunks: Sequence[BytesLike]) -> None:
+    views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _MAX_IOV])
+        while sent:
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+        while i < len(views) and views[i].nbytes == 0:
+            i += 1
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _close_socket(sock: socket.socket) -> None:
+    _shutdown(sock)
+    sock.close()

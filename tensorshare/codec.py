@@ -43,7 +43,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import CodecError, UnsupportedType
+from .errors import CodecError, NestingTooDeep, UnsupportedType
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -54,6 +54,7 @@ __all__ = [
     "Buffer",
     "Encoded",
     "decode",
+    "describe",
     "encode",
     "validate",
 ]
@@ -273,7 +274,7 @@ class _Encoder:
 
     def check_depth(self, depth: int) -> None:
         if depth > self.max_depth:
-            raise _Refusal(CodecError, f"nesting deeper than max_depth={self.max_depth} containers")
+            raise _Refusal(NestingTooDeep, f"nesting deeper than max_depth={self.max_depth} containers")
 
     def walk_seq(self, x: list[Any] | tuple[Any, ...], depth: int) -> list[Any]:
         self.check_depth(depth)
@@ -569,7 +570,7 @@ class _Unpacker:
             # Each tuple is a container, so ext nesting beyond max_depth is already too
             # deep; stopping here keeps a hostile chain from recursing without bound.
             if self.nesting >= self.max_depth:
-                raise CodecError(f"value nests deeper than max_depth={self.max_depth}")
+                raise NestingTooDeep(f"value nests deeper than max_depth={self.max_depth}")
             self.nesting += 1
             try:
                 items = msgpack.unpackb(
@@ -788,3 +789,71 @@ def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH
         return None
 
     _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+
+
+class _Leaf:
+    """A tensor or array seen by :func:`describe`: only its dtype and shape."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, code: int, name: str, shape: list[int]) -> None:
+        dims = ",".join(str(d) for d in shape)
+        self.text = f"{'ndarray ' if code == EXT_NDARRAY else ''}{name}[{dims}]"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def describe(value: bytes, limit: int = 80) -> str:
+    """A one-line summary of an encoded value tree, e.g. ``{w: float32[3,3], step: int}``.
+
+    Tensors show their dtype and shape, scalars their type, containers their content (long
+    lists are shortened). Nothing is decoded into tensors and torch is never imported, so
+    the server can describe what it stores.
+
+    Args:
+        value: the msgpack bytes of a value tree (as stored).
+        limit: the longest summary returned; longer ones end with an ellipsis.
+
+    Returns:
+        The summary, or ``"<malformed>"`` for bytes that are not a valid value tree.
+    """
+    try:
+        tree = _Unpacker(1 << 20, DEFAULT_MAX_DEPTH,
+                         lambda code, name, shape, index: _Leaf(code, name, shape)
+                         ).unpack(value)
+    except CodecError:
+        return "<malformed>"
+    text = _summary(tree, limit)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _summary(x: Any, budget: int) -> str:
+    t = type(x)
+    if t is _Leaf:
+        return str(x.text)
+    if t is dict:
+        parts = []
+        used = 2
+        for k, v in x.items():
+            part = f"{k}: {_summary(v, budget - used)}"
+            parts.append(part)
+            used += len(part) + 2
+            if used > budget:
+                break
+        return "{" + ", ".join(parts) + "}"
+    if t is list or t is tuple:
+        open_, close = ("[", "]") if t is list else ("(", ")")
+        if len(x) > 4 and all(type(v) is not _Leaf and type(v) not in _CONTAINERS for v in x):
+            return f"{open_}{len(x)} {type(x[0]).__name__}s{close}"
+        shown = [_summary(v, budget // 2) for v in x[:4]]
+        if len(x) > 4:
+            shown.append(f"... {len(x) - 4} more")
+        return open_ + ", ".join(shown) + close
+    if x is None:
+        return "None"
+    if t is str:
+        return _short_repr.repr(x)
+    if t is bytes:
+        return f"bytes[{len(x)}]"
+    return t.__name__

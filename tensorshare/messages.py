@@ -1,15 +1,16 @@
 """Every request, reply and notification as a frozen dataclass.
 
 These are the values the rest of the code passes around; the string-keyed msgpack maps they
-become on the wire are built and parsed only in :mod:`tensorshare.protocol`.
-A value carried by a message is an :class:`~tensorshare.codec.Encoded` (msgpack bytes plus
-raw buffers): the server stores and returns it without ever decoding a tensor.
+become on the wire are built and parsed only in :mod:`tensorshare.protocol`, through its one
+table of ops. A value carried by a message is an :class:`~tensorshare.codec.Encoded`
+(msgpack bytes plus raw buffers): the server stores and returns it without ever decoding a
+tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from .codec import Encoded
 
@@ -18,11 +19,14 @@ __all__ = [
     "Append",
     "Cancel",
     "Changed",
+    "Configure",
+    "Configured",
     "Delete",
     "Deleted",
     "ErrorReply",
+    "Fetch",
+    "FetchSpec",
     "Fetched",
-    "Get",
     "Hello",
     "HelloReply",
     "Item",
@@ -32,11 +36,12 @@ __all__ = [
     "Listening",
     "Listing",
     "Message",
-    "Peek",
     "Ping",
     "Put",
     "Reply",
     "Request",
+    "Stats",
+    "StatsReply",
     "Stored",
     "Unlisten",
 ]
@@ -78,13 +83,52 @@ class Item:
     tag: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """What a get or peek asks for. It travels unchanged from the client call to the store.
+
+    Attributes:
+        remove: ``True`` for get (take the items), ``False`` for peek.
+        max_items: for a list bin, at most this many items (oldest first).
+        wait: wait on the server until the bin can satisfy the request.
+        timeout: with ``wait``: seconds to wait; ``None`` waits without limit.
+        min_tag: skip items tagged below this (a get drops them from the bin).
+        newer_than: only a bin whose version is above this counts.
+        min_items: with ``wait``: wait until at least this many items are available.
+    """
+
+    remove: bool
+    max_items: int | None = None
+    wait: bool = False
+    timeout: float | None = None
+    min_tag: int | None = None
+    newer_than: int | None = None
+    min_items: int = 1
+
+    @property
+    def op(self) -> str:
+        """The wire op: ``"get"`` or ``"peek"``."""
+        return "get" if self.remove else "peek"
+
+
 # -- requests (client -> server) --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """The first request of every connection.
+
+    Attributes:
+        session: the client's session id (16 random bytes), or ``None`` for a connection
+            without a session (no exactly-once replay; e.g. a one-shot command-line tool).
+        resume: the client has used this session before (on an earlier connection) and
+            asks the server to carry it on.
+    """
+
     id: int
     versions: tuple[int, ...]
     client: str = ""
     auth: str | None = None  # reserved for token auth; servers today ignore it
+    session: bytes | None = None
+    resume: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,37 +140,22 @@ class Put:
 
 @dataclass(frozen=True, slots=True)
 class Append:
+    """Add one item to a bin. ``timeout``: how long an append to a full ``block`` bin may wait
+    for room (``None``: until the client cancels it or disconnects)."""
+
     id: int
     bin: str
     item: Item
-
-
-@dataclass(frozen=True, slots=True)
-class Get:
-    """Return and remove the content of a bin (see :class:`Peek` for the fields)."""
-
-    id: int
-    bin: str
-    max_items: int | None = None
-    wait: bool = False
-    timeout: float | None = None  # only with wait; None waits without limit
-    min_tag: int | None = None  # items tagged below this are dropped on the server
-    newer_than: int | None = None  # only data of a bin whose version is above this counts
-    min_items: int = 1  # with wait: wait until at least this many items are available
-
-
-@dataclass(frozen=True, slots=True)
-class Peek:
-    """Return the content of a bin without removing it."""
-
-    id: int
-    bin: str
-    max_items: int | None = None
-    wait: bool = False
     timeout: float | None = None
-    min_tag: int | None = None
-    newer_than: int | None = None
-    min_items: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """Return the content of a bin, removing it (get) or not (peek); see :class:`FetchSpec`."""
+
+    id: int
+    bin: str
+    spec: FetchSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,31 +188,65 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """Give up on a waiting get/peek (the client timed out on it)."""
+    """Give up on a request: a waiting get/peek stops waiting; the items a get already took
+    for this session (its reply was not acknowledged) go back to the front of their bin."""
 
     id: int
     target: int
 
 
-Request = Union[Hello, Put, Append, Get, Peek, ListBins, Delete, Listen, Unlisten, Ping, Cancel]
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Ask for the server's statistics and a summary of every bin (or those matching ``glob``)."""
+
+    id: int
+    glob: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Configure:
+    """Set a bin's limits. ``None`` means no limit; ``overflow`` is what a full bin does."""
+
+    id: int
+    bin: str
+    max_items: int | None = None
+    max_bytes: int | None = None
+    overflow: str = "reject"
+
+
+Request = Union[Hello, Put, Append, Fetch, ListBins, Delete, Listen, Unlisten, Ping, Cancel,
+                Stats, Configure]
 
 
 # -- replies and notifications (server -> client) ---------------------------------------------
 @dataclass(frozen=True, slots=True)
 class HelloReply:
+    """The server's answer to hello.
+
+    Attributes:
+        resumed: the server knew the session and carries it on (replies it remembered will
+            be replayed); ``False`` for a new session.
+        server_id: random per server data set: it changes when a server restarts without
+            persistence, so a client can tell that versions started again.
+    """
+
     id: int
     version: int
     server: str
     limits: Limits
+    resumed: bool = False
+    server_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """Reply to put/append: the bin's new version and item count."""
+    """Reply to put/append: the bin's new version and item count (and items dropped to make
+    room, for a bin configured with ``overflow="drop_oldest"``)."""
 
     id: int
     version: int
     n_items: int
+    dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +300,26 @@ class Acked:
 
 
 @dataclass(frozen=True, slots=True)
+class StatsReply:
+    """Reply to stats: ``server`` (uptime, connections, memory, counters) and ``bins``
+    (name -> summary), as plain msgpack maps documented in docs/PROTOCOL.md."""
+
+    id: int
+    server: dict[str, Any]
+    bins: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Configured:
+    """Reply to configure: the bin's limits as the server now applies them."""
+
+    id: int
+    max_items: int | None
+    max_bytes: int | None
+    overflow: str
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorReply:
     """A request failed. ``id`` is 0 for a connection-level error sent before closing."""
 
@@ -247,13 +330,22 @@ class ErrorReply:
 
 @dataclass(frozen=True, slots=True)
 class Changed:
-    """Notification: a bin the connection listens to changed."""
+    """Notification: a bin the connection listens to changed.
+
+    ``op`` is ``"put"``, ``"append"``, ``"get"``, ``"delete"``, ``"restore"`` (items a lost
+    client had taken went back to the bin) or, client-side only, ``"resync"``. ``skipped``
+    counts earlier changes folded into this one for a listener that read too slowly, and
+    ``dropped`` the items an append pushed out of a full ``drop_oldest`` bin.
+    """
 
     bin: str
-    op: str  # "put", "append", "get" or "delete"
+    op: str
     n_items: int
     version: int
+    skipped: int = 0
+    dropped: int = 0
 
 
-Reply = Union[HelloReply, Stored, Fetched, Listing, Deleted, Listening, Acked, ErrorReply]
+Reply = Union[HelloReply, Stored, Fetched, Listing, Deleted, Listening, Acked, StatsReply,
+              Configured, ErrorReply]
 Message = Union[Request, Reply, Changed]

@@ -3,12 +3,19 @@
 Shared by the Twisted server, the Twisted client and the blocking client. Nothing here touches
 a socket, a thread, a clock or Twisted, so it can be tested byte by byte.
 
-Usage from an I/O shell::
+There is one table of ops (:data:`OPS`). Each row says how a request becomes a header and back,
+how its reply is parsed, and whether the server must remember the reply for exactly-once
+replay (``mutating``). Replies and notifications are encoded by their class
+(:data:`REPLY_HEADERS`). Adding an op means adding a row, a store method, a server handler and
+a section of ``docs/PROTOCOL.md`` (whose field tables a test checks against this table).
 
-    conn = Connection(CLIENT)
-    sock.sendmsg(conn.send(Hello(id=conn.next_id(), versions=(1,))))
-    for msg in conn.receive_data(sock.recv(65536)):
-        ...
+The two sides of a connection::
+
+    conn = ServerConnection(limits)              conn = ClientConnection()
+    for event in conn.receive_data(data):        chunks = conn.send(msg, ack)
+        ...  # requests, AckInfo, BadRequest,    for msg in conn.receive_data(data, op_of):
+             # ProtocolViolation                     ...  # replies, Changed, Orphan, ...
+    chunks = conn.send(reply)
 
 A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 """
@@ -16,25 +23,28 @@ A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, Union
 
 import msgpack
 
 from .codec import Buffer, Encoded, validate
-from .errors import LimitExceeded, ProtocolError
+from .errors import CodecError, LimitExceeded, NestingTooDeep, ProtocolError
 from .frames import BytesLike, Frame, FrameDecoder, OversizedFrame, encode_frame, payload_layout
 from .messages import (
     Acked,
     Append,
     Cancel,
     Changed,
+    Configure,
+    Configured,
     Delete,
     Deleted,
     ErrorReply,
+    Fetch,
     Fetched,
-    Get,
+    FetchSpec,
     Hello,
     HelloReply,
     Item,
@@ -44,29 +54,46 @@ from .messages import (
     Listening,
     Listing,
     Message,
-    Peek,
     Ping,
     Put,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
     Stored,
     Unlisten,
 )
 
 __all__ = [
-    "CLIENT",
+    "MAX_OPEN_ACKS",
+    "OPS",
+    "OVERFLOW_POLICIES",
+    "PRE_HELLO_MAX_BYTES",
     "PROTOCOL_VERSIONS",
-    "SERVER",
+    "REPLY_HEADERS",
+    "SESSION_ID_BYTES",
+    "AckInfo",
     "BadRequest",
-    "Connection",
+    "ClientConnection",
+    "NameTooLong",
+    "Op",
+    "Orphan",
     "ProtocolViolation",
+    "ServerConnection",
     "check_bin_name",
+    "encode_message",
+    "op_name",
 ]
 
-CLIENT = "client"
-SERVER = "server"
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
-REPLY_SLACK = 64 * 1024  # see Connection.set_limits
-_FETCH_OPS: dict[str, type[Get] | type[Peek]] = {"get": Get, "peek": Peek}
-_STORE_OPS: dict[str, type[Put] | type[Append]] = {"put": Put, "append": Append}
+REPLY_SLACK = 64 * 1024  # see ClientConnection.set_limits
+# Until a connection completes hello, a frame may take at most this many bytes: a peer that
+# has not even said who it is cannot make the server reserve a large buffer.
+PRE_HELLO_MAX_BYTES = 64 * 1024
+SESSION_ID_BYTES = 16
+# At most this many request ids below ``ack`` may be listed as still open (see AckInfo).
+MAX_OPEN_ACKS = 64
+OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
 _ALIGN_MASK = 63
 
 _packb = msgpack.Packer(use_bin_type=True).pack
@@ -76,6 +103,7 @@ def _unpackb(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
 
 
+# -- events besides messages ------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ProtocolViolation:
     """The peer broke the wire format: the connection must be closed.
@@ -99,6 +127,30 @@ class BadRequest:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class AckInfo:
+    """What a request said about the replies its client has received (exactly-once bookkeeping).
+
+    The client has received the reply of every request with an id up to ``through``, except
+    those listed in ``open``. It comes right before the request that carried it.
+    """
+
+    through: int
+    open: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A reply to a request the client no longer waits for (it gave up on it)."""
+
+    id: int
+    n_items: int
+
+
+class NameTooLong(ValueError):
+    """A bin name is longer than ``max_name_bytes`` (a limit, not a malformed request)."""
+
+
 def check_bin_name(name: object, max_name_bytes: int) -> str:
     """Check a bin name: a non-empty str of at most ``max_name_bytes`` UTF-8 bytes.
 
@@ -109,412 +161,418 @@ def check_bin_name(name: object, max_name_bytes: int) -> str:
 
     Raises:
         TypeError: the name is not a str.
-        ValueError: the name is empty or too long (the message names the limit).
+        ValueError: the name is empty; :class:`NameTooLong` (a ValueError): it is too long.
     """
     if not isinstance(name, str):
         raise TypeError(f"bin name must be a str, not {type(name).__name__}")
     if not name:
         raise ValueError("bin name must not be empty")
-    n = len(name.encode("utf-8", "surrogatepass"))
-    if n > max_name_bytes:
-        raise ValueError(f"bin name of {n} bytes exceeds max_name_bytes={max_name_bytes}")
+    if len(name) * 4 > max_name_bytes:  # cheap pre-check: at most 4 bytes per code point
+        n = len(name.encode("utf-8", "surrogatepass"))
+        if n > max_name_bytes:
+            raise NameTooLong(f"bin name of {n} bytes exceeds max_name_bytes={max_name_bytes}")
     return name
 
 
 class _Invalid(Exception):
-    """Internal: a request header is malformed; carries the error code."""
+    """Internal: a header is malformed; carries the error code."""
 
     def __init__(self, message: str, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.code = code
 
 
-class Connection:
-    """The protocol state of one connection, for one side (``CLIENT`` or ``SERVER``).
+# -- field readers ----------------------------------------------------------------------------
+def _is_int(v: object) -> TypeGuard[int]:
+    """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
-    Args:
-        role: ``CLIENT`` or ``SERVER``.
-        limits: the limits applied to received frames and values.
 
-    Not thread-safe as a whole; the blocking client serialises ``send`` with its own lock and
-    feeds received data from one reader thread. The only state both touch is the table of
-    outstanding request ids, and each side only adds or pops its own keys.
+def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
+    v = h.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _Invalid(f"{key!r} must be an integer")
+    if minimum is not None and v < minimum:
+        raise _Invalid(f"{key!r} must be at least {minimum}")
+    return v
+
+
+def _int(h: dict[str, Any], key: str) -> int:
+    v = h.get(key)
+    if not _is_int(v):
+        raise _Invalid(f"{key!r} must be an integer")
+    return v
+
+
+def _str(h: dict[str, Any], key: str) -> str:
+    v = h.get(key)
+    if not isinstance(v, str):
+        raise _Invalid(f"{key!r} must be a string")
+    return v
+
+
+def _bool(h: dict[str, Any], key: str, default: bool = False) -> bool:
+    v = h.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _Invalid(f"{key!r} must be a bool")
+    return v
+
+
+def _name(h: dict[str, Any], limits: Limits) -> str:
+    try:
+        return check_bin_name(h.get("bin"), limits.max_name_bytes)
+    except NameTooLong as exc:
+        raise _Invalid(str(exc), "limit_exceeded") from None
+    except (TypeError, ValueError) as exc:
+        raise _Invalid(str(exc)) from None
+
+
+# -- the op table -----------------------------------------------------------------------------
+_Parse = Callable[[int, dict[str, Any], bytearray, Limits], Request]
+_ParseReply = Callable[[int, dict[str, Any], bytearray, Limits], Reply]
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One row of the op table.
+
+    Attributes:
+        name: the wire ``op``.
+        request: the request class.
+        header: the request's header fields besides ``op``, ``id`` and ``items``.
+        parse: builds the request from a header (server side); raises ``_Invalid``.
+        parse_reply: builds an ``ok`` reply to this op from its header (client side).
+        mutating: the server remembers the reply for exactly-once replay after a reconnect
+            (re-running the request would change something twice).
+        fields: every header key the request may carry (docs/PROTOCOL.md lists these).
     """
 
-    def __init__(self, role: str, limits: Limits | None = None) -> None:
-        if role not in (CLIENT, SERVER):
-            raise ValueError(f"role must be {CLIENT!r} or {SERVER!r}")
-        self.role = role
-        self.limits = limits or Limits()
-        self._decoder = FrameDecoder(self.limits.max_frame_bytes, self.limits.max_header_bytes)
-        self._next_id = 0
-        self._outstanding: dict[int, str] = {}  # client side: request id -> op, to parse replies
-
-    # -- ids --------------------------------------------------------------------------------
-    def next_id(self) -> int:
-        """Return a fresh request id (1, 2, ...)."""
-        self._next_id += 1
-        return self._next_id
-
-    def forget(self, request_id: int) -> None:
-        """Stop expecting a reply to ``request_id`` (the caller gave up on it)."""
-        self._outstanding.pop(request_id, None)
-
-    @property
-    def outstanding(self) -> int:
-        """How many requests sent by this side still await a reply."""
-        return len(self._outstanding)
-
-    @property
-    def receiving(self) -> bool:
-        """Whether a frame is partly received (its rest is still to come)."""
-        return self._decoder.in_frame
-
-    def set_limits(self, limits: Limits) -> None:
-        """Adopt new limits (the client takes the server's from the handshake).
-
-        On the client side they bound what it sends; what it receives may be a little
-        larger: a reply carries a few more header fields than the request that stored the
-        value, and the value trees of several items share one reply header. The server keeps
-        each reply's items within ``max_frame_bytes``.
-        """
-        self.limits = limits
-        if self.role == CLIENT:
-            self._decoder.max_frame_bytes = limits.max_frame_bytes + REPLY_SLACK
-            self._decoder.max_header_bytes = limits.max_frame_bytes + REPLY_SLACK
-        else:
-            self._decoder.max_frame_bytes = limits.max_frame_bytes
-            self._decoder.max_header_bytes = limits.max_header_bytes
-
-    # -- input ------------------------------------------------------------------------------
-    def receive_data(self, data: BytesLike) -> list[Message | BadRequest | ProtocolViolation]:
-        """Feed received bytes; return the messages they complete.
-
-        Never raises for bad input: if the peer broke the wire format, the last event is a
-        :class:`ProtocolViolation` and the connection must be closed.
-        """
-        try:
-            frames = self._decoder.feed(data)
-        except ProtocolError as exc:
-            return self._parse_frames(getattr(exc, "frames", []), exc)
-        return self._parse_frames(frames)
-
-    def get_buffer(self) -> memoryview | None:
-        """A writable view to ``recv_into`` directly, when a large frame part is expected."""
-        return self._decoder.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> list[Message | BadRequest | ProtocolViolation]:
-        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
-        return self._parse_frames(self._decoder.buffer_updated(nbytes))
-
-    def _parse_frames(self, frames: list[Frame | OversizedFrame],
-                      error: ProtocolError | None = None,
-                      ) -> list[Message | BadRequest | ProtocolViolation]:
-        out: list[Message | BadRequest | ProtocolViolation] = []
-        try:
-            for frame in frames:
-                out.append(self._parse_frame(frame))
-        except ProtocolError as exc:
-            error = exc
-        if error is not None:
-            out.append(ProtocolViolation(str(error)))
-        return out
-
-    def _parse_frame(self, frame: Frame | OversizedFrame) -> Message | BadRequest:
-        try:
-            header = _unpackb(frame.header)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
-        if not isinstance(header, dict):
-            raise ProtocolError("frame header is not a msgpack map")
-        if isinstance(frame, OversizedFrame):
-            rid = header.get("id")
-            if self.role != SERVER or not _is_int(rid) or rid < 1:
-                raise ProtocolError(
-                    f"frame payload of {frame.payload_len} bytes exceeds "
-                    f"max_frame_bytes={frame.limit}"
-                )
-            return BadRequest(
-                rid,
-                "limit_exceeded",
-                f"frame of {frame.payload_len} payload bytes exceeds the server's "
-                f"max_frame_bytes={frame.limit}; nothing was stored",
-            )
-        if self.role == SERVER:
-            return self._parse_request(header, frame.payload)
-        return self._parse_server_message(header, frame.payload)
-
-    # -- server side: parse requests ----------------------------------------------------------
-    def _parse_request(self, h: dict[str, Any], payload: bytearray) -> Message | BadRequest:
-        op = h.get("op")
-        rid = h.get("id")
-        if not _is_int(rid) or rid < 1:
-            raise ProtocolError(f"request without a valid 'id' (an integer >= 1; op {op!r})")
-        try:
-            return self._build_request(op, rid, h, payload)
-        except _Invalid as exc:
-            return BadRequest(rid, exc.code, str(exc))
-
-    def _name(self, h: dict[str, Any]) -> str:
-        try:
-            return check_bin_name(h.get("bin"), self.limits.max_name_bytes)
-        except TypeError as exc:
-            raise _Invalid(str(exc)) from None
-        except ValueError as exc:
-            code = "limit_exceeded" if "exceeds" in str(exc) else "invalid_request"
-            raise _Invalid(str(exc), code) from None
-
-    def _build_request(self, op: Any, rid: int, h: dict[str, Any], payload: bytearray) -> Message:
-        if op in _STORE_OPS:
-            name = self._name(h)
-            items = self._parse_items(h, payload)
-            if len(items) != 1:
-                raise _Invalid(f"{op} carries exactly one item, got {len(items)}")
-            return _STORE_OPS[op](rid, name, items[0])
-        if op in _FETCH_OPS:
-            name = self._name(h)
-            max_items = _opt_int(h, "max_items", minimum=1)
-            min_tag = _opt_int(h, "min_tag")
-            newer_than = _opt_int(h, "newer_than")
-            min_items = _opt_int(h, "min_items", minimum=1) or 1
-            wait = h.get("wait")
-            if wait is None:
-                wait = False
-            elif not isinstance(wait, bool):
-                raise _Invalid("'wait' must be a bool")
-            timeout = h.get("timeout")
-            if timeout is not None:
-                if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                        or not math.isfinite(timeout) or timeout < 0):
-                    raise _Invalid("'timeout' must be a finite non-negative number or nil")
-                timeout = float(timeout)
-            return _FETCH_OPS[op](  # type: ignore[no-any-return]
-                rid, name, max_items, wait, timeout, min_tag, newer_than, min_items
-            )
-        if op == "list":
-            return ListBins(rid)
-        if op == "delete":
-            return Delete(rid, self._name(h))
-        if op == "listen":
-            return Listen(rid, self._name(h))
-        if op == "unlisten":
-            return Unlisten(rid, self._name(h))
-        if op == "ping":
-            return Ping(rid)
-        if op == "cancel":
-            target = _opt_int(h, "target")
-            if target is None:
-                raise _Invalid("cancel needs an integer 'target'")
-            return Cancel(rid, target)
-        if op == "hello":
-            versions = h.get("versions")
-            if not isinstance(versions, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in versions
-            ):
-                raise _Invalid("hello needs 'versions', a list of integers")
-            client = h.get("client", "")
-            auth = h.get("auth")
-            return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
-                         auth if isinstance(auth, str) else None)
-        raise _Invalid(f"unknown op {op!r}")
-
-    def _parse_items(self, h: dict[str, Any], payload: bytearray) -> list[Item]:
-        raw_items = h.get("items")
-        if not isinstance(raw_items, list):
-            raise _Invalid("'items' must be a list")
-        view = memoryview(payload)
-        end = 0  # buffers must be ordered and disjoint: no aliasing tricks
-        items = []
-        max_depth = self.limits.max_depth
-        for raw in raw_items:
-            if not isinstance(raw, list) or len(raw) != 3:
-                raise _Invalid("an item must be [value, buffers, tag]")
-            value, bufs, tag = raw
-            if not isinstance(value, bytes) or not isinstance(bufs, list):
-                raise _Invalid("an item must be [bin value, list of buffers, tag]")
-            if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
-                raise _Invalid("an item's tag must be an integer or nil")
-            buffers = []
-            for desc in bufs:
-                buf, end = _parse_buffer(desc, view, end)
-                buffers.append(buf)
-            try:
-                validate(value, len(buffers), max_depth=max_depth,
-                         raw_sizes=[b.raw_nbytes for b in buffers])
-            except ValueError as exc:
-                code = "limit_exceeded" if "depth" in str(exc) else "invalid_request"
-                raise _Invalid(f"malformed value: {exc}", code) from None
-            items.append(Item(Encoded(value, tuple(buffers)), tag))
-        if end != len(payload):
-            raise _Invalid(f"payload of {len(payload)} bytes but buffers end at {end}")
-        return items
-
-    # -- client side: parse replies and notifications --------------------------------------
-    def _parse_server_message(self, h: dict[str, Any], payload: bytearray) -> Message:
-        op = h.get("op")
-        try:
-            if op == "notify":
-                return Changed(_str(h, "bin"), _str(h, "event"), _int(h, "n_items"), _int(h, "version"))
-            if op == "error":
-                return ErrorReply(0, _str(h, "code"), _str(h, "message"))
-            if op != "reply":
-                raise ProtocolError(f"unexpected message op {op!r} from server")
-            rid = _int(h, "id")
-            req_op = self._outstanding.pop(rid, None)
-            if not h.get("ok"):
-                return ErrorReply(rid, _str(h, "code"), _str(h, "message"))
-            if req_op is None:
-                # A reply to a request we gave up on (or never sent): surface it as such.
-                return Acked(rid, False) if not h.get("items") else Fetched(
-                    rid, _str(h, "kind"), tuple(self._parse_items(h, payload)),
-                    _int(h, "version"), _int(h, "n_items"))
-            return self._build_reply(req_op, rid, h, payload)
-        except _Invalid as exc:
-            raise ProtocolError(f"malformed message from server: {exc}") from None
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"malformed message from server: {exc!r}") from None
-
-    def _build_reply(self, req_op: str, rid: int, h: dict[str, Any], payload: bytearray) -> Message:
-        if req_op in ("get", "peek"):
-            unchanged = bool(h.get("unchanged", False))
-            items = () if unchanged else tuple(self._parse_items(h, payload))
-            return Fetched(rid, _str(h, "kind"), items, _int(h, "version"), _int(h, "n_items"),
-                           _int(h, "dropped"), unchanged)
-        if req_op in ("put", "append"):
-            return Stored(rid, _int(h, "version"), _int(h, "n_items"))
-        if req_op == "list":
-            bins = h["bins"]
-            if not isinstance(bins, dict):
-                raise _Invalid("'bins' must be a map")
-            return Listing(rid, bins)
-        if req_op == "delete":
-            return Deleted(rid, bool(h["existed"]), _int(h, "version"))
-        if req_op == "listen":
-            return Listening(rid, _int(h, "version"), _int(h, "n_items"))
-        if req_op == "hello":
-            lim = h["limits"]
-            try:
-                limits = Limits(
-                    int(lim["max_frame_bytes"]), int(lim["max_header_bytes"]),
-                    int(lim["max_depth"]), int(lim["max_name_bytes"]),
-                )
-            except ValueError as exc:
-                raise _Invalid(f"impossible limits in the handshake: {exc}") from None
-            return HelloReply(rid, _int(h, "version"), _str(h, "server"), limits)
-        return Acked(rid, bool(h.get("flag", True)))
-
-    # -- output -----------------------------------------------------------------------------
-    def send(self, msg: Message) -> list[BytesLike]:
-        """Serialise one message into frame chunks (buffers are not copied).
-
-        Returns:
-            Chunks for ``sendmsg`` / ``writeSequence``, in order.
-        """
-        header: dict[str, Any]
-        items: Sequence[Item] = ()
-        cls = type(msg)
-        if cls is Put or cls is Append:
-            header = {"op": "put" if cls is Put else "append", "id": msg.id, "bin": msg.bin}  # type: ignore[union-attr]
-            items = (msg.item,)  # type: ignore[union-attr]
-        elif cls is Get or cls is Peek:
-            m: Get | Peek = msg  # type: ignore[assignment]
-            header = {"op": "get" if cls is Get else "peek", "id": m.id, "bin": m.bin}
-            if m.max_items is not None:
-                header["max_items"] = m.max_items
-            if m.wait:
-                header["wait"] = True
-                header["timeout"] = m.timeout
-                if m.min_items != 1:
-                    header["min_items"] = m.min_items
-            if m.min_tag is not None:
-                header["min_tag"] = m.min_tag
-            if m.newer_than is not None:
-                header["newer_than"] = m.newer_than
-        elif cls is Fetched:
-            f: Fetched = msg  # type: ignore[assignment]
-            header = {"op": "reply", "id": f.id, "ok": True, "kind": f.kind, "version": f.version,
-                      "n_items": f.n_items, "dropped": f.dropped}
-            if f.unchanged:
-                header["unchanged"] = True
-            items = f.items
-        elif cls is Changed:
-            c: Changed = msg  # type: ignore[assignment]
-            header = {"op": "notify", "bin": c.bin, "event": c.op, "n_items": c.n_items,
-                      "version": c.version}
-        elif cls is Stored:
-            header = {"op": "reply", "id": msg.id, "ok": True, "version": msg.version,  # type: ignore[union-attr]
-                      "n_items": msg.n_items}  # type: ignore[union-attr]
-        elif cls is ErrorReply:
-            e: ErrorReply = msg  # type: ignore[assignment]
-            if e.id == 0:
-                header = {"op": "error", "code": e.code, "message": e.message}
-            else:
-                header = {"op": "reply", "id": e.id, "ok": False, "code": e.code, "message": e.message}
-        else:
-            header = _simple_header(msg)
-        buffers: list[BytesLike] = []
-        if items:
-            header["items"] = _items_header(items, buffers)
-        packed = _packb(header)
-        chunks = encode_frame(packed, buffers)
-        if self.role == CLIENT and header["op"] != "reply":
-            self._check_request_size(header, len(packed), sum(len(c) for c in chunks))
-            if "id" in header:
-                self._outstanding[header["id"]] = header["op"]
-        return chunks
-
-    def _check_request_size(self, header: dict[str, Any], header_len: int, size: int) -> None:
-        """Refuse, before sending, a request the server would refuse by its limits.
-
-        Raises:
-            LimitExceeded: the frame or its header is over the server's limit; nothing
-                was sent, and the connection stays usable.
-        """
-        limits = self.limits
-        what = f"{header['op']} of bin {header['bin']!r}" if "bin" in header else header["op"]
-        if size > limits.max_frame_bytes:
-            raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
-                                f"server's max_frame_bytes={limits.max_frame_bytes}")
-        if header_len > limits.max_header_bytes:
-            raise LimitExceeded(
-                f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
-                f"numbers travel there, tensors do not), over the server's "
-                f"max_header_bytes={limits.max_header_bytes}")
+    name: str
+    request: type
+    header: Callable[[Any], dict[str, Any]]
+    parse: _Parse
+    parse_reply: _ParseReply
+    mutating: bool
+    fields: tuple[str, ...]
 
 
-def _simple_header(msg: Message) -> dict[str, Any]:
-    if isinstance(msg, ListBins):
-        return {"op": "list", "id": msg.id}
-    if isinstance(msg, (Delete, Listen, Unlisten)):
-        op = {Delete: "delete", Listen: "listen", Unlisten: "unlisten"}[type(msg)]
-        return {"op": op, "id": msg.id, "bin": msg.bin}
-    if isinstance(msg, Ping):
-        return {"op": "ping", "id": msg.id}
-    if isinstance(msg, Cancel):
-        return {"op": "cancel", "id": msg.id, "target": msg.target}
-    if isinstance(msg, Hello):
-        h: dict[str, Any] = {"op": "hello", "id": msg.id, "versions": list(msg.versions),
-                             "client": msg.client}
-        if msg.auth is not None:
-            h["auth"] = msg.auth
-        return h
-    if isinstance(msg, HelloReply):
-        lim = msg.limits
-        return {"op": "reply", "id": msg.id, "ok": True, "version": msg.version,
-                "server": msg.server, "limits": {
-                    "max_frame_bytes": lim.max_frame_bytes, "max_header_bytes": lim.max_header_bytes,
-                    "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes}}
-    if isinstance(msg, Listing):
-        return {"op": "reply", "id": msg.id, "ok": True, "bins": msg.bins}
-    if isinstance(msg, Deleted):
-        return {"op": "reply", "id": msg.id, "ok": True, "existed": msg.existed,
-                "version": msg.version}
-    if isinstance(msg, Listening):
-        return {"op": "reply", "id": msg.id, "ok": True, "version": msg.version,
-                "n_items": msg.n_items}
-    if isinstance(msg, Acked):
-        return {"op": "reply", "id": msg.id, "ok": True, "flag": msg.flag}
-    raise TypeError(f"cannot send {type(msg).__name__}")
+def _store_header(m: Put | Append) -> dict[str, Any]:
+    if type(m) is Append and m.timeout is not None:
+        return {"bin": m.bin, "timeout": m.timeout}
+    return {"bin": m.bin}
+
+
+def _timeout(h: dict[str, Any]) -> float | None:
+    timeout = h.get("timeout")
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout) or timeout < 0):
+        raise _Invalid("'timeout' must be a finite non-negative number or nil")
+    return float(timeout)
+
+
+def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        name = _name(h, limits)
+        items = _parse_items(h, payload, limits.max_depth)
+        if len(items) != 1:
+            raise _Invalid(f"{cls.__name__.lower()} carries exactly one item, got {len(items)}")
+        if cls is Append:
+            return Append(rid, name, items[0], _timeout(h))
+        return Put(rid, name, items[0])
+    return parse
+
+
+def _fetch_header(m: Fetch) -> dict[str, Any]:
+    s = m.spec
+    h: dict[str, Any] = {"bin": m.bin}
+    if s.max_items is not None:
+        h["max_items"] = s.max_items
+    if s.wait:
+        h["wait"] = True
+        h["timeout"] = s.timeout
+        if s.min_items != 1:
+            h["min_items"] = s.min_items
+    if s.min_tag is not None:
+        h["min_tag"] = s.min_tag
+    if s.newer_than is not None:
+        h["newer_than"] = s.newer_than
+    return h
+
+
+def _parse_fetch(remove: bool) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        name = _name(h, limits)
+        spec = FetchSpec(remove, _opt_int(h, "max_items", minimum=1), _bool(h, "wait"),
+                         _timeout(h),
+                         _opt_int(h, "min_tag"), _opt_int(h, "newer_than"),
+                         _opt_int(h, "min_items", minimum=1) or 1)
+        return Fetch(rid, name, spec)
+    return parse
+
+
+def _reply_fetched(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    unchanged = bool(h.get("unchanged", False))
+    items = () if unchanged else tuple(_parse_items(h, payload, limits.max_depth, client=True))
+    return Fetched(rid, _str(h, "kind"), items, _int(h, "version"), _int(h, "n_items"),
+                   _int(h, "dropped"), unchanged)
+
+
+def _reply_stored(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Stored(rid, _int(h, "version"), _int(h, "n_items"), _opt_int(h, "dropped") or 0)
+
+
+def _reply_acked(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Acked(rid, _bool(h, "flag", True))
+
+
+def _bin_header(m: Delete | Listen | Unlisten) -> dict[str, Any]:
+    return {"bin": m.bin}
+
+
+def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        return cls(rid, _name(h, limits))
+    return parse
+
+
+def _hello_header(m: Hello) -> dict[str, Any]:
+    h: dict[str, Any] = {"versions": list(m.versions), "client": m.client}
+    if m.auth is not None:
+        h["auth"] = m.auth
+    if m.session is not None:
+        h["session"] = m.session
+        if m.resume:
+            h["resume"] = True
+    return h
+
+
+def _parse_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    versions = h.get("versions")
+    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
+        raise _Invalid("hello needs 'versions', a list of integers")
+    client, auth, session = h.get("client", ""), h.get("auth"), h.get("session")
+    if session is not None and (not isinstance(session, bytes)
+                                or len(session) != SESSION_ID_BYTES):
+        raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
+    return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
+                 auth if isinstance(auth, str) else None, session,
+                 _bool(h, "resume") and session is not None)
+
+
+def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    lim = h.get("limits")
+    if not isinstance(lim, dict):
+        raise _Invalid("'limits' must be a map")
+    try:
+        server_limits = Limits(_int(lim, "max_frame_bytes"), _int(lim, "max_header_bytes"),
+                               _int(lim, "max_depth"), _int(lim, "max_name_bytes"))
+    except ValueError as exc:
+        raise _Invalid(f"impossible limits in the handshake: {exc}") from None
+    server_id = h.get("server_id", "")
+    return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
+                      _bool(h, "resumed"), server_id if isinstance(server_id, str) else "")
+
+
+def _reply_listing(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    bins = h.get("bins")
+    if not isinstance(bins, dict) or not all(_is_int(v) for v in bins.values()):
+        raise _Invalid("'bins' must be a map of str to int")
+    return Listing(rid, bins)
+
+
+def _reply_deleted(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Deleted(rid, _bool(h, "existed"), _int(h, "version"))
+
+
+def _reply_listening(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Listening(rid, _int(h, "version"), _int(h, "n_items"))
+
+
+def _parse_cancel(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    target = _opt_int(h, "target")
+    if target is None:
+        raise _Invalid("cancel needs an integer 'target'")
+    return Cancel(rid, target)
+
+
+def _parse_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    glob = h.get("glob")
+    if glob is not None and not isinstance(glob, str):
+        raise _Invalid("'glob' must be a string or nil")
+    return Stats(rid, glob)
+
+
+def _stats_header(m: Stats) -> dict[str, Any]:
+    return {} if m.glob is None else {"glob": m.glob}
+
+
+def _reply_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    server, bins = h.get("stats"), h.get("bins")
+    if not isinstance(server, dict) or not isinstance(bins, dict):
+        raise _Invalid("'stats' and 'bins' must be maps")
+    return StatsReply(rid, server, bins)
+
+
+def _configure_header(m: Configure) -> dict[str, Any]:
+    return {"bin": m.bin, "max_items": m.max_items, "max_bytes": m.max_bytes,
+            "overflow": m.overflow}
+
+
+def _parse_configure(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    name = _name(h, limits)
+    overflow = h.get("overflow", "reject")
+    if overflow not in OVERFLOW_POLICIES:
+        raise _Invalid(f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}")
+    return Configure(rid, name, _opt_int(h, "max_items", minimum=1),
+                     _opt_int(h, "max_bytes", minimum=1), overflow)
+
+
+def _reply_configured(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    overflow = _str(h, "overflow")
+    return Configured(rid, _opt_int(h, "max_items"), _opt_int(h, "max_bytes"), overflow)
+
+
+def _no_fields(m: Any) -> dict[str, Any]:
+    return {}
+
+
+def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: _Parse,
+        parse_reply: _ParseReply, mutating: bool, *fields: str) -> Op:
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+
+
+_FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", "newer_than")
+
+#: The op table: wire op -> how to encode, parse and reply to it.
+OPS: dict[str, Op] = {op.name: op for op in (
+    _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
+        "versions", "client", "auth", "session", "resume"),
+    _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items"),
+    _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
+        "bin", "items", "timeout"),
+    _op("get", Fetch, _fetch_header, _parse_fetch(True), _reply_fetched, True, *_FETCH_FIELDS),
+    _op("peek", Fetch, _fetch_header, _parse_fetch(False), _reply_fetched, False,
+        *_FETCH_FIELDS),
+    _op("list", ListBins, _no_fields, lambda rid, h, p, lim: ListBins(rid), _reply_listing,
+        False),
+    _op("delete", Delete, _bin_header, _parse_bin_only(Delete), _reply_deleted, True, "bin"),
+    _op("listen", Listen, _bin_header, _parse_bin_only(Listen), _reply_listening, False, "bin"),
+    _op("unlisten", Unlisten, _bin_header, _parse_bin_only(Unlisten), _reply_acked, False,
+        "bin"),
+    _op("ping", Ping, _no_fields, lambda rid, h, p, lim: Ping(rid), _reply_acked, False),
+    _op("cancel", Cancel, lambda m: {"target": m.target}, _parse_cancel, _reply_acked, False,
+        "target"),
+    _op("stats", Stats, _stats_header, _parse_stats, _reply_stats, False, "glob"),
+    _op("configure", Configure, _configure_header, _parse_configure, _reply_configured, True,
+        "bin", "max_items", "max_bytes", "overflow"),
+)}
+# Every request may also carry these (see AckInfo).
+ACK_FIELDS = ("ack", "open")
+_OP_OF_CLASS: dict[type, str] = {op.request: op.name for op in OPS.values()
+                                 if op.request is not Fetch}
+
+
+def op_name(msg: Request) -> str:
+    """The wire op of a request (``"get"`` or ``"peek"`` for a :class:`Fetch`)."""
+    if type(msg) is Fetch:
+        return msg.spec.op
+    return _OP_OF_CLASS[type(msg)]
+
+
+def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
+    lim = m.limits
+    return {"version": m.version, "server": m.server, "limits": {
+        "max_frame_bytes": lim.max_frame_bytes, "max_header_bytes": lim.max_header_bytes,
+        "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes},
+        "resumed": m.resumed, "server_id": m.server_id}
+
+
+def _fetched_header(f: Fetched) -> dict[str, Any]:
+    h: dict[str, Any] = {"kind": f.kind, "version": f.version, "n_items": f.n_items,
+                         "dropped": f.dropped}
+    if f.unchanged:
+        h["unchanged"] = True
+    return h
+
+
+def _stored_header(m: Stored) -> dict[str, Any]:
+    h: dict[str, Any] = {"version": m.version, "n_items": m.n_items}
+    if m.dropped:
+        h["dropped"] = m.dropped
+    return h
+
+
+#: Reply class -> its ``ok`` header fields (besides ``op``, ``id``, ``ok`` and ``items``).
+REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    HelloReply: _hello_reply_header,
+    Stored: _stored_header,
+    Fetched: _fetched_header,
+    Listing: lambda m: {"bins": m.bins},
+    Deleted: lambda m: {"existed": m.existed, "version": m.version},
+    Listening: lambda m: {"version": m.version, "n_items": m.n_items},
+    Acked: lambda m: {"flag": m.flag},
+    StatsReply: lambda m: {"stats": m.server, "bins": m.bins},
+    Configured: lambda m: {"max_items": m.max_items, "max_bytes": m.max_bytes,
+                           "overflow": m.overflow},
+}
+
+
+# -- encoding ---------------------------------------------------------------------------------
+def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
+    cls = type(msg)
+    if cls is Changed:
+        c: Changed = msg  # type: ignore[assignment]
+        h = {"op": "notify", "bin": c.bin, "event": c.op, "n_items": c.n_items,
+             "version": c.version}
+        if c.skipped:
+            h["skipped"] = c.skipped
+        if c.dropped:
+            h["dropped"] = c.dropped
+        return h, ()
+    if cls is ErrorReply:
+        e: ErrorReply = msg  # type: ignore[assignment]
+        if e.id == 0:
+            return {"op": "error", "code": e.code, "message": e.message}, ()
+        return {"op": "reply", "id": e.id, "ok": False, "code": e.code,
+                "message": e.message}, ()
+    reply = REPLY_HEADERS.get(cls)
+    if reply is not None:
+        h = {"op": "reply", "id": msg.id, "ok": True}  # type: ignore[union-attr]
+        h.update(reply(msg))
+        return h, (msg.items if cls is Fetched else ())  # type: ignore[union-attr]
+    name = op_name(msg)  # type: ignore[arg-type]
+    h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
+    h.update(OPS[name].header(msg))
+    items = (msg.item,) if cls is Put or cls is Append else ()  # type: ignore[union-attr]
+    return h, items
+
+
+def encode_message(msg: Message, extra: dict[str, Any] | None = None
+                   ) -> tuple[list[BytesLike], int]:
+    """Serialise one message into frame chunks (buffers are not copied).
+
+    Args:
+        msg: any request, reply or notification.
+        extra: more header fields (the acknowledgement fields of a request).
+
+    Returns:
+        ``(chunks, header_len)``: chunks for ``sendmsg`` / ``writeSequence``, in order, and
+        the size of the packed msgpack header.
+    """
+    header, items = _header_of(msg)
+    if extra:
+        header.update(extra)
+    buffers: list[BytesLike] = []
+    if items:
+        header["items"] = _items_header(items, buffers)
+    packed = _packb(header)
+    return encode_frame(packed, buffers), len(packed)
 
 
 def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[Any]]:
@@ -537,6 +595,43 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[
     return out
 
 
+# -- parsing helpers --------------------------------------------------------------------------
+def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
+                 client: bool = False) -> list[Item]:
+    raw_items = h.get("items")
+    if not isinstance(raw_items, list):
+        raise _Invalid("'items' must be a list")
+    view = memoryview(payload)
+    end = 0  # buffers must be ordered and disjoint: no aliasing tricks
+    items = []
+    for raw in raw_items:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise _Invalid("an item must be [value, buffers, tag]")
+        value, bufs, tag = raw
+        if not isinstance(value, bytes) or not isinstance(bufs, list):
+            raise _Invalid("an item must be [bin value, list of buffers, tag]")
+        if tag is not None and not _is_int(tag):
+            raise _Invalid("an item's tag must be an integer or nil")
+        buffers = []
+        for desc in bufs:
+            buf, end = _parse_buffer(desc, view, end)
+            buffers.append(buf)
+        if not client:
+            # The server checks every value it stores, so that whatever it hands out,
+            # readers can decode; a client decodes (and so checks) each value when used.
+            try:
+                validate(value, len(buffers), max_depth=max_depth,
+                         raw_sizes=[b.raw_nbytes for b in buffers])
+            except NestingTooDeep as exc:
+                raise _Invalid(f"malformed value: {exc}", "limit_exceeded") from None
+            except CodecError as exc:
+                raise _Invalid(f"malformed value: {exc}") from None
+        items.append(Item(Encoded(value, tuple(buffers)), tag))
+    if end != len(payload):
+        raise _Invalid(f"payload of {len(payload)} bytes but buffers end at {end}")
+    return items
+
+
 def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
     if not isinstance(desc, list) or len(desc) not in (2, 4):
         raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
@@ -557,31 +652,241 @@ def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
     return Buffer(view[off : off + n]), off + n
 
 
-def _is_int(v: object) -> TypeGuard[int]:
-    """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
-    return isinstance(v, int) and not isinstance(v, bool)
+def _header_map(frame: Frame | OversizedFrame) -> dict[str, Any]:
+    try:
+        header = _unpackb(frame.header)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a msgpack map")
+    return header
 
 
-def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
-    v = h.get(key)
-    if v is None:
-        return None
-    if not _is_int(v):
-        raise _Invalid(f"{key!r} must be an integer")
-    if minimum is not None and v < minimum:
-        raise _Invalid(f"{key!r} must be at least {minimum}")
-    return v
+# -- the two sides ----------------------------------------------------------------------------
+ServerEvent = Union[Request, AckInfo, BadRequest, ProtocolViolation]
+ClientEvent = Union[Reply, Changed, Orphan, ProtocolViolation]
 
 
-def _int(h: dict[str, Any], key: str) -> int:
-    v = h[key]
-    if not _is_int(v):
-        raise _Invalid(f"{key!r} must be an integer")
-    return v
+class _Side:
+    """What both sides share: the frame decoder and its two ways of being fed."""
+
+    def __init__(self, max_frame_bytes: int, max_header_bytes: int) -> None:
+        self._decoder = FrameDecoder(max_frame_bytes, max_header_bytes)
+
+    @property
+    def receiving(self) -> bool:
+        """Whether a frame is partly received (its rest is still to come)."""
+        return self._decoder.in_frame
+
+    def get_buffer(self) -> memoryview | None:
+        """A writable view to ``recv_into`` directly, when a large frame part is expected."""
+        return self._decoder.get_buffer()
+
+    def _frames(self, data: BytesLike | None, nbytes: int
+                ) -> tuple[list[Frame | OversizedFrame], ProtocolError | None]:
+        try:
+            if data is None:
+                return self._decoder.buffer_updated(nbytes), None
+            return self._decoder.feed(data), None
+        except ProtocolError as exc:
+            return getattr(exc, "frames", []), exc
 
 
-def _str(h: dict[str, Any], key: str) -> str:
-    v = h[key]
-    if not isinstance(v, str):
-        raise _Invalid(f"{key!r} must be a string")
-    return v
+class ServerConnection(_Side):
+    """The server side of one connection: bytes in -> requests; replies -> bytes.
+
+    Args:
+        limits: the limits applied to received frames and values once the handshake is done.
+        pre_hello_max_bytes: the largest frame accepted before :meth:`handshake_done`.
+    """
+
+    def __init__(self, limits: Limits | None = None, *,
+                 pre_hello_max_bytes: int = PRE_HELLO_MAX_BYTES) -> None:
+        self.limits = limits or Limits()
+        small = min(pre_hello_max_bytes, self.limits.max_frame_bytes)
+        super().__init__(small, small)
+        self.greeted = False
+
+    def handshake_done(self) -> None:
+        """Lift the small pre-hello cap to the configured limits."""
+        self.greeted = True
+        self._decoder.max_frame_bytes = self.limits.max_frame_bytes
+        self._decoder.max_header_bytes = self.limits.max_header_bytes
+
+    def receive_data(self, data: BytesLike) -> list[ServerEvent]:
+        """Feed received bytes; return the requests they complete, in order.
+
+        Never raises for bad input: if the peer broke the wire format, the last event is a
+        :class:`ProtocolViolation` and the connection must be closed.
+        """
+        return self._parse(*self._frames(data, 0))
+
+    def buffer_updated(self, nbytes: int) -> list[ServerEvent]:
+        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
+        return self._parse(*self._frames(None, nbytes))
+
+    def send(self, msg: Message) -> list[BytesLike]:
+        """Serialise a reply or notification into frame chunks (buffers are not copied)."""
+        return encode_message(msg)[0]
+
+    def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
+               ) -> list[ServerEvent]:
+        out: list[ServerEvent] = []
+        try:
+            for frame in frames:
+                self._parse_frame(frame, out)
+        except ProtocolError as exc:
+            error = exc
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
+
+    def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
+        h = _header_map(frame)
+        rid = h.get("id")
+        if not _is_int(rid) or rid < 1:
+            raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
+                                f"op {h.get('op')!r})")
+        if isinstance(frame, OversizedFrame):
+            if not self.greeted:
+                raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
+                                    f"handshake; at most {frame.limit} bytes are accepted "
+                                    f"until hello")
+            out.append(BadRequest(rid, "limit_exceeded",
+                                  f"frame of {frame.payload_len} payload bytes exceeds the "
+                                  f"server's max_frame_bytes={frame.limit}; nothing was stored"))
+            return
+        if "ack" in h:
+            ack = self._ack(h)
+            if ack is not None:
+                out.append(ack)
+        op = OPS.get(h.get("op"))  # type: ignore[arg-type]
+        if op is None:
+            out.append(BadRequest(rid, "invalid_request", f"unknown op {h.get('op')!r}"))
+            return
+        try:
+            out.append(op.parse(rid, h, frame.payload, self.limits))
+        except _Invalid as exc:
+            out.append(BadRequest(rid, exc.code, str(exc)))
+
+    @staticmethod
+    def _ack(h: dict[str, Any]) -> AckInfo | None:
+        through, open_ids = h.get("ack"), h.get("open", ())
+        if not _is_int(through) or through < 0:
+            return None  # a malformed ack is ignored: replies are kept a little longer
+        if open_ids:
+            if (not isinstance(open_ids, list) or len(open_ids) > MAX_OPEN_ACKS
+                    or not all(_is_int(i) for i in open_ids)):
+                return None
+            return AckInfo(through, tuple(open_ids))
+        return AckInfo(through)
+
+
+class ClientConnection(_Side):
+    """The client side of one connection: requests -> bytes; bytes in -> replies and events.
+
+    A reply does not repeat the op of its request; :meth:`receive_data` asks ``op_of(id)``.
+
+    Args:
+        limits: the limits to respect (the server's, once known from the handshake).
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        super().__init__(self.limits.max_frame_bytes + REPLY_SLACK,
+                         self.limits.max_frame_bytes + REPLY_SLACK)
+
+    def set_limits(self, limits: Limits) -> None:
+        """Adopt the server's limits (from the handshake).
+
+        They bound what the client sends; what it receives may be a little larger: a reply
+        carries a few more header fields than the request that stored the value, and the
+        value trees of several items share one reply header. The server keeps each reply's
+        items within ``max_frame_bytes``.
+        """
+        self.limits = limits
+        self._decoder.max_frame_bytes = limits.max_frame_bytes + REPLY_SLACK
+        self._decoder.max_header_bytes = limits.max_frame_bytes + REPLY_SLACK
+
+    def send(self, msg: Request, ack: AckInfo | None = None) -> list[BytesLike]:
+        """Serialise one request, with the acknowledgement fields if given.
+
+        Raises:
+            LimitExceeded: the frame or its header is over the server's limit; nothing
+                was sent, and the connection stays usable.
+        """
+        extra: dict[str, Any] | None = None
+        if ack is not None:
+            extra = {"ack": ack.through}
+            if ack.open:
+                extra["open"] = list(ack.open)
+        chunks, header_len = encode_message(msg, extra)
+        limits = self.limits
+        size = sum(len(c) for c in chunks)
+        if size > limits.max_frame_bytes or header_len > limits.max_header_bytes:
+            bin_name = getattr(msg, "bin", None)
+            what = op_name(msg) + (f" of bin {bin_name!r}" if bin_name is not None else "")
+            if size > limits.max_frame_bytes:
+                raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
+                                    f"server's max_frame_bytes={limits.max_frame_bytes}")
+            raise LimitExceeded(
+                f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
+                f"numbers travel there, tensors do not), over the server's "
+                f"max_header_bytes={limits.max_header_bytes}")
+        return chunks
+
+    def receive_data(self, data: BytesLike, op_of: Callable[[int], str | None]
+                     ) -> list[ClientEvent]:
+        """Feed received bytes; return the replies and notifications they complete.
+
+        Args:
+            data: the bytes.
+            op_of: the op of the request with this id, or ``None`` if nobody waits for it.
+
+        Never raises for bad input: if the server broke the wire format, the last event is
+        a :class:`ProtocolViolation` and the connection must be closed.
+        """
+        return self._parse(*self._frames(data, 0), op_of)
+
+    def buffer_updated(self, nbytes: int, op_of: Callable[[int], str | None]
+                       ) -> list[ClientEvent]:
+        """Account for bytes received into :meth:`get_buffer`'s view."""
+        return self._parse(*self._frames(None, nbytes), op_of)
+
+    def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
+               op_of: Callable[[int], str | None]) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
+        try:
+            for frame in frames:
+                if isinstance(frame, OversizedFrame):
+                    raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
+                                        f"the server exceeds {frame.limit} bytes")
+                out.append(self._parse_frame(frame, op_of))
+        except ProtocolError as exc:
+            error = exc
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
+
+    def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
+        h = _header_map(frame)
+        op = h.get("op")
+        try:
+            if op == "reply":
+                rid = _int(h, "id")
+                if not _bool(h, "ok"):
+                    return ErrorReply(rid, _str(h, "code"), _str(h, "message"))
+                req_op = op_of(rid)
+                if req_op is None:
+                    items = h.get("items")
+                    return Orphan(rid, len(items) if isinstance(items, list) else 0)
+                return OPS[req_op].parse_reply(rid, h, frame.payload, self.limits)
+            if op == "notify":
+                return Changed(_str(h, "bin"), _str(h, "event"), _int(h, "n_items"),
+                               _int(h, "version"), _opt_int(h, "skipped") or 0,
+                               _opt_int(h, "dropped") or 0)
+            if op == "error":
+                return ErrorReply(0, _str(h, "code"), _str(h, "message"))
+        except _Invalid as exc:
+            raise ProtocolError(f"malformed message from server: {exc}") from None
+        raise ProtocolError(f"unexpected message op {op!r} from server")

@@ -1,8 +1,9 @@
 """The Twisted server: named bins in memory, served over one connection per client.
 
-The protocol logic lives in :mod:`tensorshare.protocol` (bytes <-> messages) and the bins in
-:mod:`tensorshare.store`; this module only wires them to Twisted: feed received bytes, loop
-over the messages, call the store, write the replies, fan out change notifications.
+The protocol logic lives in :mod:`tensorshare.protocol` (bytes <-> messages), the bins in
+:mod:`tensorshare.store` and the sessions in :mod:`tensorshare.sessions`; this module only wires
+them to Twisted: feed received bytes, loop over the messages, call the store, write the
+replies, remember what makes replays exact, fan out change notifications.
 
 The reactor is always passed in. :class:`EmbeddedServer` runs a private reactor in a daemon
 thread, so a server can live inside any program (a trainer, a test) without taking its main
@@ -11,8 +12,11 @@ thread or the global reactor; :func:`run_server` is the blocking form the seed u
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
@@ -20,20 +24,23 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from . import codec
 from ._fasttcp import listen_fast_tcp
 from ._version import __version__
-from .errors import InvalidRequest, ProtocolError, ServerError, code_for
+from .errors import InvalidRequest, LimitExceeded, ServerError, code_for
 from .frames import BytesLike
 from .messages import (
     Acked,
     Append,
     Cancel,
     Changed,
+    Configure,
+    Configured,
     Delete,
     Deleted,
     ErrorReply,
+    Fetch,
     Fetched,
-    Get,
     Hello,
     HelloReply,
     Item,
@@ -42,17 +49,30 @@ from .messages import (
     Listen,
     Listening,
     Listing,
-    Message,
-    Peek,
     Ping,
     Put,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
     Stored,
     Unlisten,
 )
-from .protocol import PROTOCOL_VERSIONS, SERVER, BadRequest, Connection, ProtocolViolation
-from .store import Store, Taken, Waiter
+from .protocol import (
+    OPS,
+    PRE_HELLO_MAX_BYTES,
+    PROTOCOL_VERSIONS,
+    AckInfo,
+    BadRequest,
+    ProtocolViolation,
+    ServerConnection,
+    encode_message,
+    op_name,
+)
+from .sessions import ServerSession, SessionTable
+from .store import BinConfig, Blocked, Store, Taken, Waiter, Written
 
-__all__ = ["EmbeddedServer", "ServerFactory", "ServerProtocol", "run_server"]
+__all__ = ["EmbeddedServer", "ServerConfig", "ServerFactory", "ServerProtocol", "run_server"]
 
 log = Logger(namespace="tensorshare.server")
 
@@ -61,43 +81,98 @@ log = Logger(namespace="tensorshare.server")
 CLOSE_GRACE_SECONDS = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything a server can be told, with safe defaults.
+
+    Attributes:
+        limits: hard limits of every connection (frame, header, depth, name).
+        max_memory: bytes the server may hold for clients (bins, items taken by gets whose
+            replies are not yet acknowledged, queued output); a put/append that would go
+            above is refused. ``None``: no limit.
+        session_ttl: seconds a disconnected client's session is kept for it to resume.
+        max_sessions: sessions kept at once (connected or waiting to be resumed).
+        max_session_bytes: bytes of unacknowledged get items one session may hold.
+        max_connections: connections served at once; more are refused with an error.
+        max_client_buffer: bytes queued for one connection beyond its current reply before
+            the server gives up on it and closes it (a client that stopped reading).
+        hello_timeout: seconds a new connection has to complete ``hello``.
+        pre_hello_bytes: the largest frame accepted before ``hello``.
+    """
+
+    limits: Limits = field(default_factory=Limits)
+    max_memory: int | None = None
+    session_ttl: float = 60.0
+    max_sessions: int = 10_000
+    max_session_bytes: int = 1 << 30
+    max_connections: int = 1024
+    max_client_buffer: int = 64 << 20
+    hello_timeout: float = 10.0
+    pre_hello_bytes: int = PRE_HELLO_MAX_BYTES
+
+
 class ServerProtocol(Protocol):
     """One client connection. Implements the zero-copy read hooks of :mod:`._fasttcp`."""
 
     def __init__(self, factory: ServerFactory) -> None:
         self.factory = factory
-        self.conn = Connection(SERVER, factory.limits)
+        self.conn = ServerConnection(factory.config.limits,
+                                     pre_hello_max_bytes=factory.config.pre_hello_bytes)
         self.version: int | None = None  # protocol version agreed in the handshake
+        self.client_name = ""
         self.peer = "?"
+        self.session: ServerSession | None = None
         self.listening: set[str] = set()
-        self._waiting: dict[int, tuple[Waiter, IDelayedCall | None]] = {}
+        self._waiting: dict[int, tuple[Waiter | Blocked, IDelayedCall | None]] = {}
         self._closed = False
-        self._abort_timer: IDelayedCall | None = None
+        self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
+        self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
+            Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
+            Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
+            Configure: self._configure, Hello: self._hello,
+        }
 
     # -- Twisted hooks ----------------------------------------------------------------------
     def connectionMade(self) -> None:
         peer = self.transport.getPeer()  # type: ignore[union-attr]
-        self.peer = f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
-        self.factory.connections.add(self)
-        log.info("connection from {peer}", peer=self.peer)
+        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+        self.peer = f"{host}:{port}" if host is not None else str(getattr(peer, "name", "?"))
+        f = self.factory
+        f.connections.add(self)
+        f.stats["connections_total"] += 1
+        if len(f.connections) > f.config.max_connections:
+            f.stats["connections_refused"] += 1
+            self._fail_connection(
+                "limit_exceeded", f"the server is at its max_connections="
+                f"{f.config.max_connections}; try again later or raise --max-connections")
+            return
+        self._timer = f.reactor.callLater(f.config.hello_timeout, self._hello_overdue)
+        log.debug("connection from {peer}", peer=self.peer)
 
     def dataReceived(self, data: bytes) -> None:
         if not self._closed:
-            self._handle(lambda: self.conn.receive_data(data))
+            self._handle(self.conn.receive_data(data))
 
     def get_read_buffer(self) -> memoryview | None:
         return None if self._closed else self.conn.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._handle(lambda: self.conn.buffer_updated(nbytes))
+        if not self._closed:
+            self._handle(self.conn.buffer_updated(nbytes))
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self._release()
         self.factory.connections.discard(self)
-        if self._abort_timer is not None and self._abort_timer.active():
-            self._abort_timer.cancel()
-        log.info("connection from {peer} closed: {reason}", peer=self.peer,
-                 reason=reason.getErrorMessage() if reason else "closed")
+        self._stop_timer()
+        why = reason.getErrorMessage() if reason else "closed"
+        if self.version is None:
+            log.debug("connection from {peer} closed before hello: {why}", peer=self.peer,
+                      why=why)
+        else:
+            log.info("{client!r} at {peer} disconnected: {why}", client=self.client_name,
+                     peer=self.peer, why=why)
 
     # -- plumbing ---------------------------------------------------------------------------
     def write_chunks(self, chunks: Sequence[BytesLike]) -> None:
@@ -105,30 +180,42 @@ class ServerProtocol(Protocol):
             # Our transport (_fasttcp.FastServer) takes memoryviews, hence no bytes copies.
             self.transport.writeSequence(chunks)  # type: ignore[union-attr, arg-type]
 
-    def send(self, msg: Message) -> None:
-        self.write_chunks(self.conn.send(msg))
+    def send(self, msg: Reply | Changed) -> None:
+        self.write_chunks(encode_message(msg)[0])
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
 
     def _release(self) -> None:
-        """Stop serving this connection: withdraw its waiting fetches and its listeners.
+        """Stop serving this connection: withdraw its waiting requests and its listeners,
+        and leave its session to wait for the client to come back.
 
         Done as soon as we decide to close, not when the socket is finally gone: a waiter of
         a closing connection must never take data it can no longer deliver.
         """
+        if self._closed:
+            return
         self._closed = True
+        f = self.factory
         for name in self.listening:
-            self.factory.unsubscribe(name, self)
+            f.unsubscribe(name, self)
         self.listening.clear()
         for waiter, timer in self._waiting.values():
-            self.factory.store.cancel(waiter)
+            f.store.cancel(waiter)
             if timer is not None and timer.active():
                 timer.cancel()
         self._waiting.clear()
+        if self.session is not None:
+            f.detach(self.session, self)
 
     def _close(self) -> None:
         """Close after what is queued is sent; abort if the peer does not read it in time."""
         self._release()
+        self._stop_timer()
         self.transport.loseConnection()  # type: ignore[union-attr]
-        self._abort_timer = self.factory.reactor.callLater(
+        self._timer = self.factory.reactor.callLater(
             CLOSE_GRACE_SECONDS, self.transport.abortConnection)  # type: ignore[union-attr]
 
     def _fail_connection(self, code: str, message: str) -> None:
@@ -137,91 +224,173 @@ class ServerProtocol(Protocol):
         self.send(ErrorReply(0, code, message))
         self._close()
 
-    def _handle(self, receive: Any) -> None:
-        for msg in receive():
+    def _hello_overdue(self) -> None:
+        self._timer = None
+        if self.version is None and not self._closed:
+            self.factory.stats["hello_timeouts"] += 1
+            self._fail_connection("protocol_error", f"no hello within "
+                                  f"{self.factory.config.hello_timeout:g} s")
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _handle(self, events: list[Any]) -> None:
+        stats = self.factory.stats
+        for ev in events:
             if self._closed:
                 return
-            if type(msg) is ProtocolViolation:
-                self._fail_connection("protocol_error", msg.message)
+            cls = type(ev)
+            if cls is AckInfo:
+                if self.session is not None:
+                    self.factory.ack(self.session, ev)
+                else:
+                    self._ack = ev
+                continue
+            if cls is ProtocolViolation:
+                self._fail_connection("protocol_error", ev.message)
                 return
-            try:
-                self._dispatch(msg)
-            except ServerError as exc:
-                self.send(ErrorReply(msg.id, code_for(exc), str(exc)))
-            except Exception:  # a bug must cost one request, never the server
-                log.failure("internal error serving {msg!r} from {peer}",
-                            msg=type(msg).__name__, peer=self.peer)
-                self.send(ErrorReply(msg.id, "error", "internal server error; see the server log"))
+            if cls is BadRequest:
+                if self.version is None:
+                    self._fail_connection("protocol_error", f"handshake failed: {ev.message}")
+                    return
+                log.warn("bad request from {peer}: {message}", peer=self.peer,
+                         message=ev.message)
+                self.reply_error(ev.id, ev.code, ev.message)
+                continue
+            if self.version is None and cls is not Hello:
+                self._fail_connection("protocol_error",
+                                      "handshake failed: the first request must be 'hello'")
+                return
+            stats["requests"] += 1
+            self._request(ev)
 
-    # -- requests ---------------------------------------------------------------------------
-    def _dispatch(self, msg: Message | BadRequest) -> None:
-        if self.version is None and not isinstance(msg, Hello):
-            reason = msg.message if isinstance(msg, BadRequest) else "the first request must be 'hello'"
-            self._fail_connection("protocol_error", f"handshake failed: {reason}")
-            return
-        store = self.factory.store
-        cls = type(msg)
-        if cls is Put or cls is Append:
-            m: Put | Append = msg  # type: ignore[assignment]
-            do = store.put if cls is Put else store.append
-            version, n = do(m.bin, m.item, _wire_size(m.item), m.item.tag)
-            self.send(Stored(m.id, version, n))
-        elif cls is Get or cls is Peek:
-            self._fetch(msg)  # type: ignore[arg-type]
-        elif cls is BadRequest:
-            b: BadRequest = msg  # type: ignore[assignment]
-            log.warn("bad request from {peer}: {message}", peer=self.peer, message=b.message)
-            self.send(ErrorReply(b.id, b.code, b.message))
-        elif cls is ListBins:
-            self.send(Listing(msg.id, store.list()))  # type: ignore[union-attr]
-        elif cls is Delete:
-            existed, version = store.delete(msg.bin)  # type: ignore[union-attr]
-            self.send(Deleted(msg.id, existed, version))  # type: ignore[union-attr]
-        elif cls is Listen:
-            name = msg.bin  # type: ignore[union-attr]
-            self.listening.add(name)
-            self.factory.subscribe(name, self)
-            self.send(Listening(msg.id, store.version(name), store.n_items(name)))  # type: ignore[union-attr]
-        elif cls is Unlisten:
-            name = msg.bin  # type: ignore[union-attr]
-            was = name in self.listening
-            self.listening.discard(name)
-            self.factory.unsubscribe(name, self)
-            self.send(Acked(msg.id, was))  # type: ignore[union-attr]
-        elif cls is Ping:
-            self.send(Acked(msg.id, True))  # type: ignore[union-attr]
-        elif cls is Cancel:
-            self.send(Acked(msg.id, self._cancel(msg.target)))  # type: ignore[union-attr]
-        elif cls is Hello:
-            self._hello(msg)  # type: ignore[arg-type]
-        else:
-            raise ProtocolError(f"unexpected message {cls.__name__}")
+    def _request(self, msg: Request) -> None:
+        op = op_name(msg)
+        s = self.session
+        if s is not None and OPS[op].mutating:
+            old = s.lookup(msg.id)
+            if old is not None:  # ran before the connection dropped: answer the same again
+                self.factory.stats["replayed"] += 1
+                self.send(old)
+                return
+        try:
+            self._handlers[type(msg)](msg)
+        except ServerError as exc:
+            self.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))
+        except Exception:  # a bug must cost one request, never the server
+            log.failure("internal error serving {op} from {peer}", op=op, peer=self.peer)
+            self.reply(msg, ErrorReply(msg.id, "error",
+                                       "internal server error; see the server log"))
 
+    def reply(self, msg: Request, reply: Reply, *, bin: str | None = None,
+              held: int = 0) -> None:
+        """Send a reply, remembering it first if re-running ``msg`` would change something."""
+        s = self.session
+        f = self.factory
+        if type(reply) is ErrorReply:
+            f.count_error(reply.code)
+        if s is not None and OPS[op_name(msg)].mutating:
+            f.sessions.remember(s, msg.id, reply, bin, held)
+            f.update_outside()
+        self.send(reply)
+
+    def reply_error(self, rid: int, code: str, message: str) -> None:
+        self.factory.count_error(code)
+        self.send(ErrorReply(rid, code, message))
+
+    # -- handshake --------------------------------------------------------------------------
     def _hello(self, msg: Hello) -> None:
+        f = self.factory
         if self.version is not None:
-            self.send(ErrorReply(msg.id, "invalid_request", "handshake already done"))
+            self.reply_error(msg.id, "invalid_request", "handshake already done")
             return
         common = set(msg.versions) & set(PROTOCOL_VERSIONS)
         if not common:
-            self.send(ErrorReply(msg.id, "unsupported_version",
-                                 f"client speaks protocol versions {list(msg.versions)}, "
-                                 f"this server speaks {list(PROTOCOL_VERSIONS)}"))
+            self.reply_error(msg.id, "unsupported_version",
+                             f"client speaks protocol versions {list(msg.versions)}, "
+                             f"this server speaks {list(PROTOCOL_VERSIONS)}")
             self._close()
             return
+        resumed = False
+        if msg.session is not None:
+            try:
+                self.session, resumed = f.attach(msg.session, self, msg.resume)
+            except OverflowError as exc:
+                self.reply_error(msg.id, "limit_exceeded", str(exc))
+                self._close()
+                return
+            if self._ack is not None:
+                f.ack(self.session, self._ack)
+                self._ack = None
         self.version = max(common)
-        log.info("{peer} is {client!r}, protocol version {version}", peer=self.peer,
-                 client=msg.client, version=self.version)
-        self.send(HelloReply(msg.id, self.version, f"tensorshare/{__version__}", self.factory.limits))
+        self.client_name = msg.client
+        self.conn.handshake_done()
+        self._stop_timer()
+        how = "resumed its session" if resumed else (
+            "new session" if msg.session is not None else "no session")
+        log.info("{client!r} at {peer} connected ({how})", client=msg.client, peer=self.peer,
+                 how=how)
+        self.send(HelloReply(msg.id, self.version, f"tensorshare/{__version__}",
+                             f.config.limits, resumed, f.server_id))
 
-    def _fetch(self, msg: Get | Peek) -> None:
+    # -- requests ---------------------------------------------------------------------------
+    def _put(self, msg: Put) -> None:
+        nbytes = _wire_size(msg.item)
+        w = self.factory.store.put(msg.bin, msg.item, nbytes, msg.item.tag)
+        self.reply(msg, Stored(msg.id, w.version, w.n_items))
+
+    def _append(self, msg: Append) -> None:
         store = self.factory.store
-        remove = type(msg) is Get
-        max_bytes = self.factory.max_reply_bytes
-        if not msg.wait:
-            taken = store.fetch(msg.bin, remove=remove, max_items=msg.max_items,
-                                min_tag=msg.min_tag, newer_than=msg.newer_than,
-                                max_bytes=max_bytes)
-            self.send(_fetched(msg.id, taken))
+        nbytes = _wire_size(msg.item)
+        rid = msg.id
+
+        def stored(w: Written | BaseException) -> None:
+            entry = self._waiting.pop(rid, None)
+            if entry is not None and entry[1] is not None and entry[1].active():
+                entry[1].cancel()
+            if isinstance(w, ServerError):
+                self.reply(msg, ErrorReply(rid, code_for(w), str(w)))
+            else:
+                self.reply(msg, Stored(rid, w.version, w.n_items, w.dropped))  # type: ignore[union-attr]
+
+        result = store.append_or_wait(msg.bin, msg.item, nbytes, msg.item.tag, stored)
+        if isinstance(result, Written):
+            self.reply(msg, Stored(rid, result.version, result.n_items, result.dropped))
+            return
+        # A full "block" bin: wait for room, up to the append's timeout (a cancel or a
+        # disconnect withdraws it too).
+        if rid in self._waiting:
+            store.cancel(result)
+            raise InvalidRequest(f"request id {rid} is already waiting on this connection")
+        timer = None
+        if msg.timeout is not None:
+            timer = self.factory.reactor.callLater(msg.timeout, self._block_timed_out, msg)
+        self._waiting[rid] = (result, timer)
+
+    def _block_timed_out(self, msg: Append) -> None:
+        entry = self._waiting.pop(msg.id, None)
+        if entry is None:
+            return
+        self.factory.store.cancel(entry[0])
+        self.reply(msg, ErrorReply(msg.id, "bin_full",
+                                   f"bin {msg.bin!r} stayed full for {msg.timeout:g} s "
+                                   f"(overflow='block'); nothing was stored"))
+
+    def _fetch(self, msg: Fetch) -> None:
+        f = self.factory
+        store = f.store
+        spec = msg.spec
+        max_bytes = f.max_reply_bytes
+        s = self.session
+        if spec.remove and s is not None:
+            # What a get takes stays held for the session until acknowledged: keep within
+            # the session's allowance (at least one item is still returned).
+            room = f.sessions.max_session_bytes - s.held
+            if room <= 0:
+                raise LimitExceeded(
+                    f"this client's session holds {s.held} bytes of items from gets it has "
+                    f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
+            max_bytes = min(max_bytes, room)
+        if not spec.wait:
+            self._fetched(msg, store.fetch(msg.bin, spec, max_bytes))
             return
         rid = msg.id
         if rid in self._waiting:
@@ -231,42 +400,97 @@ class ServerProtocol(Protocol):
             _, timer = self._waiting.pop(rid, (None, None))
             if timer is not None and timer.active():
                 timer.cancel()
-            self.send(_fetched(rid, taken))
+            self._fetched(msg, taken)
 
-        result = store.fetch_or_wait(
-            msg.bin, served, remove=remove, max_items=msg.max_items, min_tag=msg.min_tag,
-            newer_than=msg.newer_than, min_items=msg.min_items, max_bytes=max_bytes)
+        result = store.fetch_or_wait(msg.bin, spec, served, max_bytes)
         if isinstance(result, Taken):
-            self.send(_fetched(rid, result))
+            self._fetched(msg, result)
             return
         if not result.active:  # served at once, through ``served``, behind earlier waiters
             return
         timer = None
-        if msg.timeout is not None:
+        if spec.timeout is not None:
             try:
-                timer = self.factory.reactor.callLater(msg.timeout, self._timed_out, rid, msg)
+                timer = f.reactor.callLater(spec.timeout, self._timed_out, msg)
             except BaseException:
                 store.cancel(result)  # never leave a waiter nobody will answer
                 raise
         self._waiting[rid] = (result, timer)
 
-    def _timed_out(self, rid: int, msg: Get | Peek) -> None:
-        entry = self._waiting.pop(rid, None)
+    def _fetched(self, msg: Fetch, taken: Taken) -> None:
+        reply = Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,
+                        taken.dropped, taken.unchanged)
+        if msg.spec.remove and taken.items:
+            self.reply(msg, reply, bin=msg.bin, held=taken.nbytes)
+        else:
+            self.reply(msg, reply)
+
+    def _timed_out(self, msg: Fetch) -> None:
+        entry = self._waiting.pop(msg.id, None)
         if entry is None:
             return
         self.factory.store.cancel(entry[0])
-        what = "newer data" if msg.newer_than is not None else "data"
-        self.send(ErrorReply(rid, "timeout",
-                             f"no {what} in bin {msg.bin!r} within {msg.timeout:g} s"))
+        what = "newer data" if msg.spec.newer_than is not None else "data"
+        timeout = msg.spec.timeout or 0.0
+        self.reply(msg, ErrorReply(msg.id, "timeout",
+                                   f"no {what} in bin {msg.bin!r} within {timeout:g} s"))
 
-    def _cancel(self, target: int) -> bool:
+    def _list(self, msg: ListBins) -> None:
+        self.reply(msg, Listing(msg.id, self.factory.store.list()))
+
+    def _delete(self, msg: Delete) -> None:
+        existed, version = self.factory.store.delete(msg.bin)
+        self.reply(msg, Deleted(msg.id, existed, version))
+
+    def _listen(self, msg: Listen) -> None:
+        name = msg.bin
+        store = self.factory.store
+        self.listening.add(name)
+        self.factory.subscribe(name, self)
+        self.reply(msg, Listening(msg.id, store.version(name), store.n_items(name)))
+
+    def _unlisten(self, msg: Unlisten) -> None:
+        name = msg.bin
+        was = name in self.listening
+        self.listening.discard(name)
+        self.factory.unsubscribe(name, self)
+        self.reply(msg, Acked(msg.id, was))
+
+    def _ping(self, msg: Ping) -> None:
+        self.reply(msg, Acked(msg.id, True))
+
+    def _cancel(self, msg: Cancel) -> None:
+        f = self.factory
+        target = msg.target
         entry = self._waiting.pop(target, None)
-        if entry is None:
-            return False
-        waiter, timer = entry
-        if timer is not None and timer.active():
-            timer.cancel()
-        return self.factory.store.cancel(waiter)
+        if entry is not None:
+            waiter, timer = entry
+            if timer is not None and timer.active():
+                timer.cancel()
+            self.reply(msg, Acked(msg.id, f.store.cancel(waiter)))
+            return
+        # A get that already ran, whose reply the client will not take: its items go back.
+        done = f.sessions.forget(self.session, target) if self.session is not None else None
+        if done is not None and done.bin is not None and isinstance(done.reply, Fetched):
+            f.restore(done.bin, done.reply)
+            f.update_outside()
+            self.reply(msg, Acked(msg.id, True))
+            return
+        if done is not None:
+            f.update_outside()
+        self.reply(msg, Acked(msg.id, False))
+
+    def _stats(self, msg: Stats) -> None:
+        self.reply(msg, StatsReply(msg.id, self.factory.server_stats(),
+                                   self.factory.bin_stats(msg.glob)))
+
+    def _configure(self, msg: Configure) -> None:
+        try:
+            cfg = BinConfig(msg.max_items, msg.max_bytes, msg.overflow)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        cfg = self.factory.store.configure(msg.bin, cfg)
+        self.reply(msg, Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow))
 
 
 def _wire_size(item: Item) -> int:
@@ -278,37 +502,53 @@ def _wire_size(item: Item) -> int:
     return item.value.nbytes + 64 * (len(item.value.buffers) + 1)
 
 
-def _fetched(rid: int, taken: Taken) -> Fetched:
-    items: tuple[Item, ...] = taken.items
-    return Fetched(rid, taken.kind, items, taken.version, taken.n_items, taken.dropped,
-                   taken.unchanged)
+class _Counters(dict[str, int]):
+    """Named counters that start at 0."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
 
 
 class ServerFactory(Factory):
-    """Holds the store, the limits and the listeners; builds one protocol per connection.
+    """Holds the store, the sessions and the listeners; builds one protocol per connection.
 
     Args:
-        reactor: the reactor that runs this server (used for wait timeouts).
-        limits: hard limits applied to every connection.
-        max_memory: bytes of stored values above which put/append are refused.
+        reactor: the reactor that runs this server (for timers).
+        limits: hard limits applied to every connection (overrides ``config.limits``).
+        max_memory: see :class:`ServerConfig` (overrides ``config.max_memory``).
+        config: every other setting.
+        clock: wall-clock time in seconds (for statistics); defaults to ``time.time``.
     """
 
+    noisy = False  # we log connections ourselves
+
     def __init__(self, reactor: Any, limits: Limits | None = None,
-                 max_memory: int | None = None) -> None:
+                 max_memory: int | None = None, *, config: ServerConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        config = config or ServerConfig()
+        if limits is not None:
+            config = replace(config, limits=limits)
+        if max_memory is not None:
+            config = replace(config, max_memory=max_memory)
+        self.config = config
         self.reactor = reactor
-        self.limits = limits or Limits()
+        self.limits = config.limits
+        self.clock = clock
+        self.started_at = clock()
+        # Random per data set: a client that sees it change knows versions started again.
+        self.server_id = os.urandom(8).hex()
         # Room for the reply's own header fields around the items (a few hundred bytes).
         self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
-        self.store = Store(max_memory=max_memory, on_change=self._changed)
+        self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock)
+        self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}
-        self._encoder = Connection(SERVER, self.limits)  # stateless on the server side
-
-    noisy = False  # we log connections ourselves
+        self.stats = _Counters()
 
     def buildProtocol(self, addr: Any) -> ServerProtocol:
         return ServerProtocol(self)
 
+    # -- listeners --------------------------------------------------------------------------
     def subscribe(self, name: str, proto: ServerProtocol) -> None:
         self._listeners.setdefault(name, set()).add(proto)
 
@@ -319,14 +559,129 @@ class ServerFactory(Factory):
             if not subs:
                 del self._listeners[name]
 
-    def _changed(self, name: str, op: str, n_items: int, version: int) -> None:
+    def _changed(self, name: str, op: str, n_items: int, version: int, dropped: int) -> None:
         subs = self._listeners.get(name)
         if not subs:
             return
         # Encode once, write the same chunks to every listener.
-        chunks = self._encoder.send(Changed(name, op, n_items, version))
+        chunks = encode_message(Changed(name, op, n_items, version, 0, dropped))[0]
+        self.stats["notifications"] += len(subs)
         for proto in list(subs):
             proto.write_chunks(chunks)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def attach(self, sid: bytes, proto: ServerProtocol, resume: bool
+               ) -> tuple[ServerSession, bool]:
+        """Give ``proto`` the session ``sid``: the known one (resumed) or a new one.
+
+        A session still attached to an older connection (the client reconnected before the
+        server noticed the old one die) is taken over: the old connection is closed first.
+
+        Raises:
+            OverflowError: a new session would exceed ``max_sessions``.
+        """
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions.open(sid)
+            s.attached = proto
+            return s, False
+        if s.attached is not None and s.attached is not proto:
+            old = s.attached
+            log.info("{peer} resumes a session still attached to {old}; closing that one",
+                     peer=proto.peer, old=old.peer)
+            old._close()
+        if s.timer is not None and s.timer.active():
+            s.timer.cancel()
+        s.timer = None
+        s.attached = proto
+        if resume:
+            self.stats["sessions_resumed"] += 1
+        return s, True
+
+    def detach(self, s: ServerSession, proto: ServerProtocol) -> None:
+        """The connection of ``s`` is gone: keep the session ``session_ttl`` seconds."""
+        if s.attached is not proto:
+            return
+        s.attached = None
+        s.timer = self.reactor.callLater(self.config.session_ttl, self.expire, s)
+
+    def expire(self, s: ServerSession) -> None:
+        """Drop a session whose client did not come back; its unacknowledged gets go back."""
+        s.timer = None
+        if s.attached is not None or self.sessions.get(s.id) is not s:
+            return
+        restore = self.sessions.close(s)
+        self.stats["sessions_expired"] += 1
+        n = 0
+        for name, reply, _ in restore:
+            self.restore(name, reply)
+            n += len(reply.items)
+        self.update_outside()
+        if n:
+            log.info("a session expired; {n} item(s) it had taken but not acknowledged went "
+                     "back to their bins", n=n)
+
+    def ack(self, s: ServerSession, info: AckInfo) -> None:
+        if self.sessions.ack(s, info.through, info.open) or s.replies == {}:
+            self.update_outside()
+
+    def restore(self, name: str, reply: Fetched) -> None:
+        """Put the items of a get reply back at the front of their bin."""
+        self.store.restore(name, reply.kind,
+                           [(it, _wire_size(it), it.tag) for it in reply.items])
+
+    def update_outside(self) -> None:
+        """Tell the store what is held for clients outside the bins (for ``max_memory``)."""
+        self.store.outside_bytes = self.sessions.nbytes
+
+    # -- statistics -------------------------------------------------------------------------
+    def count_error(self, code: str) -> None:
+        self.stats[f"errors.{code}"] += 1
+
+    def server_stats(self) -> dict[str, Any]:
+        """The server-wide statistics of the ``stats`` reply (see docs/PROTOCOL.md)."""
+        store = self.store
+        counters = {k: v for k, v in self.stats.items() if not k.startswith("errors.")}
+        errors = {k[7:]: v for k, v in self.stats.items() if k.startswith("errors.")}
+        return {
+            "server": f"tensorshare/{__version__}",
+            "server_id": self.server_id,
+            "uptime": max(self.clock() - self.started_at, 0.0),
+            "connections": len(self.connections),
+            "listeners": sum(len(s) for s in self._listeners.values()),
+            "sessions": len(self.sessions),
+            "bins": len(store.list()),
+            "memory": {
+                "stored": store.nbytes,
+                "sessions": self.sessions.nbytes,
+                "total": store.nbytes + store.outside_bytes,
+                "max_memory": self.config.max_memory,
+            },
+            "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
+            "counters": counters,
+            "errors": errors,
+        }
+
+    def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
+        """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.store.names(glob):
+            d = self.store.describe(name)
+            cfg: BinConfig = d.pop("config")
+            first, last = d.pop("first"), d.pop("last")
+            d["listeners"] = len(self._listeners.get(name, ()))
+            d["limits"] = {"max_items": cfg.max_items, "max_bytes": cfg.max_bytes,
+                           "overflow": cfg.overflow}
+            d["first"] = _describe(first)
+            d["last"] = _describe(last) if d["n_items"] > 1 else None
+            out[name] = d
+        return out
+
+
+def _describe(item: Item | None) -> str | None:
+    if item is None:
+        return None
+    return codec.describe(item.value.value)
 
 
 class EmbeddedServer:
@@ -341,19 +696,20 @@ class EmbeddedServer:
         port: TCP port; 0 picks a free one (read it back from ``.port``).
         host: interface to bind; 127.0.0.1 unless you mean to accept other machines.
         limits: hard limits (see :class:`~tensorshare.messages.Limits`).
-        max_memory: refuse values that would take the stored bytes above this.
+        max_memory: refuse values that would take the bytes held above this.
+        config: every other setting (:class:`ServerConfig`).
 
     Raises:
         OSError: the port could not be bound (e.g. it is in use).
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", *, limits: Limits | None = None,
-                 max_memory: int | None = None) -> None:
+                 max_memory: int | None = None, config: ServerConfig | None = None) -> None:
         from twisted.internet.epollreactor import EPollReactor
 
         self.host = host
         self.reactor = EPollReactor()
-        self.factory = ServerFactory(self.reactor, limits, max_memory)
+        self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
         self._port = listen_fast_tcp(self.reactor, port, self.factory, interface=host)
         self.port: int = self._port.getHost().port
         self._thread = threading.Thread(
@@ -419,16 +775,17 @@ class EmbeddedServer:
 
 
 def run_server(port: int = 8000, host: str = "127.0.0.1", *, limits: Limits | None = None,
-               max_memory: int | None = None, ready: Any = None) -> None:
+               max_memory: int | None = None, ready: Any = None,
+               config: ServerConfig | None = None) -> None:
     """Run a server until interrupted (Ctrl+C). This blocks, as in the seed.
 
     Args:
         port: TCP port (0 picks a free one; it is logged and passed to ``ready``).
         host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines.
-        limits: hard limits; max_memory: see :class:`EmbeddedServer`.
+        limits, max_memory, config: see :class:`EmbeddedServer`.
         ready: optional callable ``ready(server)`` called once the port is bound.
     """
-    server = EmbeddedServer(port, host, limits=limits, max_memory=max_memory)
+    server = EmbeddedServer(port, host, limits=limits, max_memory=max_memory, config=config)
     if ready is not None:
         ready(server)
     try:

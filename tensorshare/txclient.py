@@ -3,10 +3,12 @@
 For programs that already run a Twisted reactor. The reactor is always passed in (this module
 never imports the global one), every result is a :class:`~twisted.internet.defer.Deferred`,
 and everything, including decoding received tensors and calling listen callbacks, happens in
-the reactor thread. The protocol logic is the sans-I/O :class:`~tensorshare.protocol.Connection`
-shared with the server and the blocking client, so errors carry the same exception types
-(:class:`~tensorshare.errors.BinNotFound`, :class:`~tensorshare.errors.Timeout`,
-:class:`~tensorshare.errors.MemoryLimitExceeded`, ...).
+the reactor thread. It is a thin shell over the same sans-I/O
+:class:`~tensorshare.session.ClientSession` as the blocking client, so the two behave alike:
+the same errors (:class:`~tensorshare.errors.BinNotFound`,
+:class:`~tensorshare.errors.WaitTimeout`, :class:`~tensorshare.errors.ReplyTimeout`,
+:class:`~tensorshare.errors.ConnectionLost`, ...), the same timeouts, the same automatic
+reconnect with exactly-once replay.
 
 Usage::
 
@@ -24,14 +26,13 @@ Usage::
 Local mistakes (a bad bin name, a tag that is not an int, a value holding an unsupported type,
 a negative wait) raise synchronously from the method, before anything is sent, as they do in
 the blocking client. Everything that involves the server or the connection is reported through
-the returned Deferred: :class:`~tensorshare.errors.ServerError` subclasses,
-:class:`~tensorshare.errors.Timeout` and :class:`~tensorshare.errors.ConnectionLost`.
-Cancelling a returned Deferred abandons the request (a waiting get/peek is cancelled on the
-server too).
+the returned Deferred. Cancelling a returned Deferred abandons the request (a waiting get/peek
+is cancelled on the server, and the items of a get that already ran go back to their bin).
 """
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable
 from typing import Any
 
@@ -42,36 +43,36 @@ from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .client import NOWAIT, FetchResult, _event, _fetch_request, _make_item
-from .errors import (
-    ConnectError,
-    ConnectionLost,
-    ProtocolError,
-    TensorShareError,
-    Timeout,
-    TransportError,
-    error_from_code,
+from .client import (
+    BLOCK_SHARE,
+    NOWAIT,
+    BinLimits,
+    FetchResult,
+    check_reconnect,
+    check_timeout,
+    fetch_request,
+    fetch_result,
+    make_item,
 )
+from .errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
 from .frames import BytesLike
 from .messages import (
     Append,
-    Cancel,
-    Changed,
+    Configure,
     Delete,
     ErrorReply,
-    Fetched,
-    Hello,
-    HelloReply,
     Item,
     Limits,
     ListBins,
     Listen,
-    Message,
     Ping,
     Put,
+    Request,
+    Stats,
     Unlisten,
 )
-from .protocol import CLIENT, PROTOCOL_VERSIONS, Connection, ProtocolViolation, check_bin_name
+from .protocol import check_bin_name
+from .session import Call, ClientSession, Done, Drop, Notify, Ready
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -80,321 +81,125 @@ log = Logger(namespace="tensorshare.txclient")
 Listener = Callable[[dict[str, Any]], Any]
 
 
-def _same(reply: Any) -> Any:
-    return reply
-
-
-def _none(reply: Any) -> None:
-    return None
-
-
-def _version(reply: Any) -> int:
-    return int(reply.version)
-
-
-class _Pending:
-    """One request awaiting its reply."""
-
-    __slots__ = ("deferred", "what", "convert", "timer", "cancel_on_timeout")
-
-    def __init__(self, deferred: Deferred[Any], what: str, convert: Callable[[Any], Any],
-                 cancel_on_timeout: bool) -> None:
-        self.deferred = deferred
-        self.what = what  # e.g. "get on bin 'x'", for error messages
-        self.convert = convert
-        self.timer: IDelayedCall | None = None
-        self.cancel_on_timeout = cancel_on_timeout
-
-    def stop_timer(self) -> None:
-        if self.timer is not None and self.timer.active():
-            self.timer.cancel()
-        self.timer = None
-
-
 class TxProtocol(Protocol):
-    """One client connection: frames in and out, request ids, reply timers, listen dispatch.
+    """One connection of a :class:`TxClient`: hands bytes and events to it, nothing more."""
 
-    On ``connectionMade`` it sends the hello handshake; :attr:`ready` fires with a
-    :class:`TxClient` once the server answered (or errbacks with
-    :class:`~tensorshare.errors.ConnectError`). :func:`connect` builds one for you; build it
-    yourself to run over any transport (tests connect it to in-memory transports).
+    def __init__(self, client: TxClient) -> None:
+        self.client = client
+        self.lost = False
 
-    Args:
-        reactor: provides ``callLater`` for the reply timers.
-        host, port: the server's address, used in error messages.
-        timeout: seconds to wait for the server to answer a request (and the handshake).
-        compress, compress_min_bytes, name: as for :class:`tensorshare.Client`.
-    """
-
-    def __init__(self, reactor: Any, host: str = "127.0.0.1", port: int = 8000, *,
-                 timeout: float = 30.0, compress: str | None = None,
-                 compress_min_bytes: int = 64 * 1024,
-                 name: str = "tensorshare-twisted") -> None:
-        if compress not in (None, "lz4"):
-            raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
-        self.reactor = reactor
-        self.host, self.port, self.timeout = host, port, timeout
-        self.address = f"{host}:{port}"
-        self.compress, self.compress_min_bytes = compress, compress_min_bytes
-        self.client_name = name
-        self.conn = Connection(CLIENT)
-        self.ready: Deferred[TxClient] = Deferred()
-        self.client: TxClient | None = None
-        self._pending: dict[int, _Pending] = {}
-        self._listeners: dict[str, list[Listener]] = {}
-        self._lost: TransportError | None = None  # set once no request may be sent any more
-        self._disconnected = False  # connectionLost has run
-        self._closing = False
-        self._server_said: str | None = None
-        self._close_waiters: list[Deferred[None]] = []
-        self._close_timer: IDelayedCall | None = None
-
-    # -- Twisted hooks ----------------------------------------------------------------------
     def connectionMade(self) -> None:
-        d = self.request(lambda rid: Hello(rid, PROTOCOL_VERSIONS, self.client_name),
-                         "handshake", _same)
-        d.addCallbacks(self._handshake_done, self._handshake_failed)
+        self.client._connection_made(self)
 
     def dataReceived(self, data: bytes) -> None:
-        if self._lost is not None:
-            return  # closed by us, or the stream is already known to be broken
-        for msg in self.conn.receive_data(data):
-            if self._lost is not None:
-                return  # a callback closed the client: the rest is not for anyone
-            if type(msg) is ProtocolViolation:
-                self._drop(f"protocol error: {msg.message}")
-                return
-            self._on_message(msg)  # type: ignore[arg-type]
+        self.client._data(self, data)
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
-        if reason is None:
-            reason = Failure(ConnectionDone())
-        self._disconnected = True
-        if self._close_timer is not None and self._close_timer.active():
-            self._close_timer.cancel()
-        self._close_timer = None
-        if self._lost is None:
-            if reason.check(ConnectionDone):
-                why = "the server closed the connection"
-            else:
-                why = reason.getErrorMessage()
-            if self._server_said:
-                why = f"{why}; the server said: {self._server_said}"
-            log.warn("connection to tensorshare server at {address} lost: {why}",
-                     address=self.address, why=why)
-            self._fail_all(ConnectionLost(
-                f"connection to tensorshare server at {self.address} lost: {why}"))
-        waiters, self._close_waiters = self._close_waiters, []
-        for d in waiters:
-            d.callback(None)
+        self.lost = True
+        self.client._connection_lost(self, reason or Failure(ConnectionDone()))
 
-    # -- requests ---------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """Whether the connection is closed or lost (no request can be sent)."""
-        return self._lost is not None
 
-    def request(self, build: Callable[[int], Message], what: str,
-                convert: Callable[[Any], Any], timeout: Any = NOWAIT, *,
-                cancel_on_timeout: bool = False) -> Deferred[Any]:
-        """Send one request now; return a Deferred of ``convert(reply)``.
+class _Factory(ClientFactory):
+    """Connects one :class:`TxProtocol` at a time for its client."""
 
-        Args:
-            build: makes the message from a fresh request id.
-            what: describes the request in error messages.
-            convert: turns the reply message into the result.
-            timeout: seconds to wait for the reply (``NOWAIT``: this protocol's ``timeout``;
-                ``None``: no limit).
-            cancel_on_timeout: send a Cancel for the request when it times out (waiting
-                get/peek).
-        """
-        if self._lost is not None:
-            return fail(type(self._lost)(f"cannot send {what}: {self._lost}"))
-        if self.transport is None:
-            return fail(ConnectionLost(
-                f"cannot send {what}: not connected to tensorshare server at {self.address}"))
-        rid = self.conn.next_id()
-        chunks = self.conn.send(build(rid))
-        d: Deferred[Any] = Deferred(lambda _: self._abandon(rid))
-        entry = _Pending(d, what, convert, cancel_on_timeout)
-        self._pending[rid] = entry
-        reply_timeout = self.timeout if timeout is NOWAIT else timeout
-        if reply_timeout is not None:
-            entry.timer = self.reactor.callLater(reply_timeout, self._timed_out, rid,
-                                                 reply_timeout)
-        self._write(chunks)
-        return d
+    noisy = False
 
-    def _write(self, chunks: list[BytesLike]) -> None:
-        # The stock Twisted transports only accept bytes, so the frame (header and every
-        # tensor buffer) is joined into one bytes object here: one copy of the data. The
-        # server avoids this copy with tensorshare._fasttcp (sendmsg of the buffers
-        # themselves); a zero-copy client transport is future work.
-        self.transport.write(b"".join(chunks))  # type: ignore[union-attr]
+    def __init__(self, client: TxClient) -> None:
+        self.client = client
 
-    def _timed_out(self, rid: int, after: float) -> None:
-        entry = self._pending.pop(rid, None)
-        if entry is None:
-            return
-        entry.timer = None
-        self.conn.forget(rid)
-        if entry.cancel_on_timeout:
-            self._cancel_quietly(rid)
-        entry.deferred.errback(Timeout(
-            f"no reply from tensorshare server at {self.address} to {entry.what} "
-            f"within {after:g} s"))
+    def buildProtocol(self, addr: Any) -> TxProtocol:
+        return TxProtocol(self.client)
 
-    def _abandon(self, rid: int) -> None:
-        """Canceller of a request's Deferred: stop waiting for its reply."""
-        entry = self._pending.pop(rid, None)
-        if entry is None:
-            return
-        entry.stop_timer()
-        self.conn.forget(rid)
-        if entry.cancel_on_timeout:
-            self._cancel_quietly(rid)
-
-    def _cancel_quietly(self, target: int) -> None:
-        d = self.request(lambda rid: Cancel(rid, target), "cancel", _none)
-        d.addErrback(lambda _: None)
-
-    def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, Changed):
-            self._dispatch_event(msg)
-            return
-        rid = getattr(msg, "id", 0)
-        if rid == 0 and isinstance(msg, ErrorReply):
-            self._server_said = f"{msg.message} ({msg.code})"
-            return
-        entry = self._pending.pop(rid, None)
-        if entry is None:
-            if isinstance(msg, Fetched) and msg.items:
-                log.warn("discarded a late reply with {n} item(s) to request {rid} "
-                         "that timed out", n=len(msg.items), rid=rid)
-            return
-        entry.stop_timer()
-        if isinstance(msg, ErrorReply):
-            entry.deferred.errback(error_from_code(msg.code, msg.message))
-            return
-        try:
-            result = entry.convert(msg)
-        except TensorShareError as exc:  # e.g. a malformed value from a peer
-            entry.deferred.errback(exc)
-            return
-        entry.deferred.callback(result)
-
-    def _fail_all(self, error: TransportError) -> None:
-        """Errback every pending request at once (as AMP's ``failAllOutgoing``)."""
-        if self._lost is None:
-            self._lost = error
-        pending, self._pending = self._pending, {}
-        for rid, entry in pending.items():
-            entry.stop_timer()
-            self.conn.forget(rid)
-        for entry in pending.values():
-            entry.deferred.errback(type(error)(f"{entry.what} failed: {error}"))
-
-    def _drop(self, reason: str) -> None:
-        """The stream is unusable: fail everything now and abort the connection."""
-        log.warn("dropping connection to tensorshare server at {address}: {reason}",
-                 address=self.address, reason=reason)
-        self._fail_all(ConnectionLost(
-            f"connection to tensorshare server at {self.address} lost: {reason}"))
-        if self.transport is not None and not self._disconnected:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
-
-    # -- handshake --------------------------------------------------------------------------
-    def _handshake_done(self, reply: Any) -> None:
-        if not isinstance(reply, HelloReply):
-            self._handshake_failed(Failure(ProtocolError(
-                f"unexpected handshake reply {type(reply).__name__}")))
-            return
-        self.conn.set_limits(reply.limits)
-        self.client = TxClient(self, reply)
-        self.ready.callback(self.client)
-
-    def _handshake_failed(self, failure: Failure) -> None:
-        err = ConnectError(f"handshake with {self.address} failed: {failure.value}")
-        err.__cause__ = failure.value
-        self.close()
-        self.ready.errback(err)
-
-    # -- listen -----------------------------------------------------------------------------
-    def add_listener(self, name: str, callback: Listener) -> bool:
-        """Register a callback; return whether it is the bin's first (Listen must be sent)."""
-        first = name not in self._listeners
-        self._listeners.setdefault(name, []).append(callback)
-        return first
-
-    def remove_listeners(self, name: str) -> bool:
-        """Drop the bin's callbacks; return whether there were any."""
-        return self._listeners.pop(name, None) is not None
-
-    def _dispatch_event(self, msg: Changed) -> None:
-        event = _event(msg)
-        for cb in list(self._listeners.get(msg.bin, ())):
-            try:
-                result = cb(dict(event))
-            except Exception:
-                log.failure("listen callback for bin {bin!r} raised", bin=msg.bin)
-                continue
-            if isinstance(result, Deferred):  # an async callback: log its failure too
-                result.addErrback(self._log_callback_failure, msg.bin)
-
-    @staticmethod
-    def _log_callback_failure(failure: Failure, name: str) -> None:
-        log.failure("listen callback for bin {bin!r} failed", failure, bin=name)
-
-    # -- closing ----------------------------------------------------------------------------
-    def close(self) -> Deferred[None]:
-        """Close the connection; pending requests errback with ConnectionLost at once.
-
-        Returns a Deferred that fires once the connection is gone. Idempotent.
-        """
-        if self.transport is None or self._disconnected:
-            self._closing = True
-            if self._lost is None:
-                self._lost = ConnectionLost(f"client for {self.address} was closed")
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._close_waiters.append(d)
-        if not self._closing:
-            self._closing = True
-            self._fail_all(ConnectionLost(f"client for {self.address} was closed"))
-            self.transport.loseConnection()
-            # loseConnection waits for buffered writes; a server that stops reading must not
-            # keep close() from finishing.
-            self._close_timer = self.reactor.callLater(self.timeout, self._abort)
-        return d
-
-    def _abort(self) -> None:
-        self._close_timer = None
-        if not self._disconnected and self.transport is not None:
-            self.transport.abortConnection()  # type: ignore[attr-defined]
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.client._connect_failed(reason.getErrorMessage())
 
 
 class TxClient:
     """A connection to a tensorshare server, for code running in a Twisted reactor.
 
-    Made by :func:`connect` (or :attr:`TxProtocol.ready`). Mirrors :class:`tensorshare.Client`:
-    the same methods, arguments and errors, but each returns a Deferred. Like everything
-    Twisted it is not thread-safe: call it from the reactor thread (other threads use
-    ``reactor.callFromThread`` or ``twisted.internet.threads.blockingCallFromThread``).
+    Made by :func:`connect`. Mirrors :class:`tensorshare.Client`: the same methods, arguments
+    and errors, but each returns a Deferred. It survives connection loss the same way (see
+    ``reconnect``). Like everything Twisted it is not thread-safe: call it from the reactor
+    thread (other threads use ``reactor.callFromThread`` or
+    ``twisted.internet.threads.blockingCallFromThread``).
+
+    Args:
+        reactor: provides ``connectTCP`` and ``callLater``.
+        host, port: the server's address.
+        timeout: seconds the server has to answer (and the first connection may take).
+        reconnect: as for :class:`tensorshare.Client`.
+        compress, compress_min_bytes, name, session, heartbeat: as for
+            :class:`tensorshare.Client`.
+        connector: ``connector(client)`` starts a connection attempt instead of
+            ``reactor.connectTCP`` (tests attach in-memory transports this way).
 
     Attributes:
-        host, port, address, timeout: as given to :func:`connect`.
-        server_version: e.g. ``"tensorshare/0.1.0"``. protocol_version: the agreed version.
-        limits: the server's limits, adopted for this connection.
-        protocol: the underlying :class:`TxProtocol`.
+        ready: fires with this client once the first handshake completed (or errbacks with
+            :class:`~tensorshare.errors.ConnectError`).
     """
 
-    def __init__(self, protocol: TxProtocol, hello: HelloReply) -> None:
-        self.protocol = protocol
-        self.host, self.port, self.address = protocol.host, protocol.port, protocol.address
-        self.timeout = protocol.timeout
-        self.server_version: str = hello.server
-        self.protocol_version: int = hello.version
-        self.limits: Limits = hello.limits
+    def __init__(self, reactor: Any, host: str = "127.0.0.1", port: int = 8000, *,
+                 timeout: float = 30.0, reconnect: bool | float = True,
+                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
+                 name: str = "tensorshare-twisted", session: bool = True,
+                 heartbeat: float | None = None,
+                 connector: Callable[[TxClient], Any] | None = None) -> None:
+        if compress not in (None, "lz4"):
+            raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
+        self.reactor = reactor
+        self.host, self.port = host, port
+        self.address = f"{host}:{port}"
+        self.timeout = check_timeout(timeout)
+        self.reconnect = check_reconnect(reconnect)
+        self.compress, self.compress_min_bytes = compress, compress_min_bytes
+        self.session = ClientSession(address=self.address, timeout=self.timeout,
+                                     reconnect=self.reconnect, name=name, session=session,
+                                     heartbeat=heartbeat)
+        self.protocol: TxProtocol | None = None
+        self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
+        self._connector = connector
+        self._connecting: Any = None  # the IConnector of an attempt in progress
+        self._timer: IDelayedCall | None = None  # the next tick
+        self._retry: IDelayedCall | None = None  # the next connection attempt
+        self._attempt = 0
+        self._started = reactor.seconds()
+        self._lost_at: float | None = None
+        self._closing = False
+        self._close_waiters: list[Deferred[None]] = []
+        self._close_timer: IDelayedCall | None = None
+        self._start_timer: IDelayedCall | None = None
+        self._drop_reason: str | None = None
+
+    # -- what the server said ---------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        """The server's limits (from the last handshake)."""
+        return self.session.limits
+
+    @property
+    def server_version(self) -> str:
+        hello = self.session.server
+        return hello.server if hello else ""
+
+    @property
+    def protocol_version(self) -> int:
+        hello = self.session.server
+        return hello.version if hello else 0
+
+    @property
+    def server_id(self) -> str:
+        hello = self.session.server
+        return hello.server_id if hello else ""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now (``False`` while reconnecting)."""
+        return self.session.connected and self.session.closed is None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (or gave up reconnecting): every call fails."""
+        return self.session.closed is not None
 
     # -- store ------------------------------------------------------------------------------
     def put(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
@@ -406,17 +211,17 @@ class TxClient:
             UnsupportedType: ``value`` holds a type that cannot be sent.
             TypeError, ValueError: a bad bin name or tag.
         Errbacks:
-            MemoryLimitExceeded, LimitExceeded, Timeout, ConnectionLost.
+            MemoryLimitExceeded, LimitExceeded, BinFull, ReplyTimeout, ConnectionLost,
+            SessionLost.
         """
         item = self._item(name, value, tag)
-        return self.protocol.request(lambda rid: Put(rid, name, item), f"put to bin {name!r}",
-                                     _version)
+        return self._request(Put(0, name, item), f"put to bin {name!r}", _version)
 
     def append(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
         """Append ``value`` as one item to bin ``name``; fires with the new version (see put)."""
         item = self._item(name, value, tag)
-        return self.protocol.request(lambda rid: Append(rid, name, item),
-                                     f"append to bin {name!r}", _version)
+        return self._request(Append(0, name, item, BLOCK_SHARE * self.timeout),
+                             f"append to bin {name!r}", _version)
 
     # -- fetch ------------------------------------------------------------------------------
     def get(self, name: str, *, max_items: int | None = None,
@@ -426,11 +231,11 @@ class TxClient:
         Args:
             max_items: for an appended bin, take at most this many items (FIFO).
             timeout: ``NOWAIT`` (default): do not wait. A number: the server waits up to
-                that many seconds for data, then errbacks with Timeout. ``None``: wait
+                that many seconds for data, then errbacks with WaitTimeout. ``None``: wait
                 without limit.
 
         Fires with the value of a put bin, or the list of items of an appended bin.
-        Errbacks with BinNotFound (missing or empty bin, when not waiting) or Timeout.
+        Errbacks with BinNotFound (missing or empty bin, when not waiting) or WaitTimeout.
         """
         d = self.fetch(name, remove=True, max_items=max_items, timeout=timeout)
         return d.addCallback(lambda r: r.value)
@@ -447,185 +252,408 @@ class TxClient:
         """The full form of get (``remove=True``) and peek; fires with a FetchResult.
 
         See :meth:`tensorshare.Client.fetch` for ``min_tag``, ``newer_than``, ``min_items``.
-        The reply timer is the client's ``timeout`` plus the wait time (no timer when
-        waiting without limit); when it expires the wait is cancelled on the server.
         """
-        req = _fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
-                             min_tag=min_tag, newer_than=newer_than, min_items=min_items,
-                             limits=self.protocol.conn.limits, answer_timeout=self.timeout)
-        return self.protocol.request(req.build, req.what, req.convert, req.reply_timeout,
-                                     cancel_on_timeout=req.wait)
+        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                                  min_tag=min_tag, newer_than=newer_than, min_items=min_items,
+                                  limits=self.limits)
+        max_depth = self.limits.max_depth
+        return self._request(msg, what, lambda r: fetch_result(r, max_depth))
 
     # -- other requests ---------------------------------------------------------------------
     def list(self) -> Deferred[dict[str, int]]:
         """Fire with ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
-        return self.protocol.request(ListBins, "list", lambda r: dict(r.bins))
+        return self._request(ListBins(0), "list", lambda r: dict(r.bins))
 
     def delete(self, name: str) -> Deferred[bool]:
         """Delete bin ``name``; fire with whether it existed."""
         self._check_name(name)
-        return self.protocol.request(lambda rid: Delete(rid, name), f"delete of bin {name!r}",
-                                     lambda r: r.existed)
+        return self._request(Delete(0, name), f"delete of bin {name!r}", lambda r: r.existed)
+
+    def configure(self, name: str, max_items: int | None = None,
+                  max_bytes: int | None = None, overflow: str = "reject"
+                  ) -> Deferred[BinLimits]:
+        """Bound bin ``name``; see :meth:`tensorshare.Client.configure`."""
+        self._check_name(name)
+        return self._request(Configure(0, name, max_items, max_bytes, overflow),
+                             f"configure of bin {name!r}",
+                             lambda r: BinLimits(r.max_items, r.max_bytes, r.overflow))
+
+    def stats(self, glob: str | None = None) -> Deferred[dict[str, Any]]:
+        """Fire with the server's statistics; see :meth:`tensorshare.Client.stats`."""
+        return self._request(Stats(0, glob), "stats",
+                             lambda r: {"server": r.server, "bins": r.bins})
 
     def listen(self, name: str, callback: Listener) -> Deferred[None]:
         """Call ``callback(event)`` in the reactor thread on every change of bin ``name``.
 
-        ``event`` is ``{'status': 'OK', 'bin': name, 'op': 'put'|'append'|'get'|'delete',
-        'n_items': n, 'version': v}``. Exceptions raised by a callback are logged and
-        ignored. Fires once the server has registered the listener (at once for a further
-        callback on a bin already listened to).
+        ``event`` is as for :meth:`tensorshare.Client.listen` (including ``resync`` events
+        after a reconnect). Exceptions raised by a callback are logged and ignored. Fires
+        once the server has registered the listener (at once for a further callback on a
+        bin already listened to); if the server refuses, the callback is forgotten.
         """
         self._check_name(name)
         if not callable(callback):
             raise TypeError("callback must be callable")
-        if not self.protocol.add_listener(name, callback):
+        if not self.session.add_listener(name, callback):
             return succeed(None)
-        return self.protocol.request(lambda rid: Listen(rid, name), f"listen to bin {name!r}",
-                                     _none)
+        return self._request(Listen(0, name), f"listen to bin {name!r}", _none, callback)
 
     def unlisten(self, name: str) -> Deferred[bool]:
         """Drop the bin's callbacks and tell the server; fire with whether we listened."""
         self._check_name(name)
-        if not self.protocol.remove_listeners(name):
+        if not self.session.remove_listener(name):
             return succeed(False)
-        return self.protocol.request(lambda rid: Unlisten(rid, name),
-                                     f"unlisten from bin {name!r}", lambda r: True)
+        return self._request(Unlisten(0, name), f"unlisten from bin {name!r}", lambda r: True)
 
     def ping(self) -> Deferred[None]:
-        """Round-trip to the server; errbacks with Timeout if it does not answer in time."""
-        return self.protocol.request(Ping, "ping", _none)
-
-    @property
-    def closed(self) -> bool:
-        """Whether the connection is closed or lost."""
-        return self.protocol.closed
+        """Round-trip to the server; errbacks with ReplyTimeout if it does not answer in time."""
+        return self._request(Ping(0), "ping", _none)
 
     def close(self) -> Deferred[None]:
-        """Close the connection; pending requests errback with ConnectionLost. Idempotent."""
-        return self.protocol.close()
+        """Close the connection; pending requests errback with ConnectionLost at once.
+
+        Returns a Deferred that fires once the connection is gone. Idempotent.
+        """
+        self._closing = True
+        self._process(self.session.close(ConnectionLost(f"client for {self.address} was closed")))
+        for t in (self._timer, self._retry):
+            if t is not None and t.active():
+                t.cancel()
+        self._timer = self._retry = None
+        self._stop_connecting()
+        if not self.ready.called:
+            self.ready.errback(ConnectError(f"client for {self.address} was closed"))
+        proto = self.protocol
+        if proto is None or proto.lost or proto.transport is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._close_waiters.append(d)
+        if self._close_timer is None:
+            proto.transport.loseConnection()
+            # loseConnection waits for buffered writes; a server that stops reading must not
+            # keep close() from finishing.
+            self._close_timer = self.reactor.callLater(self.timeout, self._abort, proto)
+        return d
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
+        state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
         return f"<tensorshare.TxClient {self.address} {state}>"
 
-    # -- helpers ----------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------
     def _check_name(self, name: str) -> None:
-        check_bin_name(name, self.protocol.conn.limits.max_name_bytes)
+        check_bin_name(name, self.limits.max_name_bytes)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        proto = self.protocol
-        return _make_item(name, value, tag, proto.conn.limits, proto.compress,
-                          proto.compress_min_bytes)
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
 
-
-class _TxClientFactory(ClientFactory):
-    """Connects once, runs the connect timeout, hands the handshake's result to ``deferred``."""
-
-    def __init__(self, reactor: Any, host: str, port: int, timeout: float,
-                 compress: str | None, compress_min_bytes: int, name: str) -> None:
-        self.reactor = reactor
-        self.host, self.port, self.timeout = host, port, timeout
-        self.address = f"{host}:{port}"
-        self.compress, self.compress_min_bytes, self.name = compress, compress_min_bytes, name
-        self.deferred: Deferred[TxClient] = Deferred(self._cancel)
-        self.protocol_instance: TxProtocol | None = None
-        self.connector: Any = None
-        self._timer: IDelayedCall | None = None
-        self._done = False  # the outcome was decided (deferred fired or cancelled)
-
-    def start(self) -> Deferred[TxClient]:
-        self._timer = self.reactor.callLater(self.timeout, self._timed_out)
+    def _request(self, msg: Request, what: str, convert: Callable[[Any], Any],
+                 extra: Any = None) -> Deferred[Any]:
+        """Add one request to the session; fire with ``convert(reply)``."""
+        holder: builtins.list[Call] = []
+        d: Deferred[Any] = Deferred(lambda _: self._abandon(holder[0]))
         try:
-            self.connector = self.reactor.connectTCP(self.host, self.port, self,
-                                                     timeout=self.timeout)
-        except Exception as exc:  # e.g. a malformed address refused synchronously
-            self._finish(Failure(ConnectError(
-                f"cannot connect to tensorshare server at {self.address}: {exc}")))
-        return self.deferred
+            call = self.session.call(msg, what, self.reactor.seconds(), token=d,
+                                     convert=convert, extra=extra)
+        except TensorShareError as exc:
+            return fail(exc)
+        holder.append(call)
+        self._flush()
+        self._reschedule()
+        return d
 
-    def buildProtocol(self, addr: Any) -> TxProtocol:
-        self._stop_timer()  # connected: from here on the handshake has its own timer
-        proto = TxProtocol(self.reactor, self.host, self.port, timeout=self.timeout,
-                           compress=self.compress, compress_min_bytes=self.compress_min_bytes,
-                           name=self.name)
-        self.protocol_instance = proto
-        proto.ready.addBoth(self._handshake_result)
-        return proto
+    def _abandon(self, call: Call) -> None:
+        """Canceller of a request's Deferred: stop waiting for its reply."""
+        call.token = None
+        self.session.abandon(call, self.reactor.seconds())
+        self._flush()
 
-    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
-        self._finish(Failure(ConnectError(
-            f"cannot connect to tensorshare server at {self.address}: "
-            f"{reason.getErrorMessage()}")))
-
-    def _handshake_result(self, result: Any) -> None:
-        if self._done:
-            if isinstance(result, TxClient):  # cancelled meanwhile: do not leak it
-                result.close()
-            return None
-        self._finish(result)
-        return None
-
-    def _finish(self, result: Any) -> None:
-        if self._done:
+    def _flush(self) -> None:
+        proto = self.protocol
+        if proto is None or proto.lost or proto.transport is None:
             return
-        self._done = True
-        self._stop_timer()
-        if isinstance(result, Failure):
-            self.deferred.errback(result)
-        else:
-            self.deferred.callback(result)
+        chunks = self.session.pop_sendable(self.reactor.seconds())
+        self._process(self.session.take_finished())
+        if chunks:
+            _write(proto, chunks)
 
-    def _stop_timer(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+    def _process(self, events: builtins.list[Any]) -> None:
+        for ev in events:
+            cls = type(ev)
+            if cls is Done:
+                self._finish(ev)
+            elif cls is Notify:
+                self._notify(ev)
+            elif cls is Ready:
+                self._ready(ev)
+            elif cls is Drop:
+                self._drop(ev.reason)
 
-    def _timed_out(self) -> None:
+    @staticmethod
+    def _finish(ev: Done) -> None:
+        d: Deferred[Any] | None = ev.call.token
+        if d is None or d.called:
+            return
+        if ev.error is not None:
+            d.errback(ev.error)
+            return
+        reply = ev.reply
+        if type(reply) is ErrorReply:
+            d.errback(error_from_code(reply.code, reply.message))
+            return
+        convert = ev.call.convert
+        try:
+            result = convert(reply) if convert is not None else reply
+        except TensorShareError as exc:  # e.g. a malformed value from a peer
+            d.errback(exc)
+            return
+        d.callback(result)
+
+    def _notify(self, ev: Notify) -> None:
+        for cb in ev.callbacks:
+            try:
+                result = cb(dict(ev.event))
+            except Exception:
+                log.failure("listen callback for bin {bin!r} raised", bin=ev.bin)
+                continue
+            if isinstance(result, Deferred):  # an async callback: log its failure too
+                result.addErrback(self._log_callback_failure, ev.bin)
+
+    @staticmethod
+    def _log_callback_failure(failure: Failure, name: str) -> None:
+        log.failure("listen callback for bin {bin!r} failed", failure, bin=name)
+
+    # -- time -------------------------------------------------------------------------------
+    def _reschedule(self) -> None:
+        """Keep one timer, at the session's next deadline or heartbeat."""
+        now = self.reactor.seconds()
+        times = [self.session.next_deadline()]
+        if self.session.connected:
+            times.append(self.session.heartbeat_due(now))
+        wake = min((t for t in times if t is not None), default=None)
+        t = self._timer
+        if wake is None or self.session.closed is not None:
+            if t is not None and t.active():
+                t.cancel()
+            self._timer = None
+            return
+        delay = max(wake - now, 0.0)
+        if t is not None and t.active():
+            if abs(t.getTime() - (now + delay)) > 1e-6:
+                t.reset(delay)
+            return
+        self._timer = self.reactor.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
         self._timer = None
-        self._finish(Failure(ConnectError(
-            f"cannot connect to tensorshare server at {self.address}: "
-            f"no connection within {self.timeout:g} s")))
+        self._process(self.session.tick(self.reactor.seconds()))
+        self._flush()
+        self._reschedule()
+
+    # -- connections ------------------------------------------------------------------------
+    def start(self) -> Deferred[TxClient]:
+        """Start connecting; returns :attr:`ready`."""
+        self._start_timer = self.reactor.callLater(self.timeout, self._start_overdue)
+        self.ready.addBoth(self._started_ok)
+        self._connect()
+        return self.ready
+
+    def _started_ok(self, result: Any) -> Any:
+        t, self._start_timer = self._start_timer, None
+        if t is not None and t.active():
+            t.cancel()
+        return result
+
+    def _start_overdue(self) -> None:
+        self._start_timer = None
+        if self.ready.called:
+            return
         self._stop_connecting()
+        error = ConnectError(f"cannot connect to tensorshare server at {self.address}: no "
+                             f"connection within {self.timeout:g} s")
+        self._fail_start(error)
+        proto = self.protocol
+        if proto is not None and proto.transport is not None and not proto.lost:
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def _connect(self) -> None:
+        self._retry = None
+        if self._closing or self.session.closed is not None:
+            return
+        if self._connector is not None:
+            self._connecting = self._connector(self)
+            return
+        try:
+            self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
+                                                       timeout=self.timeout)
+        except Exception as exc:  # e.g. a malformed address refused synchronously
+            self._connect_failed(str(exc))
+
+    def _connect_failed(self, reason: str) -> None:
+        self._connecting = None
+        if self._closing:
+            return
+        now = self.reactor.seconds()
+        if self.session.server is None:
+            if not self.reconnect or now - self._started >= self.timeout:
+                self._fail_start(ConnectError(
+                    f"cannot connect to tensorshare server at {self.address}: {reason}"))
+                return
+        elif self.session.give_up_due(now):
+            self._give_up(now)
+            return
+        self.session.last_loss = f"cannot connect: {reason}"
+        self._retry_later()
+
+    def _retry_later(self) -> None:
+        delay = self.session.backoff(self._attempt)
+        self._attempt += 1
+        self._retry = self.reactor.callLater(delay, self._connect)
+        self._reschedule()
+
+    def _fail_start(self, error: ConnectError) -> None:
+        self._process(self.session.close(error))
+        if not self.ready.called:
+            self.ready.errback(error)
+
+    def _give_up(self, now: float) -> None:
+        since = self.session.disconnected_since or now
+        self._process(self.session.close(ConnectionLost(
+            f"the tensorshare server at {self.address} has been unreachable for "
+            f"{now - since:.1f} s ({self.session.last_loss}); gave up (reconnect="
+            f"{self.reconnect:g})")))
+        log.warn("gave up reconnecting to tensorshare server at {address}",
+                 address=self.address)
+
+    def make_protocol(self) -> TxProtocol:
+        """A protocol for a new connection of this client (for custom transports)."""
+        return TxProtocol(self)
+
+    def _connection_made(self, proto: TxProtocol) -> None:
+        self._connecting = None
+        if self._closing or self.session.closed is not None:
+            proto.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        self.protocol = proto
+        _write(proto, self.session.connection_made(self.reactor.seconds()))
+        self._reschedule()
+
+    def _data(self, proto: TxProtocol, data: bytes) -> None:
+        if proto is not self.protocol or self.session.conn is None:
+            return  # an old connection's last bytes, or we are closing
+        self._process(self.session.receive_data(data, self.reactor.seconds()))
+        self._flush()
+        self._reschedule()
+
+    def _connection_lost(self, proto: TxProtocol, reason: Failure) -> None:
+        if self._close_timer is not None and self._close_timer.active():
+            self._close_timer.cancel()
+        self._close_timer = None
+        waiters, self._close_waiters = self._close_waiters, []
+        if proto is self.protocol:
+            self.protocol = None
+            why = self._drop_reason or ("the server closed the connection"
+                                        if reason.check(ConnectionDone)
+                                        else reason.getErrorMessage())
+            self._drop_reason = None
+            self._process(self.session.connection_lost(why, self.reactor.seconds()))
+            if not self._closing and self.session.closed is None:
+                if self._lost_at is None:
+                    self._lost_at = self.reactor.seconds()
+                    log.warn("lost connection to tensorshare server at {address} ({why}); "
+                             "reconnecting", address=self.address, why=why)
+                self._retry_later()
+            elif self.session.server is None and not self.ready.called:
+                error = self.session.closed
+                self.ready.errback(error if isinstance(error, ConnectError) else ConnectError(
+                    f"handshake with {self.address} failed: {error}"))
+        for d in waiters:
+            d.callback(None)
+
+    def _ready(self, ev: Ready) -> None:
+        self._attempt = 0
+        if ev.first:
+            if not self.ready.called:
+                self.ready.callback(self)
+        else:
+            away = self.reactor.seconds() - self._lost_at if self._lost_at is not None else 0.0
+            self._lost_at = None
+            how = "session resumed" if ev.resumed else "new session: the server did not know ours"
+            log.warn("reconnected to tensorshare server at {address} after {away:.1f} s "
+                     "({how})", address=self.address, away=away, how=how)
+
+    def _drop(self, reason: str) -> None:
+        """The stream is unusable (or silent): abort the connection; we reconnect."""
+        proto = self.protocol
+        log.warn("dropping connection to tensorshare server at {address}: {reason}",
+                 address=self.address, reason=reason)
+        if proto is not None and proto.transport is not None and not proto.lost:
+            self._drop_reason = reason
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+        if self.session.server is None and self.session.closed is not None \
+                and not self.ready.called:
+            self._fail_start(ConnectError(str(self.session.closed)))
+
+    def _cancel_connect(self) -> None:
+        """Canceller of :attr:`ready`: give up on the connection."""
+        self.close()
 
     def _stop_connecting(self) -> None:
-        if self.connector is not None:
+        c = self._connecting
+        self._connecting = None
+        if c is not None:
             try:
-                self.connector.stopConnecting()
+                c.stopConnecting()
             except Exception:  # not connecting any more (twisted's NotConnectingError)
                 pass
 
-    def _cancel(self, d: Deferred[TxClient]) -> None:
-        self._done = True
-        self._stop_timer()
-        proto = self.protocol_instance
-        if proto is not None:
-            proto.close()
-        else:
-            self._stop_connecting()
+    def _abort(self, proto: TxProtocol) -> None:
+        self._close_timer = None
+        if not proto.lost and proto.transport is not None:
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+
+def _version(reply: Any) -> int:
+    return int(reply.version)
+
+
+def _none(reply: Any) -> None:
+    return None
+
+
+def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
+    # The stock Twisted transports only accept bytes, so the frame (header and every tensor
+    # buffer) is joined into one bytes object here: one copy of the data. The server avoids
+    # this copy with tensorshare._fasttcp (sendmsg of the buffers themselves).
+    proto.transport.write(b"".join(chunks))  # type: ignore[union-attr]
 
 
 def connect(reactor: Any, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
-            compress: str | None = None, name: str = "tensorshare-twisted",
-            compress_min_bytes: int = 64 * 1024) -> Deferred[TxClient]:
+            reconnect: bool | float = True, compress: str | None = None,
+            name: str = "tensorshare-twisted", compress_min_bytes: int = 64 * 1024,
+            session: bool = True, heartbeat: float | None = None) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
         reactor: the reactor to use (``reactor.connectTCP`` and ``reactor.callLater``).
         host, port: the server's address.
-        timeout: seconds allowed to establish the TCP connection, then again for the
-            handshake (as the blocking client), and afterwards for each reply.
+        timeout: seconds the first connection may take (with ``reconnect`` on, attempts are
+            repeated until then), and the server has to answer each request.
+        reconnect: as for :class:`tensorshare.Client`.
         compress: ``"lz4"`` to compress large tensor buffers before sending, or ``None``.
         name: how this client introduces itself in the server's log.
         compress_min_bytes: buffers smaller than this are never compressed.
+        session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).
+        heartbeat: seconds of silence before a ping checks the connection (see
+            :class:`tensorshare.Client`).
 
-    Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when the
-    connection is refused or unreachable, the handshake fails, or either step takes longer
-    than ``timeout``. Cancelling the Deferred gives up on the connection.
+    Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when no
+    server answered within ``timeout`` or the handshake failed. Cancelling the Deferred gives
+    up on the connection.
 
     Raises:
-        ValueError: ``compress`` is not ``None`` or ``"lz4"`` (synchronously).
+        ValueError: a bad ``compress``, ``timeout`` or ``reconnect`` (synchronously).
     """
-    if compress not in (None, "lz4"):
-        raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
-    factory = _TxClientFactory(reactor, host, port, timeout, compress, compress_min_bytes, name)
-    return factory.start()
+    client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
+                      compress=compress, compress_min_bytes=compress_min_bytes, name=name,
+                      session=session, heartbeat=heartbeat)
+    return client.start()

@@ -39,9 +39,9 @@ from tensorshare.errors import (
     UnsupportedType,
 )
 from tensorshare.messages import Hello, Limits
-from tensorshare.protocol import CLIENT, Connection
 from tensorshare.server import EmbeddedServer
 from tensorshare.store import Taken
+from tests.wire import WireClient
 
 WAIT = 20.0  # safety deadline; never reached when things work
 HOST = "127.0.0.1"
@@ -633,7 +633,7 @@ def test_garbage_on_a_raw_socket_closes_it_and_others_keep_working(
         data = recv_until_closed(raw)
     assert data == b"" or data.startswith(b"TS")  # an error frame, then the close
     if data:
-        (err,) = Connection(CLIENT).receive_data(data)
+        (err,) = WireClient().receive_data(data)
         assert err.code == "protocol_error"
     assert torch.equal(client.get("keep"), torch.arange(5))
     assert client.get("during") == 1
@@ -649,7 +649,7 @@ def test_huge_announced_payload_gets_an_error_or_a_close(connect: Callable[..., 
     with EmbeddedServer(port=0, limits=limits) as srv:
         other = connect(srv)
         with socket.create_connection((HOST, srv.port), timeout=WAIT) as raw:
-            conn = Connection(CLIENT)
+            conn = WireClient()
             raw.sendall(b"".join(conn.send(Hello(conn.next_id(), (1,)))))
             header = msgpack.packb({"op": "put", "id": 2, "bin": "x",
                                     "items": [[msgpack.packb(None), [[0, 2**40]], None]]})
@@ -675,7 +675,7 @@ def test_huge_announced_payload_gets_an_error_or_a_close(connect: Callable[..., 
                 closed = True
             except TimeoutError:
                 pass
-            msgs = Connection(CLIENT).receive_data(received)
+            msgs = WireClient().receive_data(received)
             errors = [m for m in msgs if getattr(m, "code", None) is not None]
             assert closed or errors, (
                 "the server neither answered nor closed a connection that announced a "
@@ -700,8 +700,9 @@ def test_oversized_put_raises_limit_exceeded_and_the_client_keeps_working(
 # ------------------------------------------------------------------------------- failures
 
 
-def test_server_stop_fails_a_waiting_get_promptly(server: EmbeddedServer,
-                                                  client: Client) -> None:
+def test_without_reconnect_server_stop_fails_a_waiting_get_promptly(
+        server: EmbeddedServer, connect: Callable[..., Client]) -> None:
+    client = connect(server, reconnect=False)
     registered = waiter_registered(server)
     t, done, box = in_thread(lambda: client.get("never", timeout=None))
     assert registered.wait(WAIT)
@@ -807,10 +808,10 @@ def test_cli_serve_binds_loopback_by_default(server_process: Callable[..., Serve
     assert torch.equal(c.get("x"), torch.ones(2))
 
 
-def test_server_killed_mid_request_is_connection_lost(
+def test_without_reconnect_a_killed_server_is_connection_lost(
         server_process: Callable[..., ServerProcess], connect: Callable[..., Client]) -> None:
     p = server_process("--port", "0", "--quiet")
-    c = connect(p.port)
+    c = connect(p.port, reconnect=False)
     c.put("keep", torch.ones(3))
     sent = threading.Event()
 

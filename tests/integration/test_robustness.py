@@ -20,9 +20,9 @@ from tensorshare import (
     TensorShare,
     Timeout,
 )
-from tensorshare.messages import Get, Hello
-from tensorshare.protocol import CLIENT, Connection
+from tensorshare.messages import Hello
 from tests.conftest import wait_until
+from tests.wire import Get, WireClient
 
 
 def test_close_racing_with_calls_from_many_threads_never_hangs(server: EmbeddedServer) -> None:
@@ -95,7 +95,7 @@ def test_a_header_just_over_the_limit_is_refused_locally(server: EmbeddedServer)
 
 
 def test_a_connection_closed_for_garbage_releases_its_waiters(server: EmbeddedServer) -> None:
-    conn = Connection(CLIENT)
+    conn = WireClient()
     raw = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     try:
         for msg in (Hello(conn.next_id(), (1,)), Get(conn.next_id(), "q", wait=True)):
@@ -157,7 +157,7 @@ def test_clients_joining_and_dropping_do_not_disturb_the_others(server: Embedded
     def churn(k: int) -> None:
         try:
             for i in range(15):
-                c = Client("127.0.0.1", server.port, timeout=10)
+                c = Client("127.0.0.1", server.port, timeout=10, reconnect=False)
                 c.append("shared", torch.tensor([k, i]))
                 c.begin_fetch(f"never-{k}", remove=True, timeout=None)  # left waiting
                 if i % 2:

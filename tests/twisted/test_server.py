@@ -1,16 +1,18 @@
 """Tests for tensorshare.server: ServerFactory/ServerProtocol on in-memory transports.
 
 Every connection is a ``ServerProtocol`` on a ``StringTransport``; requests are frames built
-by a ``Connection(CLIENT)`` and written into ``dataReceived``; what the server wrote is parsed
-back with the same ``Connection(CLIENT)`` (which knows the ops of the requests it sent).
+by a ``WireClient`` and written into ``dataReceived``; what the server wrote is parsed back
+with the same ``WireClient`` (which knows the ops of the requests it sent).
 Timers run on a ``MemoryReactorClock``: no sockets, no real time.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from twisted.internet.address import IPv4Address
@@ -25,11 +27,12 @@ from tensorshare.messages import (
     Append,
     Cancel,
     Changed,
+    Configure,
+    Configured,
     Delete,
     Deleted,
     ErrorReply,
     Fetched,
-    Get,
     Hello,
     HelloReply,
     Item,
@@ -38,14 +41,16 @@ from tensorshare.messages import (
     Listen,
     Listening,
     Listing,
-    Peek,
     Ping,
     Put,
+    Stats,
+    StatsReply,
     Stored,
     Unlisten,
 )
-from tensorshare.protocol import CLIENT, PROTOCOL_VERSIONS, Connection
-from tensorshare.server import ServerFactory, ServerProtocol
+from tensorshare.protocol import PROTOCOL_VERSIONS, AckInfo
+from tensorshare.server import ServerConfig, ServerFactory, ServerProtocol
+from tests.wire import Get, Peek, WireClient
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -55,16 +60,21 @@ class Peer:
 
     _ports = iter(range(40000, 50000))
 
-    def __init__(self, factory: ServerFactory, *, hello: bool = True) -> None:
+    def __init__(self, factory: ServerFactory, *, hello: bool = True,
+                 session: bytes | None = None, resume: bool = False,
+                 conn: WireClient | None = None) -> None:
         self.factory = factory
         addr = IPv4Address("TCP", "127.0.0.1", next(self._ports))
         self.proto: ServerProtocol = factory.buildProtocol(addr)
         self.transport = StringTransport(peerAddress=addr)
         self.proto.makeConnection(self.transport)
-        self.conn = Connection(CLIENT)
+        self.conn = conn or WireClient()  # a reconnecting client keeps its ids
+        self.hello: HelloReply | None = None
         if hello:
-            reply = self.request(Hello(self.rid(), PROTOCOL_VERSIONS, "test"))
+            reply = self.request(Hello(self.rid(), PROTOCOL_VERSIONS, "test", None, session,
+                                       resume))
             assert type(reply) is HelloReply, reply
+            self.hello = reply
 
     def rid(self) -> int:
         return self.conn.next_id()
@@ -181,7 +191,7 @@ def test_first_request_must_be_hello(factory: ServerFactory, first: Any) -> None
 
 def test_a_bad_request_before_hello_also_closes(factory: ServerFactory) -> None:
     peer = Peer(factory, hello=False)
-    peer.write(b"".join(Connection(CLIENT).send(Delete(3, ""))))
+    peer.write(b"".join(WireClient().send(Delete(3, ""))))
     out = peer.received()
     assert len(out) == 1 and out[0].id == 0 and out[0].code == "protocol_error"
     assert peer.transport.disconnecting
@@ -549,3 +559,191 @@ def test_nan_timeout_is_refused(factory: ServerFactory) -> None:
     assert len(replies) == 1, f"no reply to a get with timeout=NaN; {n_waiters} waiter(s) stored"
     assert_error(replies[0], 50, "invalid_request", "timeout")
     assert n_waiters == 0
+
+
+# ------------------------------------------------------------------------------- sessions
+
+SID = b"S" * 16
+
+
+def test_a_resent_put_is_answered_from_memory_and_not_run_twice(factory: ServerFactory) -> None:
+    peer = Peer(factory, session=SID)
+    assert peer.hello is not None and not peer.hello.resumed
+    rid = peer.rid()
+    frame = peer.conn.frame(Append(rid, "q", Item(codec.encode(1))))
+    peer.write(frame)
+    (first,) = peer.received()
+    peer.lose()  # the client never saw the reply: it reconnects and sends the same frame
+    again = Peer(factory, session=SID, resume=True, conn=peer.conn)
+    assert again.hello is not None and again.hello.resumed
+    again.conn.ops[rid] = "append"
+    again.write(frame)
+    (second,) = again.received()
+    assert second == first and factory.store.n_items("q") == 1
+    assert factory.stats["replayed"] == 1
+
+
+def test_a_get_whose_reply_was_lost_is_delivered_again_not_lost(factory: ServerFactory) -> None:
+    writer = Peer(factory)
+    for i in range(3):
+        writer.append("q", i)
+    peer = Peer(factory, session=SID)
+    rid = peer.rid()
+    frame = peer.conn.frame(Get(rid, "q", max_items=2))
+    peer.write(frame)
+    peer.received()  # lost in transit, as far as the client knows
+    assert factory.sessions.held > 0 and factory.store.n_items("q") == 1
+    peer.lose()
+    again = Peer(factory, session=SID, resume=True, conn=peer.conn)
+    again.conn.ops[rid] = "get"
+    again.write(frame)
+    (reply,) = again.received()
+    assert values(reply) == [0, 1] and factory.store.n_items("q") == 1
+    # the next request acknowledges it: the held items are released
+    again.send(Ping(again.rid()), )
+    again.received()
+    assert factory.sessions.held > 0  # no ack field was sent: still held
+    again.write(again.conn.frame(Ping(again.rid()), AckInfo(rid)))
+    again.received()
+    assert factory.sessions.held == 0 and factory.store.outside_bytes == 0
+
+
+def test_open_ids_below_the_ack_stay_remembered(factory: ServerFactory) -> None:
+    peer = Peer(factory, session=SID)
+    r1, r2 = peer.rid(), peer.rid()
+    peer.send(Put(r1, "a", Item(codec.encode(1))))
+    peer.send(Put(r2, "b", Item(codec.encode(2))))
+    peer.received()
+    session = factory.sessions.get(SID)
+    assert session is not None and set(session.replies) == {r1, r2}
+    peer.write(peer.conn.frame(Ping(peer.rid()), AckInfo(r2, (r1,))))
+    peer.received()
+    assert set(session.replies) == {r1}
+
+
+def test_cancel_of_a_get_that_ran_puts_its_items_back_in_front(factory: ServerFactory) -> None:
+    writer = Peer(factory)
+    listener = Peer(factory)
+    listener.request(Listen(listener.rid(), "q"))
+    for i in range(3):
+        writer.append("q", i)
+    listener.received()
+    peer = Peer(factory, session=SID)
+    rid = peer.rid()
+    assert values(peer.request(Get(rid, "q", max_items=2))) == [0, 1]
+    writer.append("q", 3)
+    cancel = peer.rid()
+    assert peer.request(Cancel(cancel, rid)) == Acked(cancel, True)
+    assert values(writer.request(Get(writer.rid(), "q"))) == [0, 1, 2, 3]
+    events = [m for m in listener.received() if type(m) is Changed]
+    assert [e.op for e in events] == ["get", "append", "restore", "get"]
+    assert factory.sessions.held == 0
+
+
+def test_an_expired_session_gives_back_what_its_gets_took(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    writer = Peer(factory)
+    writer.append("q", "a")
+    writer.append("q", "b")
+    peer = Peer(factory, session=SID)
+    assert values(peer.request(Get(peer.rid(), "q", max_items=1))) == ["a"]
+    peer.lose()
+    assert len(factory.sessions) == 1
+    clock.advance(factory.config.session_ttl - 1)
+    assert factory.store.n_items("q") == 1
+    clock.advance(2)
+    assert len(factory.sessions) == 0 and factory.stats["sessions_expired"] == 1
+    assert values(writer.request(Get(writer.rid(), "q"))) == ["a", "b"]
+    # the client coming back later starts a new session: the server says so
+    late = Peer(factory, session=SID, resume=True)
+    assert late.hello is not None and not late.hello.resumed
+
+
+def test_resuming_a_session_still_attached_elsewhere_takes_it_over(
+        factory: ServerFactory) -> None:
+    old = Peer(factory, session=SID)
+    old.send(Get(old.rid(), "never", wait=True, timeout=None))
+    assert factory.store.n_waiters == 1
+    new = Peer(factory, session=SID, resume=True)
+    assert new.hello is not None and new.hello.resumed
+    assert old.transport.disconnecting and factory.store.n_waiters == 0
+    new.ping()
+
+
+def test_a_session_reconnecting_in_time_keeps_its_replies(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    peer = Peer(factory, session=SID)
+    peer.put("x", 1)
+    peer.lose()
+    clock.advance(factory.config.session_ttl / 2)
+    again = Peer(factory, session=SID, resume=True, conn=peer.conn)
+    assert again.hello is not None and again.hello.resumed
+    clock.advance(factory.config.session_ttl)
+    assert len(factory.sessions) == 1  # attached: no expiry while connected
+
+
+# ------------------------------------------------------------------------------- limits
+
+
+def test_a_large_frame_before_hello_closes_the_connection(factory: ServerFactory) -> None:
+    peer = Peer(factory, hello=False)
+    header = msgpack.packb({"op": "put", "id": 1, "bin": "x",
+                            "items": [[msgpack.packb(None), [[0, 2**30]], None]]})
+    peer.write(struct.pack("<2sBBIQ", b"TS", 1, 0, len(header), 2**30) + header)
+    assert peer.transport.disconnecting
+    (err,) = peer.received()
+    assert err.code == "protocol_error" and "before the handshake" in err.message
+
+
+def test_a_connection_that_never_says_hello_is_closed(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    peer = Peer(factory, hello=False)
+    clock.advance(factory.config.hello_timeout + 0.1)
+    assert peer.transport.disconnecting
+    (err,) = peer.received()
+    assert "no hello within" in err.message and factory.stats["hello_timeouts"] == 1
+
+
+def test_connections_over_max_connections_are_refused_with_a_reason(
+        clock: MemoryReactorClock) -> None:
+    factory = ServerFactory(clock, config=ServerConfig(max_connections=2))
+    a, b = Peer(factory), Peer(factory)
+    c = Peer(factory, hello=False)
+    assert c.transport.disconnecting
+    (err,) = c.received()
+    assert err.code == "limit_exceeded" and "max_connections=2" in err.message
+    a.ping()
+    b.ping()
+
+
+def test_configure_reject_and_block(factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    peer = Peer(factory)
+    rid = peer.rid()
+    assert peer.request(Configure(rid, "q", 1, None, "reject")) == Configured(rid, 1, None,
+                                                                              "reject")
+    peer.append("q", 1)
+    assert_error(peer.append("q", 2), peer.conn._next, "bin_full", "is full")
+    rid = peer.rid()
+    peer.request(Configure(rid, "q", 1, None, "block"))
+    blocked = peer.rid()
+    peer.send(Append(blocked, "q", Item(codec.encode(2)), 5.0))
+    assert peer.received() == []
+    consumer = Peer(factory)
+    assert values(consumer.request(Get(consumer.rid(), "q"))) == [1]
+    (stored,) = peer.received()
+    assert type(stored) is Stored and stored.id == blocked
+    late = peer.rid()
+    peer.send(Append(late, "q", Item(codec.encode(3)), 5.0))
+    clock.advance(5.1)
+    assert_error(peer.received()[0], late, "bin_full", "stayed full for 5 s")
+    assert factory.store.n_blocked == 0
+
+
+def test_stats_reply(factory: ServerFactory) -> None:
+    peer = Peer(factory)
+    peer.put("w", {"a": torch.zeros(2, 3)})
+    rid = peer.rid()
+    reply = peer.request(Stats(rid, "w*"))
+    assert type(reply) is StatsReply and reply.server["connections"] == 1
+    assert reply.bins["w"]["first"] == "{a: float32[2,3]}"
+    assert reply.bins["w"]["kind"] == "value" and reply.bins["w"]["version"] == 1

@@ -29,16 +29,29 @@ from tensorshare.errors import (
     ConnectError,
     ConnectionLost,
     MemoryLimitExceeded,
-    Timeout,
+    ReplyTimeout,
+    SessionLost,
     UnsupportedType,
+    WaitTimeout,
 )
-from tensorshare.messages import Cancel, ErrorReply, Get, Hello, HelloReply, Limits, Ping, Put
-from tensorshare.protocol import SERVER, Connection
+from tensorshare.messages import (
+    Cancel,
+    ErrorReply,
+    Fetch,
+    Hello,
+    HelloReply,
+    Limits,
+    Ping,
+    Put,
+)
+from tensorshare.protocol import ServerConnection
 from tensorshare.server import EmbeddedServer, ServerFactory
-from tensorshare.txclient import TxClient, TxProtocol, connect
+from tensorshare.txclient import TxClient, connect
+from tests.wire import server_frames
 
 WAIT = 30.0  # safety deadline for the loopback tests; never reached when things work
 ADDRESS = ("memory", 1)
+QUIET = 1e6  # a heartbeat that never comes during a test on a fake clock
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -69,20 +82,44 @@ def failure(d: defer.Deferred[Any], *types: type[BaseException]) -> BaseExceptio
 
 
 class Memory:
-    """A ServerFactory on a fake clock, and helpers to attach in-memory clients to it."""
+    """A ServerFactory on a fake clock, and helpers to attach in-memory clients to it.
+
+    Each client's connector attaches a new in-memory connection to the factory, so a client
+    that loses its connection reconnects here too (when its retry timer fires).
+    """
 
     def __init__(self, limits: Limits | None = None, max_memory: int | None = None) -> None:
         self.server_clock = MemoryReactorClock()
         self.factory = ServerFactory(self.server_clock, limits, max_memory)
         self.pumps: list[iosim.IOPump] = []
+        self.refuse = False  # the server is "down": connection attempts fail
 
-    def client(self, clock: Clock | None = None, **kw: Any) -> tuple[TxClient, iosim.IOPump]:
-        proto = TxProtocol(clock or Clock(), *ADDRESS, **kw)
+    def attach(self, client: TxClient) -> None:
+        if self.refuse:
+            client._connect_failed("connection refused")
+            return
+        proto = client.make_protocol()
         server_proto = self.factory.buildProtocol(None)
         pump = iosim.connect(server_proto, iosim.makeFakeServer(server_proto),
                              proto, iosim.makeFakeClient(proto), greet=True)
         self.pumps.append(pump)
-        return success(proto.ready), pump
+
+    def client(self, clock: Clock | None = None, **kw: Any) -> tuple[TxClient, iosim.IOPump]:
+        kw.setdefault("heartbeat", QUIET)
+        client = TxClient(clock or Clock(), *ADDRESS, connector=self.attach, **kw)
+        d = client.start()
+        self.flush()
+        return success(d), self.pumps[-1]
+
+    @staticmethod
+    def cut(pump: iosim.IOPump) -> None:
+        """The server gets what the client wrote, then the connection dies before any reply
+        reaches the client (the replies are lost in transit)."""
+        requests = pump.clientIO.getOutBuffer()
+        pump.serverIO.bufferReceived(requests)
+        pump.serverIO.getOutBuffer()  # lost
+        pump.clientIO.loseConnection()
+        pump.flush()
 
     def flush(self) -> None:
         """Pump every connection until no bytes move on any (one can cause writes on another)."""
@@ -124,22 +161,32 @@ def logged_failures() -> Iterator[list[dict[str, Any]]]:
 
 def server_bytes(*msgs: Any) -> bytes:
     """Frames as the server would send them."""
-    conn = Connection(SERVER)
-    return b"".join(b"".join(conn.send(m)) for m in msgs)
+    return server_frames(*msgs)
 
 
 def sent_requests(transport: StringTransport) -> list[Any]:
     """Parse what a client wrote to a StringTransport, as the server would."""
-    return list(Connection(SERVER).receive_data(transport.value()))
+    conn = ServerConnection()
+    conn.handshake_done()
+    return [m for m in conn.receive_data(transport.value()) if type(m).__name__ != "AckInfo"]
 
 
-def string_client(timeout: float = 30.0) -> tuple[TxProtocol, StringTransport, Clock]:
-    """A protocol on a transport that swallows writes: the server never answers."""
+def string_client(timeout: float = 30.0, **kw: Any) -> tuple[TxClient, StringTransport, Clock]:
+    """A client on a transport that swallows writes: the server never answers by itself."""
     clock = Clock()
-    proto = TxProtocol(clock, *ADDRESS, timeout=timeout)
     transport = StringTransport()
-    proto.makeConnection(transport)
-    return proto, transport, clock
+
+    def attach(client: TxClient) -> None:
+        client.make_protocol().makeConnection(transport)
+
+    kw.setdefault("heartbeat", QUIET)
+    client = TxClient(clock, *ADDRESS, timeout=timeout, connector=attach, **kw)
+    client.start()
+    return client, transport, clock
+
+
+def hello_reply(**kw: Any) -> bytes:
+    return server_bytes(HelloReply(1, 1, "tensorshare/test", Limits(), **kw))
 
 
 def sample() -> dict[str, Any]:
@@ -169,7 +216,7 @@ def test_handshake_adopts_the_server_limits() -> None:
     mem = Memory(limits)
     client, _ = mem.client()
     assert client.limits == limits
-    assert client.protocol.conn.limits == limits
+    assert client.session.conn is not None and client.session.conn.limits == limits
     assert client.protocol_version == 1
     assert client.server_version.startswith("tensorshare/")
     assert client.address == "memory:1"
@@ -294,7 +341,8 @@ def test_waiting_get_is_served_by_a_later_put(mem: Memory) -> None:
     mem.run(writer.put("jobs", {"t": torch.arange(3)}))
     got = mem.run(d)
     assert torch.equal(got["t"], torch.arange(3))
-    assert clock.getDelayedCalls() == []  # the reply timer was cancelled
+    # the reply timer was cancelled: only the (far away) heartbeat is left
+    assert all(c.getTime() >= QUIET for c in clock.getDelayedCalls())
 
 
 def test_waiting_get_times_out_on_the_server_clock(mem: Memory) -> None:
@@ -305,7 +353,7 @@ def test_waiting_get_times_out_on_the_server_clock(mem: Memory) -> None:
     mem.flush()
     assert not fired(d)
     mem.server_clock.advance(0.1)
-    exc = mem.run_fail(d, Timeout)
+    exc = mem.run_fail(d, WaitTimeout)
     assert "within 2 s" in str(exc)
     assert mem.run(client.ping()) is None  # the connection is still fine
 
@@ -322,69 +370,76 @@ def test_cancelling_a_waiting_get_cancels_it_on_the_server(mem: Memory) -> None:
 
 
 def test_reply_timeout_when_the_server_never_answers() -> None:
-    proto, transport, clock = string_client(timeout=10)
-    proto.dataReceived(server_bytes(HelloReply(1, 1, "tensorshare/test", Limits())))
-    client = success(proto.ready)
+    client, transport, clock = string_client(timeout=10)
+    client.protocol.dataReceived(hello_reply())
+    assert success(client.ready) is client
     put = client.put("x", torch.ones(3))
     wait = client.get("y", timeout=5)
     clock.advance(9.9)
     assert not fired(put) and not fired(wait)
     clock.advance(0.1)
-    exc = failure(put, Timeout)
+    exc = failure(put, ReplyTimeout)
     assert "memory:1" in str(exc) and "put to bin 'x'" in str(exc)
+    assert "may or may not have taken effect" in str(exc)
     assert not fired(wait)  # a waiting get gets its wait time on top
     clock.advance(5)
-    failure(wait, Timeout)
+    failure(wait, ReplyTimeout)
     sent = sent_requests(transport)
-    assert [type(m) for m in sent] == [Hello, Put, Get, Cancel]
+    assert [type(m) for m in sent] == [Hello, Put, Fetch, Cancel]
     get = sent[2]
-    assert get.wait and get.timeout == 5
+    assert get.spec.wait and get.spec.timeout == 5
     assert sent[3].target == get.id  # the timed out wait was cancelled on the server
-    assert proto.conn.outstanding == 1  # only the cancel itself awaits a reply
-    # A late reply to a forgotten request is ignored.
-    proto.dataReceived(server_bytes(ErrorReply(get.id, "timeout", "late")))
-    assert not client.closed
+    # What is left: the abandoned get, kept until its cancel is answered, and the cancel.
+    assert client.session.pending == 2
+    # A late reply to the abandoned request is ignored; the cancel's reply settles it.
+    client.protocol.dataReceived(server_bytes(ErrorReply(get.id, "timeout", "late"),
+                                              *[]))
+    client.protocol.dataReceived(server_bytes(
+        __import__("tensorshare.messages").messages.Acked(sent[3].id, True)))
+    assert client.session.pending == 0 and not client.closed
 
 
 def test_waiting_without_limit_has_no_reply_timer() -> None:
-    proto, _, clock = string_client(timeout=10)
-    proto.dataReceived(server_bytes(HelloReply(1, 1, "tensorshare/test", Limits())))
-    client = success(proto.ready)
+    client, _, clock = string_client(timeout=10, reconnect=False)
+    client.protocol.dataReceived(hello_reply())
     d = client.get("y", timeout=None)
-    assert clock.getDelayedCalls() == []
-    proto.connectionLost(Failure(ConnectionLost("gone")))
+    assert all(c.getTime() >= QUIET for c in clock.getDelayedCalls())
+    client.protocol.connectionLost(Failure(ConnectionLost("gone")))
     failure(d, ConnectionLost)
 
 
 def test_handshake_timeout_is_a_connect_error() -> None:
-    proto, transport, clock = string_client(timeout=3)
+    client, transport, clock = string_client(timeout=3)
     clock.advance(3)
-    exc = failure(proto.ready, ConnectError)
-    assert "handshake with memory:1 failed" in str(exc)
+    exc = failure(client.ready, ConnectError)
+    assert "memory:1" in str(exc)
     assert transport.disconnecting
 
 
 def test_handshake_refused_is_a_connect_error() -> None:
-    proto, transport, _ = string_client()
-    proto.dataReceived(server_bytes(ErrorReply(1, "unsupported_version", "no common version")))
-    exc = failure(proto.ready, ConnectError)
+    client, transport, _ = string_client()
+    client.protocol.dataReceived(server_bytes(ErrorReply(1, "unsupported_version",
+                                                         "no common version")))
+    exc = failure(client.ready, ConnectError)
     assert "no common version" in str(exc)
     assert transport.disconnecting
 
 
 def test_garbage_from_the_server_drops_the_connection() -> None:
-    proto, transport, _ = string_client()
-    proto.dataReceived(server_bytes(HelloReply(1, 1, "tensorshare/test", Limits())))
-    client = success(proto.ready)
+    client, transport, _ = string_client(reconnect=False)
+    client.protocol.dataReceived(hello_reply())
     d = client.ping()
-    proto.dataReceived(b"\xff" * 64)
+    client.protocol.dataReceived(b"\xff" * 64)
+    assert transport.disconnecting or client.protocol is None
+    client.protocol and client.protocol.connectionLost(Failure(ConnectionLost("aborted")))
     exc = failure(d, ConnectionLost)
     assert "protocol error" in str(exc)
-    assert client.closed and transport.disconnecting
+    assert client.closed
 
 
-def test_connection_lost_errbacks_every_pending_request(mem: Memory) -> None:
-    client, pump = mem.client()
+def test_without_reconnect_a_lost_connection_errbacks_every_pending_request(
+        mem: Memory) -> None:
+    client, pump = mem.client(reconnect=False)
     pending = [client.put("a", torch.ones(2)), client.get("b", timeout=None), client.ping()]
     assert not any(fired(d) for d in pending)
     pump.server.transport.loseConnection()
@@ -398,6 +453,76 @@ def test_connection_lost_errbacks_every_pending_request(mem: Memory) -> None:
     assert fired(after)  # errbacks at once
     assert "cannot send list" in str(failure(after, ConnectionLost))
     assert mem.factory.connections == set()
+
+
+def test_a_dropped_connection_is_resumed_and_nothing_runs_twice(mem: Memory) -> None:
+    clock = Clock()
+    client, pump = mem.client(clock)
+    other, _ = mem.client()
+    mem.run(client.append("q", 1))
+    events: list[dict[str, Any]] = []
+    mem.run(client.listen("w", events.append))
+    # Requests are written, then the connection dies before any reply comes back.
+    pending = [client.append("q", 2), client.append("q", 3), client.get("q", max_items=1)]
+    mem.cut(pump)
+    assert not client.connected and not any(fired(d) for d in pending)
+    mem.run(other.put("w", "changed while away"))
+    clock.advance(5)  # the backoff timer: reconnect, resume, resend
+    mem.flush()
+    assert client.connected
+    assert [success(d) for d in pending] == [2, 3, [1]]
+    assert mem.run(other.get("q")) == [2, 3]  # each append stored once
+    assert mem.factory.stats["replayed"] == 3
+    assert [e["op"] for e in events] == ["resync"] and events[0]["version"] == 1
+
+
+def test_a_server_that_forgot_the_session_fails_unknown_outcomes_with_session_lost(
+        mem: Memory) -> None:
+    clock = Clock()
+    client, pump = mem.client(clock)
+    put = client.put("x", 1)
+    peek = client.peek("nothing-here")
+    mem.cut(pump)
+    mem.factory.sessions.close(mem.factory.sessions.get(client.session.session_id))
+    clock.advance(5)
+    mem.flush()
+    exc = failure(put, SessionLost)
+    assert "put to bin 'x'" in str(exc) and "may or may not" in str(exc)
+    failure(peek, BinNotFound)  # a read is simply resent
+    assert mem.run(client.put("y", 2)) == 1  # and new requests work
+
+
+def test_calls_made_while_disconnected_wait_and_then_time_out(mem: Memory) -> None:
+    clock = Clock()
+    client, pump = mem.client(clock, timeout=10)
+    mem.refuse = True
+    pump.server.transport.loseConnection()
+    mem.flush()
+    d = client.put("x", 1)
+    clock.advance(9.9)
+    assert not fired(d)
+    clock.advance(0.2)
+    exc = failure(d, ConnectionLost)
+    assert "not sent" in str(exc) and "unreachable for" in str(exc)
+    mem.refuse = False
+    clock.advance(5)
+    mem.flush()
+    assert mem.run(client.put("x", 2)) == 1  # never stored twice: the first was not sent
+
+
+def test_reconnect_gives_up_after_the_given_seconds(mem: Memory) -> None:
+    clock = Clock()
+    client, pump = mem.client(clock, reconnect=3.0)
+    mem.refuse = True
+    d = client.get("x", timeout=None)
+    mem.flush()
+    pump.server.transport.loseConnection()
+    mem.flush()
+    for _ in range(40):
+        clock.advance(0.25)
+    exc = failure(d, ConnectionLost)
+    assert "gave up" in str(exc)
+    assert client.closed
 
 
 def test_close_fails_pending_requests_and_fires(mem: Memory) -> None:
@@ -427,16 +552,29 @@ def test_connect_with_a_memory_reactor() -> None:
     ping = client.ping()
     pump.flush()
     assert success(ping) is None
-    reactor.advance(60)  # the connect timer was cancelled: nothing fires
+    reactor.advance(31)  # the connect timer was cancelled: nothing fails
     assert not client.closed
 
 
-def test_connect_refused_is_a_connect_error() -> None:
+def test_connect_refused_is_a_connect_error_at_once_without_reconnect() -> None:
     reactor = MemoryReactorClock()
-    d = connect(reactor, "127.0.0.1", 8000)
+    d = connect(reactor, "127.0.0.1", 8000, reconnect=False)
     iosim.ConnectionCompleter(reactor).failOnce()
     exc = failure(d, ConnectError)
     assert "127.0.0.1:8000" in str(exc)
+
+
+def test_with_reconnect_the_first_connection_is_retried_until_the_timeout() -> None:
+    reactor = MemoryReactorClock()
+    d = connect(reactor, "127.0.0.1", 8000, timeout=2)
+    attempts = 0
+    while not fired(d):
+        while reactor.tcpClients:
+            iosim.ConnectionCompleter(reactor).failOnce()
+            attempts += 1
+        reactor.advance(0.05)
+    exc = failure(d, ConnectError)
+    assert "127.0.0.1:8000" in str(exc) and attempts > 3
 
 
 def test_connect_timeout_is_a_connect_error() -> None:
@@ -451,15 +589,14 @@ def test_connect_timeout_is_a_connect_error() -> None:
 
 def test_nowait_is_the_default() -> None:
     # A get without timeout must not wait on the server.
-    proto, transport, _ = string_client()
-    proto.dataReceived(server_bytes(HelloReply(1, 1, "tensorshare/test", Limits())))
-    client = success(proto.ready)
+    client, transport, _ = string_client()
+    client.protocol.dataReceived(hello_reply())
     client.get("x")
     client.peek("x", timeout=NOWAIT)
     client.ping()
     hello, get, peek, ping = sent_requests(transport)
     assert isinstance(hello, Hello) and hello.client == "tensorshare-twisted"
-    assert not get.wait and not peek.wait
+    assert not get.spec.wait and not peek.spec.wait
     assert isinstance(ping, Ping)
 
 
@@ -536,4 +673,4 @@ def test_loopback_connection_refused(client_reactor: EPollReactor) -> None:
         port = sock.getsockname()[1]
         with pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
             in_reactor(client_reactor, lambda: connect(client_reactor, "127.0.0.1", port,
-                                                       timeout=WAIT))
+                                                       timeout=WAIT, reconnect=False))

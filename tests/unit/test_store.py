@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorshare.errors import BinNotFound, LimitExceeded, MemoryLimitExceeded, ServerError
+from tensorshare.messages import FetchSpec
 from tensorshare.store import Store, Taken, Waiter
 
 
@@ -16,8 +17,11 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, int, int]] = []
 
-    def __call__(self, name: str, op: str, n_items: int, version: int) -> None:
-        self.events.append((name, op, n_items, version))
+    def __call__(self, name: str, op: str, n_items: int, version: int, dropped: int = 0) -> None:
+        if dropped:
+            self.events.append((name, op, n_items, version, dropped))  # type: ignore[arg-type]
+        else:
+            self.events.append((name, op, n_items, version))
 
 
 class Callback:
@@ -40,18 +44,28 @@ def store(hook: Recorder) -> Store:
     return Store(on_change=hook)
 
 
+def fetch(store: Store, name: str, *, remove: bool, max_bytes: int | None = None,
+          **kw) -> Taken:
+    return store.fetch(name, FetchSpec(remove, **kw), max_bytes)
+
+
+def fetch_or_wait(store: Store, name: str, cb, *, remove: bool, max_bytes: int | None = None,
+                  **kw) -> Taken | Waiter:
+    return store.fetch_or_wait(name, FetchSpec(remove, **kw), cb, max_bytes)
+
+
 def peek(store: Store, name: str, **kw) -> Taken:
-    return store.fetch(name, remove=False, **kw)
+    return fetch(store, name, remove=False, **kw)
 
 
 def get(store: Store, name: str, **kw) -> Taken:
-    return store.fetch(name, remove=True, **kw)
+    return fetch(store, name, remove=True, **kw)
 
 
 # -- put / append ---------------------------------------------------------------------------
 def test_put_replaces(store):
-    assert store.put("x", "first", 5) == (1, 1)
-    assert store.put("x", "second", 6) == (2, 1)
+    assert store.put("x", "first", 5) == (1, 1, 0)
+    assert store.put("x", "second", 6) == (2, 1, 0)
     t = peek(store, "x")
     assert t.kind == "value"
     assert t.items == ("second",)
@@ -63,16 +77,16 @@ def test_put_replaces(store):
 def test_put_replaces_a_list(store):
     store.append("x", 1, 10)
     store.append("x", 2, 10)
-    assert store.put("x", 3, 4) == (3, 1)
+    assert store.put("x", 3, 4) == (3, 1, 0)
     t = peek(store, "x")
     assert (t.kind, t.items, t.n_items) == ("value", (3,), 1)
     assert store.nbytes == 4
 
 
 def test_append_adds_one_item_and_never_flattens(store):
-    assert store.append("x", [1, 2, 3], 3) == (1, 1)
-    assert store.append("x", [4], 1) == (2, 2)
-    assert store.append("x", (5, 6), 2) == (3, 3)
+    assert store.append("x", [1, 2, 3], 3) == (1, 1, 0)
+    assert store.append("x", [4], 1) == (2, 2, 0)
+    assert store.append("x", (5, 6), 2) == (3, 3, 0)
     t = peek(store, "x")
     assert t.kind == "list"
     assert t.items == ([1, 2, 3], [4], (5, 6))
@@ -82,7 +96,7 @@ def test_append_adds_one_item_and_never_flattens(store):
 
 def test_append_to_a_put_bin_makes_a_list(store):
     store.put("x", "value", 5)
-    assert store.append("x", "new", 3) == (2, 2)
+    assert store.append("x", "new", 3) == (2, 2, 0)
     t = peek(store, "x")
     assert t.kind == "list"
     assert t.items == ("value", "new")
@@ -181,7 +195,7 @@ def test_peek_leaves_everything(store, hook):
 @pytest.mark.parametrize("remove", [True, False])
 def test_missing_bin_raises_bin_not_found(store, remove):
     with pytest.raises(BinNotFound) as info:
-        store.fetch("no-such-bin", remove=remove)
+        fetch(store, "no-such-bin", remove=remove)
     assert isinstance(info.value, LookupError)
     assert isinstance(info.value, ServerError)
     assert info.value.code == "bin_not_found"
@@ -222,10 +236,10 @@ def test_delete(store):
 # -- versions and the change hook ---------------------------------------------------------------
 def test_versions_increase_on_every_change_but_not_on_peek(store):
     assert store.version("x") == 0
-    assert store.put("x", "a", 1) == (1, 1)
+    assert store.put("x", "a", 1) == (1, 1, 0)
     peek(store, "x")
     assert store.version("x") == 1
-    assert store.append("x", "b", 1) == (2, 2)
+    assert store.append("x", "b", 1) == (2, 2, 0)
     t = get(store, "x", max_items=1)
     assert t.version == 3
     assert store.version("x") == 3
@@ -247,17 +261,17 @@ def test_failed_fetch_does_not_change_the_version(store):
 def test_versions_continue_after_delete_and_after_the_bin_empties(store):
     store.put("x", "a", 1)  # 1
     store.delete("x")  # 2
-    assert store.put("x", "b", 1) == (3, 1)
+    assert store.put("x", "b", 1) == (3, 1, 0)
     get(store, "x")  # 4, bin gone
     assert store.version("x") == 4
-    assert store.append("x", "c", 1) == (5, 1)
+    assert store.append("x", "c", 1) == (5, 1, 0)
     assert peek(store, "x").version == 5
 
 
 def test_versions_are_per_bin(store):
     store.put("a", 1, 1)
     store.put("a", 2, 1)
-    assert store.put("b", 1, 1) == (1, 1)
+    assert store.put("b", 1, 1) == (1, 1, 0)
     assert store.version("a") == 2
 
 
@@ -330,10 +344,10 @@ def test_put_replacing_a_large_value_with_a_smaller_one_is_allowed_near_the_limi
     store.put("a", "large", 90)
     store.put("b", "other", 10)
     assert store.nbytes == 100
-    assert store.put("a", "small", 50) == (2, 1)
+    assert store.put("a", "small", 50) == (2, 1, 0)
     assert store.nbytes == 60
-    assert store.put("a", "same", 50) == (3, 1)  # no growth at all
-    assert store.put("a", "back to large", 90) == (4, 1)  # growth 40 fits exactly
+    assert store.put("a", "same", 50) == (3, 1, 0)  # no growth at all
+    assert store.put("a", "back to large", 90) == (4, 1, 0)  # growth 40 fits exactly
     assert store.nbytes == 100
     # Replacing a list frees all its items.
     store.delete("a")
@@ -451,7 +465,7 @@ def test_newer_than_current_version_is_unchanged(store, hook, remove):
     store.append("x", "b", 1)
     n_events = len(hook.events)
     for newer_than in (2, 3, 100):
-        t = store.fetch("x", remove=remove, newer_than=newer_than)
+        t = fetch(store, "x", remove=remove, newer_than=newer_than)
         assert t.unchanged is True
         assert t.items == ()
         assert t.tags == ()
@@ -481,7 +495,7 @@ def test_newer_than_on_a_missing_bin_raises(store):
 def test_fetch_or_wait_serves_at_once_when_possible(store):
     store.append("x", "a", 1)
     cb = Callback()
-    t = store.fetch_or_wait("x", cb, remove=True)
+    t = fetch_or_wait(store, "x", cb, remove=True)
     assert isinstance(t, Taken)
     assert t.items == ("a",)
     assert cb.calls == []
@@ -491,7 +505,7 @@ def test_fetch_or_wait_serves_at_once_when_possible(store):
 
 def test_get_waiter_is_served_by_a_later_append(store, hook):
     cb = Callback()
-    w = store.fetch_or_wait("x", cb, remove=True)
+    w = fetch_or_wait(store, "x", cb, remove=True)
     assert isinstance(w, Waiter)
     assert w.active
     assert store.n_waiters == 1
@@ -515,7 +529,7 @@ def test_get_waiter_is_served_by_a_later_append(store, hook):
 
 def test_get_waiter_is_served_by_put(store):
     cb = Callback()
-    store.fetch_or_wait("x", cb, remove=True)
+    fetch_or_wait(store, "x", cb, remove=True)
     store.put("x", "v", 1)
     assert [(t.kind, t.items) for t in cb.calls] == [("value", ("v",))]
     assert store.list() == {}
@@ -523,7 +537,7 @@ def test_get_waiter_is_served_by_put(store):
 
 def test_peek_waiter_does_not_remove(store, hook):
     cb = Callback()
-    assert isinstance(store.fetch_or_wait("x", cb, remove=False), Waiter)
+    assert isinstance(fetch_or_wait(store, "x", cb, remove=False), Waiter)
     store.append("x", "item", 4)
     assert [t.items for t in cb.calls] == [("item",)]
     assert cb.calls[0].n_items == 1
@@ -537,7 +551,7 @@ def test_peek_waiter_does_not_remove(store, hook):
 def test_get_waiters_are_served_fifo_one_item_each(store):
     cbs = [Callback() for _ in range(3)]
     for cb in cbs:
-        store.fetch_or_wait("q", cb, remove=True)
+        fetch_or_wait(store, "q", cb, remove=True)
     assert store.n_waiters == 3
     store.append("q", "a", 1)
     assert [len(cb.calls) for cb in cbs] == [1, 0, 0]
@@ -551,9 +565,9 @@ def test_get_waiters_are_served_fifo_one_item_each(store):
 
 def test_peek_waiters_then_get_waiter_all_served_by_one_append(store):
     p1, p2, g = Callback(), Callback(), Callback()
-    store.fetch_or_wait("q", p1, remove=False)
-    store.fetch_or_wait("q", p2, remove=False)
-    store.fetch_or_wait("q", g, remove=True)
+    fetch_or_wait(store, "q", p1, remove=False)
+    fetch_or_wait(store, "q", p2, remove=False)
+    fetch_or_wait(store, "q", g, remove=True)
     store.append("q", "a", 1)
     assert [c.calls[0].items for c in (p1, p2, g)] == [("a",), ("a",), ("a",)]
     assert store.list() == {}
@@ -562,8 +576,8 @@ def test_peek_waiters_then_get_waiter_all_served_by_one_append(store):
 
 def test_get_waiter_takes_the_item_before_a_later_peek_waiter(store):
     g, p = Callback(), Callback()
-    store.fetch_or_wait("q", g, remove=True)
-    store.fetch_or_wait("q", p, remove=False)
+    fetch_or_wait(store, "q", g, remove=True)
+    fetch_or_wait(store, "q", p, remove=False)
     store.append("q", "a", 1)
     assert [t.items for t in g.calls] == [("a",)]
     assert p.calls == []
@@ -575,7 +589,7 @@ def test_get_waiter_takes_the_item_before_a_later_peek_waiter(store):
 def test_min_items_waits_until_enough_items(store):
     store.append("q", 0, 1)
     cb = Callback()
-    w = store.fetch_or_wait("q", cb, remove=True, min_items=3)
+    w = fetch_or_wait(store, "q", cb, remove=True, min_items=3)
     assert isinstance(w, Waiter)
     store.append("q", 1, 1)
     assert cb.calls == []
@@ -587,7 +601,7 @@ def test_min_items_waits_until_enough_items(store):
 def test_min_items_served_at_once_when_present(store):
     for i in range(3):
         store.append("q", i, 1)
-    t = store.fetch_or_wait("q", Callback(), remove=True, min_items=3, max_items=2)
+    t = fetch_or_wait(store, "q", Callback(), remove=True, min_items=3, max_items=2)
     assert isinstance(t, Taken)
     assert t.items == (0, 1)
     assert t.n_items == 1
@@ -596,13 +610,13 @@ def test_min_items_served_at_once_when_present(store):
 def test_newer_than_waiter_is_served_only_by_a_higher_version(store):
     store.put("w", "v1", 1)
     cb = Callback()
-    w = store.fetch_or_wait("w", cb, remove=False, newer_than=1)
+    w = fetch_or_wait(store, "w", cb, remove=False, newer_than=1)
     assert isinstance(w, Waiter)  # waits instead of answering "unchanged"
     store.put("w", "v2", 1)
     assert [(t.items, t.version, t.unchanged) for t in cb.calls] == [(("v2",), 2, False)]
 
     cb2 = Callback()
-    w2 = store.fetch_or_wait("w", cb2, remove=False, newer_than=3)
+    w2 = fetch_or_wait(store, "w", cb2, remove=False, newer_than=3)
     store.put("w", "v3", 1)  # version 3: not above 3
     assert cb2.calls == []
     assert w2.active
@@ -613,14 +627,14 @@ def test_newer_than_waiter_is_served_only_by_a_higher_version(store):
 def test_newer_than_waiter_served_at_once_when_already_newer(store):
     store.put("w", "v1", 1)
     store.put("w", "v2", 1)
-    t = store.fetch_or_wait("w", Callback(), remove=False, newer_than=1)
+    t = fetch_or_wait(store, "w", Callback(), remove=False, newer_than=1)
     assert isinstance(t, Taken) and t.items == ("v2",)
 
 
 def test_min_tag_waiter(store):
     store.append("r", "stale", 10, tag=1)
     cb = Callback()
-    w = store.fetch_or_wait("r", cb, remove=True, min_tag=2)
+    w = fetch_or_wait(store, "r", cb, remove=True, min_tag=2)
     assert isinstance(w, Waiter)
     assert store.list() == {}  # the stale item was dropped while trying
     assert store.nbytes == 0
@@ -637,8 +651,8 @@ def test_min_tag_waiter(store):
 
 def test_cancel_withdraws_a_waiter(store):
     cb1, cb2 = Callback(), Callback()
-    w1 = store.fetch_or_wait("x", cb1, remove=True)
-    w2 = store.fetch_or_wait("x", cb2, remove=True)
+    w1 = fetch_or_wait(store, "x", cb1, remove=True)
+    w2 = fetch_or_wait(store, "x", cb2, remove=True)
     assert store.n_waiters == 2
     assert store.cancel(w1) is True
     assert not w1.active
@@ -653,7 +667,7 @@ def test_cancel_withdraws_a_waiter(store):
 
 def test_cancelled_waiter_is_never_called(store):
     cb = Callback()
-    w = store.fetch_or_wait("x", cb, remove=False)
+    w = fetch_or_wait(store, "x", cb, remove=False)
     assert store.cancel(w) is True
     assert store.n_waiters == 0
     store.put("x", 1, 1)
@@ -662,7 +676,7 @@ def test_cancelled_waiter_is_never_called(store):
 
 
 def test_n_waiters_counts_across_bins(store):
-    ws = [store.fetch_or_wait(name, Callback(), remove=True) for name in ("a", "a", "b")]
+    ws = [fetch_or_wait(store, name, Callback(), remove=True) for name in ("a", "a", "b")]
     assert store.n_waiters == 3
     store.append("b", 1, 1)
     assert store.n_waiters == 2
@@ -675,7 +689,7 @@ def test_n_waiters_counts_across_bins(store):
 def test_delete_does_not_serve_or_drop_waiters(store):
     store.put("x", "a", 1)
     cb = Callback()
-    w = store.fetch_or_wait("x", cb, remove=True, newer_than=1)
+    w = fetch_or_wait(store, "x", cb, remove=True, newer_than=1)
     assert store.delete("x") == (True, 2)
     assert cb.calls == []  # the bin is gone: nothing to serve
     assert w.active and store.n_waiters == 1
@@ -687,19 +701,19 @@ def test_delete_does_not_serve_or_drop_waiters(store):
 def test_a_waiter_that_cannot_be_served_does_not_hold_back_a_later_one(store):
     store.append("x", "a", 1)
     early = Callback()
-    w1 = store.fetch_or_wait("x", early, remove=False, newer_than=1)
+    w1 = fetch_or_wait(store, "x", early, remove=False, newer_than=1)
     assert isinstance(w1, Waiter)
     late = Callback()
     # An earlier waiter is queued on "x" but cannot be served yet (it wants a newer
     # version). The queue is served in order at once, so the get is served now.
-    w2 = store.fetch_or_wait("x", late, remove=True)
+    w2 = fetch_or_wait(store, "x", late, remove=True)
     assert isinstance(w2, Waiter) and not w2.active
     assert [t.items for t in late.calls] == [("a",)]
     assert early.calls == [] and w1.active
     assert store.list() == {} and store.n_waiters == 1
     # The earlier waiter keeps its turn: it is served first by the next change.
     late2 = Callback()
-    w3 = store.fetch_or_wait("x", late2, remove=True)
+    w3 = fetch_or_wait(store, "x", late2, remove=True)
     assert isinstance(w3, Waiter) and w3.active
     store.append("x", "b", 1)
     assert [t.items for t in early.calls] == [("b",)]
@@ -709,24 +723,24 @@ def test_a_waiter_that_cannot_be_served_does_not_hold_back_a_later_one(store):
 
 def test_fifo_order_among_waiters_that_can_all_be_served(store):
     a, b = Callback(), Callback()
-    store.fetch_or_wait("x", a, remove=True)
-    store.fetch_or_wait("x", b, remove=True)
+    fetch_or_wait(store, "x", a, remove=True)
+    fetch_or_wait(store, "x", b, remove=True)
     store.append("x", "1", 1)
     store.append("x", "2", 1)
     assert [t.items for t in a.calls] == [("1",)]
     assert [t.items for t in b.calls] == [("2",)]
     # A waiter on another bin does not block this one.
-    store.fetch_or_wait("y", Callback(), remove=True)
+    fetch_or_wait(store, "y", Callback(), remove=True)
     store.append("z", "z", 1)
-    assert isinstance(store.fetch_or_wait("z", Callback(), remove=True), Taken)
+    assert isinstance(fetch_or_wait(store, "z", Callback(), remove=True), Taken)
 
 
 def test_max_bytes_caps_the_items_of_one_fetch(store):
     for i in range(5):
         store.append("x", i, 100)
-    taken = store.fetch("x", remove=True, max_bytes=250)
+    taken = fetch(store, "x", remove=True, max_bytes=250)
     assert taken.items == (0, 1) and taken.n_items == 3
-    taken = store.fetch("x", remove=True, max_bytes=10)  # always at least one item
+    taken = fetch(store, "x", remove=True, max_bytes=10)  # always at least one item
     assert taken.items == (2,)
 
 
@@ -740,11 +754,11 @@ def test_waiter_cancelled_by_an_earlier_waiters_callback_is_never_called(store):
     def first(taken: Taken) -> None:
         assert store.cancel(waiters["second"]) is True
 
-    store.fetch_or_wait("x", first, remove=False)
-    w = store.fetch_or_wait("x", second, remove=False)
+    fetch_or_wait(store, "x", first, remove=False)
+    w = fetch_or_wait(store, "x", second, remove=False)
     assert isinstance(w, Waiter)
     waiters["second"] = w
-    assert store.append("x", "a", 1) == (1, 1)
+    assert store.append("x", "a", 1) == (1, 1, 0)
     assert second.calls == []
     assert store.n_waiters == 0
     assert store.list() == {"x": 1}
@@ -758,11 +772,11 @@ def test_waiter_registered_by_a_callback_after_a_cancel_is_kept(store):
 
     def first(taken: Taken) -> None:
         store.cancel(waiters["second"])
-        waiters["third"] = store.fetch_or_wait("x", third, remove=False,
+        waiters["third"] = fetch_or_wait(store, "x", third, remove=False,
                                                newer_than=taken.version)
 
-    store.fetch_or_wait("x", first, remove=False)
-    waiters["second"] = store.fetch_or_wait("x", second, remove=False)
+    fetch_or_wait(store, "x", first, remove=False)
+    waiters["second"] = fetch_or_wait(store, "x", second, remove=False)
     store.append("x", "a", 1)
     assert second.calls == []
     assert isinstance(waiters["third"], Waiter)
@@ -814,12 +828,12 @@ def test_store_matches_a_reference_model(ops, max_memory):
                     model[name][0] = "list"
                     model[name][1].append((item, nb))
                 versions[name] = versions.get(name, 0) + 1
-                assert getattr(store, op)(name, item, nb) == (versions[name], len(model[name][1]))
+                assert getattr(store, op)(name, item, nb) == (versions[name], len(model[name][1]), 0)
         elif op in ("get", "peek"):
             remove = op == "get"
             if name not in model:
                 with pytest.raises(BinNotFound):
-                    store.fetch(name, remove=remove, max_items=arg)
+                    fetch(store, name, remove=remove, max_items=arg)
             else:
                 kind, entries = model[name]
                 n = len(entries) if (arg is None or kind == "value") else min(arg, len(entries))
@@ -829,7 +843,7 @@ def test_store_matches_a_reference_model(ops, max_memory):
                     versions[name] = versions.get(name, 0) + 1
                     if not entries:
                         del model[name]
-                t = store.fetch(name, remove=remove, max_items=arg)
+                t = fetch(store, name, remove=remove, max_items=arg)
                 assert t.kind == kind
                 assert t.items == expected
                 assert t.version == versions[name]
@@ -848,3 +862,132 @@ def test_store_matches_a_reference_model(ops, max_memory):
             assert store.n_items(b) == (len(model[b][1]) if b in model else 0)
         if max_memory is not None:
             assert store.nbytes <= max_memory
+
+
+# -- bounded bins ----------------------------------------------------------------------------------
+from tensorshare.errors import BinFull  # noqa: E402, I001
+from tensorshare.store import BinConfig, Blocked, Written  # noqa: E402
+
+
+def test_reject_refuses_an_append_to_a_full_bin_and_changes_nothing(store, hook):
+    store.configure("q", BinConfig(max_items=2))
+    store.append("q", "a", 1)
+    store.append("q", "b", 1)
+    events = list(hook.events)
+    with pytest.raises(BinFull, match=r"bin 'q' is full .*max_items=2"):
+        store.append("q", "c", 1)
+    assert isinstance(BinFull("x"), LimitExceeded)
+    assert [t for t in get(store, "q").items] == ["a", "b"]
+    assert hook.events[: len(events)] == events and len(hook.events) == len(events) + 1
+
+
+def test_max_bytes_counts_item_sizes(store):
+    store.configure("q", BinConfig(max_bytes=10))
+    store.append("q", "a", 6)
+    with pytest.raises(BinFull):
+        store.append("q", "b", 5)
+    store.append("q", "c", 4)
+    with pytest.raises(BinFull, match="max_bytes=10"):
+        store.append("q", "huge", 11)
+    assert store.n_items("q") == 2
+
+
+def test_drop_oldest_pushes_out_the_oldest_and_reports_how_many(store, hook):
+    store.configure("q", BinConfig(max_items=3, overflow="drop_oldest"))
+    for i in range(3):
+        store.append("q", i, 1)
+    assert store.append("q", 3, 1) == (4, 3, 1)
+    assert hook.events[-1] == ("q", "append", 3, 4, 1)
+    assert get(store, "q").items == (1, 2, 3)
+    store.configure("b", BinConfig(max_bytes=10, overflow="drop_oldest"))
+    store.append("b", "x", 4)
+    store.append("b", "y", 4)
+    assert store.append("b", "z", 8).dropped == 2
+    assert store.nbytes == 8
+
+
+def test_put_never_exceeds_max_bytes(store):
+    store.configure("v", BinConfig(max_bytes=4))
+    store.put("v", "ok", 4)
+    with pytest.raises(BinFull):
+        store.put("v", "too big", 5)
+    assert peek(store, "v").items == ("ok",)
+
+
+def test_block_waits_for_room_and_a_get_makes_it(store):
+    store.configure("q", BinConfig(max_items=1, overflow="block"))
+    assert isinstance(store.append_or_wait("q", "a", 1, None, lambda w: None), Written)
+    served: list[Written] = []
+    blocked = store.append_or_wait("q", "b", 1, None, served.append)
+    assert isinstance(blocked, Blocked) and store.n_blocked == 1
+    assert served == [] and store.n_items("q") == 1
+    assert get(store, "q").items == ("a",)  # room: the blocked append is stored now
+    assert [w.n_items for w in served] == [1] and store.n_blocked == 0
+    assert peek(store, "q").items == ("b",)
+
+
+def test_blocked_appends_keep_their_order_and_can_be_cancelled(store):
+    store.configure("q", BinConfig(max_items=1, overflow="block"))
+    store.append("q", 0, 1)
+    out: list[int] = []
+    b1 = store.append_or_wait("q", 1, 1, None, lambda w: out.append(1))
+    b2 = store.append_or_wait("q", 2, 1, None, lambda w: out.append(2))
+    b3 = store.append_or_wait("q", 3, 1, None, lambda w: out.append(3))
+    assert store.cancel(b2) and not store.cancel(b2)
+    assert isinstance(b1, Blocked) and isinstance(b3, Blocked)
+    assert get(store, "q").items == (0,)
+    assert get(store, "q").items == (1,)
+    assert get(store, "q").items == (3,)
+    assert out == [1, 3]
+
+
+def test_configure_lifting_block_stores_the_waiting_appends(store):
+    store.configure("q", BinConfig(max_items=1, overflow="block"))
+    store.append("q", 0, 1)
+    out: list[object] = []
+    store.append_or_wait("q", 1, 1, None, out.append)
+    store.configure("q", BinConfig())
+    assert len(out) == 1 and isinstance(out[0], Written)
+    assert get(store, "q").items == (0, 1)
+
+
+def test_bad_bin_config_is_refused():
+    with pytest.raises(ValueError):
+        BinConfig(max_items=0)
+    with pytest.raises(ValueError):
+        BinConfig(overflow="evict")
+
+
+# -- restore --------------------------------------------------------------------------------------
+def test_restore_puts_items_back_in_front_in_their_order(store, hook):
+    for i in range(4):
+        store.append("q", i, 1, tag=i)
+    taken = get(store, "q", max_items=2)
+    store.append("q", 9, 1)
+    v = store.restore("q", taken.kind, [(it, 1, tag) for it, tag in zip(taken.items, taken.tags, strict=True)])
+    assert hook.events[-1] == ("q", "restore", 5, v)
+    t = get(store, "q")
+    assert t.items == (0, 1, 2, 3, 9) and t.tags == (0, 1, 2, 3, None)
+    assert store.nbytes == 0
+
+
+def test_restore_of_a_value_superseded_by_a_put_is_dropped(store):
+    store.put("v", "old", 1)
+    taken = get(store, "v")
+    store.put("v", "new", 1)
+    store.restore("v", "value", [(taken.items[0], 1, None)])
+    assert peek(store, "v").items == ("new",)
+    store.delete("v")
+    store.restore("v", "value", [(taken.items[0], 1, None)])
+    assert peek(store, "v").items == ("old",)
+
+
+def test_describe_and_names(store):
+    store.append("a/1", "x", 3)
+    store.append("a/1", "y", 4)
+    store.configure("b", BinConfig(max_items=5))
+    d = store.describe("a/1")
+    assert (d["kind"], d["n_items"], d["nbytes"], d["first"], d["last"]) == ("list", 2, 7, "x", "y")
+    assert d["ops"] == {"append": 2} and d["bytes_in"] == 7
+    assert store.names() == ["a/1", "b"] and store.names("a/*") == ["a/1"]
+    assert store.describe("b")["kind"] == "empty"
