@@ -30,6 +30,17 @@ def _size(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """Parse a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be positive and finite: {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorshare", description="Share PyTorch tensors "
                                 "between processes and machines.")
@@ -49,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-depth", type=int, default=None, help="deepest value nesting (default 64)")
     s.add_argument("--max-name-bytes", type=int, default=None,
                    help="longest bin name in UTF-8 bytes (default 1024)")
+    s.add_argument("--session-ttl", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="keep a disconnected client's session this long for it to resume "
+                        "(default 60)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="connections served at once; more are refused (default 1024)")
+    s.add_argument("--max-client-buffer", type=_size, default=64 << 20, metavar="BYTES",
+                   help="bytes queued for a client that stopped reading before it is "
+                        "disconnected (default 64M)")
+    s.add_argument("--max-session-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="bytes of unacknowledged get items one session may hold (default 1G)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
 
     ls = sub.add_parser("ls", help="list the bins of a server and their item counts")
@@ -73,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from .messages import Limits
-    from .server import run_server
+    from .server import ServerConfig, run_server
 
     level = LogLevel.warn if args.quiet else LogLevel.info
     observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
@@ -99,8 +120,15 @@ def _serve(args: argparse.Namespace) -> int:
             print("warning: this server accepts connections from other machines and has no "
                   "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
 
+    if args.max_connections < 1:
+        print("tensorshare serve: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    config = ServerConfig(limits=limits, max_memory=args.max_memory,
+                          session_ttl=args.session_ttl, max_connections=args.max_connections,
+                          max_client_buffer=args.max_client_buffer,
+                          max_session_bytes=args.max_session_bytes)
     try:
-        run_server(args.port, args.host, limits=limits, max_memory=args.max_memory, ready=ready)
+        run_server(args.port, args.host, ready=ready, config=config)
     except OSError as exc:
         print(f"tensorshare serve: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)

@@ -289,6 +289,8 @@ class Client:
         heartbeat: seconds of silence after which a ping checks that the server is still
             there (a dead peer is noticed, and acknowledgements reach the server); default
             a third of ``timeout``, at most 5 s.
+        connector: returns a new connected socket each time it is called, instead of a TCP
+            connection to ``host:port`` (custom transports; tests use a socketpair).
 
     Raises:
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
@@ -305,7 +307,8 @@ class Client:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
                  reconnect: bool | float = True, compress: str | None = None,
                  compress_min_bytes: int = 64 * 1024, name: str = "tensorshare-python",
-                 session: bool = True, heartbeat: float | None = None) -> None:
+                 session: bool = True, heartbeat: float | None = None,
+                 connector: Callable[[], socket.socket] | None = None) -> None:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
         self.timeout = check_timeout(timeout)
@@ -313,6 +316,7 @@ class Client:
         self.host, self.port = host, port
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.address = f"{host}:{port}"
+        self._connector = connector
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
                                       heartbeat=heartbeat)
@@ -751,8 +755,11 @@ class Client:
             self._wakeup.wait(max(wake - now, 0.0))
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._connector is not None:
+            sock = self._connector()
+        else:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The timeout bounds each send (a server that stops reading); reads use poll.
         sock.settimeout(self.timeout)
         return sock
