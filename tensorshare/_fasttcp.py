@@ -256,7 +256,10 @@ class FastServer(tcp.Server):
         doWrite as usual. A send error is left for doWrite to find and report.
         """
         queue = self._send_queue
-        idle = not queue and self.producer is None and not self.disconnecting
+        # A pull producer expects doWrite to ask it for more; a streaming one (the server's
+        # protocol, pausing itself while this queue is long) is fine with write-through.
+        idle = not queue and not self.disconnecting and (
+            self.producer is None or self.streamingProducer)
         queue.extend(views)
         self._queued_bytes += nbytes
         if idle:

@@ -112,7 +112,15 @@ class ServerConfig:
 
 
 class ServerProtocol(Protocol):
-    """One client connection. Implements the zero-copy read hooks of :mod:`._fasttcp`."""
+    """One client connection. Implements the zero-copy read hooks of :mod:`._fasttcp`.
+
+    It is also the streaming producer of its own transport: when more than the transport's
+    buffer size is queued for a client (it reads slower than we write), the transport pauses
+    us. While paused we stop reading that client's requests (so it cannot make us queue
+    more replies), and fold its notifications per bin (the latest wins, counting the ones
+    it skipped), so a listener that does not keep up learns the newest state without a
+    backlog. Past ``max_client_buffer`` queued bytes the connection is closed.
+    """
 
     def __init__(self, factory: ServerFactory) -> None:
         self.factory = factory
@@ -127,6 +135,8 @@ class ServerProtocol(Protocol):
         self._closed = False
         self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
         self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
+        self._paused = False  # the transport says our output backs up: see the class doc
+        self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._handlers: dict[type, Callable[[Any], None]] = {
             Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
             Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
@@ -149,6 +159,7 @@ class ServerProtocol(Protocol):
                 f"{f.config.max_connections}; try again later or raise --max-connections")
             return
         self._timer = f.reactor.callLater(f.config.hello_timeout, self._hello_overdue)
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
         log.debug("connection from {peer}", peer=self.peer)
 
     def dataReceived(self, data: bytes) -> None:
@@ -174,11 +185,60 @@ class ServerProtocol(Protocol):
             log.info("{client!r} at {peer} disconnected: {why}", client=self.client_name,
                      peer=self.peer, why=why)
 
+    # -- flow control (IPushProducer, called by our transport) ------------------------------
+    def pauseProducing(self) -> None:
+        if not self._paused and not self._closed:
+            self._paused = True
+            self.factory.stats["client_paused"] += 1
+            self.transport.pauseProducing()  # type: ignore[union-attr]  # stop reading
+
+    def resumeProducing(self) -> None:
+        if not self._paused or self._closed:
+            return
+        self._paused = False
+        folded, self._folded = self._folded, {}
+        for msg in folded.values():
+            self.write_chunks(encode_message(msg)[0])
+        if not self._paused:
+            self.transport.resumeProducing()  # type: ignore[union-attr]
+
+    def stopProducing(self) -> None:
+        pass
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes written to this connection and not yet sent."""
+        return int(getattr(self.transport, "queued_bytes", 0))
+
     # -- plumbing ---------------------------------------------------------------------------
     def write_chunks(self, chunks: Sequence[BytesLike]) -> None:
-        if not self._closed:
-            # Our transport (_fasttcp.FastServer) takes memoryviews, hence no bytes copies.
-            self.transport.writeSequence(chunks)  # type: ignore[union-attr, arg-type]
+        if self._closed:
+            return
+        queued = self.queued_bytes
+        limit = self.factory.config.max_client_buffer
+        if queued > limit:
+            # Beyond the reply it is taking, a client may leave at most this much unread.
+            self.factory.stats["client_buffer_closes"] += 1
+            log.warn("closing connection from {peer} ({client!r}): {queued} bytes queued "
+                     "for it are unread, over --max-client-buffer={limit}", peer=self.peer,
+                     client=self.client_name, queued=queued, limit=limit)
+            self._release()
+            self.transport.abortConnection()  # type: ignore[union-attr]
+            return
+        # Our transport (_fasttcp.FastServer) takes memoryviews, hence no bytes copies.
+        self.transport.writeSequence(chunks)  # type: ignore[union-attr, arg-type]
+
+    def notify(self, chunks: Sequence[BytesLike], msg: Changed) -> None:
+        """Send a change notification, or fold it into the last one while we are paused."""
+        if not self._paused:
+            self.write_chunks(chunks)
+            return
+        old = self._folded.pop(msg.bin, None)
+        if old is not None:
+            self.factory.stats["notifications_folded"] += 1
+            msg = Changed(msg.bin, msg.op, msg.n_items, msg.version,
+                          old.skipped + msg.skipped + 1, old.dropped + msg.dropped)
+        self._folded[msg.bin] = msg
 
     def send(self, msg: Reply | Changed) -> None:
         self.write_chunks(encode_message(msg)[0])
@@ -198,6 +258,7 @@ class ServerProtocol(Protocol):
         if self._closed:
             return
         self._closed = True
+        self._folded.clear()
         f = self.factory
         for name in self.listening:
             f.unsubscribe(name, self)
@@ -289,7 +350,6 @@ class ServerProtocol(Protocol):
             f.count_error(reply.code)
         if s is not None and OPS[op_name(msg)].mutating:
             f.sessions.remember(s, msg.id, reply, bin, held)
-            f.update_outside()
         self.send(reply)
 
     def reply_error(self, rid: int, code: str, message: str) -> None:
@@ -473,11 +533,8 @@ class ServerProtocol(Protocol):
         done = f.sessions.forget(self.session, target) if self.session is not None else None
         if done is not None and done.bin is not None and isinstance(done.reply, Fetched):
             f.restore(done.bin, done.reply)
-            f.update_outside()
             self.reply(msg, Acked(msg.id, True))
             return
-        if done is not None:
-            f.update_outside()
         self.reply(msg, Acked(msg.id, False))
 
     def _stats(self, msg: Stats) -> None:
@@ -539,7 +596,8 @@ class ServerFactory(Factory):
         self.server_id = os.urandom(8).hex()
         # Room for the reply's own header fields around the items (a few hundred bytes).
         self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
-        self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock)
+        self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock,
+                           outside=self.held_bytes)
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}
@@ -564,10 +622,11 @@ class ServerFactory(Factory):
         if not subs:
             return
         # Encode once, write the same chunks to every listener.
-        chunks = encode_message(Changed(name, op, n_items, version, 0, dropped))[0]
+        msg = Changed(name, op, n_items, version, 0, dropped)
+        chunks = encode_message(msg)[0]
         self.stats["notifications"] += len(subs)
         for proto in list(subs):
-            proto.write_chunks(chunks)
+            proto.notify(chunks, msg)
 
     # -- sessions ---------------------------------------------------------------------------
     def attach(self, sid: bytes, proto: ServerProtocol, resume: bool
@@ -616,23 +675,27 @@ class ServerFactory(Factory):
         for name, reply, _ in restore:
             self.restore(name, reply)
             n += len(reply.items)
-        self.update_outside()
         if n:
             log.info("a session expired; {n} item(s) it had taken but not acknowledged went "
                      "back to their bins", n=n)
 
     def ack(self, s: ServerSession, info: AckInfo) -> None:
-        if self.sessions.ack(s, info.through, info.open) or s.replies == {}:
-            self.update_outside()
+        """The client has the replies ``info`` names: forget them (and release their items)."""
+        self.sessions.ack(s, info.through, info.open)
 
     def restore(self, name: str, reply: Fetched) -> None:
         """Put the items of a get reply back at the front of their bin."""
         self.store.restore(name, reply.kind,
                            [(it, _wire_size(it), it.tag) for it in reply.items])
 
-    def update_outside(self) -> None:
-        """Tell the store what is held for clients outside the bins (for ``max_memory``)."""
-        self.store.outside_bytes = self.sessions.nbytes
+    def queued_bytes(self) -> int:
+        """Bytes written to connections and not yet sent, all connections together."""
+        return sum(p.queued_bytes for p in self.connections)
+
+    def held_bytes(self) -> int:
+        """What the server holds for clients outside the bins: items taken by gets whose
+        replies are not yet acknowledged, remembered replies, and queued output."""
+        return self.sessions.nbytes + self.queued_bytes()
 
     # -- statistics -------------------------------------------------------------------------
     def count_error(self, code: str) -> None:
@@ -654,7 +717,8 @@ class ServerFactory(Factory):
             "memory": {
                 "stored": store.nbytes,
                 "sessions": self.sessions.nbytes,
-                "total": store.nbytes + store.outside_bytes,
+                "output": (queued := self.queued_bytes()),
+                "total": store.nbytes + self.sessions.nbytes + queued,
                 "max_memory": self.config.max_memory,
             },
             "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},

@@ -158,21 +158,22 @@ class Store:
         on_change: called as ``on_change(bin, op, n_items, version, dropped)`` after every
             change.
         clock: returns the current time in seconds (for "last changed"); ``None`` records 0.
+        outside: returns the bytes the server holds for clients outside the bins (items
+            taken by unacknowledged gets, queued output), counted against ``max_memory``
+            together with what the bins hold; asked only when a limit is set.
 
     Attributes:
         nbytes: bytes stored in bins.
-        outside_bytes: bytes the server holds for clients outside the bins (items taken by
-            unacknowledged gets, queued output); set by the server, counted against
-            ``max_memory`` with ``nbytes``.
     """
 
     def __init__(self, max_memory: int | None = None, on_change: ChangeHook | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 outside: Callable[[], int] | None = None) -> None:
         self.max_memory = max_memory
         self.on_change = on_change
         self.clock = clock
+        self.outside = outside
         self.nbytes = 0
-        self.outside_bytes = 0
         self._bins: dict[str, _Bin] = {}
         self._meta: dict[str, _Meta] = {}
         self._waiters: dict[str, deque[Waiter]] = {}
@@ -485,7 +486,7 @@ class Store:
     def _check_memory(self, name: str, growth: int, nbytes: int) -> None:
         if self.max_memory is None or growth <= 0:
             return
-        total = self.nbytes + self.outside_bytes + growth
+        total = self.nbytes + (self.outside() if self.outside else 0) + growth
         if total > self.max_memory:
             raise MemoryLimitExceeded(
                 f"storing {nbytes} bytes in bin {name!r} would take the server to "

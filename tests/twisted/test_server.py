@@ -605,7 +605,7 @@ def test_a_get_whose_reply_was_lost_is_delivered_again_not_lost(factory: ServerF
     assert factory.sessions.held > 0  # no ack field was sent: still held
     again.write(again.conn.frame(Ping(again.rid()), AckInfo(rid)))
     again.received()
-    assert factory.sessions.held == 0 and factory.store.outside_bytes == 0
+    assert factory.sessions.held == 0 and factory.held_bytes() == 0
 
 
 def test_open_ids_below_the_ack_stay_remembered(factory: ServerFactory) -> None:
