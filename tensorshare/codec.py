@@ -625,7 +625,7 @@ def _check_tree(obj: Any, max_depth: int) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > max_depth:
-            raise CodecError(f"value nests deeper than max_depth={max_depth}")
+            raise NestingTooDeep(f"value nests deeper than max_depth={max_depth}")
         if type(node) is dict:
             for k in node:
                 if type(k) is not str:

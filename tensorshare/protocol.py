@@ -82,7 +82,10 @@ __all__ = [
     "ServerConnection",
     "check_bin_name",
     "encode_message",
+    "item_wire_size",
+    "items_header",
     "op_name",
+    "parse_items",
 ]
 
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
@@ -595,6 +598,33 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[
     return out
 
 
+def item_wire_size(item: Item) -> int:
+    """Bytes an item takes in a frame: its value and buffers, plus padding and descriptors.
+
+    The store counts this per item, for the memory limit and to keep every reply within
+    the frame limit (a get of a long list bin returns the items that fit; the rest stay).
+    """
+    return item.value.nbytes + 64 * (len(item.value.buffers) + 1)
+
+
+def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[Any]]:
+    """Describe items for a header (``[value, buffers, tag]`` each) and collect their buffers
+    in payload order; what a put/append/get frame carries (also used by the data log)."""
+    return _items_header(items, buffers)
+
+
+def parse_items(h: dict[str, Any], payload: bytearray, max_depth: int) -> list[Item]:
+    """Parse and check the ``items`` of a header against its payload, as the server does.
+
+    Raises:
+        ValueError: the items, their buffers or their values are malformed.
+    """
+    try:
+        return _parse_items(h, payload, max_depth)
+    except _Invalid as exc:
+        raise ValueError(str(exc)) from None
+
+
 # -- parsing helpers --------------------------------------------------------------------------
 def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
                  client: bool = False) -> list[Item]:
@@ -704,7 +734,7 @@ class ServerConnection(_Side):
                  pre_hello_max_bytes: int = PRE_HELLO_MAX_BYTES) -> None:
         self.limits = limits or Limits()
         small = min(pre_hello_max_bytes, self.limits.max_frame_bytes)
-        super().__init__(small, small)
+        super().__init__(small, min(small, self.limits.max_header_bytes))
         self.greeted = False
 
     def handshake_done(self) -> None:
@@ -771,15 +801,13 @@ class ServerConnection(_Side):
 
     @staticmethod
     def _ack(h: dict[str, Any]) -> AckInfo | None:
-        through, open_ids = h.get("ack"), h.get("open", ())
+        through, open_ids = h.get("ack"), h.get("open", [])
         if not _is_int(through) or through < 0:
             return None  # a malformed ack is ignored: replies are kept a little longer
-        if open_ids:
-            if (not isinstance(open_ids, list) or len(open_ids) > MAX_OPEN_ACKS
-                    or not all(_is_int(i) for i in open_ids)):
-                return None
-            return AckInfo(through, tuple(open_ids))
-        return AckInfo(through)
+        if (not isinstance(open_ids, list) or len(open_ids) > MAX_OPEN_ACKS
+                or not all(_is_int(i) for i in open_ids)):
+            return None
+        return AckInfo(through, tuple(open_ids)) if open_ids else AckInfo(through)
 
 
 class ClientConnection(_Side):

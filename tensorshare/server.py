@@ -67,6 +67,7 @@ from .protocol import (
     ProtocolViolation,
     ServerConnection,
     encode_message,
+    item_wire_size,
     op_name,
 )
 from .sessions import ServerSession, SessionTable
@@ -393,13 +394,13 @@ class ServerProtocol(Protocol):
 
     # -- requests ---------------------------------------------------------------------------
     def _put(self, msg: Put) -> None:
-        nbytes = _wire_size(msg.item)
+        nbytes = item_wire_size(msg.item)
         w = self.factory.store.put(msg.bin, msg.item, nbytes, msg.item.tag)
         self.reply(msg, Stored(msg.id, w.version, w.n_items))
 
     def _append(self, msg: Append) -> None:
         store = self.factory.store
-        nbytes = _wire_size(msg.item)
+        nbytes = item_wire_size(msg.item)
         rid = msg.id
 
         def stored(w: Written | BaseException) -> None:
@@ -530,8 +531,12 @@ class ServerProtocol(Protocol):
             self.reply(msg, Acked(msg.id, f.store.cancel(waiter)))
             return
         # A get that already ran, whose reply the client will not take: its items go back.
-        done = f.sessions.forget(self.session, target) if self.session is not None else None
-        if done is not None and done.bin is not None and isinstance(done.reply, Fetched):
+        # (Other remembered replies stay: a resent put must still not run twice.)
+        s = self.session
+        done = s.replies.get(target) if s is not None else None
+        if s is not None and done is not None and done.bin is not None and \
+                isinstance(done.reply, Fetched):
+            f.sessions.forget(s, target)
             f.restore(done.bin, done.reply)
             self.reply(msg, Acked(msg.id, True))
             return
@@ -548,15 +553,6 @@ class ServerProtocol(Protocol):
             raise InvalidRequest(str(exc)) from None
         cfg = self.factory.store.configure(msg.bin, cfg)
         self.reply(msg, Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow))
-
-
-def _wire_size(item: Item) -> int:
-    """Bytes an item takes in a frame: its value and buffers, plus padding and descriptors.
-
-    The store counts this per item, for the memory limit and to keep every reply within
-    the frame limit (a get of a long list bin returns the items that fit; the rest stay).
-    """
-    return item.value.nbytes + 64 * (len(item.value.buffers) + 1)
 
 
 class _Counters(dict[str, int]):
@@ -640,6 +636,15 @@ class ServerFactory(Factory):
             OverflowError: a new session would exceed ``max_sessions``.
         """
         s = self.sessions.get(sid)
+        if s is not None and not resume:
+            # A client that starts afresh with an id we know (it restarted, reusing the id)
+            # numbers its requests from scratch: the old session's replies must not answer
+            # them. It ends as if it had expired.
+            if s.attached is not None and s.attached is not proto:
+                s.attached._close()
+            s.attached = None
+            self.expire(s)
+            s = None
         if s is None:
             s = self.sessions.open(sid)
             s.attached = proto
@@ -672,7 +677,8 @@ class ServerFactory(Factory):
         restore = self.sessions.close(s)
         self.stats["sessions_expired"] += 1
         n = 0
-        for name, reply, _ in restore:
+        # Latest get first: each goes in front, so the earliest ends up first, as taken.
+        for name, reply, _ in reversed(restore):
             self.restore(name, reply)
             n += len(reply.items)
         if n:
@@ -686,7 +692,7 @@ class ServerFactory(Factory):
     def restore(self, name: str, reply: Fetched) -> None:
         """Put the items of a get reply back at the front of their bin."""
         self.store.restore(name, reply.kind,
-                           [(it, _wire_size(it), it.tag) for it in reply.items])
+                           [(it, item_wire_size(it), it.tag) for it in reply.items])
 
     def queued_bytes(self) -> int:
         """Bytes written to connections and not yet sent, all connections together."""

@@ -37,6 +37,8 @@ __all__ = ["BinConfig", "Blocked", "Store", "Taken", "Waiter", "Written"]
 
 # (bin, op, n_items, version, dropped)
 ChangeHook = Callable[[str, str, int, int, int], None]
+# (op, bin, ctx, fields): every effect, in the order it happens (see Store.journal)
+JournalHook = Callable[[str, str, Any, dict[str, Any]], None]
 OVERFLOWS = ("reject", "drop_oldest", "block")
 
 
@@ -134,6 +136,7 @@ class Waiter:
     spec: FetchSpec
     max_bytes: int | None
     callback: Callable[[Taken], None]
+    ctx: Any = None
     active: bool = True
 
 
@@ -146,6 +149,7 @@ class Blocked:
     nbytes: int
     tag: int | None
     callback: Callable[[Written], None]
+    ctx: Any = None
     active: bool = True
 
 
@@ -164,6 +168,13 @@ class Store:
 
     Attributes:
         nbytes: bytes stored in bins.
+        journal: if set, called as ``journal(op, bin, ctx, fields)`` for every effect, in the
+            order effects happen, with what replaying it needs: ``put``/``append`` (item,
+            nbytes, tag), ``take`` (n items from the front after dropping stale ones below
+            min_tag; n may be 0), ``delete``, ``restore`` (kind, items) and ``configure``
+            (config). ``ctx`` is the opaque request context the caller passed (the waiting
+            request's own for a served waiter or blocked append), so a persistence layer can
+            tie an effect to the request whose reply it must remember.
     """
 
     def __init__(self, max_memory: int | None = None, on_change: ChangeHook | None = None,
@@ -173,6 +184,7 @@ class Store:
         self.on_change = on_change
         self.clock = clock
         self.outside = outside
+        self.journal: JournalHook | None = None
         self.nbytes = 0
         self._bins: dict[str, _Bin] = {}
         self._meta: dict[str, _Meta] = {}
@@ -244,6 +256,34 @@ class Store:
             yield name, b.kind, self.version(name), [(e.item, e.nbytes, e.tag)
                                                      for e in b.entries]
 
+    def metas(self) -> Iterator[tuple[str, int, BinConfig, int]]:
+        """``(name, version, config, unreported_drops)`` for every name the store knows."""
+        for name, m in list(self._meta.items()):
+            yield name, m.version, m.config, self._unreported_drops.get(name, 0)
+
+    def load_meta(self, name: str, version: int, config: BinConfig, drops: int = 0) -> None:
+        """Set a name's version and limits as a snapshot recorded them (no change event)."""
+        m = self._meta_of(name)
+        m.version, m.config = version, config
+        if drops:
+            self._unreported_drops[name] = drops
+        else:
+            self._unreported_drops.pop(name, None)
+
+    def load_bin(self, name: str, kind: str,
+                 entries: builtins.list[tuple[Any, int, int | None]]) -> None:
+        """Set a bin's content as a snapshot recorded it (no change event, no limit check)."""
+        old = self._bins.pop(name, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        if not entries:
+            return
+        b = self._bins[name] = _Bin(kind)
+        for item, nbytes, tag in entries:
+            b.entries.append(_Entry(item, nbytes, tag))
+            b.nbytes += nbytes
+        self.nbytes += b.nbytes
+
     @property
     def n_waiters(self) -> int:
         """How many fetches are waiting."""
@@ -255,7 +295,8 @@ class Store:
         return sum(len(q) for q in self._blocked.values())
 
     # -- changes ----------------------------------------------------------------------------
-    def put(self, name: str, item: Any, nbytes: int, tag: int | None = None) -> Written:
+    def put(self, name: str, item: Any, nbytes: int, tag: int | None = None,
+            ctx: Any = None) -> Written:
         """Replace the bin's content with one value.
 
         Raises:
@@ -268,6 +309,8 @@ class Store:
                           f"max_bytes={cfg.max_bytes}; nothing was stored")
         old = self._bins.get(name)
         self._check_memory(name, nbytes - (old.nbytes if old else 0), nbytes)
+        if self.journal is not None:
+            self.journal("put", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag})
         b = _Bin("value", deque([_Entry(item, nbytes, tag)]), nbytes)
         self.nbytes += nbytes - (old.nbytes if old else 0)
         self._bins[name] = b
@@ -277,7 +320,8 @@ class Store:
             self._serve_blocked(name)  # a put may shrink a bin: room for blocked appends
         return Written(version, n)
 
-    def append(self, name: str, item: Any, nbytes: int, tag: int | None = None) -> Written:
+    def append(self, name: str, item: Any, nbytes: int, tag: int | None = None,
+               ctx: Any = None) -> Written:
         """Add one item at the end of the bin (a list value is one item, never flattened).
 
         A bin at its limits refuses the item (``reject``, and ``block`` here: blocking is
@@ -296,6 +340,8 @@ class Store:
                 raise self._full(name, cfg)
         freed = sum(b.entries[i].nbytes for i in range(drop)) if (b and drop) else 0
         self._check_memory(name, nbytes - freed, nbytes)
+        if self.journal is not None:
+            self.journal("append", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag})
         if b is None:
             b = self._bins[name] = _Bin("list")
         for _ in range(drop):
@@ -311,7 +357,8 @@ class Store:
         return Written(version, n, drop)
 
     def append_or_wait(self, name: str, item: Any, nbytes: int, tag: int | None,
-                       callback: Callable[[Written], None]) -> Written | Blocked:
+                       callback: Callable[[Written], None], ctx: Any = None
+                       ) -> Written | Blocked:
         """Append now if the bin has room (or is not a ``block`` bin), else wait for room.
 
         Returns:
@@ -323,18 +370,18 @@ class Store:
         """
         cfg = self.config(name)
         if cfg.overflow != "block" or not cfg.bounded:
-            return self.append(name, item, nbytes, tag)
+            return self.append(name, item, nbytes, tag, ctx)
         if cfg.max_bytes is not None and nbytes > cfg.max_bytes:
             raise BinFull(f"an item of {nbytes} bytes can never fit bin {name!r}: its "
                           f"max_bytes={cfg.max_bytes}")
         queue = self._blocked.get(name)
         if not queue and not self._room(name, self._bins.get(name), cfg, nbytes):
-            return self.append(name, item, nbytes, tag)
-        blocked = Blocked(name, item, nbytes, tag, callback)
+            return self.append(name, item, nbytes, tag, ctx)
+        blocked = Blocked(name, item, nbytes, tag, callback, ctx)
         self._blocked.setdefault(name, deque()).append(blocked)
         return blocked
 
-    def delete(self, name: str) -> tuple[bool, int]:
+    def delete(self, name: str, ctx: Any = None) -> tuple[bool, int]:
         """Remove a bin. Waiters on it keep waiting; blocked appends get room.
 
         Returns:
@@ -343,6 +390,8 @@ class Store:
         b = self._bins.pop(name, None)
         if b is None:
             return False, self.version(name)
+        if self.journal is not None:
+            self.journal("delete", name, ctx, {})
         self.nbytes -= b.nbytes
         self._count(name, "delete", 0, 0)
         version, _ = self._changed(name, "delete", None)
@@ -350,9 +399,11 @@ class Store:
             self._serve_blocked(name)
         return True, version
 
-    def configure(self, name: str, config: BinConfig) -> BinConfig:
+    def configure(self, name: str, config: BinConfig, ctx: Any = None) -> BinConfig:
         """Set the bin's limits. Items already stored stay, even above new limits; blocked
         appends are re-examined (a larger limit may make room)."""
+        if self.journal is not None:
+            self.journal("configure", name, ctx, {"config": config})
         meta = self._meta_of(name)
         meta.config = config
         if name in self._blocked:
@@ -376,9 +427,11 @@ class Store:
         if not items:
             return self.version(name)
         b = self._bins.get(name)
+        if kind == "value" and b is not None:
+            return self.version(name)
+        if self.journal is not None:
+            self.journal("restore", name, None, {"kind": kind, "items": items})
         if kind == "value":
-            if b is not None:
-                return self.version(name)
             b = self._bins[name] = _Bin("value")
         elif b is None:
             b = self._bins[name] = _Bin("list")
@@ -392,7 +445,8 @@ class Store:
         version, _ = self._changed(name, "restore", b)
         return version
 
-    def fetch(self, name: str, spec: FetchSpec, max_bytes: int | None = None) -> Taken:
+    def fetch(self, name: str, spec: FetchSpec, max_bytes: int | None = None,
+              ctx: Any = None) -> Taken:
         """Get (``spec.remove``) or peek at the content of a bin, without waiting.
 
         ``max_bytes`` caps the summed size of the items of a list bin returned at once (at
@@ -401,13 +455,13 @@ class Store:
         Raises:
             BinNotFound: the bin is missing or empty (or holds only stale items).
         """
-        taken = self._try_fetch(name, spec, 1, max_bytes)
+        taken = self._try_fetch(name, spec, 1, max_bytes, ctx=ctx)
         if taken is None:
             raise BinNotFound(self._missing_message(name, spec.min_tag))
         return taken
 
     def fetch_or_wait(self, name: str, spec: FetchSpec, callback: Callable[[Taken], None],
-                      max_bytes: int | None = None) -> Taken | Waiter:
+                      max_bytes: int | None = None, ctx: Any = None) -> Taken | Waiter:
         """Fetch now if the bin can satisfy the request, else register a waiter.
 
         A waiter whose ``newer_than`` is set is satisfied only by a version above it.
@@ -419,10 +473,10 @@ class Store:
         queue = self._waiters.get(name)
         if not queue:
             taken = self._try_fetch(name, spec, spec.min_items, max_bytes,
-                                    report_unchanged=False)
+                                    report_unchanged=False, ctx=ctx)
             if taken is not None:
                 return taken
-        w = Waiter(name, spec, max_bytes, callback)
+        w = Waiter(name, spec, max_bytes, callback, ctx)
         self._waiters.setdefault(name, deque()).append(w)
         if queue:
             # Earlier waiters keep their turn, but one that cannot be served yet (say it
@@ -519,7 +573,7 @@ class Store:
             if not w.active:  # cancelled, or served by a re-entrant call from a callback
                 continue
             taken = self._try_fetch(name, w.spec, w.spec.min_items, w.max_bytes,
-                                    report_unchanged=False)
+                                    report_unchanged=False, ctx=w.ctx)
             if taken is None:
                 continue
             w.active = False
@@ -545,7 +599,7 @@ class Store:
             blk.active = False
             try:
                 written: Written | BaseException = self.append(name, blk.item, blk.nbytes,
-                                                               blk.tag)
+                                                               blk.tag, blk.ctx)
             except (BinFull, MemoryLimitExceeded) as exc:
                 written = exc
             blk.callback(written)  # type: ignore[arg-type]
@@ -553,8 +607,17 @@ class Store:
         if name in self._blocked and not self._blocked[name]:
             del self._blocked[name]
 
+    def take(self, name: str, n: int, min_tag: int | None = None) -> Taken | None:
+        """Replay a logged ``take``: drop items tagged below ``min_tag``, then remove ``n``
+        items from the front (``n`` may be 0: only the drop). Exactly what the logged get
+        did to the bin, given the same state. Returns what was taken (``None`` for 0)."""
+        if n == 0:
+            self._try_fetch(name, FetchSpec(True, min_tag=min_tag), 1 << 62, None)
+            return None
+        return self._try_fetch(name, FetchSpec(True, n, min_tag=min_tag), 1, None)
+
     def _try_fetch(self, name: str, spec: FetchSpec, min_items: int, max_bytes: int | None,
-                   report_unchanged: bool = True) -> Taken | None:
+                   report_unchanged: bool = True, ctx: Any = None) -> Taken | None:
         b = self._bins.get(name)
         if b is None:
             return None
@@ -580,6 +643,8 @@ class Store:
                 fresh = entries
         if len(fresh) < min_items or not fresh:
             if dropped and remove:
+                if self.journal is not None:
+                    self.journal("take", name, None, {"n": 0, "min_tag": min_tag})
                 self._after_removal(name, b, 0)
             return None
         max_items = spec.max_items
@@ -592,6 +657,8 @@ class Store:
                     n = i
                     break
         if remove:
+            if self.journal is not None:
+                self.journal("take", name, ctx, {"n": n, "min_tag": min_tag})
             dropped = self._unreported_drops.pop(name, 0)
             chosen = [entries.popleft() for _ in range(n)]
             freed = sum(e.nbytes for e in chosen)
