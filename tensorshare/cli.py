@@ -70,6 +70,20 @@ def _parser() -> argparse.ArgumentParser:
                         "disconnected (default 64M)")
     s.add_argument("--max-session-bytes", type=_size, default=1 << 30, metavar="BYTES",
                    help="bytes of unacknowledged get items one session may hold (default 1G)")
+    s.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
+                        "without it the server holds everything in memory only")
+    s.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
+                   help="when the data log reaches the disk: before each reply (always), "
+                        "every second (everysec, the default) or when the OS decides (no)")
+    s.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="write a snapshot (and drop the log it covers) this often "
+                        "(default 300)")
+    s.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="also write one once the log has grown this much (default 1G)")
+    s.add_argument("--truncate-corrupt-log", action="store_true",
+                   help="start even if the data log is corrupt in the middle, dropping it "
+                        "from the bad record on (the start-up error tells you when)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
 
     ls = sub.add_parser("ls", help="list the bins of a server and their item counts")
@@ -94,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from .messages import Limits
+    from .persist import DataError
     from .server import ServerConfig, run_server
 
     level = LogLevel.warn if args.quiet else LogLevel.info
@@ -126,12 +141,21 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(limits=limits, max_memory=args.max_memory,
                           session_ttl=args.session_ttl, max_connections=args.max_connections,
                           max_client_buffer=args.max_client_buffer,
-                          max_session_bytes=args.max_session_bytes)
+                          max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
+                          fsync=args.fsync, snapshot_every=args.snapshot_every,
+                          snapshot_log_bytes=args.snapshot_log_bytes,
+                          truncate_corrupt_log=args.truncate_corrupt_log)
     try:
         run_server(args.port, args.host, ready=ready, config=config)
+    except DataError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"tensorshare serve: cannot listen on {args.host}:{args.port}: {exc}",
               file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -58,6 +58,7 @@ from .messages import (
     Stored,
     Unlisten,
 )
+from .persist import Loaded, Persistence
 from .protocol import (
     OPS,
     PRE_HELLO_MAX_BYTES,
@@ -99,6 +100,13 @@ class ServerConfig:
             the server gives up on it and closes it (a client that stopped reading).
         hello_timeout: seconds a new connection has to complete ``hello``.
         pre_hello_bytes: the largest frame accepted before ``hello``.
+        data_dir: keep the data in this directory (a data log and snapshots, see
+            :mod:`tensorshare.persist`); ``None``: in memory only.
+        fsync: when the data log reaches the disk: ``"always"``, ``"everysec"``, ``"no"``.
+        snapshot_every: seconds between snapshots (``None``: by log size and at exit only).
+        snapshot_log_bytes: take a snapshot once the data log has grown this much.
+        truncate_corrupt_log: start even if a log segment is corrupt in the middle,
+            dropping it from there (only after reading the error that says so).
     """
 
     limits: Limits = field(default_factory=Limits)
@@ -110,6 +118,11 @@ class ServerConfig:
     max_client_buffer: int = 64 << 20
     hello_timeout: float = 10.0
     pre_hello_bytes: int = PRE_HELLO_MAX_BYTES
+    data_dir: str | None = None
+    fsync: str = "everysec"
+    snapshot_every: float | None = 300.0
+    snapshot_log_bytes: int = 1 << 30
+    truncate_corrupt_log: bool = False
 
 
 class ServerProtocol(Protocol):
@@ -215,6 +228,12 @@ class ServerProtocol(Protocol):
     def write_chunks(self, chunks: Sequence[BytesLike]) -> None:
         if self._closed:
             return
+        f = self.factory
+        if f.holding:
+            # With fsync "always" nothing that depends on a write leaves before the write is
+            # on disk: held until the batch is committed (see ServerFactory.commit).
+            f.held.append((self, chunks))
+            return
         queued = self.queued_bytes
         limit = self.factory.config.max_client_buffer
         if queued > limit:
@@ -295,6 +314,12 @@ class ServerProtocol(Protocol):
 
     # -- dispatch ---------------------------------------------------------------------------
     def _handle(self, events: list[Any]) -> None:
+        try:
+            self._handle_events(events)
+        finally:
+            self.factory.commit()
+
+    def _handle_events(self, events: list[Any]) -> None:
         stats = self.factory.stats
         for ev in events:
             if self._closed:
@@ -341,6 +366,11 @@ class ServerProtocol(Protocol):
             log.failure("internal error serving {op} from {peer}", op=op, peer=self.peer)
             self.reply(msg, ErrorReply(msg.id, "error",
                                        "internal server error; see the server log"))
+
+    def _ctx(self, msg: Request) -> tuple[bytes, int] | None:
+        """What ties a store effect to this request (for the data log's remembered replies)."""
+        s = self.session
+        return None if s is None else (s.id, msg.id)
 
     def reply(self, msg: Request, reply: Reply, *, bin: str | None = None,
               held: int = 0) -> None:
@@ -395,7 +425,7 @@ class ServerProtocol(Protocol):
     # -- requests ---------------------------------------------------------------------------
     def _put(self, msg: Put) -> None:
         nbytes = item_wire_size(msg.item)
-        w = self.factory.store.put(msg.bin, msg.item, nbytes, msg.item.tag)
+        w = self.factory.store.put(msg.bin, msg.item, nbytes, msg.item.tag, self._ctx(msg))
         self.reply(msg, Stored(msg.id, w.version, w.n_items))
 
     def _append(self, msg: Append) -> None:
@@ -412,7 +442,8 @@ class ServerProtocol(Protocol):
             else:
                 self.reply(msg, Stored(rid, w.version, w.n_items, w.dropped))  # type: ignore[union-attr]
 
-        result = store.append_or_wait(msg.bin, msg.item, nbytes, msg.item.tag, stored)
+        result = store.append_or_wait(msg.bin, msg.item, nbytes, msg.item.tag, stored,
+                                      self._ctx(msg))
         if isinstance(result, Written):
             self.reply(msg, Stored(rid, result.version, result.n_items, result.dropped))
             return
@@ -451,7 +482,7 @@ class ServerProtocol(Protocol):
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
         if not spec.wait:
-            self._fetched(msg, store.fetch(msg.bin, spec, max_bytes))
+            self._fetched(msg, store.fetch(msg.bin, spec, max_bytes, self._ctx(msg)))
             return
         rid = msg.id
         if rid in self._waiting:
@@ -463,7 +494,7 @@ class ServerProtocol(Protocol):
                 timer.cancel()
             self._fetched(msg, taken)
 
-        result = store.fetch_or_wait(msg.bin, spec, served, max_bytes)
+        result = store.fetch_or_wait(msg.bin, spec, served, max_bytes, self._ctx(msg))
         if isinstance(result, Taken):
             self._fetched(msg, result)
             return
@@ -500,7 +531,7 @@ class ServerProtocol(Protocol):
         self.reply(msg, Listing(msg.id, self.factory.store.list()))
 
     def _delete(self, msg: Delete) -> None:
-        existed, version = self.factory.store.delete(msg.bin)
+        existed, version = self.factory.store.delete(msg.bin, self._ctx(msg))
         self.reply(msg, Deleted(msg.id, existed, version))
 
     def _listen(self, msg: Listen) -> None:
@@ -536,8 +567,10 @@ class ServerProtocol(Protocol):
         done = s.replies.get(target) if s is not None else None
         if s is not None and done is not None and done.bin is not None and \
                 isinstance(done.reply, Fetched):
+            if f.persist is not None:
+                f.persist.session_record("forget", s.id, id=target)
             f.sessions.forget(s, target)
-            f.restore(done.bin, done.reply)
+            f.restore(done.bin, done.reply, logged=True)
             self.reply(msg, Acked(msg.id, True))
             return
         self.reply(msg, Acked(msg.id, False))
@@ -551,7 +584,7 @@ class ServerProtocol(Protocol):
             cfg = BinConfig(msg.max_items, msg.max_bytes, msg.overflow)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        cfg = self.factory.store.configure(msg.bin, cfg)
+        cfg = self.factory.store.configure(msg.bin, cfg, self._ctx(msg))
         self.reply(msg, Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow))
 
 
@@ -598,6 +631,36 @@ class ServerFactory(Factory):
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}
         self.stats = _Counters()
+        self.held: list[tuple[ServerProtocol, Sequence[BytesLike]]] = []
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.persist: Persistence | None = None
+        self.loaded: Loaded | None = None
+        if config.data_dir is not None:
+            self._open_data(config)
+
+    def _open_data(self, config: ServerConfig) -> None:
+        """Load the data directory and log every effect from now on.
+
+        Raises:
+            DataError: the directory cannot be used (the message says why and what to do).
+        """
+        p = Persistence(config.data_dir or ".", fsync=config.fsync,
+                        snapshot_every=config.snapshot_every,
+                        snapshot_log_bytes=config.snapshot_log_bytes, limits=config.limits,
+                        truncate_corrupt=config.truncate_corrupt_log)
+        self.loaded = loaded = p.open(self.store, self.sessions)
+        self.persist = p
+        self.server_id = loaded.server_id
+        self.store.journal = p.record
+        if loaded.warning:
+            log.warn("{warning}", warning=loaded.warning)
+        # Sessions come back detached: their clients have session_ttl to resume them.
+        for s in self.sessions:
+            s.timer = self.reactor.callLater(config.session_ttl, self.expire, s)
+        log.info("loaded {dir}: {bins} bins, {sessions} sessions ({records} log records "
+                 "replayed{snap})", dir=p.dir, bins=len(self.store.list()),
+                 sessions=len(self.sessions), records=loaded.records,
+                 snap=f" after {os.path.basename(loaded.snapshot)}" if loaded.snapshot else "")
 
     def buildProtocol(self, addr: Any) -> ServerProtocol:
         return ServerProtocol(self)
@@ -648,6 +711,8 @@ class ServerFactory(Factory):
         if s is None:
             s = self.sessions.open(sid)
             s.attached = proto
+            if self.persist is not None:
+                self.persist.session_record("session", sid)
             return s, False
         if s.attached is not None and s.attached is not proto:
             old = s.attached
@@ -674,25 +739,108 @@ class ServerFactory(Factory):
         s.timer = None
         if s.attached is not None or self.sessions.get(s.id) is not s:
             return
+        if self.persist is not None:
+            self.persist.session_record("expire", s.id)  # replayed with its restores
         restore = self.sessions.close(s)
         self.stats["sessions_expired"] += 1
         n = 0
         # Latest get first: each goes in front, so the earliest ends up first, as taken.
         for name, reply, _ in reversed(restore):
-            self.restore(name, reply)
+            self.restore(name, reply, logged=True)
             n += len(reply.items)
         if n:
             log.info("a session expired; {n} item(s) it had taken but not acknowledged went "
                      "back to their bins", n=n)
+        self.commit()
 
     def ack(self, s: ServerSession, info: AckInfo) -> None:
         """The client has the replies ``info`` names: forget them (and release their items)."""
-        self.sessions.ack(s, info.through, info.open)
+        if self.sessions.ack(s, info.through, info.open) and self.persist is not None:
+            # Logged only when it releases get items: else a restart could give them back.
+            self.persist.session_record("ack", s.id, through=info.through,
+                                        open=list(info.open))
 
-    def restore(self, name: str, reply: Fetched) -> None:
-        """Put the items of a get reply back at the front of their bin."""
-        self.store.restore(name, reply.kind,
-                           [(it, item_wire_size(it), it.tag) for it in reply.items])
+    def restore(self, name: str, reply: Fetched, *, logged: bool = False) -> None:
+        """Put the items of a get reply back at the front of their bin.
+
+        ``logged``: the data log already has a record that replays this restore.
+        """
+        journal = self.store.journal
+        if logged:
+            self.store.journal = None
+        try:
+            self.store.restore(name, reply.kind,
+                               [(it, item_wire_size(it), it.tag) for it in reply.items])
+        finally:
+            self.store.journal = journal
+
+    # -- persistence ------------------------------------------------------------------------
+    @property
+    def holding(self) -> bool:
+        """Whether output must wait for the data log (fsync "always", records pending)."""
+        p = self.persist
+        return p is not None and p.fsync == "always" and p.dirty
+
+    def commit(self) -> None:
+        """End of a batch of work: write the data log, then release held output."""
+        p = self.persist
+        if p is None:
+            return
+        if p.dirty:
+            try:
+                p.flush()
+            except OSError as exc:
+                self._log_failed(exc)
+                return
+        if self.held:
+            held, self.held = self.held, []
+            for proto, chunks in held:
+                proto.write_chunks(chunks)
+        if p.snapshot_due():
+            self.snapshot()
+
+    def snapshot(self, wait: bool = False) -> None:
+        """Write a snapshot of the state now (in a background thread unless ``wait``)."""
+        p = self.persist
+        if p is None or p.failed is not None:
+            return
+        self.stats["snapshots_started"] += 1
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                log.error("writing a snapshot failed: {error}; the data log still holds "
+                          "everything", error=error)
+
+        try:
+            p.snapshot(self.store, self.sessions, wait=wait, done=done)
+        except OSError as exc:
+            self._log_failed(exc)
+
+    def _log_failed(self, exc: OSError) -> None:
+        # What the server holds is now ahead of its disk: acknowledging anything more would
+        # be a lie. Stop, so that a restart recovers what was acknowledged.
+        log.critical("cannot write the data log in {dir}: {error}; stopping the server",
+                     dir=self.persist.dir if self.persist else "?", error=exc)
+        self.held.clear()
+        for proto in list(self.connections):
+            proto._release()
+            proto.transport.abortConnection()  # type: ignore[union-attr]
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def close_persistence(self) -> None:
+        """Flush, write a final snapshot and release the data directory (at shutdown)."""
+        p = self.persist
+        if p is None:
+            return
+        self.persist = None
+        self.store.journal = None
+        try:
+            if p.failed is None:
+                p.flush()
+            p.close(self.store, self.sessions)
+        except OSError as exc:
+            log.critical("closing the data log failed: {error}", error=exc)
 
     def queued_bytes(self) -> int:
         """Bytes written to connections and not yet sent, all connections together."""
@@ -779,12 +927,24 @@ class EmbeddedServer:
 
         self.host = host
         self.reactor = EPollReactor()
-        self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
-        self._port = listen_fast_tcp(self.reactor, port, self.factory, interface=host)
+        self.error: BaseException | None = None  # why the server stopped by itself, if it did
+        self._stopping = False
+        self._reactor_closed = False
+        try:
+            self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
+            self.factory.on_fatal = self._fatal
+            self._port = listen_fast_tcp(self.reactor, port, self.factory, interface=host)
+        except BaseException:
+            if getattr(self, "factory", None) is not None:
+                self.factory.close_persistence()
+            self._close_reactor()
+            raise
         self.port: int = self._port.getHost().port
-        self._thread = threading.Thread(
-            target=self.reactor.run, kwargs={"installSignalHandlers": False},
-            name=f"tensorshare-server-{self.port}", daemon=True)
+        # Liveness is this event, not Thread.is_alive(): a join() interrupted by Ctrl+C can
+        # leave a thread marked as stopped while it runs on (CPython 3.11).
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tensorshare-server-{self.port}",
+                                        daemon=True)
         self._thread.start()
         log.info("tensorshare server listening on {host}:{port}", host=host, port=self.port)
 
@@ -808,24 +968,53 @@ class EmbeddedServer:
             raise value
         return value
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Close the port and every connection, stop the reactor and join its thread."""
-        if not self._thread.is_alive():
+    def _run(self) -> None:
+        try:
+            self.reactor.run(installSignalHandlers=False)
+        finally:
+            self._done.set()
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        self.reactor.callLater(0, self._shutdown)
+
+    def _shutdown(self) -> None:
+        if self._stopping or not self.reactor.running:
             return
+        self._stopping = True
+        self._port.stopListening()
+        for proto in list(self.factory.connections):
+            proto.transport.abortConnection()  # type: ignore[union-attr]
+        # With a data directory: the log is flushed and a final snapshot written, so that
+        # the next start loads quickly.
+        self.factory.close_persistence()
+        self.reactor.callLater(0, self.reactor.stop)
 
-        def shutdown() -> None:
-            self._port.stopListening()
-            for proto in list(self.factory.connections):
-                proto.transport.abortConnection()  # type: ignore[union-attr]
-            self.reactor.callLater(0, self.reactor.stop)
+    def stop(self, timeout: float | None = None) -> None:
+        """Close the port and every connection, write the final snapshot (with a data
+        directory), stop the reactor and join its thread.
 
-        self.reactor.callFromThread(shutdown)
+        Args:
+            timeout: seconds to wait (default 10 s, or 10 minutes with a data directory:
+                the final snapshot writes everything the server holds).
+        """
+        if timeout is None:
+            timeout = 600.0 if self.factory.config.data_dir else 10.0
+        if not self._done.is_set():
+            self.reactor.callFromThread(self._shutdown)
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"the server thread on port {self.port} did not stop "
+                                   f"within {timeout:g} s")
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the server thread on port {self.port} did not stop within "
-                               f"{timeout:g} s")
+        self.factory.close_persistence()  # if the reactor ended some other way
+        self._close_reactor()
+
+    def _close_reactor(self) -> None:
         # A private reactor is never used again: give back its epoll and waker descriptors,
         # or a process that starts many servers (a test suite) runs out of them.
+        if self._reactor_closed:
+            return
+        self._reactor_closed = True
         try:
             self.reactor.waker.connectionLost(None)
             self.reactor._poller.close()
@@ -834,8 +1023,8 @@ class EmbeddedServer:
 
     @property
     def running(self) -> bool:
-        """Whether the server thread is alive."""
-        return self._thread.is_alive()
+        """Whether the server is running (its reactor thread has not ended)."""
+        return not self._done.is_set()
 
     def __enter__(self) -> EmbeddedServer:
         return self
@@ -856,12 +1045,26 @@ def run_server(port: int = 8000, host: str = "127.0.0.1", *, limits: Limits | No
         ready: optional callable ``ready(server)`` called once the port is bound.
     """
     server = EmbeddedServer(port, host, limits=limits, max_memory=max_memory, config=config)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        def terminate(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl+C does
+
+        previous = signal.signal(signal.SIGTERM, terminate)
     if ready is not None:
         ready(server)
     try:
         while server.running:
-            server._thread.join(0.5)  # short joins keep Ctrl+C responsive
+            server._done.wait(0.5)  # short waits keep Ctrl+C responsive
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+    if server.error is not None:
+        raise RuntimeError(f"the server stopped: {server.error}")
