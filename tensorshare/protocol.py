@@ -736,6 +736,8 @@ class ServerConnection(_Side):
         small = min(pre_hello_max_bytes, self.limits.max_frame_bytes)
         super().__init__(small, min(small, self.limits.max_header_bytes))
         self.greeted = False
+        # Bytes of each complete request frame, by op (statistics), as they are parsed.
+        self.bytes_in: dict[str, int] = {}
 
     def handshake_done(self) -> None:
         """Lift the small pre-hello cap to the configured limits."""
@@ -794,6 +796,8 @@ class ServerConnection(_Side):
         if op is None:
             out.append(BadRequest(rid, "invalid_request", f"unknown op {h.get('op')!r}"))
             return
+        size = len(frame.header) + len(frame.payload) + 16
+        self.bytes_in[op.name] = self.bytes_in.get(op.name, 0) + size
         try:
             out.append(op.parse(rid, h, frame.payload, self.limits))
         except _Invalid as exc:

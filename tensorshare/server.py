@@ -81,6 +81,9 @@ log = Logger(namespace="tensorshare.server")
 # A connection we close gets this long to take what is queued for it (say, the error that
 # explains why) before it is cut.
 CLOSE_GRACE_SECONDS = 10.0
+# Upper bounds (seconds) of the request latency histogram's buckets (the last is +Inf).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,7 @@ class ServerProtocol(Protocol):
         self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
         self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
         self._paused = False  # the transport says our output backs up: see the class doc
+        self._started: dict[int, float] = {}  # request id -> when it came in (latency)
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._handlers: dict[type, Callable[[Any], None]] = {
             Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
@@ -279,6 +283,8 @@ class ServerProtocol(Protocol):
             return
         self._closed = True
         self._folded.clear()
+        self._started.clear()
+        self.factory.add_bytes_in(self.conn.bytes_in)
         f = self.factory
         for name in self.listening:
             f.unsubscribe(name, self)
@@ -351,11 +357,13 @@ class ServerProtocol(Protocol):
 
     def _request(self, msg: Request) -> None:
         op = op_name(msg)
+        self._started[msg.id] = time.perf_counter()
         s = self.session
         if s is not None and OPS[op].mutating:
             old = s.lookup(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.factory.stats["replayed"] += 1
+                self._started.pop(msg.id, None)
                 self.send(old)
                 return
         try:
@@ -377,11 +385,16 @@ class ServerProtocol(Protocol):
         """Send a reply, remembering it first if re-running ``msg`` would change something."""
         s = self.session
         f = self.factory
+        op = op_name(msg)
         if type(reply) is ErrorReply:
             f.count_error(reply.code)
-        if s is not None and OPS[op_name(msg)].mutating:
+        if s is not None and OPS[op].mutating:
             f.sessions.remember(s, msg.id, reply, bin, held)
-        self.send(reply)
+        chunks = encode_message(reply)[0]
+        started = self._started.pop(msg.id, None)
+        if started is not None:
+            f.observe(op, sum(len(c) for c in chunks), time.perf_counter() - started)
+        self.write_chunks(chunks)
 
     def reply_error(self, rid: int, code: str, message: str) -> None:
         self.factory.count_error(code)
@@ -632,6 +645,9 @@ class ServerFactory(Factory):
         self._listeners: dict[str, set[ServerProtocol]] = {}
         self.stats = _Counters()
         self.held: list[tuple[ServerProtocol, Sequence[BytesLike]]] = []
+        # op -> request latency histogram: a count per LATENCY_BUCKETS bound, then the sum
+        # in microseconds.
+        self.latency: dict[str, list[int]] = {}
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.persist: Persistence | None = None
         self.loaded: Loaded | None = None
@@ -855,11 +871,41 @@ class ServerFactory(Factory):
     def count_error(self, code: str) -> None:
         self.stats[f"errors.{code}"] += 1
 
+    def observe(self, op: str, bytes_out: int, seconds: float) -> None:
+        """Count one answered request: by op, its reply's bytes and its latency."""
+        stats = self.stats
+        stats[f"op.{op}"] += 1
+        stats[f"bytes_out.{op}"] += bytes_out
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)  # counts..., then sum (us)
+        i = 0
+        while seconds > LATENCY_BUCKETS[i]:
+            i += 1
+        h[i] += 1
+        h[-1] += int(seconds * 1e6)
+
+    def add_bytes_in(self, by_op: dict[str, int]) -> None:
+        """Fold a connection's received bytes (by op) into the totals."""
+        for op, n in by_op.items():
+            self.stats[f"bytes_in.{op}"] += n
+        by_op.clear()
+
+    def bytes_in(self) -> dict[str, int]:
+        """Request bytes received, by op, including connections that are still open."""
+        out = {k[9:]: v for k, v in self.stats.items() if k.startswith("bytes_in.")}
+        for p in self.connections:
+            for op, n in p.conn.bytes_in.items():
+                out[op] = out.get(op, 0) + n
+        return out
+
     def server_stats(self) -> dict[str, Any]:
         """The server-wide statistics of the ``stats`` reply (see docs/PROTOCOL.md)."""
         store = self.store
-        counters = {k: v for k, v in self.stats.items() if not k.startswith("errors.")}
+        counters = {k: v for k, v in self.stats.items() if "." not in k}
         errors = {k[7:]: v for k, v in self.stats.items() if k.startswith("errors.")}
+        ops = {k[3:]: v for k, v in self.stats.items() if k.startswith("op.")}
+        bytes_out = {k[10:]: v for k, v in self.stats.items() if k.startswith("bytes_out.")}
         return {
             "server": f"tensorshare/{__version__}",
             "server_id": self.server_id,
@@ -878,6 +924,12 @@ class ServerFactory(Factory):
             "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
             "counters": counters,
             "errors": errors,
+            "requests": ops,
+            "bytes_in": self.bytes_in(),
+            "bytes_out": bytes_out,
+            "latency": {"buckets": [b for b in LATENCY_BUCKETS if b != float("inf")],
+                        "ops": {op: h[:-1] for op, h in self.latency.items()},
+                        "sum_us": {op: h[-1] for op, h in self.latency.items()}},
         }
 
     def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:

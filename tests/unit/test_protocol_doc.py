@@ -528,7 +528,7 @@ def test_stats_tables_match_a_live_server() -> None:
             return f.server_stats(), f.bin_stats()
 
         stats, bins = srv.call(fill)
-    assert _flat(stats, ("memory", "waiting")) == documented_fields("stats-server")
+    assert _flat(stats, ("memory", "waiting", "latency")) == documented_fields("stats-server")
     assert set(bins) == {"q", "w"}  # data or limits
     for summary in bins.values():
         assert _flat(summary, ("limits",)) == documented_fields("stats-bin")
