@@ -10,6 +10,12 @@ never shipped.
   unchanged version costs one tiny round trip and no download.
 * ``await_new_parameters(timeout)`` is a server-side wait for a version above the last one
   returned, so there is no window in which a publish can be missed.
+* The end of a run is said explicitly, not by closing a connection (clients reconnect, so a
+  vanished server is not an end): ``RLTrainer.signal_stop()`` puts the last parameter version
+  into a small control bin (``<data_bin>/stop``); every ``RLWorker`` listens to that bin, so the
+  news costs the workers nothing until it comes, and then every call they are making or will
+  make raises :class:`TrainerStopped` at once. A trainer that hosts the server signals this
+  itself when it stops.
 
 Both classes work as plain blocking objects (``with RLWorker(host, port) as w: ...``) from
 any thread; ``start()`` / ``stop()`` keep the original API, where ``start()`` blocks until
@@ -19,15 +25,31 @@ any thread; ``start()`` / ``stop()`` keep the original API, where ``start()`` bl
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .client import NOWAIT, Client
-from .errors import BinNotFound, Timeout, is_server_timeout
+from .errors import BinNotFound, ConnectionLost, Timeout, TransportError, is_server_timeout
 
-__all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker"]
+__all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker", "TrainerStopped", "stop_bin_for"]
+
+_T = TypeVar("_T")
 
 PARAMS_BIN = "rl/parameters"
 DATA_BIN = "rl/rollouts"
+
+
+class TrainerStopped(ConnectionLost):
+    """The trainer signalled the end of the run (:meth:`RLTrainer.signal_stop`).
+
+    A :class:`ConnectionLost`, so code written for the days when a stopping trainer only
+    closed the server still catches it.
+    """
+
+
+def stop_bin_for(data_bin: str) -> str:
+    """The control bin through which the trainer of ``data_bin`` signals the end of a run."""
+    return f"{data_bin}/stop"
 
 
 def _local(host: str) -> str:
@@ -39,6 +61,7 @@ class _Base:
                  client_options: dict[str, Any]) -> None:
         self.host, self.port = host, port
         self.params_bin, self.data_bin = params_bin, data_bin
+        self.stop_bin = stop_bin_for(data_bin)
         self._stopped = threading.Event()
         self._server: Any = None
         self.client = Client(host, port, timeout, **client_options)
@@ -73,8 +96,9 @@ class RLTrainer(_Base):
     Args:
         host, port: the server. With ``host_server=True`` a server is started in this
             process on that port (0 picks a free one; read it back from ``.port``).
-        host_server: run the server inside this process. When the trainer stops, so does
-            the server, and connected workers get ``ConnectionLost``.
+        host_server: run the server inside this process. When the trainer stops, it first
+            signals the end of the run (:meth:`signal_stop`), then stops the server; connected
+            workers get :class:`TrainerStopped` (a ``ConnectionLost``).
         filter_version: keep only rollouts made with the newest published parameters.
         max_version_lag: keep rollouts made with parameters at most this many versions old
             (0 is the same as ``filter_version=True``). Overrides ``filter_version``.
@@ -104,6 +128,31 @@ class RLTrainer(_Base):
         self.version: int | None = None  # version of the parameters this trainer published
         self.dropped = 0  # stale rollouts dropped on the server, in total
         self.last_dropped = 0  # ... by the last get_data call
+        self.stop_signalled = False
+
+    def signal_stop(self) -> None:
+        """Tell every worker of this run that it is over.
+
+        Puts the last published parameter version into :attr:`stop_bin`; workers listening to
+        it (every :class:`RLWorker` does, unless ``watch_stop=False``) raise
+        :class:`TrainerStopped` from then on. The server and this trainer's connection stay up,
+        so the trainer can still read what is left or tidy up its bins.
+
+        Raises:
+            TransportError: the server could not be reached within the timeout.
+        """
+        self.client.put(self.stop_bin, int(self.version or 0))
+        self.stop_signalled = True
+
+    def stop(self) -> None:
+        """Stop: a trainer that hosts the server first signals the end of the run to the
+        workers (best effort), then closes its connection and the server."""
+        if self._server is not None and not self._stopped.is_set() and not self.stop_signalled:
+            try:
+                self.signal_stop()
+            except TransportError:
+                pass  # the workers will notice the server is gone by their own timeouts
+        super().stop()
 
     def publish_parameters(self, state_dict: Any) -> int:
         """Publish parameters (any state_dict or nested value of tensors).
@@ -165,24 +214,70 @@ class RLWorker(_Base):
     Args:
         host, port: the server. timeout: seconds to connect and to wait for each reply.
         params_bin, data_bin: bin names (must match the trainer's).
+        watch_stop: listen for the trainer's end-of-run signal (:meth:`RLTrainer.signal_stop`).
+            When it comes, the connection is closed and every call made then or later,
+            including one waiting in :meth:`await_new_parameters`, raises
+            :class:`TrainerStopped`. A worker that connects after the signal was given does
+            not see it (a put to the stop bin is an event, not a state).
+
+    Raises:
+        ConnectError: the server could not be reached within ``timeout``.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
                  params_bin: str = PARAMS_BIN, data_bin: str = DATA_BIN,
-                 **client_options: Any) -> None:
+                 watch_stop: bool = True, **client_options: Any) -> None:
         super().__init__(host, port, timeout, params_bin, data_bin, client_options)
         self.version: int | None = None  # version of the parameters last returned
         self.downloads = 0  # parameter versions downloaded (each at most once)
         self._params: Any = None
+        self._trainer_stopped = threading.Event()
+        if watch_stop:
+            try:
+                self.client.listen(self.stop_bin, self._on_stop_event)
+            except BaseException:
+                self.client.close()
+                raise
+
+    @property
+    def trainer_stopped(self) -> bool:
+        """Whether the trainer signalled the end of the run."""
+        return self._trainer_stopped.is_set()
+
+    def _on_stop_event(self, event: dict[str, Any]) -> None:
+        # A put is a trainer's signal; a resync with items means one came while this client
+        # was reconnecting. Deletes (a trainer tidying up) say nothing.
+        op = event.get("op")
+        if op == "put" or (op == "resync" and event.get("n_items", 0) > 0):
+            self._trainer_stopped.set()
+            # Closing fails every waiting call at once. Not from this thread: it is the
+            # client's own event thread, which close() winds down.
+            threading.Thread(target=self.client.close, daemon=True,
+                             name="tensorshare-rlworker-stop").start()
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        if self._trainer_stopped.is_set():
+            raise TrainerStopped(f"the trainer of {self.data_bin!r} signalled the end of the run")
+        try:
+            return fn()
+        except ConnectionLost as exc:
+            if self._trainer_stopped.is_set():
+                raise TrainerStopped(
+                    f"the trainer of {self.data_bin!r} signalled the end of the run") from exc
+            raise
 
     def get_parameters(self) -> Any:
         """Return the latest published parameters, or ``None`` if none were published.
 
         Downloads only if the server holds a version newer than the one this worker has;
         otherwise returns the parameters it already has.
+
+        Raises:
+            TrainerStopped: the trainer signalled the end of the run.
         """
         try:
-            res = self.client.fetch(self.params_bin, remove=False, newer_than=self.version)
+            res = self._call(lambda: self.client.fetch(self.params_bin, remove=False,
+                                                       newer_than=self.version))
         except BinNotFound:
             return self._params
         return self._adopt(res)
@@ -195,10 +290,14 @@ class RLWorker(_Base):
 
         Returns:
             The new parameters, or ``None`` if none were published within ``timeout``.
+
+        Raises:
+            TrainerStopped: the trainer signalled the end of the run (also while waiting).
         """
         try:
-            res = self.client.fetch(self.params_bin, remove=False,
-                                    newer_than=self.version or 0, timeout=timeout)
+            res = self._call(lambda: self.client.fetch(self.params_bin, remove=False,
+                                                       newer_than=self.version or 0,
+                                                       timeout=timeout))
         except Timeout as exc:
             if not is_server_timeout(exc):
                 raise  # the server did not answer: a failure, not "nothing newer"
@@ -217,5 +316,8 @@ class RLWorker(_Base):
 
         Returns:
             The rollout bin's version, once the server holds the rollout.
+
+        Raises:
+            TrainerStopped: the trainer signalled the end of the run.
         """
-        return self.client.append(self.data_bin, x, tag=self.version)
+        return self._call(lambda: self.client.append(self.data_bin, x, tag=self.version))

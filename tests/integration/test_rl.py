@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tensorshare import Client, ConnectionLost, EmbeddedServer, RLTrainer, RLWorker
+from tensorshare.rl import TrainerStopped
 from tests.conftest import wait_until
 
 
@@ -140,6 +141,8 @@ def test_parameters_of_every_kind_are_bit_exact(server: EmbeddedServer) -> None:
 
 
 def test_hosting_trainer_stops_and_workers_get_a_clear_error() -> None:
+    # Clients reconnect, so a vanished server alone would leave the worker waiting: the
+    # hosting trainer signals the end of the run before it stops its server.
     trainer = RLTrainer("127.0.0.1", 0, host_server=True)
     worker = RLWorker("127.0.0.1", trainer.port)
     trainer.publish_parameters(_params(1))
@@ -157,10 +160,67 @@ def test_hosting_trainer_stops_and_workers_get_a_clear_error() -> None:
     trainer.stop()
     t.join(10)
     assert not t.is_alive(), "a worker waiting for parameters hung after the trainer stopped"
-    assert isinstance(errors[0], ConnectionLost)
+    assert isinstance(errors[0], TrainerStopped) and isinstance(errors[0], ConnectionLost)
+    assert worker.trainer_stopped
     with pytest.raises(ConnectionLost):
         worker.add_data(torch.ones(1))
     worker.stop()
+
+
+def _wait_in_thread(worker: RLWorker, errors: list[BaseException]) -> threading.Thread:
+    def wait_forever() -> None:
+        try:
+            worker.await_new_parameters(timeout=None)
+        except BaseException as exc:  # recorded and checked by the caller
+            errors.append(exc)
+
+    t = threading.Thread(target=wait_forever)
+    t.start()
+    return t
+
+
+def test_signal_stop_ends_every_worker_while_the_server_stays_up(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, \
+            RLWorker("127.0.0.1", server.port) as w1, RLWorker("127.0.0.1", server.port) as w2:
+        trainer.publish_parameters(_params(1))
+        w1.get_parameters()
+        w2.get_parameters()
+        errors: list[BaseException] = []
+        t = _wait_in_thread(w1, errors)
+        wait_until(lambda: server.call(lambda: server.factory.store.n_waiters) == 1,
+                   what="the worker's wait to reach the server")
+        trainer.signal_stop()
+        t.join(10)
+        assert not t.is_alive() and isinstance(errors[0], TrainerStopped)
+        # The other worker was not waiting: it hears of it on its next call.
+        wait_until(lambda: w2.trainer_stopped, what="the second worker to hear the signal")
+        with pytest.raises(TrainerStopped):
+            w2.add_data(torch.ones(1))
+        with pytest.raises(TrainerStopped):
+            w2.get_parameters()
+        # The server and the trainer carry on: the stop bin holds the last version.
+        assert trainer.client.peek(trainer.stop_bin) == 1
+        assert trainer.publish_parameters(_params(2)) == 2
+
+
+def test_a_trainer_that_does_not_host_leaves_workers_running_when_it_stops(
+        server: EmbeddedServer) -> None:
+    with RLWorker("127.0.0.1", server.port) as w:
+        with RLTrainer("127.0.0.1", server.port) as trainer:
+            trainer.publish_parameters(_params(1))
+        assert w.get_parameters() is not None and not w.trainer_stopped
+        with RLTrainer("127.0.0.1", server.port) as restarted:
+            restarted.publish_parameters(_params(2))  # a restarted trainer: same run
+        assert w.await_new_parameters(timeout=5) is not None and w.version == 2
+
+
+def test_a_worker_can_ignore_the_stop_signal(server: EmbeddedServer) -> None:
+    with RLTrainer("127.0.0.1", server.port) as trainer, \
+            RLWorker("127.0.0.1", server.port, watch_stop=False) as w:
+        trainer.publish_parameters(_params(1))
+        trainer.signal_stop()
+        assert w.get_parameters() is not None and not w.trainer_stopped
+        w.add_data(torch.ones(1))
 
 
 def test_start_blocks_until_stop_from_another_thread(server: EmbeddedServer) -> None:
