@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import logging
 import math
+import os
 import queue
 import select
 import socket
@@ -116,19 +117,21 @@ class BinLimits:
 
 
 class _Slot:
-    """Where the reader thread leaves one reply for the thread waiting on it."""
+    """Where the reading thread leaves one reply for the thread waiting on it."""
 
-    __slots__ = ("_lock", "reply", "error")
+    __slots__ = ("_lock", "reply", "error", "done")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self.reply: Any = None
         self.error: BaseException | None = None
+        self.done = False
 
     def resolve(self, reply: Any, error: BaseException | None = None) -> None:
         """Called exactly once (the session finishes each call once)."""
         self.reply, self.error = reply, error
+        self.done = True
         self._lock.release()
 
     def wait(self, timeout: float | None) -> bool:
@@ -182,14 +185,8 @@ class PendingCall:
     def _wait(self) -> tuple[bool, Any]:
         slot, client, call = self._slot, self._client, self._call
         assert slot is not None and client is not None and call is not None
-        while True:
-            deadline = call.deadline
-            wait = None if deadline is None else deadline - time.monotonic() + 0.002
-            if slot.wait(wait):
-                break
-            # Our deadline passed and the reader thread has not expired us yet (it may be
-            # busy): ask the session ourselves. Exactly one of us finishes the call.
-            client._expire(call)
+        if not slot.done:
+            client._await(call, slot)
         if slot.error is not None:
             return False, slot.error
         reply = slot.reply
@@ -320,8 +317,23 @@ class Client:
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
                                       heartbeat=heartbeat)
-        self._lock = threading.Lock()  # the session
+        self._lock = threading.Lock()  # the session, and who reads (below)
+        self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
+        # Reading (see _serve): who reads the socket now (None, _READER or a caller), how
+        # many callers wait for replies, whether a caller asked the reader thread to yield,
+        # whether the reader thread is in poll() or parked until a caller is done.
+        self._leader: object | None = None
+        self._waiting = 0
+        self._yield = False
+        self._polling = False
+        self._parked_long = False
+        self._last_exit = 0.0
+        self._broken: str | None = None  # a leading caller saw the connection end
+        self._reader: _Reader | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._sock: socket.socket | None = None
         self._events: queue.SimpleQueue[tuple[list[Any], dict[str, Any], str] | None] | None = None
         self._dispatcher: threading.Thread | None = None
@@ -330,9 +342,9 @@ class Client:
         self._wakeup = threading.Event()  # interrupts the reader's backoff sleep (close)
         self._attempt = 0  # reconnect attempts since the last handshake (for the backoff)
         self._lost_at: float | None = None  # when the current outage began
-        self._reader = threading.Thread(target=self._run, daemon=True,
+        self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"tensorshare-reader-{self.address}")
-        self._reader.start()
+        self._thread.start()
         if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
             error = self._session.closed
             self.close()
@@ -592,11 +604,28 @@ class Client:
             except OSError:
                 pass
         self._wakeup.set()
+        with self._cv:
+            self._cv.notify_all()
+        self._wake()
         self._process(events)
-        if self._reader is not threading.current_thread():
-            self._reader.join(5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
         if self._events is not None:
             self._events.put(None)
+        if not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
+
+    def _wake(self) -> None:
+        """Interrupt the reader thread's poll() (it then checks what changed)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # full (already woken) or closed
+            pass
 
     def __enter__(self) -> Client:
         return self
@@ -652,6 +681,53 @@ class Client:
         threading.Thread(target=self._flush, daemon=True,
                          name=f"tensorshare-flush-{self.address}").start()
 
+    def _await(self, call: Call, slot: _Slot) -> None:
+        """Wait until ``slot`` is resolved: read the reply ourselves when we are the only
+        caller waiting (no thread handoff), else let the reading thread hand it over."""
+        cv = self._cv
+        me = threading.get_ident()
+        with cv:
+            self._waiting += 1
+        try:
+            while not slot.done:
+                lead = asked = False
+                with cv:
+                    if slot.done:
+                        break
+                    if (self._waiting == 1 and self._reader is not None
+                            and self._broken is None and self._session.connected):
+                        if self._leader is None:
+                            self._leader = me
+                            lead = True
+                        elif self._leader is _READER:
+                            # The reader thread is in poll(): ask it to step aside.
+                            if not self._yield:
+                                self._yield = True
+                                if self._polling:
+                                    self._wake()
+                            asked = True
+                            cv.wait(0.05)
+                            continue
+                if lead:
+                    self._lead(call, slot)
+                    continue
+                if asked:
+                    continue
+                deadline = call.deadline
+                wait = None if deadline is None else deadline - time.monotonic() + 0.002
+                # Check back now and then: we may be able to read for ourselves later (say,
+                # once a reconnect completes, or when the other waiting callers are done).
+                wait = 0.05 if wait is None else min(wait, 0.05)
+                if slot.wait(wait):
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    # Our deadline passed and nobody expired us yet: ask the session
+                    # ourselves. Exactly one of us finishes the call.
+                    self._expire(call)
+        finally:
+            with cv:
+                self._waiting -= 1
+
     def _expire(self, call: Call) -> None:
         with self._lock:
             events = self._session.expire(call, time.monotonic())
@@ -705,8 +781,13 @@ class Client:
                     self._attempt += 1
                     continue
                 reason = self._serve(sock)
-                with self._lock:
+                with self._cv:
+                    while self._leader not in (None, _READER):  # a caller still reads it
+                        self._cv.wait(1.0)
+                    self._leader = None
+                    self._broken = None
                     self._sock = None
+                    self._reader = None
                     events = session.connection_lost(reason, time.monotonic())
                 _close_socket(sock)
                 self._process(events)
@@ -765,64 +846,150 @@ class Client:
         return sock
 
     def _serve(self, sock: socket.socket) -> str:
-        """Handshake and read until the connection ends; return why it ended."""
+        """Handshake, then read (or let a caller read) until the connection ends; return why.
+
+        Who reads the socket: normally this thread. But a caller that is the only one waiting
+        for a reply reads it itself (see :meth:`PendingCall._wait`), which saves a thread
+        handoff per request; this thread then stays parked until no caller has read for
+        ``LINGER`` seconds, so that back-to-back calls never wake it.
+        """
         session = self._session
         with self._send_lock:
             with self._lock:
                 if self._closing:
                     return "closed"
                 self._sock = sock
+                self._reader = _Reader(sock)
                 hello = session.connection_made(time.monotonic())
             try:
                 _sendall(sock, hello)
             except OSError as exc:
                 return f"handshake failed: {exc}"
+        reader = self._reader
+        assert reader is not None
         poller = select.poll()
         poller.register(sock, select.POLLIN)
-        scratch = bytearray(_READ_CHUNK)
-        view = memoryview(scratch)
+        poller.register(self._wake_r, select.POLLIN)
+        cv = self._cv
         while True:
-            now = time.monotonic()
-            with self._lock:
-                nxt = session.next_deadline()
-                beat = session.heartbeat_due(now) if session.connected else None
-            wake = min(t for t in (nxt, beat, now + 60.0) if t is not None)
-            if wake > now and not poller.poll(max((wake - now) * 1000.0, 1.0)):
-                with self._lock:
-                    events = session.tick(time.monotonic())
-                    send = session.has_sendable
-                if self._handle(events):
-                    return self._drop_reason(events)
-                if send:
-                    self._flush_soon()
-                continue
+            # Wait for our turn to read (a caller may be reading its own reply).
+            with cv:
+                while True:
+                    if self._broken is not None:
+                        return self._broken
+                    if self._closing:
+                        return "closed"
+                    now = time.monotonic()
+                    tick = session.tick(now)
+                    if session.has_sendable:  # a heartbeat, or a cancel for a call given up
+                        self._flush_soon()
+                    if tick:
+                        cv.release()
+                        try:
+                            if self._handle(tick):
+                                return self._drop_reason(tick)
+                        finally:
+                            cv.acquire()
+                        continue
+                    nxt = session.next_deadline()
+                    beat = session.heartbeat_due(now) if session.connected else None
+                    due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
+                    if self._leader is None and not self._yield:
+                        # A caller waiting alone reads for itself; with more waiting, or
+                        # none for a while, or during the handshake, this thread reads.
+                        resume = self._last_exit + LINGER
+                        if self._waiting > 1 or (not self._waiting and now >= resume) \
+                                or not session.connected:
+                            self._leader = _READER
+                            break
+                        due = min(due, resume)
+                        self._parked_long = False
+                    else:
+                        self._parked_long = True  # a caller leads: wake me when it is done
+                    cv.wait(min(max(due - now, 0.0), 60.0))
+                self._polling = True
             try:
-                direct = session.get_buffer()
-                if direct is not None:
-                    n = sock.recv_into(direct)
-                else:
-                    n = sock.recv_into(scratch)
-            except (BlockingIOError, InterruptedError, TimeoutError):
-                continue
-            except OSError as exc:
-                return str(exc) or type(exc).__name__
-            if not n:
-                return "the server closed the connection"
-            with self._lock:
-                now = time.monotonic()
-                if direct is not None:
-                    events = session.buffer_updated(n, now)
-                else:
-                    events = session.receive_data(view[:n], now)
-                nxt = session.next_deadline()
-                ticked = nxt is not None and nxt <= now
-                if ticked:
-                    events.extend(session.tick(now))
-                    ticked = session.has_sendable
-            if self._handle(events):
-                return self._drop_reason(events)
+                ready = poller.poll(min(max((due - time.monotonic()) * 1000.0, 1.0), 60e3))
+            finally:
+                with cv:
+                    self._polling = False
+            if any(fd == self._wake_r for fd, _ in ready):
+                _drain(self._wake_r)
+            reason: str | None = None
+            if any(fd != self._wake_r for fd, _ in ready):
+                reason = self._read_once(reader)
+            with cv:
+                self._leader = None
+                if self._yield:
+                    self._yield = False
+                cv.notify_all()
+            if reason is not None:
+                return reason
+
+    def _read_once(self, reader: _Reader) -> str | None:
+        """One ``recv`` from the current socket and everything it completes, handled.
+
+        Called by whoever leads (holds ``_leader``). Returns why the connection must end, or
+        ``None``.
+        """
+        session = self._session
+        try:
+            direct = session.get_buffer()
+            n = reader.sock.recv_into(direct if direct is not None else reader.scratch)
+        except (BlockingIOError, InterruptedError, TimeoutError):
+            return None
+        except OSError as exc:
+            return str(exc) or type(exc).__name__
+        if not n:
+            return "the server closed the connection"
+        with self._lock:
+            now = time.monotonic()
+            if direct is not None:
+                events = session.buffer_updated(n, now)
+            else:
+                events = session.receive_data(reader.view[:n], now)
+            nxt = session.next_deadline()
+            ticked = nxt is not None and nxt <= now
             if ticked:
-                self._flush_soon()
+                events.extend(session.tick(now))
+                ticked = session.has_sendable
+        if self._handle(events):
+            return self._drop_reason(events)
+        if ticked:
+            self._flush_soon()
+        return None
+
+    def _lead(self, call: Call, slot: _Slot) -> None:
+        """Read the socket in this (calling) thread until ``slot`` is resolved or the call's
+        deadline passes; then give the lead back."""
+        reader = self._reader
+        reason: str | None = None
+        try:
+            if reader is None:
+                return
+            poll = reader.poll
+            while not slot.done:
+                deadline = call.deadline
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._expire(call)
+                    if slot.done:
+                        return
+                    deadline = call.deadline
+                wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
+                if not poll.poll(wait * 1000.0):
+                    continue
+                reason = self._read_once(reader)
+                if reason is not None:
+                    return
+        finally:
+            with self._cv:
+                self._leader = None
+                self._last_exit = time.monotonic()
+                if reason is not None and self._broken is None:
+                    self._broken = reason
+                if reason is not None or self._parked_long or self._waiting > 1:
+                    self._cv.notify_all()
 
     def _handle(self, events: builtins.list[Any]) -> bool:
         """Act on events from the reader thread; return whether the connection must go."""
@@ -885,6 +1052,37 @@ def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, A
         callback(dict(event))  # a copy each: one callback cannot change what another sees
     except Exception:
         log.exception("listen callback for bin %r raised", name)
+
+
+class _Reader:
+    """What reading one connection needs: its socket, a poll object and a scratch buffer.
+
+    Only the thread that leads (see ``Client._serve``) uses it, so one is enough.
+    """
+
+    __slots__ = ("sock", "poll", "scratch", "view")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.poll = select.poll()
+        self.poll.register(sock, select.POLLIN)
+        self.scratch = bytearray(_READ_CHUNK)
+        self.view = memoryview(self.scratch)
+
+
+_READER = object()  # the reader thread, as the leader of reading
+# How long the reader thread stays parked after a caller read its own reply: calls made
+# back to back never wake it; a change notification arriving between two calls waits at most
+# this long (a caller that is reading handles them at once).
+LINGER = 0.005
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
 
 
 def _sendall(sock: socket.socket, chunks: Sequence[BytesLike]) -> None:

@@ -194,7 +194,15 @@ class TensorShare:
         while True:
             entry = self._queue.get()
             if entry is _STOP:
-                return
+                # Events that reached us while the last requests completed (read together
+                # with their replies) are delivered too, before start() returns.
+                while True:
+                    try:
+                        rest = self._queue.get_nowait()
+                    except queue.Empty:
+                        return
+                    if rest is not _STOP and rest[0] is None:
+                        _safe(rest[1], rest[2])
             call, deliver, event = entry
             if call is None:  # a listen event, forwarded from the client's dispatcher
                 _safe(deliver, event)

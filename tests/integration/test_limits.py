@@ -22,7 +22,7 @@ from tensorshare import Client
 from tensorshare.errors import BinFull
 from tensorshare.messages import Hello, Listen
 from tests.conftest import wait_until
-from tests.wire import Peek, WireClient
+from tests.wire import Get, Peek, WireClient
 
 MiB = 1 << 20
 WAIT = 60.0
@@ -112,19 +112,21 @@ def test_a_client_that_stops_reading_past_the_buffer_limit_is_disconnected(
         served: Any) -> None:
     srv = served("--max-client-buffer", "8M")
     writer = Client("127.0.0.1", srv.port, timeout=WAIT)
-    writer.put("v", torch.zeros(4 * MiB // 4))
     slow = raw_connection(srv.port)
     wire = WireClient()
     slow.sendall(wire.frame(Hello(wire.next_id(), (1,), "slow")))
-    slow.sendall(wire.frame(Listen(wire.next_id(), "v")))
-    # Pipelined peeks, each answered with 4 MiB it never reads: past 8 MiB it is cut off.
-    for _ in range(8):
-        slow.sendall(wire.frame(Peek(wire.next_id(), "v")))
-    for i in range(8):  # new values keep the old ones alive only through its queue
-        writer.put("v", torch.full((4 * MiB // 4,), float(i)))
-    wait_until(lambda: writer.stats()["server"]["counters"].get("client_buffer_closes", 0) >= 1
-               or writer.stats()["server"]["connections"] == 1,
-               timeout=WAIT, what="the slow client to be disconnected or held back")
+    # Waiting gets, read by the server before anything is queued for this client; each is
+    # answered later with 4 MiB that the client never reads.
+    for _ in range(6):
+        slow.sendall(wire.frame(Get(wire.next_id(), "v", wait=True, timeout=None)))
+    wait_until(lambda: writer.stats()["server"]["waiting"]["fetches"] == 6, timeout=WAIT,
+               what="the six waiting gets")
+    for i in range(6):
+        writer.append("v", torch.full((4 * MiB // 4,), float(i)))
+    wait_until(lambda: writer.stats()["server"]["counters"].get("client_buffer_closes", 0)
+               >= 1, timeout=WAIT, what="the slow client to be disconnected")
+    assert writer.stats()["server"]["connections"] == 1
+    writer.ping()  # the server serves on
     writer.close()
     slow.close()
 

@@ -124,59 +124,66 @@ def test_a_torn_log_tail_starts_with_one_warning(tmp_path: Path) -> None:
     data = tmp_path / "data"
     server = Server(data, free_port(), "--fsync", "always")
     server.start()
-    with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
-        for i in range(5):
-            c.append("q", i)
-    server.kill()
-    log = sorted(data.glob("log-*.tsl"))[-1]
-    with open(log, "r+b") as f:
-        f.truncate(log.stat().st_size - 3)  # the last record loses its end
-    server.start()
-    with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
-        assert c.peek("q") == [0, 1, 2, 3]
-    wait_until(lambda: any("cut short" in line for line in server.stderr), timeout=WAIT,
-               what="the warning")
-    warnings = [line for line in server.stderr if "cut short" in line]
-    assert len(warnings) == 1 and str(log) in warnings[0]
-    server.stop()
+    try:
+        with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
+            for i in range(5):
+                c.append("q", i)
+        server.kill()
+        log = sorted(data.glob("log-*.tsl"))[-1]
+        with open(log, "r+b") as f:
+            f.truncate(log.stat().st_size - 3)  # the last record loses its end
+        server.start()
+        with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
+            assert c.peek("q") == [0, 1, 2, 3]
+        wait_until(lambda: any("cut short" in line for line in server.stderr), timeout=WAIT,
+                   what="the warning")
+        warnings = [line for line in server.stderr if "cut short" in line]
+        assert len(warnings) == 1 and str(log) in warnings[0]
+    finally:
+        server.stop()
 
 
 def test_a_corrupt_snapshot_refuses_to_start_and_says_why(tmp_path: Path) -> None:
     data = tmp_path / "data"
     server = Server(data, free_port())
     server.start()
-    with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
-        c.put("w", list(range(1000)))
-    assert server.proc is not None
-    server.proc.send_signal(signal.SIGTERM)  # a clean stop writes a final snapshot
-    assert server.proc.wait(WAIT) == 0
-    (snap,) = data.glob("snapshot-*.tss")
-    raw = bytearray(snap.read_bytes())
-    raw[len(raw) // 2] ^= 0x40
-    snap.write_bytes(bytes(raw))
-    proc = subprocess.run([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
-                           "--data-dir", str(data)], capture_output=True, text=True,
-                          timeout=WAIT)
-    assert proc.returncode == 1
-    assert f"snapshot {snap} is corrupt at offset" in proc.stderr
-    assert "Move the file away" in proc.stderr
+    try:
+        with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
+            c.put("w", list(range(1000)))
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGTERM)  # a clean stop writes a final snapshot
+        assert server.proc.wait(WAIT) == 0
+        (snap,) = data.glob("snapshot-*.tss")
+        raw = bytearray(snap.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        snap.write_bytes(bytes(raw))
+        proc = subprocess.run([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                               "--data-dir", str(data)], capture_output=True, text=True,
+                              timeout=WAIT)
+        assert proc.returncode == 1
+        assert f"snapshot {snap} is corrupt at offset" in proc.stderr
+        assert "Move the file away" in proc.stderr
+    finally:
+        server.stop()
 
 
 def test_sigterm_writes_a_snapshot_and_the_restart_loads_it(tmp_path: Path) -> None:
     data = tmp_path / "data"
     server = Server(data, free_port())
     server.start()
-    with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
-        c.configure("b", max_items=10)
-        for i in range(3):
-            c.append("b", {"i": i})
-    assert server.proc is not None
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(WAIT) == 0
-    assert len(list(data.glob("snapshot-*.tss"))) == 1
-    server.start()
-    with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
-        assert c.peek("b") == [{"i": 0}, {"i": 1}, {"i": 2}]
-        info: Any = c.stats("b")["bins"]["b"]
-        assert info["version"] == 3 and info["limits"]["max_items"] == 10
-    server.stop()
+    try:
+        with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
+            c.configure("b", max_items=10)
+            for i in range(3):
+                c.append("b", {"i": i})
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(WAIT) == 0
+        assert len(list(data.glob("snapshot-*.tss"))) == 1
+        server.start()
+        with Client("127.0.0.1", server.port, timeout=WAIT, session=False) as c:
+            assert c.peek("b") == [{"i": 0}, {"i": 1}, {"i": 2}]
+            info: Any = c.stats("b")["bins"]["b"]
+            assert info["version"] == 3 and info["limits"]["max_items"] == 10
+    finally:
+        server.stop()
