@@ -62,7 +62,7 @@ from .messages import (
 from .protocol import check_bin_name
 from .session import Call, ClientSession, Done, Drop, Notify, Ready
 
-__all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall"]
+__all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
 log = logging.getLogger("tensorshare.client")
 
@@ -519,6 +519,28 @@ class Client:
     def ping(self) -> None:
         """Round-trip to the server (raises if it does not answer within ``timeout``)."""
         self._begin(Ping(0), "ping", _none).result()
+
+    def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
+        """Queue many requests and send them together, without waiting for each reply.
+
+        Usage::
+
+            with client.pipeline() as p:
+                for rollout in rollouts:
+                    p.append("rollouts", rollout)
+                p.put("step", 10)
+            p.results  # what each call returns (a version, a value, ...), in order
+
+        Consecutive appends to the same bin travel as one request (all or none, one new
+        version), so tens of thousands of small items per second go through one client.
+        Other calls are sent back to back in one write. Local mistakes raise at the call;
+        the requests go out when the ``with`` block ends (or at :meth:`Pipeline.execute`).
+
+        Args:
+            raise_on_error: after every reply is in, raise the first error (the others and
+                every result stay in ``results``); ``False``: only put errors in ``results``.
+        """
+        return Pipeline(self, raise_on_error)
 
     # -- non-blocking halves: send now, collect the result later -----------------------------
     def begin_put(self, name: str, value: Any, *, tag: int | None = None) -> PendingCall:
@@ -1040,6 +1062,138 @@ class Client:
             for cb, inline in callbacks:
                 if not inline:
                     _call_listener(cb, event, name)
+
+
+class Pipeline:
+    """Requests queued locally and sent together (see :meth:`Client.pipeline`).
+
+    Each method returns the index its result will have in :attr:`results`.
+
+    Attributes:
+        results: after :meth:`execute`, what each call returned, in order; a call that
+            failed holds its exception instead.
+    """
+
+    #: Most items one append request carries (more go in the next one).
+    MAX_BATCH_ITEMS = 10_000
+
+    def __init__(self, client: Client, raise_on_error: bool = True) -> None:
+        self._client = client
+        self._raise = raise_on_error
+        self._ops: builtins.list[tuple[str, Any, Any, Any]] = []  # (kind, name/msg, item, what)
+        self.results: builtins.list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def _add(self, kind: str, a: Any, b: Any = None, c: Any = None) -> int:
+        if self.results is not None:
+            raise RuntimeError("this pipeline was executed already; make a new one")
+        self._ops.append((kind, a, b, c))
+        return len(self._ops) - 1
+
+    def put(self, name: str, value: Any, *, tag: int | None = None) -> int:
+        """Queue a put (see :meth:`Client.put`)."""
+        return self._add("put", name, self._client._item(name, value, tag))
+
+    def append(self, name: str, value: Any, *, tag: int | None = None) -> int:
+        """Queue an append (see :meth:`Client.append`)."""
+        return self._add("append", name, self._client._item(name, value, tag))
+
+    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
+              timeout: Any = NOWAIT, min_tag: int | None = None,
+              newer_than: int | None = None, min_items: int = 1) -> int:
+        """Queue a get/peek; its result is a :class:`FetchResult` (see :meth:`Client.fetch`)."""
+        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                                  min_tag=min_tag, newer_than=newer_than,
+                                  min_items=min_items, limits=self._client.limits)
+        return self._add("fetch", msg, what)
+
+    def get(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> int:
+        """Queue a get; its result is what :meth:`Client.get` returns."""
+        return self._add("value", *fetch_request(
+            name, remove=True, max_items=max_items, timeout=timeout, min_tag=None,
+            newer_than=None, min_items=1, limits=self._client.limits))
+
+    def peek(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> int:
+        """Queue a peek; its result is what :meth:`Client.peek` returns."""
+        return self._add("value", *fetch_request(
+            name, remove=False, max_items=max_items, timeout=timeout, min_tag=None,
+            newer_than=None, min_items=1, limits=self._client.limits))
+
+    def delete(self, name: str) -> int:
+        """Queue a delete; its result says whether the bin existed."""
+        self._client._check_name(name)
+        return self._add("delete", name)
+
+    def execute(self) -> builtins.list[Any]:
+        """Send every queued request, wait for every reply, and return :attr:`results`.
+
+        Raises:
+            the first error among the results (with ``raise_on_error``, the default).
+        """
+        if self.results is not None:
+            return self.results
+        client = self._client
+        timeout = BLOCK_SHARE * client.timeout
+        max_depth = client.limits.max_depth
+        room = client.limits.max_frame_bytes // 2
+        groups: builtins.list[tuple[Request, str, Callable[[Any], Any], int]] = []
+        ops = self._ops
+        i, n = 0, len(ops)
+        while i < n:
+            kind, a, b, c = ops[i]
+            if kind == "append":
+                items = [b]
+                size = b.value.nbytes
+                i += 1
+                while (i < n and ops[i][0] == "append" and ops[i][1] == a
+                       and len(items) < self.MAX_BATCH_ITEMS
+                       and size + ops[i][2].value.nbytes < room):
+                    items.append(ops[i][2])
+                    size += ops[i][2].value.nbytes
+                    i += 1
+                msg: Request = Append(0, a, items[0], timeout, tuple(items[1:]))
+                what = (f"append to bin {a!r}" if len(items) == 1
+                        else f"append of {len(items)} items to bin {a!r}")
+                groups.append((msg, what, _version, len(items)))
+                continue
+            i += 1
+            if kind == "put":
+                groups.append((Put(0, a, b), f"put to bin {a!r}", _version, 1))
+            elif kind == "fetch":
+                groups.append((a, b, lambda r: fetch_result(r, max_depth), 1))
+            elif kind == "value":
+                groups.append((a, b, lambda r: fetch_result(r, max_depth).value, 1))
+            else:  # delete
+                groups.append((Delete(0, a), f"delete of bin {a!r}", lambda r: r.existed, 1))
+        calls = []
+        with client._lock:
+            for msg, what, convert, count in groups:
+                call, slot = client._call(msg, what, convert)
+                calls.append((PendingCall(client, call, slot), count))
+        client._flush()
+        results: builtins.list[Any] = []
+        for pending, count in calls:
+            try:
+                value = pending.result()
+            except TensorShareError as exc:
+                value = exc
+            results.extend([value] * count)
+        self.results = results
+        self._ops = []
+        if self._raise:
+            first = next((r for r in results if isinstance(r, BaseException)), None)
+            if first is not None:
+                raise first
+        return results
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.execute()
 
 
 def _limits(reply: Configured) -> BinLimits:

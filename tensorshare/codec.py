@@ -448,6 +448,36 @@ class _Encoder:
         return msgpack.ExtType(code, msgpack.packb([name, shape, index]))
 
 
+# Value trees of a lone tensor, by (dtype, shape): one tensor of the same kind again and again
+# (rollouts, gradients, parameters) is the common case, and its tree is the same bytes.
+_LONE_TENSOR_TREES: dict[tuple[Any, tuple[int, ...]], bytes] = {}
+_LONE_TENSOR_TREES_MAX = 4096
+
+
+def _plain_tensor(torch: Any, x: Any) -> Encoded | None:
+    """Encode a value that is one plain contiguous CPU tensor, or return ``None``.
+
+    Exactly what the general path produces for it (a tensor ext with buffer 0), built with
+    less work: the tree's bytes are reused for every tensor of the same dtype and shape.
+    """
+    if (not x.is_cpu or x.requires_grad or x.layout is not torch.strided
+            or not x.is_contiguous() or x.is_conj() or x.is_neg() or _BIG_ENDIAN_HOST):
+        return None
+    shape = tuple(x.shape)
+    key = (x.dtype, shape)
+    tree = _LONE_TENSOR_TREES.get(key)
+    if tree is None:
+        name = _torch_dtypes(torch)[0].get(x.dtype)
+        if name is None or name == "bfloat16" or not x.numel():
+            return None
+        tree = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(shape), 0])),
+                             use_bin_type=True)
+        if len(_LONE_TENSOR_TREES) < _LONE_TENSOR_TREES_MAX:
+            _LONE_TENSOR_TREES[key] = tree
+    view = memoryview(x.numpy()).cast("B").toreadonly()
+    return Encoded(tree, (Buffer(view, None, len(view)),))
+
+
 def _lz4_block() -> Any:
     """Import ``lz4.block`` on first use (it is only needed with compression)."""
     try:
@@ -494,6 +524,12 @@ def encode(
         raise ValueError(f"unknown compress {compress!r} (use None or 'lz4')")
     if compress_min_bytes < 0 or max_depth < 0:
         raise ValueError("compress_min_bytes and max_depth must be >= 0")
+    torch = sys.modules.get("torch")
+    if (torch is not None and type(value) is torch.Tensor
+            and (compress is None or value.nbytes < compress_min_bytes)):
+        fast = _plain_tensor(torch, value)
+        if fast is not None:
+            return fast
     enc = _Encoder(compress, compress_min_bytes, max_depth)
     try:
         tree = enc.walk(value, 0)
@@ -788,7 +824,23 @@ def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH
                                  f"{name} tensor of shape {shape} needs {expected}")
         return None
 
+    if len(value) <= _VALID_TREE_MAX and raw_sizes is not None:
+        # A tree is valid or not whatever its buffers hold: remember the small ones that
+        # were (a stream of like items sends the same tree bytes each time).
+        key = (value, n_buffers, max_depth, tuple(raw_sizes))
+        if key in _VALID_TREES:
+            return
+        _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+        if len(_VALID_TREES) >= _VALID_TREES_MAX:
+            _VALID_TREES.clear()
+        _VALID_TREES[key] = True
+        return
     _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+
+
+_VALID_TREE_MAX = 512  # bytes
+_VALID_TREES_MAX = 4096
+_VALID_TREES: dict[tuple[bytes, int, int, tuple[int, ...]], bool] = {}
 
 
 class _Leaf:

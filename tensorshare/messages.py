@@ -140,13 +140,22 @@ class Put:
 
 @dataclass(frozen=True, slots=True)
 class Append:
-    """Add one item to a bin. ``timeout``: how long an append to a full ``block`` bin may wait
-    for room (``None``: until the client cancels it or disconnects)."""
+    """Add items to a bin: ``item``, then those in ``rest``, all or none, as one change.
+
+    ``timeout``: how long an append to a full ``block`` bin may wait for room (``None``:
+    until the client cancels it or disconnects).
+    """
 
     id: int
     bin: str
     item: Item
     timeout: float | None = None
+    rest: tuple[Item, ...] = ()
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        """Every item of the append, in order."""
+        return (self.item, *self.rest) if self.rest else (self.item,)
 
 
 @dataclass(frozen=True, slots=True)

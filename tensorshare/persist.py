@@ -429,10 +429,13 @@ class Persistence:
             raise TypeError(f"a {op!r} record needs 's'")
         reply: Reply | None = None
         held_bin, held = None, 0
-        if op in ("put", "append"):
+        if op == "put":
             (item,) = parse_items(h, payload, self.limits.max_depth)
-            w = (store.put if op == "put" else store.append)(name, item, item_wire_size(item),
-                                                             item.tag)
+            w = store.put(name, item, item_wire_size(item), item.tag)
+            reply = Stored(rid, w.version, w.n_items, w.dropped)
+        elif op == "append":
+            items = parse_items(h, payload, self.limits.max_depth)
+            w = store.append_many(name, [(it, item_wire_size(it), it.tag) for it in items])
             reply = Stored(rid, w.version, w.n_items, w.dropped)
         elif op == "take":
             taken = store.take(name, int(h["n"]), h.get("min_tag"))
@@ -484,8 +487,10 @@ class Persistence:
         if ctx is not None:
             h["s"], h["id"] = ctx
         buffers: list[BytesLike] = []
-        if op in ("put", "append"):
+        if op == "put":
             h["items"] = items_header([fields["item"]], buffers)
+        elif op == "append":
+            h["items"] = items_header([e[0] for e in fields["entries"]], buffers)
         elif op == "take":
             h["n"] = fields["n"]
             if fields["min_tag"] is not None:

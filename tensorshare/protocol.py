@@ -65,6 +65,7 @@ from .messages import (
 )
 
 __all__ = [
+    "MAX_APPEND_ITEMS",
     "MAX_OPEN_ACKS",
     "OPS",
     "OVERFLOW_POLICIES",
@@ -96,6 +97,8 @@ PRE_HELLO_MAX_BYTES = 64 * 1024
 SESSION_ID_BYTES = 16
 # At most this many request ids below ``ack`` may be listed as still open (see AckInfo).
 MAX_OPEN_ACKS = 64
+# The most items one append may carry (a pipeline sends larger batches as several appends).
+MAX_APPEND_ITEMS = 100_000
 OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
 _ALIGN_MASK = 63
 
@@ -282,11 +285,17 @@ def _timeout(h: dict[str, Any]) -> float | None:
 def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
     def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
         name = _name(h, limits)
+        raw = h.get("items")
+        if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
+            raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
+                           f"{MAX_APPEND_ITEMS}", "limit_exceeded")
         items = _parse_items(h, payload, limits.max_depth)
-        if len(items) != 1:
-            raise _Invalid(f"{cls.__name__.lower()} carries exactly one item, got {len(items)}")
         if cls is Append:
-            return Append(rid, name, items[0], _timeout(h))
+            if not items:
+                raise _Invalid("append carries at least one item")
+            return Append(rid, name, items[0], _timeout(h), tuple(items[1:]))
+        if len(items) != 1:
+            raise _Invalid(f"put carries exactly one item, got {len(items)}")
         return Put(rid, name, items[0])
     return parse
 
@@ -552,8 +561,9 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     name = op_name(msg)  # type: ignore[arg-type]
     h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
     h.update(OPS[name].header(msg))
-    items = (msg.item,) if cls is Put or cls is Append else ()  # type: ignore[union-attr]
-    return h, items
+    if cls is Append:
+        return h, msg.items  # type: ignore[union-attr]
+    return h, ((msg.item,) if cls is Put else ())  # type: ignore[union-attr]
 
 
 def encode_message(msg: Message, extra: dict[str, Any] | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -443,7 +444,7 @@ class ServerProtocol(Protocol):
 
     def _append(self, msg: Append) -> None:
         store = self.factory.store
-        nbytes = item_wire_size(msg.item)
+        entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
         rid = msg.id
 
         def stored(w: Written | BaseException) -> None:
@@ -455,8 +456,7 @@ class ServerProtocol(Protocol):
             else:
                 self.reply(msg, Stored(rid, w.version, w.n_items, w.dropped))  # type: ignore[union-attr]
 
-        result = store.append_or_wait(msg.bin, msg.item, nbytes, msg.item.tag, stored,
-                                      self._ctx(msg))
+        result = store.append_or_wait(msg.bin, entries, stored, self._ctx(msg))
         if isinstance(result, Written):
             self.reply(msg, Stored(rid, result.version, result.n_items, result.dropped))
             return
@@ -879,10 +879,7 @@ class ServerFactory(Factory):
         h = self.latency.get(op)
         if h is None:
             h = self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)  # counts..., then sum (us)
-        i = 0
-        while seconds > LATENCY_BUCKETS[i]:
-            i += 1
-        h[i] += 1
+        h[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         h[-1] += int(seconds * 1e6)
 
     def add_bytes_in(self, by_op: dict[str, int]) -> None:

@@ -145,9 +145,7 @@ class Blocked:
     """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served."""
 
     name: str
-    item: Any
-    nbytes: int
-    tag: int | None
+    entries: list[tuple[Any, int, int | None]]
     callback: Callable[[Written], None]
     ctx: Any = None
     active: bool = True
@@ -331,17 +329,27 @@ class Store:
             BinFull: the bin is full (or the item alone exceeds its ``max_bytes``).
             MemoryLimitExceeded: the server would exceed ``max_memory``; nothing changed.
         """
+        return self.append_many(name, [(item, nbytes, tag)], ctx)
+
+    def append_many(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
+                    ctx: Any = None) -> Written:
+        """Add several items at the end of the bin, all or none, as one change (one version).
+
+        Raises:
+            as :meth:`append`, for the items together: nothing is stored then.
+        """
         b = self._bins.get(name)
         cfg = self.config(name)
+        nbytes = sum(e[1] for e in entries)
         drop = 0
         if cfg.bounded:
-            drop = self._room(name, b, cfg, nbytes)
+            drop = self._room(name, b, cfg, entries)
             if drop and cfg.overflow != "drop_oldest":
-                raise self._full(name, cfg)
+                raise self._full(name, cfg, len(entries))
         freed = sum(b.entries[i].nbytes for i in range(drop)) if (b and drop) else 0
         self._check_memory(name, nbytes - freed, nbytes)
         if self.journal is not None:
-            self.journal("append", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag})
+            self.journal("append", name, ctx, {"entries": entries})
         if b is None:
             b = self._bins[name] = _Bin("list")
         for _ in range(drop):
@@ -349,35 +357,37 @@ class Store:
             b.nbytes -= e.nbytes
             self.nbytes -= e.nbytes
         b.kind = "list"  # a put value becomes the first item of the list
-        b.entries.append(_Entry(item, nbytes, tag))
+        add = b.entries.append
+        for item, size, tag in entries:
+            add(_Entry(item, size, tag))
         b.nbytes += nbytes
         self.nbytes += nbytes
         self._count(name, "append", nbytes, 0)
         version, n = self._changed(name, "append", b, drop)
         return Written(version, n, drop)
 
-    def append_or_wait(self, name: str, item: Any, nbytes: int, tag: int | None,
+    def append_or_wait(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
                        callback: Callable[[Written], None], ctx: Any = None
                        ) -> Written | Blocked:
         """Append now if the bin has room (or is not a ``block`` bin), else wait for room.
+
+        Args:
+            entries: ``(item, nbytes, tag)`` of each item to append, all or none.
 
         Returns:
             The :class:`Written` outcome, or a :class:`Blocked` (pass it to :meth:`cancel`
             on timeout or disconnect); ``callback(Written)`` then runs once it is stored.
 
         Raises:
-            as :meth:`append`; ``BinFull`` at once if the item alone exceeds ``max_bytes``.
+            as :meth:`append_many`; ``BinFull`` at once if the items can never fit.
         """
         cfg = self.config(name)
         if cfg.overflow != "block" or not cfg.bounded:
-            return self.append(name, item, nbytes, tag, ctx)
-        if cfg.max_bytes is not None and nbytes > cfg.max_bytes:
-            raise BinFull(f"an item of {nbytes} bytes can never fit bin {name!r}: its "
-                          f"max_bytes={cfg.max_bytes}")
+            return self.append_many(name, entries, ctx)
         queue = self._blocked.get(name)
-        if not queue and not self._room(name, self._bins.get(name), cfg, nbytes):
-            return self.append(name, item, nbytes, tag, ctx)
-        blocked = Blocked(name, item, nbytes, tag, callback, ctx)
+        if not queue and not self._room(name, self._bins.get(name), cfg, entries):
+            return self.append_many(name, entries, ctx)
+        blocked = Blocked(name, entries, callback, ctx)
         self._blocked.setdefault(name, deque()).append(blocked)
         return blocked
 
@@ -511,31 +521,39 @@ class Store:
         m.bytes_in += bytes_in
         m.bytes_out += bytes_out
 
-    def _room(self, name: str, b: _Bin | None, cfg: BinConfig, nbytes: int) -> int:
-        """How many of the oldest items must go for one more item of ``nbytes`` to fit.
+    def _room(self, name: str, b: _Bin | None, cfg: BinConfig,
+              adding: builtins.list[tuple[Any, int, int | None]]) -> int:
+        """How many of the oldest items must go for the items ``adding`` to fit.
 
         Raises:
-            BinFull: the item alone is larger than ``max_bytes``.
+            BinFull: the new items alone exceed ``max_items`` or ``max_bytes``.
         """
+        k = len(adding)
+        nbytes = sum(e[1] for e in adding)
         if cfg.max_bytes is not None and nbytes > cfg.max_bytes:
-            raise BinFull(f"an item of {nbytes} bytes does not fit bin {name!r}: its "
-                          f"max_bytes={cfg.max_bytes}; nothing was stored")
+            what = "an item" if k == 1 else f"{k} items"
+            raise BinFull(f"{what} of {nbytes} bytes do{'es' if k == 1 else ''} not fit bin "
+                          f"{name!r}: its max_bytes={cfg.max_bytes}; nothing was stored")
+        if cfg.max_items is not None and k > cfg.max_items:
+            raise BinFull(f"{k} items do not fit bin {name!r}: its max_items="
+                          f"{cfg.max_items}; nothing was stored")
         if b is None:
             return 0
         n, size, drop = len(b.entries), b.nbytes, 0
         entries = b.entries
-        while ((cfg.max_items is not None and n - drop + 1 > cfg.max_items)
+        while ((cfg.max_items is not None and n - drop + k > cfg.max_items)
                or (cfg.max_bytes is not None and size + nbytes > cfg.max_bytes)):
             size -= entries[drop].nbytes
             drop += 1
         return drop
 
-    def _full(self, name: str, cfg: BinConfig) -> BinFull:
+    def _full(self, name: str, cfg: BinConfig, k: int = 1) -> BinFull:
         b = self._bins.get(name)
         held = f"{len(b.entries)} items, {b.nbytes} bytes" if b else "nothing"
-        limits = ", ".join(f"{k}={v}" for k, v in (("max_items", cfg.max_items),
-                                                    ("max_bytes", cfg.max_bytes)) if v)
-        return BinFull(f"bin {name!r} is full ({held}; {limits}); nothing was stored")
+        limits = ", ".join(f"{key}={v}" for key, v in (("max_items", cfg.max_items),
+                                                        ("max_bytes", cfg.max_bytes)) if v)
+        more = "" if k == 1 else f" for {k} more items"
+        return BinFull(f"bin {name!r} is full{more} ({held}; {limits}); nothing was stored")
 
     def _check_memory(self, name: str, growth: int, nbytes: int) -> None:
         if self.max_memory is None or growth <= 0:
@@ -593,13 +611,16 @@ class Store:
                 continue
             if not force:
                 cfg = self.config(name)
-                if self._room(name, self._bins.get(name), cfg, blk.nbytes):
-                    break
+                try:
+                    if self._room(name, self._bins.get(name), cfg, blk.entries):
+                        break
+                except BinFull:
+                    pass  # can never fit (limits changed): refused below
             q.popleft()
             blk.active = False
             try:
-                written: Written | BaseException = self.append(name, blk.item, blk.nbytes,
-                                                               blk.tag, blk.ctx)
+                written: Written | BaseException = self.append_many(name, blk.entries,
+                                                                    blk.ctx)
             except (BinFull, MemoryLimitExceeded) as exc:
                 written = exc
             blk.callback(written)  # type: ignore[arg-type]

@@ -796,8 +796,7 @@ def test_value_too_deep_in_lists_is_limit_exceeded(sconn: ServerConnection) -> N
     [
         (None, "'items' must be a list"),
         ("x", "'items' must be a list"),
-        ([], "exactly one item"),
-        ([[b"\xc0", [], None]] * 2, "exactly one item"),
+        ([], "at least one item"),
         ([[b"\xc0", []]], "[value, buffers, tag]"),
         ([["nil", [], None]], "[bin value, list of buffers, tag]"),
         ([[b"\xc0", None, None]], "[bin value, list of buffers, tag]"),
@@ -811,6 +810,23 @@ def test_malformed_items(sconn: ServerConnection, items: Any, match: str) -> Non
     if items is not None:
         header["items"] = items
     assert_bad(sconn, raw_frame(header), 6, "invalid_request", match)
+
+
+def test_a_put_carries_exactly_one_item_an_append_one_or_more(sconn: ServerConnection) -> None:
+    two = [[b"\xc0", [], None], [b"\xc2", [], 7]]
+    header: dict[str, Any] = {"op": "put", "id": 6, "bin": "b", "items": two}
+    assert_bad(sconn, raw_frame(header), 6, "invalid_request", "exactly one item")
+    (msg,) = sconn.receive_data(raw_frame({"op": "append", "id": 7, "bin": "b",
+                                           "items": two}))
+    assert type(msg) is Append and [it.tag for it in msg.items] == [None, 7]
+
+
+def test_an_append_over_max_append_items_is_limit_exceeded(sconn: ServerConnection) -> None:
+    from tensorshare.protocol import MAX_APPEND_ITEMS
+
+    items = [[b"\xc0", [], None]] * (MAX_APPEND_ITEMS + 1)
+    header: dict[str, Any] = {"op": "append", "id": 8, "bin": "b", "items": items}
+    assert_bad(sconn, raw_frame(header), 8, "limit_exceeded", "MAX_APPEND_ITEMS")
 
 
 @pytest.mark.parametrize("op", ["get", "peek"])

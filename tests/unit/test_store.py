@@ -916,9 +916,9 @@ def test_put_never_exceeds_max_bytes(store):
 
 def test_block_waits_for_room_and_a_get_makes_it(store):
     store.configure("q", BinConfig(max_items=1, overflow="block"))
-    assert isinstance(store.append_or_wait("q", "a", 1, None, lambda w: None), Written)
+    assert isinstance(store.append_or_wait("q", [("a", 1, None)], lambda w: None), Written)
     served: list[Written] = []
-    blocked = store.append_or_wait("q", "b", 1, None, served.append)
+    blocked = store.append_or_wait("q", [("b", 1, None)], served.append)
     assert isinstance(blocked, Blocked) and store.n_blocked == 1
     assert served == [] and store.n_items("q") == 1
     assert get(store, "q").items == ("a",)  # room: the blocked append is stored now
@@ -930,9 +930,9 @@ def test_blocked_appends_keep_their_order_and_can_be_cancelled(store):
     store.configure("q", BinConfig(max_items=1, overflow="block"))
     store.append("q", 0, 1)
     out: list[int] = []
-    b1 = store.append_or_wait("q", 1, 1, None, lambda w: out.append(1))
-    b2 = store.append_or_wait("q", 2, 1, None, lambda w: out.append(2))
-    b3 = store.append_or_wait("q", 3, 1, None, lambda w: out.append(3))
+    b1 = store.append_or_wait("q", [(1, 1, None)], lambda w: out.append(1))
+    b2 = store.append_or_wait("q", [(2, 1, None)], lambda w: out.append(2))
+    b3 = store.append_or_wait("q", [(3, 1, None)], lambda w: out.append(3))
     assert store.cancel(b2) and not store.cancel(b2)
     assert isinstance(b1, Blocked) and isinstance(b3, Blocked)
     assert get(store, "q").items == (0,)
@@ -945,7 +945,7 @@ def test_configure_lifting_block_stores_the_waiting_appends(store):
     store.configure("q", BinConfig(max_items=1, overflow="block"))
     store.append("q", 0, 1)
     out: list[object] = []
-    store.append_or_wait("q", 1, 1, None, out.append)
+    store.append_or_wait("q", [(1, 1, None)], out.append)
     store.configure("q", BinConfig())
     assert len(out) == 1 and isinstance(out[0], Written)
     assert get(store, "q").items == (0, 1)
@@ -991,3 +991,30 @@ def test_describe_and_names(store):
     assert d["ops"] == {"append": 2} and d["bytes_in"] == 7
     assert store.names() == ["a/1", "b"] and store.names("a/*") == ["a/1"]
     assert store.describe("b")["kind"] == "empty"
+
+
+def test_append_many_is_one_change_all_or_none(store, hook):
+    store.configure("q", BinConfig(max_items=3))
+    assert store.append_many("q", [("a", 1, 1), ("b", 1, 2)]) == (1, 2, 0)
+    assert hook.events[-1] == ("q", "append", 2, 1)
+    with pytest.raises(BinFull, match="full for 2 more items"):
+        store.append_many("q", [("c", 1, None), ("d", 1, None)])
+    assert get(store, "q").tags == (1, 2)
+    with pytest.raises(BinFull, match="4 items do not fit"):
+        store.append_many("q", [(i, 1, None) for i in range(4)])
+    store.configure("d", BinConfig(max_items=3, overflow="drop_oldest"))
+    store.append_many("d", [(i, 1, None) for i in range(3)])
+    assert store.append_many("d", [(3, 1, None), (4, 1, None)]).dropped == 2
+    assert get(store, "d").items == (2, 3, 4)
+
+
+def test_a_blocked_batch_waits_for_room_for_all_of_it(store):
+    store.configure("q", BinConfig(max_items=3, overflow="block"))
+    store.append_many("q", [(0, 1, None), (1, 1, None), (2, 1, None)])
+    out: list[object] = []
+    assert isinstance(store.append_or_wait("q", [(3, 1, None), (4, 1, None)], out.append),
+                      Blocked)
+    assert get(store, "q", max_items=1).items == (0,)  # room for one only: still waiting
+    assert out == []
+    assert get(store, "q", max_items=1).items == (1,)
+    assert len(out) == 1 and peek(store, "q").items == (2, 3, 4)
