@@ -23,6 +23,8 @@ setup(
         # (Tensor.numpy() / torch.from_numpy), the zero-copy path torch supports; the CPU
         # torch wheel does not pull numpy in by itself.
         "numpy>=1.24",
+        "rich>=13",  # the CLI's tables, trees and live monitor
+        "prometheus-client>=0.17",  # serve --metrics-port (0.17+ hands back its HTTP server)
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy",

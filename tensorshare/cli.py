@@ -1,4 +1,8 @@
-"""The ``tensorshare`` command: ``serve``, ``ls``, ``demo``.
+"""The ``tensorshare`` command: ``serve``, ``ls``, ``peek``, ``watch``, ``monitor``, ``stats``,
+``demo``.
+
+This module parses the arguments and dispatches; the inspection commands live in
+:mod:`tensorshare.tools`, the Prometheus exporter in :mod:`tensorshare.metrics`.
 
 ``tensorshare serve --port 0`` picks a free port and prints it as ``listening on HOST:PORT``,
 so scripts can start a server and read back where it is.
@@ -7,8 +11,10 @@ so scripts can start a server and read back where it is.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ._version import __version__
 
@@ -38,6 +44,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"seconds must be positive and finite: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """Parse a positive int."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
     return value
 
 
@@ -86,10 +103,58 @@ def _parser() -> argparse.ArgumentParser:
                         "from the bad record on (the start-up error tells you when)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
 
-    ls = sub.add_parser("ls", help="list the bins of a server and their item counts")
-    ls.add_argument("--host", default="127.0.0.1")
-    ls.add_argument("--port", type=int, default=8000)
-    ls.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (0 picks a free "
+                        "one); off by default")
+    s.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface for the metrics endpoint (default: --host's)")
+    s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
+                   help="also export one series per bin (default on; turn it off for "
+                        "servers with very many bins)")
+
+    # The connection options every client command takes, as the clients do.
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
+    conn.add_argument("--port", type=int, default=8000, help="server port (default 8000)")
+    conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                      help="seconds the server has to answer (default 5)")
+
+    ls = sub.add_parser("ls", parents=[conn], help="the bins: kind, items, bytes, what they "
+                        "hold, version, listeners, last change")
+    ls.add_argument("glob", nargs="?", default=None,
+                    help="only the bins whose name matches this pattern (e.g. 'rollouts/*')")
+    ls.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    pk = sub.add_parser("peek", parents=[conn], help="a bin's value as a tree, with each "
+                        "tensor's dtype, shape, bytes and statistics; nothing is removed")
+    pk.add_argument("bin", help="the bin")
+    pk.add_argument("--item", type=int, default=None, metavar="N",
+                    help="for a list bin: only item N (0 is the oldest, -1 the newest)")
+    pk.add_argument("--values", action="store_true",
+                    help="also print the tensors themselves (abbreviated as torch does)")
+    pk.add_argument("--limit", type=_count, default=10, metavar="K",
+                    help="show at most K items of a list bin and K entries of each "
+                         "container (default 10)")
+
+    w = sub.add_parser("watch", parents=[conn], help="one line per change of some bins, as "
+                       "it happens (until Ctrl+C)")
+    w.add_argument("bins", nargs="+", metavar="BIN",
+                   help="bin names, or patterns such as 'rollouts/*' (quote them) whose bins "
+                        "are found as they appear")
+    w.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                   help="how often to look for new bins matching a pattern (default 1)")
+
+    m = sub.add_parser("monitor", parents=[conn], help="a live table of every bin's rates, "
+                       "redrawn in place (until Ctrl+C)")
+    m.add_argument("glob", nargs="?", default=None, help="only the bins matching this pattern")
+    m.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                   help="seconds between refreshes (default 1)")
+    m.add_argument("--history", type=_count, default=8, metavar="N",
+                   help="samples of history shown per rate (default 8)")
+
+    st = sub.add_parser("stats", parents=[conn], help="the server: uptime, connections, "
+                        "memory, requests and counters since start")
+    st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
 
     d = sub.add_parser("demo", help="a distributed RL run (CartPole) on a local server; ~10-60 s")
     d.add_argument("--workers", type=int, default=3, help="rollout worker processes (default 3)")
@@ -108,8 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from .messages import Limits
-    from .persist import DataError
-    from .server import ServerConfig, run_server
+    from .server import ServerConfig
 
     level = LogLevel.warn if args.quiet else LogLevel.info
     observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
@@ -128,16 +192,36 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 2
 
-    def ready(server: object) -> None:
-        host, port = getattr(server, "host"), getattr(server, "port")  # noqa: B009
+    if args.max_connections < 1:
+        print("tensorshare serve: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    exporter = None
+    if args.metrics_port is not None:
+        from .metrics import start_metrics_server
+
+        # Bound before the server starts: a busy metrics port fails before anything runs.
+        metrics_host = args.metrics_host or args.host
+        try:
+            exporter = start_metrics_server(args.metrics_port, metrics_host,
+                                            per_bin=args.metrics_per_bin)
+        except OSError as exc:
+            print(f"tensorshare serve: cannot serve metrics on {metrics_host}:"
+                  f"{args.metrics_port}: {exc}", file=sys.stderr)
+            return 1
+
+    running: list[Any] = []
+
+    def ready(server: Any) -> None:
+        running.append(server)
+        host, port = server.host, server.port
         print(f"tensorshare {__version__} listening on {host}:{port}", flush=True)
+        if exporter is not None:
+            exporter.collector.server = server
+            print(f"metrics at {exporter.url}", flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
             print("warning: this server accepts connections from other machines and has no "
                   "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
 
-    if args.max_connections < 1:
-        print("tensorshare serve: --max-connections must be at least 1", file=sys.stderr)
-        return 2
     config = ServerConfig(limits=limits, max_memory=args.max_memory,
                           session_ttl=args.session_ttl, max_connections=args.max_connections,
                           max_client_buffer=args.max_client_buffer,
@@ -146,7 +230,25 @@ def _serve(args: argparse.Namespace) -> int:
                           snapshot_log_bytes=args.snapshot_log_bytes,
                           truncate_corrupt_log=args.truncate_corrupt_log)
     try:
+        return _run_server(args, ready, config, running)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+
+
+def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list[Any]) -> int:
+    from .persist import DataError
+    from .server import run_server
+
+    try:
         run_server(args.port, args.host, ready=ready, config=config)
+    except KeyboardInterrupt:
+        # Ctrl+C while run_server was still calling ready() (a script that reads the
+        # "listening on" line and interrupts at once): run_server only handles it once it
+        # waits, so stop the server here, as it would have.
+        if running:
+            running[0].stop()
+        return 0
     except DataError as exc:
         print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 1
@@ -160,21 +262,35 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ls(args: argparse.Namespace) -> int:
-    from .client import Client
+def _tool(args: argparse.Namespace) -> int:
+    """Run an inspection command; a failure is one line on stderr and exit status 1."""
+    from . import tools
     from .errors import TensorShareError
 
+    run = {"ls": tools.run_ls, "peek": tools.run_peek, "watch": tools.run_watch,
+           "monitor": tools.run_monitor, "stats": tools.run_stats}[args.command]
     try:
-        with Client(args.host, args.port, timeout=args.timeout) as c:
-            bins = c.list()
-    except TensorShareError as exc:
-        print(f"tensorshare ls: {exc}", file=sys.stderr)
+        return run(args)
+    except (TensorShareError, tools.ToolError) as exc:
+        print(f"tensorshare {args.command}: {exc}", file=sys.stderr)
         return 1
-    width = max((len(b) for b in bins), default=3)
-    print(f"{'bin':<{width}}  items")
-    for name in sorted(bins):
-        print(f"{name:<{width}}  {bins[name]}")
-    return 0
+    except BrokenPipeError:
+        # The reader went away (`tensorshare ls | head`): not an error worth a traceback.
+        # Point stdout at nothing so the interpreter's final flush does not complain.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:  # Ctrl+C in a one-shot command (watch and monitor catch it)
+        return 130
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """``tensorshare demo``: pass the options through to whatever ``run_demo`` accepts."""
+    from .demo import run_demo
+
+    accepted = inspect.signature(run_demo).parameters
+    return run_demo(**{k: v for k, v in vars(args).items() if k in accepted})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,10 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "ls":
-        return _ls(args)
     if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo(workers=args.workers, max_seconds=args.max_seconds, target=args.target)
-    return 2
+        return _demo(args)
+    return _tool(args)
