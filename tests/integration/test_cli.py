@@ -24,14 +24,33 @@ def test_ls_lists_bins_and_item_counts(server: EmbeddedServer) -> None:
     out = _cli("ls", "--port", str(server.port))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["bin", "items"]
-    assert [ln.split() for ln in lines[1:]] == [["queue", "2"], ["weights", "1"]]
+    assert lines[0].split()[:3] == ["bin", "kind", "items"]
+    rows = [ln.split()[:3] for ln in lines[2:4]]
+    assert rows == [["queue", "list", "2"], ["weights", "value", "1"]]
+    assert lines[-1].split()[:4] == ["total", "2", "bins", "3"]
 
 
-def test_ls_with_no_server_says_so(free_port: int) -> None:
-    out = _cli("ls", "--port", str(free_port), "--timeout", "3")
+@pytest.mark.parametrize("command", [["ls"], ["peek", "w"], ["stats"], ["watch", "w"],
+                                     ["monitor"]])
+def test_client_commands_with_no_server_fail_with_one_line(free_port: int,
+                                                           command: list[str]) -> None:
+    out = _cli(*command, "--port", str(free_port), "--timeout", "1")
     assert out.returncode == 1
-    assert f"cannot connect to tensorshare server at 127.0.0.1:{free_port}" in out.stderr
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr  # one line, no traceback
+    assert out.stderr.startswith(f"tensorshare {command[0]}: cannot connect to tensorshare "
+                                 f"server at 127.0.0.1:{free_port}: ")
+
+
+def test_client_commands_take_the_connection_options() -> None:
+    from tensorshare.cli import _parser
+
+    for command in (["ls"], ["peek", "b"], ["watch", "b"], ["monitor"], ["stats"]):
+        args = _parser().parse_args([*command, "--host", "10.1.2.3", "--port", "9",
+                                     "--timeout", "2.5"])
+        assert (args.host, args.port, args.timeout) == ("10.1.2.3", 9, 2.5)
+    out = _cli("ls", "--timeout", "0")
+    assert out.returncode == 2 and "seconds must be positive" in out.stderr
 
 
 def test_serve_with_max_memory_refuses_what_does_not_fit() -> None:
