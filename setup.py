@@ -27,6 +27,8 @@ setup(
         "prometheus-client>=0.17",  # serve --metrics-port (0.17+ hands back its HTTP server)
     ],
     extras_require={
+        # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
+        "rl": ["gymnasium>=1.0"],
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy",
                  "mypy-zope"],
     },
