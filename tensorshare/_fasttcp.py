@@ -22,8 +22,10 @@ payload byte:
   one ``sendmsg()`` call (scatter/gather), advancing through partially sent views
   by slicing.
 
-Use :func:`listen_fast_tcp` instead of ``reactor.listenTCP``. This module never
-imports the global reactor: every object is bound to the reactor it is given.
+Use :func:`listen_fast_tcp` instead of ``reactor.listenTCP`` (and :func:`listen_fast_unix`
+instead of ``reactor.listenUNIX``: the same transport on a Unix socket, which can also pass
+file descriptors along with the data, see :meth:`FastServer.writeSequence`). This module
+never imports the global reactor: every object is bound to the reactor it is given.
 
 Caveats (differences from the stock transport):
 
@@ -42,14 +44,15 @@ Caveats (differences from the stock transport):
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 from collections import deque
 from collections.abc import Iterable
 from errno import EAGAIN, ENOBUFS, EWOULDBLOCK
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from twisted.internet import main, tcp
+from twisted.internet import main, tcp, unix
 from twisted.internet.interfaces import IProtocolFactory, IReactorFDSet, IReactorTCP
 from twisted.python import failure
 
@@ -57,7 +60,10 @@ __all__ = [
     "BufferedProtocol",
     "FastPort",
     "FastServer",
+    "FastUnixPort",
+    "FastUnixServer",
     "listen_fast_tcp",
+    "listen_fast_unix",
 ]
 
 # recv/send errors meaning "nothing can be transferred right now", not failures.
@@ -126,11 +132,18 @@ def _as_byte_view(data: Any) -> memoryview:
     return view.cast("B")
 
 
-class FastServer(tcp.Server):
-    """A server-side TCP transport with ``recv_into`` reads and ``sendmsg`` writes.
+if TYPE_CHECKING:  # the mixin is only ever used on top of a Twisted stream transport
+    _Transport = tcp.Server
+else:
+    _Transport = object
 
-    Drop-in replacement for :class:`twisted.internet.tcp.Server` (created by
-    :class:`FastPort`). Differences:
+
+class _ZeroCopy(_Transport):
+    """The zero-copy read and write paths, for a Twisted stream transport (TCP or Unix).
+
+    Mixed into :class:`FastServer` (a drop-in replacement for
+    :class:`twisted.internet.tcp.Server`, created by :class:`FastPort`) and
+    :class:`FastUnixServer`. Differences from the stock transports:
 
     * reads go straight into the protocol's buffer if it implements
       :class:`BufferedProtocol`;
@@ -161,25 +174,20 @@ class FastServer(tcp.Server):
 
     TLS = False
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        protocol: Any,
-        client: tuple[object, ...],
-        server: tcp.Port,
-        sessionno: int,
-        reactor: IReactorFDSet,
-    ) -> None:
-        # The queue must exist before tcp.Server.__init__ starts reading: nothing
-        # can be written before makeConnection(), but keep the object consistent.
+    def _init_queues(self) -> None:
+        # The queue must exist before the base __init__ starts reading: nothing can be
+        # written before makeConnection(), but keep the object consistent.
         self._send_queue: deque[memoryview] = deque()
         self._queued_bytes = 0
+        # File descriptors to pass (Unix sockets only): (stream offset of the data they go
+        # with, fds, owner kept alive until they are sent), in order.
+        self._fd_marks: deque[tuple[int, list[int], Any]] = deque()
+        self._queued_total = 0  # bytes ever queued (stream offsets of the marks)
+        self._sent_total = 0
         # Reused for ordinary reads of protocols that take the zero-copy hooks: they copy
         # what they keep, so one buffer per connection replaces a new bytes per read.
         self._read_buffer = bytearray(self.bufferSize)
         self._read_view = memoryview(self._read_buffer)
-        super().__init__(sock, protocol, client, server, sessionno, reactor)
-        self.setTcpNoDelay(True)
 
     # ------------------------------------------------------------------ reading
 
@@ -199,7 +207,7 @@ class FastServer(tcp.Server):
         # treat "no room" like "no buffer" instead of killing the connection.
         direct = view is not None and view.nbytes > 0
         try:
-            nbytes = self.socket.recv_into(view if direct else self._read_buffer)
+            nbytes = self._recv_into(view if direct else self._read_buffer)  # type: ignore[arg-type]
         except OSError as se:
             if se.args[0] in _READ_RETRY_ERRNOS:
                 return None
@@ -212,6 +220,9 @@ class FastServer(tcp.Server):
             # A view of the reused buffer: valid only during this call (the protocol copies).
             self.protocol.dataReceived(self._read_view[:nbytes])  # type: ignore[arg-type]
         return None
+
+    def _recv_into(self, target: memoryview | bytearray) -> int:
+        return self.socket.recv_into(target)
 
     # ------------------------------------------------------------------ writing
 
@@ -235,18 +246,31 @@ class FastServer(tcp.Server):
         if nbytes:
             self._queue_views([view], nbytes)
 
-    def writeSequence(self, iovec: Iterable[Any]) -> None:  # type: ignore[override]
+    def writeSequence(self, iovec: Iterable[Any], fds: list[int] | None = None,
+                      owner: Any = None) -> None:  # type: ignore[override]
         """Queue several bytes-like objects, in order, without copying or joining.
 
         All items are validated before any is queued, so a bad item leaves the
         queue untouched.
+
+        Args:
+            fds: file descriptors to pass along (Unix sockets only, see
+                :class:`FastUnixServer`): they reach the peer no later than the first
+                byte of this data, in order with every other data's descriptors.
+            owner: kept alive until the descriptors are sent (whatever closes them).
         """
         views = [_as_byte_view(item) for item in iovec]
         if not self.connected or self._writeDisconnected:
             return
         views = [v for v in views if v.nbytes]  # empty views would stall the advance loop
+        if fds:
+            if not self._passes_fds:
+                raise TypeError("file descriptors can only be passed over a Unix socket")
+            self._fd_marks.append((self._queued_total, list(fds), owner))
         if views:
             self._queue_views(views, sum(v.nbytes for v in views))
+
+    _passes_fds = False
 
     def _queue_views(self, views: list[memoryview], nbytes: int) -> None:
         """Queue views; if nothing was waiting, send right away (write-through).
@@ -262,6 +286,7 @@ class FastServer(tcp.Server):
             self.producer is None or self.streamingProducer)
         queue.extend(views)
         self._queued_bytes += nbytes
+        self._queued_total += nbytes
         if idle:
             sent = self._send_some()
             if not isinstance(sent, BaseException):
@@ -290,12 +315,35 @@ class FastServer(tcp.Server):
         if total > max_bytes:
             last = buffers[-1]
             buffers[-1] = last[: len(last) - (total - max_bytes)]
+            total = max_bytes
+        marks = self._fd_marks
+        ancillary: list[tuple[int, int, bytes]] = []
+        sending = 0
+        if marks:
+            # The descriptors of data that starts within this send go with it (the peer
+            # matches them to frames in order, so early is fine, late is not).
+            end = self._sent_total + total
+            fds: list[int] = []
+            for offset, mark_fds, _ in marks:
+                if offset >= end or len(fds) + len(mark_fds) > _MAX_FDS_PER_SEND:
+                    break
+                fds.extend(mark_fds)
+                sending += 1
+            if fds:
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                              array.array("i", fds).tobytes())]
         try:
-            return self.socket.sendmsg(buffers)
+            sent = self.socket.sendmsg(buffers, ancillary) if ancillary else \
+                self.socket.sendmsg(buffers)
         except OSError as se:
             if se.args[0] in _SEND_RETRY_ERRNOS:
                 return 0
             return main.CONNECTION_LOST
+        if sent and sending:
+            for _ in range(sending):
+                marks.popleft()  # sent: the owners may let go of the descriptors now
+        self._sent_total += sent
+        return sent
 
     def _advance(self, sent: int) -> None:
         """Drop fully sent views; re-slice the first partially sent one."""
@@ -346,17 +394,78 @@ class FastServer(tcp.Server):
         """Drop unsent data so the queued buffers (maybe large) are released now."""
         self._send_queue.clear()
         self._queued_bytes = 0
-        super().connectionLost(reason)
+        self._fd_marks.clear()
+        super().connectionLost(reason)  # type: ignore[misc]
 
     def startTLS(self, ctx: object, normal: bool = True) -> None:
         """Not supported: TLS would bypass this transport's zero-copy send queue."""
         raise NotImplementedError("FastServer does not support startTLS")
 
 
+class FastServer(_ZeroCopy, tcp.Server):
+    """A server-side TCP transport with ``recv_into`` reads and ``sendmsg`` writes."""
+
+    def __init__(self, sock: socket.socket, protocol: Any, client: tuple[object, ...],
+                 server: tcp.Port, sessionno: int, reactor: IReactorFDSet) -> None:
+        self._init_queues()
+        tcp.Server.__init__(self, sock, protocol, client, server, sessionno, reactor)
+        self.setTcpNoDelay(True)
+
+
+class FastUnixServer(_ZeroCopy, unix.Server):
+    """The same transport on a Unix socket, passing file descriptors both ways.
+
+    Descriptors given to :meth:`writeSequence` travel with the data (``SCM_RIGHTS``).
+    Descriptors received are handed to the protocol's ``fds_received(list)`` before the
+    data they came with; a protocol without that method gets them closed.
+    """
+
+    _passes_fds = True
+
+    def __init__(self, sock: socket.socket, protocol: Any, client: Any, server: Any,
+                 sessionno: int, reactor: IReactorFDSet) -> None:
+        self._init_queues()
+        unix.Server.__init__(self, sock, protocol, client, server, sessionno, reactor)
+
+    def _recv_into(self, target: memoryview | bytearray) -> int:
+        nbytes, ancdata, _flags, _addr = self.socket.recvmsg_into([target], _ANC_SPACE)
+        if ancdata:
+            fds = _fds_of(ancdata)
+            if fds:
+                take = getattr(self.protocol, "fds_received", None)
+                if take is None:
+                    for fd in fds:
+                        os.close(fd)
+                else:
+                    take(fds)
+        return nbytes
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+# Linux passes at most 253 descriptors per message (SCM_MAX_FD).
+_MAX_FDS_PER_SEND = 200
+_ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
+
+
 class FastPort(tcp.Port):
     """A TCP listening port whose accepted connections are :class:`FastServer`\\ s."""
 
     transport = FastServer
+
+
+class FastUnixPort(unix.Port):
+    """A Unix socket listening port whose connections are :class:`FastUnixServer`\\ s."""
+
+    transport = FastUnixServer
 
 
 def listen_fast_tcp(
@@ -379,3 +488,30 @@ def listen_fast_tcp(
     listening_port = FastPort(port, factory, backlog, interface, reactor)
     listening_port.startListening()
     return listening_port
+
+
+def listen_fast_unix(reactor: Any, path: str, factory: IProtocolFactory, *,
+                     mode: int = 0o600, backlog: int = 50) -> FastUnixPort:
+    """Listen on the Unix socket ``path`` with :class:`FastUnixServer` connections.
+
+    A stale socket file at ``path`` (one nobody listens on) is removed first. The socket is
+    readable and writable by its owner only, unless ``mode`` says otherwise.
+
+    Raises:
+        OSError: ``path`` exists and something listens there, or cannot be bound.
+    """
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # nobody listens: a leftover from a process that died
+        except OSError:
+            pass
+        else:
+            raise OSError(f"another server listens on {path}")
+        finally:
+            probe.close()
+    port = FastUnixPort(path, factory, backlog, mode, reactor)  # type: ignore[arg-type]
+    port.startListening()
+    return port

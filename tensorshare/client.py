@@ -18,6 +18,7 @@ callback never delays replies to other requests.
 
 from __future__ import annotations
 
+import array
 import builtins
 import logging
 import math
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codec import decode, encode
+from .codec import Buffer, Encoded, decode, encode
 from .errors import (
     ConnectError,
     ConnectionLost,
@@ -206,6 +207,41 @@ def _none(reply: Any) -> None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Address:
+    """Where a server listens: TCP ``host:port`` or a Unix socket ``path``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    path: str | None = None
+
+    def __str__(self) -> str:
+        return f"unix://{self.path}" if self.path is not None else f"{self.host}:{self.port}"
+
+
+def parse_address(host: str, port: int) -> Address:
+    """``host`` and ``port`` as given to a client: a host name and a port, or one URL:
+    ``tensorshare://HOST:PORT`` or ``unix://PATH`` (``unix:///tmp/ts.sock``).
+
+    Raises:
+        ValueError: an unknown scheme, or a URL without a port.
+    """
+    if "://" not in host:
+        return Address(host, port)
+    scheme, rest = host.split("://", 1)
+    if scheme == "unix":
+        if not rest:
+            raise ValueError(f"no socket path in {host!r}")
+        return Address(path=rest)
+    if scheme == "tensorshare":
+        name, _, number = rest.rstrip("/").rpartition(":")
+        if not name or not number.isdigit():
+            raise ValueError(f"expected tensorshare://HOST:PORT, got {host!r}")
+        return Address(name.strip("[]"), int(number))
+    raise ValueError(f"unknown address scheme {scheme!r} in {host!r} (use tensorshare:// or "
+                     f"unix://)")
+
+
 def check_timeout(timeout: Any, what: str = "timeout") -> float:
     """A client timeout: a positive, finite number of seconds."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
@@ -222,8 +258,12 @@ def check_reconnect(reconnect: Any) -> bool | float:
 
 
 def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
-              compress_min_bytes: int) -> Item:
+              compress_min_bytes: int, share_min_bytes: int | None = None) -> Item:
     """Check a put/append locally and encode its value (raises before anything is sent).
+
+    With ``share_min_bytes`` (a connection that passes shared memory), every uncompressed
+    buffer of at least that many bytes is written once into a sealed memfd, which then
+    travels instead of the bytes (see :mod:`tensorshare.shm`).
 
     Raises:
         TypeError, ValueError: a bad bin name or tag.
@@ -241,6 +281,17 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
             raise LimitExceeded(f"value for bin {name!r} not sent: it takes about {size} "
                                 f"bytes, over the server's max_frame_bytes="
                                 f"{limits.max_frame_bytes}")
+    if share_min_bytes is not None and any(
+            b.codec is None and b.nbytes >= share_min_bytes for b in enc.buffers):
+        from . import shm
+
+        buffers = []
+        for b in enc.buffers:
+            if b.codec is None and b.nbytes >= share_min_bytes:
+                mem = shm.share(b.data)
+                b = Buffer(mem.view, None, mem.size, mem)
+            buffers.append(b)
+        enc = Encoded(enc.value, tuple(buffers))
     return Item(enc, tag)
 
 
@@ -271,7 +322,10 @@ class Client:
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
-        host: server address. port: server port.
+        host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT`` or
+            ``unix://PATH`` for a server on this machine's Unix socket (faster, and large
+            tensors may travel through shared memory, see ``shm``).
+        port: server port (ignored for a URL).
         timeout: seconds the server has to answer a request (a get/peek that waits for data
             gets its wait on top); also how long the first connection may take.
         reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
@@ -288,6 +342,10 @@ class Client:
             a third of ``timeout``, at most 5 s.
         connector: returns a new connected socket each time it is called, instead of a TCP
             connection to ``host:port`` (custom transports; tests use a socketpair).
+        shm: over a Unix socket (``unix://PATH``, Linux), pass tensors of at least
+            ``shm_min_bytes`` through shared memory instead of the socket: a put writes them
+            once into a sealed memfd, a get maps the server's with no copy at all.
+        shm_min_bytes: the smallest buffer worth sharing (below, the socket is faster).
 
     Raises:
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
@@ -305,18 +363,25 @@ class Client:
                  reconnect: bool | float = True, compress: str | None = None,
                  compress_min_bytes: int = 64 * 1024, name: str = "tensorshare-python",
                  session: bool = True, heartbeat: float | None = None,
-                 connector: Callable[[], socket.socket] | None = None) -> None:
+                 connector: Callable[[], socket.socket] | None = None, shm: bool = True,
+                 shm_min_bytes: int = 1 << 20) -> None:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
-        self.host, self.port = host, port
+        where = parse_address(host, port)
+        self.host, self.port, self.path = where.host, where.port, where.path
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
-        self.address = f"{host}:{port}"
+        self.address = str(where)
         self._connector = connector
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
                                       heartbeat=heartbeat)
+        if shm and self.path is not None and connector is None:
+            from . import shm as _shm
+
+            self._session.shm = _shm.available()
+        self.shm_min_bytes = shm_min_bytes
         self._lock = threading.Lock()  # the session, and who reads (below)
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
@@ -664,7 +729,16 @@ class Client:
         check_bin_name(name, self.limits.max_name_bytes)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
+        conn = self._session.conn
+        share = self.shm_min_bytes if conn is not None and conn.shm else None
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
+                         share)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether large tensors travel through shared memory on this connection."""
+        conn = self._session.conn
+        return conn is not None and conn.shm
 
     def _call(self, msg: Request, what: str, convert: Callable[[Any], Any],
               extra: Any = None) -> tuple[Call, _Slot]:
@@ -686,12 +760,13 @@ class Client:
             with self._lock:
                 sock = self._sock
                 chunks = self._session.pop_sendable(time.monotonic()) if sock else []
+                shared = self._session.take_shared()
                 failed = self._session.take_finished()
             self._process(failed)  # type: ignore[arg-type]
             if not chunks or sock is None:
                 return
             try:
-                _sendall(sock, chunks)
+                _sendall(sock, chunks, [m.fd for m in shared] if shared else None)
             except OSError as exc:
                 # A partly written frame leaves the stream unusable: drop the connection; the
                 # reader reconnects and the session resends what had no reply.
@@ -860,6 +935,14 @@ class Client:
     def _connect(self) -> socket.socket:
         if self._connector is not None:
             sock = self._connector()
+        elif self.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.timeout)
+                sock.connect(self.path)
+            except BaseException:
+                sock.close()
+                raise
         else:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -955,17 +1038,32 @@ class Client:
         ``None``.
         """
         session = self._session
+        fds: list[int] = []
         try:
             direct = session.get_buffer()
-            n = reader.sock.recv_into(direct if direct is not None else reader.scratch)
+            target = direct if direct is not None else reader.scratch
+            if reader.unix:
+                n, ancdata, _, _ = reader.sock.recvmsg_into([target], _ANC_SPACE)
+                if ancdata:
+                    fds = _fds_of(ancdata)
+            else:
+                n = reader.sock.recv_into(target)
         except (BlockingIOError, InterruptedError, TimeoutError):
             return None
         except OSError as exc:
             return str(exc) or type(exc).__name__
         if not n:
+            for fd in fds:
+                os.close(fd)
             return "the server closed the connection"
         with self._lock:
             now = time.monotonic()
+            if fds:
+                if session.conn is not None and session.conn.shm:
+                    session.conn.add_fds(fds)
+                else:
+                    for fd in fds:  # not agreed: nobody will take them
+                        os.close(fd)
             if direct is not None:
                 events = session.buffer_updated(n, now)
             else:
@@ -1214,10 +1312,11 @@ class _Reader:
     Only the thread that leads (see ``Client._serve``) uses it, so one is enough.
     """
 
-    __slots__ = ("sock", "poll", "scratch", "view")
+    __slots__ = ("sock", "poll", "scratch", "view", "unix")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.unix = sock.family == socket.AF_UNIX
         self.poll = select.poll()
         self.poll.register(sock, select.POLLIN)
         self.scratch = bytearray(_READ_CHUNK)
@@ -1231,6 +1330,19 @@ _READER = object()  # the reader thread, as the leader of reading
 LINGER = 0.005
 
 
+_ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
+
+
+def _fds_of(ancdata: Any) -> builtins.list[int]:
+    fds: builtins.list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
 def _drain(fd: int) -> None:
     try:
         while os.read(fd, 4096):
@@ -1239,11 +1351,19 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _sendall(sock: socket.socket, chunks: Sequence[BytesLike]) -> None:
+def _sendall(sock: socket.socket, chunks: Sequence[BytesLike],
+             fds: list[int] | None = None) -> None:
+    """Send every chunk; ``fds`` (a Unix socket) go along, at most 200 per ``sendmsg``."""
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
     i = 0
+    pending = list(fds) if fds else []
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + _MAX_IOV])
+        if pending:
+            batch, pending = pending[:200], pending[200:]
+            sent = sock.sendmsg(views[i : i + _MAX_IOV], [(
+                socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch).tobytes())])
+        else:
+            sent = sock.sendmsg(views[i : i + _MAX_IOV])
         while sent:
             n = views[i].nbytes
             if sent >= n:

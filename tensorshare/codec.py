@@ -121,11 +121,15 @@ class Buffer:
             itemsize 1. A memoryview of another shape or format is cast to bytes.
         codec: ``None`` (raw) or ``"lz4"`` (LZ4 block format, no size prefix).
         raw_nbytes: the size after decompression; ``-1`` means ``len(data)``.
+        shm: the :class:`~tensorshare.shm.SharedMemory` that ``data`` maps, when the buffer
+            lives in a sealed memfd (it then travels as a descriptor over a Unix socket
+            that allows it, and as bytes anywhere else).
     """
 
     data: memoryview | bytes | bytearray
     codec: str | None = None
     raw_nbytes: int = -1
+    shm: Any = None
 
     def __post_init__(self) -> None:
         data = self.data

@@ -129,6 +129,7 @@ class Hello:
     auth: str | None = None  # reserved for token auth; servers today ignore it
     session: bytes | None = None
     resume: bool = False
+    shm: bool = False  # the client can pass large buffers as sealed memfds (Unix socket)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,7 @@ class HelloReply:
     limits: Limits
     resumed: bool = False
     server_id: str = ""
+    shm: bool = False  # buffers may travel as sealed memfds on this connection, both ways
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,9 @@ A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeGuard, Union
 
@@ -361,6 +363,8 @@ def _hello_header(m: Hello) -> dict[str, Any]:
         h["session"] = m.session
         if m.resume:
             h["resume"] = True
+    if m.shm:
+        h["shm"] = True
     return h
 
 
@@ -374,7 +378,7 @@ def _parse_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits
         raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
     return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
                  auth if isinstance(auth, str) else None, session,
-                 _bool(h, "resume") and session is not None)
+                 _bool(h, "resume") and session is not None, _bool(h, "shm"))
 
 
 def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
@@ -388,7 +392,8 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits
         raise _Invalid(f"impossible limits in the handshake: {exc}") from None
     server_id = h.get("server_id", "")
     return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
-                      _bool(h, "resumed"), server_id if isinstance(server_id, str) else "")
+                      _bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
+                      _bool(h, "shm"))
 
 
 def _reply_listing(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
@@ -464,7 +469,7 @@ _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", 
 #: The op table: wire op -> how to encode, parse and reply to it.
 OPS: dict[str, Op] = {op.name: op for op in (
     _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
-        "versions", "client", "auth", "session", "resume"),
+        "versions", "client", "auth", "session", "resume", "shm"),
     _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items"),
     _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
         "bin", "items", "timeout"),
@@ -502,7 +507,7 @@ def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
     return {"version": m.version, "server": m.server, "limits": {
         "max_frame_bytes": lim.max_frame_bytes, "max_header_bytes": lim.max_header_bytes,
         "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes},
-        "resumed": m.resumed, "server_id": m.server_id}
+        "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {})}
 
 
 def _fetched_header(f: Fetched) -> dict[str, Any]:
@@ -566,13 +571,17 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     return h, ((msg.item,) if cls is Put else ())  # type: ignore[union-attr]
 
 
-def encode_message(msg: Message, extra: dict[str, Any] | None = None
-                   ) -> tuple[list[BytesLike], int]:
+def encode_message(msg: Message, extra: dict[str, Any] | None = None,
+                   shared: list[Any] | None = None) -> tuple[list[BytesLike], int]:
     """Serialise one message into frame chunks (buffers are not copied).
 
     Args:
         msg: any request, reply or notification.
         extra: more header fields (the acknowledgement fields of a request).
+        shared: when given (a connection that passes memfds), buffers that live in shared
+            memory travel as ``memfd`` descriptors instead of bytes; their
+            :class:`~tensorshare.shm.SharedMemory` objects are appended here, in order,
+            and their descriptors must be sent with the frame.
 
     Returns:
         ``(chunks, header_len)``: chunks for ``sendmsg`` / ``writeSequence``, in order, and
@@ -583,14 +592,18 @@ def encode_message(msg: Message, extra: dict[str, Any] | None = None
         header.update(extra)
     buffers: list[BytesLike] = []
     if items:
-        header["items"] = _items_header(items, buffers)
+        header["items"] = _items_header(items, buffers, shared)
     packed = _packb(header)
     return encode_frame(packed, buffers), len(packed)
 
 
-def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[Any]]:
+def _items_header(items: Sequence[Item], buffers: list[BytesLike],
+                  shared: list[Any] | None) -> list[list[Any]]:
     """Describe items for the header and collect their buffers in payload order."""
-    sizes = [b.nbytes for it in items for b in it.value.buffers]
+    if shared is None:
+        sizes = [b.nbytes for it in items for b in it.value.buffers]
+    else:
+        sizes = [0 if b.shm is not None else b.nbytes for it in items for b in it.value.buffers]
     offsets, _ = payload_layout(sizes)
     k = 0
     out = []
@@ -599,6 +612,12 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[
         for b in it.value.buffers:
             off = offsets[k]
             k += 1
+            if shared is not None and b.shm is not None:
+                # In a sealed memfd: the descriptor travels with the frame, not the bytes.
+                shared.append(b.shm)
+                buffers.append(b"")
+                descs.append([off, 0, "memfd", b.raw_nbytes])
+                continue
             buffers.append(b.data)
             if b.codec is None:
                 descs.append([off, b.nbytes])
@@ -620,7 +639,7 @@ def item_wire_size(item: Item) -> int:
 def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[Any]]:
     """Describe items for a header (``[value, buffers, tag]`` each) and collect their buffers
     in payload order; what a put/append/get frame carries (also used by the data log)."""
-    return _items_header(items, buffers)
+    return _items_header(items, buffers, None)
 
 
 def parse_items(h: dict[str, Any], payload: bytearray, max_depth: int) -> list[Item]:
@@ -636,6 +655,54 @@ def parse_items(h: dict[str, Any], payload: bytearray, max_depth: int) -> list[I
 
 
 # -- parsing helpers --------------------------------------------------------------------------
+class _Fds:
+    """Descriptors a peer passed (Unix socket), waiting for the ``memfd`` buffers they carry.
+
+    A ``memfd`` buffer takes the next descriptor in arrival order: the peer sends each one
+    no later than the frame that uses it.
+    """
+
+    __slots__ = ("queue", "writable", "limit")
+
+    def __init__(self, writable: bool, limit: int = 1 << 62) -> None:
+        self.queue: deque[int] = deque()
+        self.writable = writable
+        self.limit = limit  # the largest buffer accepted (the frame limit, as for bytes)
+
+    def take(self, size: int) -> tuple[memoryview, None, int, Any]:
+        """The next descriptor, checked and mapped: the arguments of its :class:`Buffer`."""
+        if not self.queue:
+            raise ProtocolError("a memfd buffer arrived without its file descriptor")
+        if size > self.limit:
+            import os
+
+            os.close(self.queue.popleft())
+            raise _Invalid(f"a shared buffer of {size} bytes exceeds max_frame_bytes="
+                           f"{self.limit}", "limit_exceeded")
+        from . import shm  # only connections that pass descriptors need it
+
+        try:
+            mem = shm.receive(self.queue.popleft(), size, writable=self.writable)
+        except (ValueError, OSError) as exc:
+            raise _Invalid(str(exc)) from None
+        return mem.view, None, size, mem
+
+    def close(self) -> None:
+        """Close descriptors nobody took (the connection ended)."""
+        import os
+
+        while self.queue:
+            try:
+                os.close(self.queue.popleft())
+            except OSError:
+                pass
+
+
+# The descriptors of the connection parsing right now (set around each parse, so that the
+# op table's parse functions need not carry them).
+_PARSING_FDS: ContextVar[_Fds | None] = ContextVar("tensorshare_fds", default=None)
+
+
 def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
                  client: bool = False) -> list[Item]:
     raw_items = h.get("items")
@@ -644,6 +711,7 @@ def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
     view = memoryview(payload)
     end = 0  # buffers must be ordered and disjoint: no aliasing tricks
     items = []
+    fds = _PARSING_FDS.get()
     for raw in raw_items:
         if not isinstance(raw, list) or len(raw) != 3:
             raise _Invalid("an item must be [value, buffers, tag]")
@@ -654,7 +722,7 @@ def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
             raise _Invalid("an item's tag must be an integer or nil")
         buffers = []
         for desc in bufs:
-            buf, end = _parse_buffer(desc, view, end)
+            buf, end = _parse_buffer(desc, view, end, fds)
             buffers.append(buf)
         if not client:
             # The server checks every value it stores, so that whatever it hands out,
@@ -672,7 +740,8 @@ def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
     return items
 
 
-def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
+def _parse_buffer(desc: Any, view: memoryview, end: int, fds: _Fds | None = None
+                  ) -> tuple[Buffer, int]:
     if not isinstance(desc, list) or len(desc) not in (2, 4):
         raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
     off, n = desc[0], desc[1]
@@ -686,6 +755,8 @@ def _parse_buffer(desc: Any, view: memoryview, end: int) -> tuple[Buffer, int]:
         raise _Invalid(f"buffer [{off}, {off + n}) lies outside the {len(view)}-byte payload")
     if len(desc) == 4:
         codec, raw = desc[2], desc[3]
+        if codec == "memfd" and fds is not None and _is_int(raw) and raw >= 0 and n == 0:
+            return Buffer(*fds.take(raw)), off
         if codec != "lz4" or not _is_int(raw) or raw < 0:
             raise _Invalid(f"unsupported buffer codec {codec!r}")
         return Buffer(view[off : off + n], codec, raw), off + n
@@ -748,6 +819,12 @@ class ServerConnection(_Side):
         self.greeted = False
         # Bytes of each complete request frame, by op (statistics), as they are parsed.
         self.bytes_in: dict[str, int] = {}
+        # What the server stores, nobody may change; as large as a frame may be.
+        self.fds = _Fds(writable=False, limit=self.limits.max_frame_bytes)
+
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors the peer passed (Unix socket): for the ``memfd`` buffers to come."""
+        self.fds.queue.extend(fds)
 
     def handshake_done(self) -> None:
         """Lift the small pre-hello cap to the configured limits."""
@@ -774,11 +851,14 @@ class ServerConnection(_Side):
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
                ) -> list[ServerEvent]:
         out: list[ServerEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
         try:
             for frame in frames:
                 self._parse_frame(frame, out)
         except ProtocolError as exc:
             error = exc
+        finally:
+            _PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out
@@ -837,6 +917,12 @@ class ClientConnection(_Side):
         self.limits = limits or Limits()
         super().__init__(self.limits.max_frame_bytes + REPLY_SLACK,
                          self.limits.max_frame_bytes + REPLY_SLACK)
+        self.fds = _Fds(writable=True)  # received tensors are the caller's to change
+        self.shm = False  # the handshake allowed memfd buffers, both ways
+
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors the server passed (Unix socket): for the ``memfd`` buffers to come."""
+        self.fds.queue.extend(fds)
 
     def set_limits(self, limits: Limits) -> None:
         """Adopt the server's limits (from the handshake).
@@ -850,8 +936,13 @@ class ClientConnection(_Side):
         self._decoder.max_frame_bytes = limits.max_frame_bytes + REPLY_SLACK
         self._decoder.max_header_bytes = limits.max_frame_bytes + REPLY_SLACK
 
-    def send(self, msg: Request, ack: AckInfo | None = None) -> list[BytesLike]:
+    def send(self, msg: Request, ack: AckInfo | None = None,
+             shared: list[Any] | None = None) -> list[BytesLike]:
         """Serialise one request, with the acknowledgement fields if given.
+
+        Args:
+            shared: with memfd buffers allowed (see :func:`encode_message`), collects the
+                shared memory whose descriptors must go with the frame.
 
         Raises:
             LimitExceeded: the frame or its header is over the server's limit; nothing
@@ -862,7 +953,7 @@ class ClientConnection(_Side):
             extra = {"ack": ack.through}
             if ack.open:
                 extra["open"] = list(ack.open)
-        chunks, header_len = encode_message(msg, extra)
+        chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
         limits = self.limits
         size = sum(len(c) for c in chunks)
         if size > limits.max_frame_bytes or header_len > limits.max_header_bytes:
@@ -898,6 +989,7 @@ class ClientConnection(_Side):
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:
         out: list[ClientEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
         try:
             for frame in frames:
                 if isinstance(frame, OversizedFrame):
@@ -906,6 +998,8 @@ class ClientConnection(_Side):
                 out.append(self._parse_frame(frame, op_of))
         except ProtocolError as exc:
             error = exc
+        finally:
+            _PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out

@@ -25,8 +25,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from . import codec
-from ._fasttcp import listen_fast_tcp
+from . import codec, shm
+from ._fasttcp import listen_fast_tcp, listen_fast_unix
 from ._version import __version__
 from .errors import InvalidRequest, LimitExceeded, ServerError, code_for
 from .frames import BytesLike
@@ -154,6 +154,7 @@ class ServerProtocol(Protocol):
         self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
         self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
         self._paused = False  # the transport says our output backs up: see the class doc
+        self.shm = False  # the handshake agreed on memfd buffers (Unix socket)
         self._started: dict[int, float] = {}  # request id -> when it came in (latency)
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -230,14 +231,15 @@ class ServerProtocol(Protocol):
         return int(getattr(self.transport, "queued_bytes", 0))
 
     # -- plumbing ---------------------------------------------------------------------------
-    def write_chunks(self, chunks: Sequence[BytesLike]) -> None:
+    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None) -> None:
+        """Queue a frame; ``shared``: shared memory whose descriptors go with it."""
         if self._closed:
             return
         f = self.factory
         if f.holding:
             # With fsync "always" nothing that depends on a write leaves before the write is
             # on disk: held until the batch is committed (see ServerFactory.commit).
-            f.held.append((self, chunks))
+            f.held.append((self, chunks, shared))
             return
         queued = self.queued_bytes
         limit = self.factory.config.max_client_buffer
@@ -251,7 +253,12 @@ class ServerProtocol(Protocol):
             self.transport.abortConnection()  # type: ignore[union-attr]
             return
         # Our transport (_fasttcp.FastServer) takes memoryviews, hence no bytes copies.
-        self.transport.writeSequence(chunks)  # type: ignore[union-attr, arg-type]
+        if shared:
+            fds = [m.fd for m in shared]
+            self.transport.writeSequence(chunks, fds=fds,  # type: ignore[union-attr, call-arg, arg-type]
+                                         owner=shared)
+        else:
+            self.transport.writeSequence(chunks)  # type: ignore[union-attr, arg-type]
 
     def notify(self, chunks: Sequence[BytesLike], msg: Changed) -> None:
         """Send a change notification, or fold it into the last one while we are paused."""
@@ -266,7 +273,16 @@ class ServerProtocol(Protocol):
         self._folded[msg.bin] = msg
 
     def send(self, msg: Reply | Changed) -> None:
-        self.write_chunks(encode_message(msg)[0])
+        shared: list[Any] | None = [] if self.shm else None
+        self.write_chunks(encode_message(msg, None, shared)[0], shared)
+
+    def fds_received(self, fds: list[int]) -> None:
+        """Descriptors the client passed (Unix socket): its ``memfd`` buffers."""
+        if self._closed or not self.shm:
+            for fd in fds:  # not agreed in the handshake: nobody will take them
+                os.close(fd)
+            return
+        self.conn.add_fds(fds)
 
     def _stop_timer(self) -> None:
         if self._timer is not None and self._timer.active():
@@ -285,6 +301,7 @@ class ServerProtocol(Protocol):
         self._closed = True
         self._folded.clear()
         self._started.clear()
+        self.conn.fds.close()
         self.factory.add_bytes_in(self.conn.bytes_in)
         f = self.factory
         for name in self.listening:
@@ -391,11 +408,12 @@ class ServerProtocol(Protocol):
             f.count_error(reply.code)
         if s is not None and OPS[op].mutating:
             f.sessions.remember(s, msg.id, reply, bin, held)
-        chunks = encode_message(reply)[0]
+        shared: list[Any] | None = [] if self.shm else None
+        chunks = encode_message(reply, None, shared)[0]
         started = self._started.pop(msg.id, None)
         if started is not None:
             f.observe(op, sum(len(c) for c in chunks), time.perf_counter() - started)
-        self.write_chunks(chunks)
+        self.write_chunks(chunks, shared)
 
     def reply_error(self, rid: int, code: str, message: str) -> None:
         self.factory.count_error(code)
@@ -427,6 +445,8 @@ class ServerProtocol(Protocol):
                 self._ack = None
         self.version = max(common)
         self.client_name = msg.client
+        self.shm = msg.shm and bool(getattr(self.transport, "_passes_fds", False)) and \
+            shm.available()
         self.conn.handshake_done()
         self._stop_timer()
         how = "resumed its session" if resumed else (
@@ -434,7 +454,7 @@ class ServerProtocol(Protocol):
         log.info("{client!r} at {peer} connected ({how})", client=msg.client, peer=self.peer,
                  how=how)
         self.send(HelloReply(msg.id, self.version, f"tensorshare/{__version__}",
-                             f.config.limits, resumed, f.server_id))
+                             f.config.limits, resumed, f.server_id, self.shm))
 
     # -- requests ---------------------------------------------------------------------------
     def _put(self, msg: Put) -> None:
@@ -644,7 +664,7 @@ class ServerFactory(Factory):
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}
         self.stats = _Counters()
-        self.held: list[tuple[ServerProtocol, Sequence[BytesLike]]] = []
+        self.held: list[tuple[ServerProtocol, Sequence[BytesLike], list[Any] | None]] = []
         # op -> request latency histogram: a count per LATENCY_BUCKETS bound, then the sum
         # in microseconds.
         self.latency: dict[str, list[int]] = {}
@@ -810,8 +830,8 @@ class ServerFactory(Factory):
                 return
         if self.held:
             held, self.held = self.held, []
-            for proto, chunks in held:
-                proto.write_chunks(chunks)
+            for proto, chunks, shared in held:
+                proto.write_chunks(chunks, shared)
         if p.snapshot_due():
             self.snapshot()
 
@@ -960,21 +980,30 @@ class EmbeddedServer:
             client = Client("127.0.0.1", server.port)
 
     Args:
-        port: TCP port; 0 picks a free one (read it back from ``.port``).
+        port: TCP port; 0 picks a free one (read it back from ``.port``); ``None``: no TCP
+            (then ``unix`` must be given).
         host: interface to bind; 127.0.0.1 unless you mean to accept other machines.
         limits: hard limits (see :class:`~tensorshare.messages.Limits`).
         max_memory: refuse values that would take the bytes held above this.
         config: every other setting (:class:`ServerConfig`).
+        unix: also listen on this Unix socket path (same-host clients: ``unix://PATH``;
+            they may pass large tensors through shared memory). Readable and writable by
+            its owner only; removed when the server stops.
 
     Raises:
-        OSError: the port could not be bound (e.g. it is in use).
+        OSError: the port or path could not be bound (e.g. it is in use).
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", *, limits: Limits | None = None,
-                 max_memory: int | None = None, config: ServerConfig | None = None) -> None:
+    def __init__(self, port: int | None = 0, host: str = "127.0.0.1", *,
+                 limits: Limits | None = None, max_memory: int | None = None,
+                 config: ServerConfig | None = None, unix: str | None = None) -> None:
         from twisted.internet.epollreactor import EPollReactor
 
+        if port is None and unix is None:
+            raise ValueError("give a TCP port, a Unix socket path, or both")
         self.host = host
+        self.unix = unix
+        self._ports: list[Any] = []
         self.reactor = EPollReactor()
         self.error: BaseException | None = None  # why the server stopped by itself, if it did
         self._stopping = False
@@ -982,20 +1011,35 @@ class EmbeddedServer:
         try:
             self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
             self.factory.on_fatal = self._fatal
-            self._port = listen_fast_tcp(self.reactor, port, self.factory, interface=host)
+            if port is not None:
+                self._ports.append(listen_fast_tcp(self.reactor, port, self.factory,
+                                                   interface=host))
+            if unix is not None:
+                self._ports.append(listen_fast_unix(self.reactor, unix, self.factory))
         except BaseException:
+            for p in self._ports:
+                p.stopListening()
             if getattr(self, "factory", None) is not None:
                 self.factory.close_persistence()
             self._close_reactor()
             raise
-        self.port: int = self._port.getHost().port
+        # The TCP port (0 if there is none).
+        self.port: int = self._ports[0].getHost().port if port is not None else 0
         # Liveness is this event, not Thread.is_alive(): a join() interrupted by Ctrl+C can
         # leave a thread marked as stopped while it runs on (CPython 3.11).
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tensorshare-server-{self.port}",
                                         daemon=True)
         self._thread.start()
-        log.info("tensorshare server listening on {host}:{port}", host=host, port=self.port)
+        log.info("tensorshare server listening on {where}", where=", ".join(self.addresses))
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where clients connect: ``HOST:PORT`` and/or ``unix://PATH``."""
+        out = [f"{self.host}:{self.port}"] if self.port else []
+        if self.unix is not None:
+            out.append(f"unix://{self.unix}")
+        return out
 
     def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
         """Run ``fn(*args)`` in the server's reactor thread and return its result."""
@@ -1031,7 +1075,8 @@ class EmbeddedServer:
         if self._stopping or not self.reactor.running:
             return
         self._stopping = True
-        self._port.stopListening()
+        for p in self._ports:
+            p.stopListening()  # a Unix socket's file goes with it
         for proto in list(self.factory.connections):
             proto.transport.abortConnection()  # type: ignore[union-attr]
         # With a data directory: the log is flushed and a final snapshot written, so that
@@ -1082,18 +1127,19 @@ class EmbeddedServer:
         self.stop()
 
 
-def run_server(port: int = 8000, host: str = "127.0.0.1", *, limits: Limits | None = None,
-               max_memory: int | None = None, ready: Any = None,
-               config: ServerConfig | None = None) -> None:
+def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
+               limits: Limits | None = None, max_memory: int | None = None, ready: Any = None,
+               config: ServerConfig | None = None, unix: str | None = None) -> None:
     """Run a server until interrupted (Ctrl+C). This blocks, as in the seed.
 
     Args:
         port: TCP port (0 picks a free one; it is logged and passed to ``ready``).
         host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines.
-        limits, max_memory, config: see :class:`EmbeddedServer`.
+        limits, max_memory, config, unix: see :class:`EmbeddedServer`.
         ready: optional callable ``ready(server)`` called once the port is bound.
     """
-    server = EmbeddedServer(port, host, limits=limits, max_memory=max_memory, config=config)
+    server = EmbeddedServer(port, host, limits=limits, max_memory=max_memory, config=config,
+                            unix=unix)
     previous = None
     if threading.current_thread() is threading.main_thread():
         import signal

@@ -242,6 +242,8 @@ class ClientSession:
         self._ping: Call | None = None  # the heartbeat in flight
         self._hello: Call | None = None
         self._queue: list[Call] = []  # calls to send on the current connection, in id order
+        self._out_shared: list[Any] = []  # see take_shared
+        self.shm = False  # ask for memfd buffers in the handshake (a Unix socket shell)
         self._finished_now: list[Done] = []
         self.last_loss = ""  # why the last connection was lost, for messages
 
@@ -312,6 +314,7 @@ class ClientSession:
         out: list[BytesLike] = []
         gen = self.generation
         queue, self._queue = self._queue, []
+        shared = self._out_shared if self.conn.shm else None
         for c in queue:
             if c.state != QUEUED or c.id not in self.calls:
                 continue
@@ -323,7 +326,7 @@ class ClientSession:
                     assert type(request) is Fetch
                     request = Fetch(request.id, request.bin, replace(request.spec, timeout=left))
             try:
-                out.extend(self.conn.send(request, self._ack()))
+                out.extend(self.conn.send(request, self._ack(), shared))
             except TensorShareError as exc:
                 # Over the server's limits (learned since the call was made): fail it alone.
                 c.state = FINISHED
@@ -334,6 +337,12 @@ class ClientSession:
             c.sent_on = gen
         if out:
             self._last_tx = now
+        return out
+
+    def take_shared(self) -> list[Any]:
+        """The shared memory (sealed memfds) whose descriptors must go with the frames that
+        :meth:`pop_sendable` returned last, in order."""
+        out, self._out_shared = self._out_shared, []
         return out
 
     @property
@@ -406,7 +415,8 @@ class ClientSession:
                 c.state = QUEUED  # sent on a dead connection: the resume decides
         self._queue = [c for c in self.calls.values() if c.state == QUEUED]
         hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, None, self.session_id,
-                      self.generation > 1 and self.session_id is not None)
+                      self.generation > 1 and self.session_id is not None, self.shm)
+        self._out_shared = []
         c = Call(hello.id, hello, "hello", "handshake", None, None, self.timeout, None, False,
                  now, now + self.timeout, state=SENT, sent_on=self.generation)
         self._hello = c
@@ -425,6 +435,8 @@ class ClientSession:
         if self.server_said:
             reason = f"{reason}; the server said: {self.server_said}"
         was_connected = self.connected
+        if self.conn is not None:
+            self.conn.fds.close()
         self.conn = None
         self.connected = False
         self._hello = None
@@ -588,6 +600,7 @@ class ClientSession:
         self.limits = msg.limits
         assert self.conn is not None
         self.conn.set_limits(msg.limits)
+        self.conn.shm = self.shm and msg.shm
         self.connected = True
         self.disconnected_since = None
         resumed = msg.resumed

@@ -53,6 +53,7 @@ from .client import (
     fetch_request,
     fetch_result,
     make_item,
+    parse_address,
 )
 from .errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
 from .frames import BytesLike
@@ -125,7 +126,8 @@ class TxClient:
 
     Args:
         reactor: provides ``connectTCP`` and ``callLater``.
-        host, port: the server's address.
+        host, port: the server's address (``host`` may be a ``tensorshare://`` or ``unix://``
+            URL, as for :class:`tensorshare.Client`).
         timeout: seconds the server has to answer (and the first connection may take).
         reconnect: as for :class:`tensorshare.Client`.
         compress, compress_min_bytes, name, session, heartbeat: as for
@@ -147,8 +149,9 @@ class TxClient:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
         self.reactor = reactor
-        self.host, self.port = host, port
-        self.address = f"{host}:{port}"
+        where = parse_address(host, port)
+        self.host, self.port, self.path = where.host, where.port, where.path
+        self.address = str(where)
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
@@ -483,8 +486,12 @@ class TxClient:
             self._connecting = self._connector(self)
             return
         try:
-            self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
-                                                       timeout=self.timeout)
+            if self.path is not None:
+                self._connecting = self.reactor.connectUNIX(self.path, _Factory(self),
+                                                            timeout=self.timeout)
+            else:
+                self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
+                                                           timeout=self.timeout)
         except Exception as exc:  # e.g. a malformed address refused synchronously
             self._connect_failed(str(exc))
 

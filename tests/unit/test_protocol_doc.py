@@ -402,7 +402,7 @@ def test_ack_fields_are_documented_once_for_every_request() -> None:
 def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "hello": [Hello(1, (1,), "me", "token", GOLDEN_SESSION, True)],
+        "hello": [Hello(1, (1,), "me", "token", GOLDEN_SESSION, True, True)],
         "put": [Put(2, "w", item)],
         "append": [Append(2, "w", item, 1.5)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
@@ -450,7 +450,7 @@ def test_server_refuses_an_undocumented_op() -> None:
 def _reply_cases() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab")],
+        "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True)],
         "reply-put": [Stored(2, 1, 1), Stored(2, 3, 2, dropped=1)],
         "reply-get": [Fetched(3, "list", (item, item), 5, 1, 2),
                       Fetched(3, "value", (), 5, 1, 0, True)],
