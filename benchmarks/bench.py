@@ -1,25 +1,39 @@
-"""Benchmark tensorshare against a minimal plain-socket baseline, in the same run.
+"""Benchmark tensorshare against a minimal plain-socket baseline (and Redis), in the same run.
 
-Run ``python benchmarks/bench.py`` (about a minute), ``--quick`` (under 30 s), and
-``--sizes 4K,1M`` and/or ``--repeat N`` to change what is measured. See README.md here.
+Run ``python benchmarks/bench.py`` (about three minutes), ``--quick`` (under a minute),
+``--sizes 4K,1M``, ``--repeat N`` and/or ``--only SECTIONS`` to change what is measured.
+See README.md here.
 
-Two servers run as separate processes pinned to core 0 (when there are at least two cores):
+The servers run as separate processes pinned to core 0 (when there are at least two cores):
 
 * tensorshare: ``python -m tensorshare serve --port 0 -q`` (Twisted, msgpack headers);
 * baseline: this file run as ``bench.py --baseline-server PORT_FILE``, a threaded plain-Python
-  socket server speaking a trivial length-prefixed protocol (see :class:`BaselineServer`).
+  socket server speaking a trivial length-prefixed protocol (see :class:`BaselineServer`);
+* for the persistence rows, two more tensorshare servers with ``--data-dir`` (in temporary
+  directories) and ``--fsync everysec`` / ``--fsync always``;
+* for the Redis row, ``redis-server`` (when it and redis-py with hiredis are installed).
 
 The benchmark process, pinned to core 1, talks to each with a blocking client:
-``tensorshare.Client`` and :class:`BaselineClient` (which sends ``memoryview(t.numpy())`` and
-rebuilds the tensor with ``torch.frombuffer``, so both sides do the same useful work).
+``tensorshare.Client``, :class:`BaselineClient` (which sends ``memoryview(t.numpy())`` and
+rebuilds the tensor with ``torch.frombuffer``, so both sides do the same useful work) and
+redis-py. Helper processes (the notification listener, the 32 fan-out readers) are forked
+from a forkserver that inherits core 1.
 
-Workloads, for both systems: put and get throughput of float32 tensors (4 KiB to 64 MiB,
-put then get of the same bin), the rate of tiny put+get round trips (a 4-byte tensor; every
-put and every get counts as one op), and put-to-listener notification latency (the listener
-is a separate process, also on core 1). Every operation is timed on its own and rates come
-from the median operation time; the same ratios from total time are printed below the table.
-The ratio column is tensorshare relative to the baseline: above 1 means tensorshare is
-faster. Goals are printed, never asserted: the exit status is 0 unless something crashed.
+Sections (``--only``), for tensorshare and the baseline unless said otherwise:
+
+* ``transfer``: put and get throughput of float32 tensors (4 KiB to 64 MiB, put then get of
+  the same bin);
+* ``tiny``: the rate of tiny put+get round trips (a 4-byte tensor; every put and every get
+  counts as one op), and the same for Redis (SET + GETDEL) when it is installed;
+* ``notify``: put-to-listener notification latency (listener in a separate process);
+* ``fanout``: one 16 MiB put read once by each of 32 listening reader processes;
+* ``persist``: put throughput of 4 KiB and 1 MiB with ``--data-dir`` and ``--fsync
+  everysec`` / ``always``, as a ratio to the in-memory tensorshare server.
+
+Every operation is timed on its own and rates come from the median operation time; the same
+ratios from total time are printed below the table. Every repeat runs every system, in
+alternating order. Goals are printed, never asserted: the exit status is 0 unless something
+crashed or a tensor came back wrong.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import queue
 import select
 import shutil
 import signal
@@ -39,10 +54,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,11 +70,21 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER_CORE = 0
 CLIENT_CORE = 1
 STARTUP_TIMEOUT = 30.0
+REPLY_TIMEOUT = 60.0  # how long a helper process may take to answer the benchmark
+
+FANOUT_READERS = 32
+FANOUT_SIZE = 16 << 20
+PERSIST_SIZES = (4 << 10, 1 << 20)
+FSYNC_POLICIES = ("everysec", "always")
+REDIS_MISSING = ("redis-server not installed "
+                 "(apt-get install redis-server; pip install redis hiredis)")
+REDIS_PY_MISSING = "redis-py or hiredis not installed (pip install redis hiredis)"
 
 # --------------------------------------------------------------------------- baseline wire
 # request: op (1 byte) + name length (u64) + payload length (u64), then the name, then the
 # payload. 'P' put -> reply u64 version. 'G' get (removes) -> reply u64 length + bytes
-# (MISSING if the bin is empty). 'L' listen -> reply u64 0, then one u64 version per put.
+# (MISSING if the bin is empty). 'K' peek: the same as 'G' but the bin keeps its buffer.
+# 'L' listen -> reply u64 0, then one u64 version per put.
 _HEAD = struct.Struct("<cQQ")
 _U64 = struct.Struct("<Q")
 MISSING = (1 << 64) - 1
@@ -98,7 +125,9 @@ class BaselineServer:
 
     A put is read with ``recv_into`` straight into a bytearray of the announced size and
     stored as a view of it (no copy); a get answers with one ``sendmsg`` of the length
-    prefix and the stored buffer (no joining).
+    prefix and the stored buffer (no joining). A peek does the same without removing the
+    buffer: a stored buffer is never written again (a put stores a new one), so any number
+    of peeks can send it at once.
     """
 
     def __init__(self) -> None:
@@ -138,9 +167,10 @@ class BaselineServer:
                         for listener in self.listeners.get(name, ()):
                             listener.sendall(_U64.pack(version))
                     sock.sendall(_U64.pack(version))
-                elif op == b"G":
+                elif op in (b"G", b"K"):
                     with self.lock:
-                        data = self.bins.pop(name, None)
+                        data = (self.bins.pop(name, None) if op == b"G"
+                                else self.bins.get(name))
                     if data is None:
                         sock.sendall(_U64.pack(MISSING))
                     else:
@@ -185,10 +215,17 @@ class BaselineClient:
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Take bin ``name``; rebuild a tensor of ``like``'s dtype and shape on the bytes."""
+        return self._fetch(b"G", name, like)
+
+    def peek(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`get`, but the bin keeps its buffer (``like`` may be a meta tensor)."""
+        return self._fetch(b"K", name, like)
+
+    def _fetch(self, op: bytes, name: str, like: torch.Tensor) -> torch.Tensor:
         import torch
 
         key = name.encode()
-        self.sock.sendall(_HEAD.pack(b"G", len(key), 0) + key)
+        self.sock.sendall(_HEAD.pack(op, len(key), 0) + key)
         n = self._read_u64()
         if n == MISSING:
             raise KeyError(name)
@@ -209,14 +246,15 @@ class BaselineClient:
         return self._read_u64()
 
     def close(self) -> None:
+        """Close the socket."""
         self.sock.close()
 
 
-# --------------------------------------------------------------------------- the two sides
+# --------------------------------------------------------------------------- the systems
 
 
 class Side(Protocol):
-    """What a workload needs from a system under test."""
+    """What the put/get workloads need from a system under test."""
 
     name: str
 
@@ -230,20 +268,26 @@ class Side(Protocol):
 class TensorShareSide:
     """tensorshare's blocking ``Client``, as a :class:`Side`."""
 
-    name = "tensorshare"
-
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, name: str = "tensorshare") -> None:
         from tensorshare import Client
 
+        self.name = name
         self.client = Client("127.0.0.1", port, timeout=60)
 
     def put(self, name: str, tensor: torch.Tensor) -> int:
+        """``Client.put``; returns the bin's version."""
         return int(self.client.put(name, tensor))
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """``Client.get`` (removes the bin); ``like`` is not needed."""
         return self.client.get(name)  # type: ignore[no-any-return]
 
+    def peek(self, name: str) -> torch.Tensor:
+        """``Client.peek`` (the bin keeps its value)."""
+        return self.client.peek(name)  # type: ignore[no-any-return]
+
     def close(self) -> None:
+        """Close the client."""
         self.client.close()
 
 
@@ -251,6 +295,39 @@ class BaselineSide(BaselineClient):
     """The baseline client, as a :class:`Side`."""
 
     name = "baseline"
+
+
+class RedisSide:
+    """redis-py (with hiredis) as a :class:`Side`: put is ``SET``, get is ``GETDEL``.
+
+    Like the baseline, it stores the tensor's raw bytes (``memoryview(t.numpy())``, no copy)
+    and rebuilds the tensor from ``like``'s dtype and shape with ``torch.frombuffer``.
+    """
+
+    name = "redis"
+
+    def __init__(self, port: int) -> None:
+        import redis
+
+        self.redis = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+
+    def put(self, name: str, tensor: torch.Tensor) -> int:
+        """``SET name bytes``; Redis keeps no version, so this returns 0."""
+        self.redis.set(name, tensor.numpy().data.cast("B"))
+        return 0
+
+    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """``GETDEL name`` (Redis 6.2 and later), rebuilt as a tensor like ``like``."""
+        import torch
+
+        raw = self.redis.getdel(name)
+        if not isinstance(raw, bytes):  # None: no such key
+            raise KeyError(name)
+        return torch.frombuffer(bytearray(raw), dtype=like.dtype).reshape(like.shape)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.redis.close()
 
 
 # --------------------------------------------------------------------------- processes
@@ -270,22 +347,74 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _affinity(pid: int) -> str:
+    try:
+        return ",".join(map(str, sorted(os.sched_getaffinity(pid))))
+    except OSError:
+        return "?"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far, in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    """A loopback port that was free a moment ago (for servers that cannot pick their own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A server process the benchmark started (pinned to the server core)."""
+
+    label: str
+    proc: subprocess.Popen[Any]
+    port: int
+    cores: str = "?"  # its CPU affinity once it was ready
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
 class Children:
     """Owns the server subprocesses; :meth:`close` terminates them (then kills)."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[Any]] = []
+        self.servers: list[Server] = []  # every server that started, for the title line
 
     def start(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        proc = subprocess.Popen(_pin_prefix() + argv, env=_child_env(), cwd=ROOT, **kwargs)
+        """Start ``argv`` pinned to the server core, with this checkout on the path.
+
+        In a session of its own, so that Ctrl+C in a terminal (which signals the whole
+        foreground process group) reaches only the benchmark, which then stops the servers
+        after its clients and helpers: nothing logs a lost connection on the way out.
+        """
+        proc = subprocess.Popen(_pin_prefix() + argv, env=_child_env(), cwd=ROOT,
+                                start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
 
-    def close(self) -> None:
-        for proc in self.procs:
+    def ready(self, label: str, proc: subprocess.Popen[Any], port: int) -> Server:
+        """Record a server that answers (its affinity is final by then: taskset has exec'd)."""
+        server = Server(label, proc, port, _affinity(proc.pid))
+        self.servers.append(server)
+        return server
+
+    @staticmethod
+    def _stop(procs: Sequence[subprocess.Popen[Any]]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
@@ -294,42 +423,182 @@ class Children:
             if proc.stdout is not None:
                 proc.stdout.close()
 
+    def stop(self, proc: subprocess.Popen[Any]) -> None:
+        """Stop one server now (SIGTERM, then SIGKILL after 5 s)."""
+        self._stop([proc])
 
-def start_tensorshare(children: Children) -> tuple[int, int]:
-    """Start the tensorshare server; return (pid, port) once it prints where it listens."""
-    proc = children.start([sys.executable, "-m", "tensorshare", "serve", "--port", "0", "-q"],
-                          stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    def close(self) -> None:
+        """Stop every server still running."""
+        self._stop(self.procs)
+
+
+def launch_tensorshare(children: Children, label: str = "tensorshare",
+                       extra: Sequence[str] = ()) -> Callable[[], Server]:
+    """Start a tensorshare server (``extra``: more ``serve`` options). Returns a function
+    that waits until it prints where it listens (so that servers start side by side)."""
+    proc = children.start([sys.executable, "-m", "tensorshare", "serve", "--port", "0", "-q",
+                           *extra], stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT
-    line = ""
-    while "listening on" not in line:
-        left = deadline - time.monotonic()
-        if proc.poll() is not None or left <= 0:
-            raise RuntimeError(f"tensorshare server did not start (exit status {proc.poll()})")
-        if select.select([proc.stdout], [], [], left)[0]:
-            line = proc.stdout.readline()
-    return proc.pid, int(line.strip().rsplit(":", 1)[1])
+
+    def wait() -> Server:
+        assert proc.stdout is not None
+        line = ""
+        while "listening on" not in line:
+            left = deadline - time.monotonic()
+            if proc.poll() is not None or left <= 0:
+                raise RuntimeError(f"{label} server did not start (exit status {proc.poll()})")
+            if select.select([proc.stdout], [], [], left)[0]:
+                line = proc.stdout.readline()
+        return children.ready(label, proc, int(line.strip().rsplit(":", 1)[1]))
+
+    return wait
 
 
-def start_baseline(children: Children, workdir: str) -> tuple[int, int]:
-    """Start the baseline server (this file, ``--baseline-server``); return (pid, port)."""
+def launch_baseline(children: Children, workdir: str) -> Callable[[], Server]:
+    """Start the baseline server (this file, ``--baseline-server``); returns a function that
+    waits until it listens."""
     port_file = os.path.join(workdir, "baseline.port")
     proc = children.start([sys.executable, str(Path(__file__).resolve()),
                            "--baseline-server", port_file])
     deadline = time.monotonic() + STARTUP_TIMEOUT
-    while not os.path.exists(port_file):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"baseline server did not start (exit status {proc.poll()})")
-        time.sleep(0.01)
-    return proc.pid, int(Path(port_file).read_text())
+
+    def wait() -> Server:
+        while not os.path.exists(port_file):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"baseline server did not start (exit status {proc.poll()})")
+            time.sleep(0.01)
+        return children.ready("baseline", proc, int(Path(port_file).read_text()))
+
+    return wait
 
 
-def _affinity(pid: int) -> str:
+def redis_unavailable() -> str | None:
+    """Why the Redis row cannot run here, or None when it can."""
+    if shutil.which("redis-server") is None:
+        return REDIS_MISSING
     try:
-        return ",".join(map(str, sorted(os.sched_getaffinity(pid))))
-    except OSError:
-        return "?"
+        import hiredis  # noqa: F401  (redis-py uses it when it is importable)
+        import redis  # noqa: F401
+    except ImportError:
+        return REDIS_PY_MISSING
+    return None
 
+
+def redis_versions() -> str:
+    """``redis-server 7.0.15, redis-py 5.0.1, hiredis 2.3.2`` (as far as they can be found)."""
+    import hiredis
+    import redis
+
+    server = "?"
+    with suppress(OSError, subprocess.TimeoutExpired):
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+        server = next((w[2:] for w in out.split() if w.startswith("v=")), "?")
+    return (f"redis-server {server}, redis-py {redis.__version__}, "
+            f"hiredis {getattr(hiredis, '__version__', '?')}")
+
+
+def start_redis(children: Children, workdir: str) -> Server:
+    """Start ``redis-server`` on a free loopback port, without persistence.
+
+    Redis cannot pick a free port itself (``--port 0`` disables TCP), so this picks one and
+    tries again if another process took it first.
+    """
+    import redis
+
+    status: int | None = None
+    for _ in range(3):
+        port = _free_port()
+        proc = children.start(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", workdir,
+                               "--loglevel", "warning"], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            probe = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+            try:
+                probe.ping()
+            except redis.RedisError:
+                time.sleep(0.05)
+            else:
+                return children.ready("redis", proc, port)
+            finally:
+                probe.close()
+        status = proc.poll()
+        children.stop(proc)
+    raise RuntimeError(f"redis-server did not start (exit status {status})")
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of ``path`` (from /proc/mounts), e.g. ``ext4`` or ``tmpfs``."""
+    best, kind = "", "?"
+    with suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1]
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) > len(best):
+                best, kind = mount, parts[2]
+    return kind
+
+
+def _dir_bytes(path: str) -> int:
+    """Total size of the files under ``path``."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _ignore_sigint() -> None:
+    """In a helper process: leave Ctrl+C to the benchmark, which stops the helpers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def helper_processes(ctx: ForkServerContext, target: Callable[..., None],
+                     args_list: Sequence[tuple[Any, ...]], what: str) -> Iterator[list[Connection]]:
+    """Start one process per ``args_list`` entry as ``target(*args, pipe)``; yield the pipes
+    once every process sent ``"ready"``. On exit, ask them to stop (send None), then kill
+    whichever is still there after 3 s."""
+    procs: list[tuple[Any, Connection]] = []
+    try:
+        for args in args_list:
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(*args, there), daemon=True)
+            proc.start()
+            there.close()  # so that a dead helper reads as EOF here
+            procs.append((proc, here))
+        deadline = time.monotonic() + STARTUP_TIMEOUT + len(procs)
+        for _, conn in procs:
+            _expect(conn, "ready", max(0.0, deadline - time.monotonic()), what)
+        yield [conn for _, conn in procs]
+    finally:
+        for _, conn in procs:
+            with suppress(OSError, ValueError):
+                conn.send(None)
+        deadline = time.monotonic() + 3.0
+        for proc, _ in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc, conn in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            conn.close()
+
+
+def _receive(conn: Connection, timeout: float, what: str) -> Any:
+    """The next message from a helper process, or RuntimeError if none comes in time."""
+    try:
+        if conn.poll(timeout):
+            return conn.recv()
+    except (EOFError, OSError):
+        raise RuntimeError(f"{what} process died") from None
+    raise RuntimeError(f"{what} process did not answer within {timeout:.0f} s")
+
+
+def _expect(conn: Connection, message: str, timeout: float, what: str) -> None:
+    got = _receive(conn, timeout, what)
+    if got != message:
+        raise RuntimeError(f"{what} process sent {got!r}, expected {message!r}")
 
 # --------------------------------------------------------------------------- workloads
 
@@ -345,6 +614,9 @@ class Config:
     tiny_pairs: int  # put+get round trips per repeat and side
     notify_puts: int
     notify_gap: float  # seconds between notified puts
+    fanout_rounds: int  # timed fan-out rounds per system (after one warm-up round each)
+    persist_puts: int  # timed puts per repeat, server and size, in the persistence section
+    sections: list[str]
 
 
 @dataclass(frozen=True)
@@ -361,13 +633,18 @@ class Rate:
 
     @classmethod
     def of(cls, work_per_op: float, ns: Sequence[int]) -> Rate:
+        """The rate of ``work_per_op`` per operation, from operation times in ns."""
         return cls(work_per_op * 1e9 / statistics.median(ns),
                    work_per_op * 1e9 * len(ns) / sum(ns))
 
 
 @dataclass
 class Row:
-    """One line of the result table."""
+    """One line of the result table.
+
+    ``ts`` and ``base`` are the two measured columns: tensorshare and what it is compared
+    with (the baseline server, Redis, or the in-memory tensorshare server: see ``group``).
+    """
 
     workload: str
     ts: str
@@ -377,6 +654,8 @@ class Row:
     goal: str = "-"
     met: bool | None = None
     notes: list[str] = field(default_factory=list)
+    group: str = "baseline"  # which sub-table: a key of Bench.headings
+    skipped: str | None = None  # why the row was not measured (printed instead of numbers)
 
 
 def _label(size: int) -> str:
@@ -390,7 +669,22 @@ def _fmt(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def _turns(sides: Sequence[Side], rep: int) -> Sequence[Side]:
+def _meets(ratio: float, goal: float) -> bool:
+    """Judge the ratio as printed (two decimals), so a printed 0.80 never reads MISSED."""
+    return round(ratio, 2) >= goal
+
+
+def transfer_goal(size: int) -> float:
+    """The issue-9 goal for put/get of ``size`` bytes, as tensorshare / baseline: 4 KiB (any
+    size under 1 MiB) >= 0.7, 1 MiB (up to 16 MiB) >= 0.8, 16 MiB and 64 MiB (and up) >= 0.9."""
+    if size < 1 << 20:
+        return 0.7
+    if size < 16 << 20:
+        return 0.8
+    return 0.9
+
+
+def _turns(sides: Sequence[Any], rep: int) -> Sequence[Any]:
     """The sides in the order they run in repeat ``rep``: alternating, so neither always
     runs right after the other (whose freed memory, cache state or backlog it would inherit)."""
     return sides if rep % 2 == 0 else list(reversed(sides))
@@ -437,7 +731,7 @@ def measure_transfer(sides: Sequence[Side], size: int, cfg: Config) -> dict[str,
 def measure_tiny(sides: Sequence[Side], cfg: Config) -> dict[str, Rate]:
     """Ops/s of put+get round trips of a 4-byte tensor (each put and each get is one op).
 
-    Timed per put+get pair, both sides in every repeat as in :func:`measure_transfer`.
+    Timed per put+get pair, every side in every repeat as in :func:`measure_transfer`.
     """
     import torch
 
@@ -459,22 +753,54 @@ def measure_tiny(sides: Sequence[Side], cfg: Config) -> dict[str, Rate]:
     return {name: Rate.of(2, ns) for name, ns in pair_ns.items()}
 
 
+def measure_puts(sides: Sequence[TensorShareSide], size: int, cfg: Config) -> dict[str, Rate]:
+    """MB/s of puts of ``size`` bytes to one bin (each put replaces the last), per side.
+
+    Every put is timed on its own, every side in every repeat (alternating order). The
+    value is read back with a peek (``torch.equal``) after the warm-up and after timing.
+    """
+    import torch
+
+    like = torch.randn(size // 4, dtype=torch.float32)
+    bin_name = f"persist-{size}"
+    put_ns: dict[str, list[int]] = {s.name: [] for s in sides}
+    for side in sides:
+        side.put(bin_name, like)
+        if not torch.equal(side.peek(bin_name), like):
+            raise AssertionError(f"{side.name}: {_label(size)} tensor read back differs")
+    clock = time.perf_counter_ns
+    for rep in range(cfg.repeat):
+        for side in _turns(sides, rep):
+            put, out = side.put, put_ns[side.name]
+            for _ in range(cfg.persist_puts):
+                t0 = clock()
+                put(bin_name, like)
+                out.append(clock() - t0)
+    for side in sides:
+        if not torch.equal(side.peek(bin_name), like):
+            raise AssertionError(f"{side.name}: {_label(size)} tensor read back differs "
+                                 "after timing")
+        side.client.delete(bin_name)
+    return {name: Rate.of(size / 1e6, ns) for name, ns in put_ns.items()}
+
+
 def _listener_main(system: str, port: int, bin_name: str, pipe: Connection) -> None:
     """Listener process: stamp ``perf_counter_ns`` when each put notification arrives.
 
     ``perf_counter_ns`` is CLOCK_MONOTONIC on Linux, one clock for every process, so the
-    writer's and the listener's stamps can be subtracted.
+    writer's and the listener's stamps can be subtracted. Protocol with the benchmark:
+    send ``"ready"``; on ``"stop"`` send the stamps; on None (or EOF) exit.
     """
+    _ignore_sigint()
     stamps: list[tuple[int, int]] = []  # (version, arrival ns)
+    closer: Callable[[], None]
     if system == "tensorshare":
         from tensorshare import Client
 
         client = Client("127.0.0.1", port, timeout=60)
         client.listen(bin_name, lambda ev: stamps.append((ev["version"],
                                                           time.perf_counter_ns())))
-        pipe.send("ready")
-        pipe.recv()
-        client.close()
+        closer = client.close
     else:
         listener = BaselineClient(port)
         listener.listen(bin_name)
@@ -486,16 +812,22 @@ def _listener_main(system: str, port: int, bin_name: str, pipe: Connection) -> N
                     stamps.append((version, time.perf_counter_ns()))
 
         threading.Thread(target=loop, daemon=True).start()
+        closer = listener.close
+    try:
         pipe.send("ready")
-        pipe.recv()
-    pipe.send(list(stamps))
+        with suppress(EOFError):
+            while pipe.recv() == "stop":
+                pipe.send(list(stamps))
+    finally:
+        closer()
 
 
-def measure_notify(side: Side, port: int, cfg: Config) -> tuple[float, float, int]:
+def measure_notify(side: Side, port: int, cfg: Config,
+                   ctx: ForkServerContext) -> tuple[float, float, int]:
     """Put-to-listener latency: from just before ``put()`` to the listener's callback.
 
-    The listener is a separate process (spawned, so it inherits the client core's
-    affinity); puts are spaced by ``cfg.notify_gap`` so notifications never queue.
+    The listener is a separate process (forked from the forkserver, so it runs on the
+    client core); puts are spaced by ``cfg.notify_gap`` so notifications never queue.
 
     Returns:
         (p50 ms, p99 ms, notifications matched to a put).
@@ -504,30 +836,16 @@ def measure_notify(side: Side, port: int, cfg: Config) -> tuple[float, float, in
 
     tiny = torch.tensor([2.5], dtype=torch.float32)
     bin_name = "notify"
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_listener_main, args=(side.name, port, bin_name, there),
-                       daemon=True)
-    proc.start()
-    try:
-        if not here.poll(STARTUP_TIMEOUT):
-            raise RuntimeError(f"{side.name}: listener process did not start")
-        here.recv()
+    what = f"{side.name} listener"
+    with helper_processes(ctx, _listener_main, [(side.name, port, bin_name)], what) as pipes:
         sent: dict[int, int] = {}  # version -> ns just before the put
         for _ in range(cfg.notify_puts):
             t0 = time.perf_counter_ns()
             sent[side.put(bin_name, tiny)] = t0
             time.sleep(cfg.notify_gap)
         time.sleep(0.2)  # let the last notifications arrive
-        here.send("stop")
-        if not here.poll(STARTUP_TIMEOUT):
-            raise RuntimeError(f"{side.name}: listener process did not report")
-        stamps: list[tuple[int, int]] = here.recv()
-        proc.join(10)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        pipes[0].send("stop")
+        stamps: list[tuple[int, int]] = _receive(pipes[0], REPLY_TIMEOUT, what)
     lat = sorted((t - sent[v]) / 1e6 for v, t in stamps if v in sent)
     if not lat:
         raise RuntimeError(f"{side.name}: the listener saw no notifications")
@@ -535,23 +853,388 @@ def measure_notify(side: Side, port: int, cfg: Config) -> tuple[float, float, in
     return statistics.median(lat), p99, len(lat)
 
 
+def _fanout_check(value: Any, n: int, rnd: int, full: bool) -> str | None:
+    """What is wrong with a fan-out reader's tensor (None if nothing).
+
+    The writer's tensor is ``arange(n)`` as float32 with element 0 set to the round number,
+    so each round's value is distinct; the rest is compared on warm-up and last rounds.
+    """
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != (n,):
+        return f"got {type(value).__name__} {getattr(value, 'dtype', '')} " \
+               f"{tuple(getattr(value, 'shape', ()))}, expected float32 ({n},)"
+    if value[0].item() != rnd:
+        return f"element 0 is {value[0].item()}, expected the round number {rnd}"
+    if full and not torch.equal(value[1:], torch.arange(1, n, dtype=torch.float32)):
+        return "the tensor's content differs from what was put"
+    return None
+
+
+def _fanout_reader_main(ts_port: int, base_port: int, bin_name: str, n: int,
+                        pipe: Connection) -> None:
+    """Fan-out reader process: listens to ``bin_name`` on both servers and, each round,
+    fetches the new version once from the system the benchmark names.
+
+    tensorshare: one ``Client``; its listen callback runs inline on the client's reader
+    thread and only queues the version; this process's main thread then calls
+    ``fetch(remove=False, newer_than=last_version)``. Baseline: one listening connection
+    (its notifications and replies cannot share a socket), one for the peek ('K').
+
+    Protocol with the benchmark: send ``"ready"``; then per round receive
+    ``(system, round, full_check)``, send ``"armed"``, wait for the notification, fetch,
+    stamp ``perf_counter_ns()``, check, send ``(stamp, error or None, CPU seconds this
+    process spent from "armed" to the stamp)``; exit on None/EOF.
+    """
+    _ignore_sigint()
+    import torch
+
+    from tensorshare import Client
+
+    versions: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def on_change(ev: dict[str, Any]) -> None:
+        if ev.get("op") == "put":
+            versions.put(int(ev["version"]))
+
+    ts = Client("127.0.0.1", ts_port, timeout=REPLY_TIMEOUT)
+    base_listen = BaselineClient(base_port)
+    base_req = BaselineClient(base_port)
+    try:
+        ts.begin_listen(bin_name, on_change, inline=True).result()
+        base_listen.listen(bin_name)
+        like = torch.empty(n, dtype=torch.float32, device="meta")  # dtype and shape only
+        last = 0  # the tensorshare version this reader holds
+        pipe.send("ready")
+        while (cmd := pipe.recv()) is not None:
+            system, rnd, full = cmd
+            pipe.send("armed")
+            cpu0 = time.process_time()  # this process, all threads
+            error = None
+            if system == "tensorshare":
+                try:
+                    version = versions.get(timeout=REPLY_TIMEOUT)
+                except queue.Empty:
+                    pipe.send((0, f"no put notification within {REPLY_TIMEOUT:.0f} s", 0.0))
+                    continue
+                res = ts.fetch(bin_name, remove=False, newer_than=last)
+                stamp = time.perf_counter_ns()
+                value = res.value
+                if res.unchanged or res.version < version:
+                    error = f"fetch newer than {last} gave version {res.version} " \
+                            f"(unchanged={res.unchanged}), notified {version}"
+                last = res.version
+                del res
+            else:
+                base_listen.next_version()
+                value = base_req.peek(bin_name, like)
+                stamp = time.perf_counter_ns()
+            cpu = time.process_time() - cpu0
+            error = error or _fanout_check(value, n, rnd, full)
+            del value  # the next round's buffer is a new one, as it would be for a real reader
+            pipe.send((stamp, error, cpu))
+    except EOFError:
+        pass
+    finally:
+        ts.close()
+        base_listen.close()
+        base_req.close()
+
+
+@dataclass
+class FanOut:
+    """One system's fan-out result."""
+
+    rate: Rate  # aggregate MB/s: readers x size / (put start to last reader holding it)
+    server_cpu_ms: float  # the server's CPU time per version (median over rounds)
+    readers_cpu_ms: float  # all readers' CPU time per version, together (median)
+    first_ms: float  # median time from the put to the first reader holding the version
+
+
+def measure_fanout(sides: Sequence[Side], servers: dict[str, Server], ctx: ForkServerContext,
+                   cfg: Config, readers: int = FANOUT_READERS,
+                   size: int = FANOUT_SIZE) -> dict[str, FanOut]:
+    """One ``size`` put, read once by each of ``readers`` listening processes, per round.
+
+    The readers (see :func:`_fanout_reader_main`) are started once and listen to both
+    systems; each round addresses one system. A round: every reader is told which system
+    and round comes and answers ``"armed"``; the writer (this process) puts the tensor;
+    each reader fetches it on the notification; the round's time runs from just before the
+    put to the last reader's stamp. One warm-up round per system, then ``cfg.fanout_rounds``
+    timed ones per system, alternating which system goes first.
+    """
+    import torch
+
+    n = size // 4
+    bin_name = "fanout"
+    data = torch.arange(n, dtype=torch.float32)
+    args = [(servers["tensorshare"].port, servers["baseline"].port, bin_name, n)] * readers
+    round_ns: dict[str, list[int]] = {s.name: [] for s in sides}
+    first_ns: dict[str, list[int]] = {s.name: [] for s in sides}
+    cpu_ms: dict[str, list[float]] = {s.name: [] for s in sides}
+    readers_ms: dict[str, list[float]] = {s.name: [] for s in sides}
+    with helper_processes(ctx, _fanout_reader_main, args, "fan-out reader") as pipes:
+        rnd = 0
+        plan = [(side, True, False) for side in sides]  # warm-up rounds, checked in full
+        for rep in range(cfg.fanout_rounds):
+            plan += [(side, rep == cfg.fanout_rounds - 1, True) for side in _turns(sides, rep)]
+        for side, full, timed in plan:
+            rnd += 1
+            what = f"{side.name} fan-out reader"
+            for conn in pipes:
+                conn.send((side.name, rnd, full))
+            for conn in pipes:
+                _expect(conn, "armed", REPLY_TIMEOUT, what)
+            data[0] = rnd
+            pid = servers[side.name].pid
+            cpu0 = _cpu_seconds(pid)
+            t0 = time.perf_counter_ns()
+            side.put(bin_name, data)
+            results = [_receive(conn, REPLY_TIMEOUT, what) for conn in pipes]
+            cpu1 = _cpu_seconds(pid)
+            errors = [err for _, err, _ in results if err]
+            if errors:
+                raise AssertionError(f"{side.name} fan-out, {len(errors)} of {readers} readers: "
+                                     f"{errors[0]}")
+            if timed:
+                stamps = [stamp for stamp, _, _ in results]
+                round_ns[side.name].append(max(stamps) - t0)
+                first_ns[side.name].append(min(stamps) - t0)
+                cpu_ms[side.name].append((cpu1 - cpu0) * 1e3)
+                readers_ms[side.name].append(sum(cpu for _, _, cpu in results) * 1e3)
+    mb = readers * size / 1e6
+    return {name: FanOut(Rate.of(mb, ns), statistics.median(cpu_ms[name]),
+                         statistics.median(readers_ms[name]),
+                         statistics.median(first_ns[name]) / 1e6)
+            for name, ns in round_ns.items()}
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class Bench:
+    """What every section gets: the configuration, the two main servers and their clients,
+    the process machinery, and where to put its output besides its rows."""
+
+    cfg: Config
+    children: Children
+    workdir: str  # a temporary directory, removed at the end
+    ctx: ForkServerContext  # forkserver: helper processes start cheaply, on the client core
+    servers: dict[str, Server]  # "tensorshare" and "baseline"
+    ts: TensorShareSide
+    base: BaselineSide
+    headings: dict[str, str]  # Row.group -> the line printed above that group's rows
+    info: list[str] = field(default_factory=list)  # lines printed under the table
+
+
+def section_transfer(b: Bench) -> list[Row]:
+    """put / get N: throughput of each size in ``--sizes``, vs the baseline."""
+    rows: list[Row] = []
+    gets: list[Row] = []
+    for size in b.cfg.sizes:
+        res = measure_transfer([b.ts, b.base], size, b.cfg)
+        goal = transfer_goal(size)
+        for i, (direction, out) in enumerate((("put", rows), ("get", gets))):
+            ts_r, base_r = res[b.ts.name][i], res[b.base.name][i]
+            ratio = ts_r.median / base_r.median
+            out.append(Row(f"{direction} {_label(size)}", f"{_fmt(ts_r.median)} MB/s",
+                           f"{_fmt(base_r.median)} MB/s", ratio, ts_r.total / base_r.total,
+                           f">= {goal}", _meets(ratio, goal)))
+    return rows + gets  # all puts, then all gets
+
+
+def section_tiny(b: Bench) -> list[Row]:
+    """tiny put+get vs the baseline and, when it is installed, vs Redis (interleaved)."""
+    sides: list[Side] = [b.ts, b.base]
+    why = redis_unavailable()
+    redis_server: Server | None = None
+    redis_side: RedisSide | None = None
+    try:
+        if why is None:
+            redis_server = start_redis(b.children, b.workdir)
+            redis_side = RedisSide(redis_server.port)
+            sides.append(redis_side)
+            b.headings["redis"] += f" ({redis_versions()})"
+            b.info.append("redis: redis-server --save '' --appendonly no (no persistence), "
+                          "pinned like the others; put = SET, get = GETDEL, one redis-py "
+                          "client with hiredis; measured in the same repeats as tiny put+get")
+        res = measure_tiny(sides, b.cfg)
+    finally:
+        if redis_side is not None:
+            redis_side.close()
+        if redis_server is not None:
+            b.children.stop(redis_server.proc)
+    ts_r, base_r = res[b.ts.name], res[b.base.name]
+    ratio = ts_r.median / base_r.median
+    rows = [Row("tiny put+get", f"{ts_r.median:,.0f} ops/s", f"{base_r.median:,.0f} ops/s",
+                ratio, ts_r.total / base_r.total, ">= 0.7", _meets(ratio, 0.7))]
+    if redis_side is None:
+        rows.append(Row("tiny put+get (redis)", "", "", None, group="redis", skipped=why))
+    else:
+        red = res[redis_side.name]
+        ratio = ts_r.median / red.median
+        rows.append(Row("tiny put+get (redis)", f"{ts_r.median:,.0f} ops/s",
+                        f"{red.median:,.0f} ops/s", ratio, ts_r.total / red.total, "> 1",
+                        round(ratio, 2) > 1, group="redis"))
+    return rows
+
+
+def section_notify(b: Bench) -> list[Row]:
+    """notify p50 / p99: put-to-listener latency, listener in a separate process."""
+    cfg = b.cfg
+    ts_p50, ts_p99, ts_n = measure_notify(b.ts, b.servers["tensorshare"].port, cfg, b.ctx)
+    b_p50, b_p99, b_n = measure_notify(b.base, b.servers["baseline"].port, cfg, b.ctx)
+    notify = Row("notify p50 / p99", f"{ts_p50:.2f} / {ts_p99:.2f} ms",
+                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / ts_p50, None, "p50 < 0.3 ms",
+                 round(ts_p50, 2) < 0.3)
+    for name, n in (("tensorshare", ts_n), ("baseline", b_n)):
+        if n < cfg.notify_puts:
+            notify.notes.append(f"{name}: {n} of {cfg.notify_puts} notifications matched")
+    b.info.append(f"notify: {cfg.notify_puts} puts {cfg.notify_gap * 1e3:g} ms apart, listener "
+                  "callback in a separate process on the client core")
+    return [notify]
+
+
+def section_fanout(b: Bench) -> list[Row]:
+    """fan-out: one 16 MiB put read once by each of 32 listening reader processes."""
+    res = measure_fanout([b.ts, b.base], b.servers, b.ctx, b.cfg)
+    ts_f, base_f = res[b.ts.name], res[b.base.name]
+    ratio = ts_f.rate.median / base_f.rate.median
+    row = Row(f"fan-out {_label(FANOUT_SIZE)} x {FANOUT_READERS} readers",
+              f"{_fmt(ts_f.rate.median)} MB/s", f"{_fmt(base_f.rate.median)} MB/s", ratio,
+              ts_f.rate.total / base_f.rate.total, ">= 0.8", _meets(ratio, 0.8))
+    row.notes.append(f"per version, tensorshare / baseline: server CPU {ts_f.server_cpu_ms:.0f} / "
+                     f"{base_f.server_cpu_ms:.0f} ms, readers' CPU {ts_f.readers_cpu_ms:.0f} / "
+                     f"{base_f.readers_cpu_ms:.0f} ms, first reader done after "
+                     f"{ts_f.first_ms:.0f} / {base_f.first_ms:.0f} ms")
+    b.info.append(f"fan-out: {FANOUT_READERS} reader processes on the client core, each fetching "
+                  f"every new version once; MB/s = {FANOUT_READERS} x {_label(FANOUT_SIZE)} / "
+                  f"(put start to last reader holding it), median of {b.cfg.fanout_rounds} "
+                  "rounds per system")
+    return [row]
+
+
+def section_persist(b: Bench) -> list[Row]:
+    """put 4 KiB / 1 MiB with ``--data-dir`` and each fsync policy, vs in-memory tensorshare.
+
+    Two more tensorshare servers, each with its own temporary data directory; both are
+    stopped and their directories removed before this returns.
+    """
+    sides: list[TensorShareSide] = []
+    servers: list[Server] = []
+    dirs: list[str] = []
+    rows: list[Row] = []
+    try:
+        waits = []
+        for policy in FSYNC_POLICIES:
+            data_dir = tempfile.mkdtemp(prefix=f"data-{policy}-", dir=b.workdir)
+            dirs.append(data_dir)
+            # The log is dropped after each snapshot; 256M (not the default 1G) bounds the
+            # disk a full run uses. A snapshot holds one bin of at most 1 MiB: cheap.
+            waits.append(launch_tensorshare(
+                b.children, f"tensorshare fsync={policy}",
+                ["--data-dir", data_dir, "--fsync", policy, "--snapshot-log-bytes", "256M"]))
+        for policy, wait in zip(FSYNC_POLICIES, waits, strict=True):
+            servers.append(wait())
+            sides.append(TensorShareSide(servers[-1].port, name=f"fsync={policy}"))
+        for size in PERSIST_SIZES:
+            res = measure_puts([b.ts, *sides], size, b.cfg)
+            mem = res[b.ts.name]
+            for side in sides:
+                r = res[side.name]
+                rows.append(Row(f"put {_label(size)} {side.name}", f"{_fmt(r.median)} MB/s",
+                                f"{_fmt(mem.median)} MB/s", r.median / mem.median,
+                                r.total / mem.total, group="persist"))
+        for side, data_dir in zip(sides, dirs, strict=True):
+            if _dir_bytes(data_dir) < PERSIST_SIZES[0]:
+                raise AssertionError(f"{side.name}: nothing was written to {data_dir}")
+        b.info.append(f"persistence: data directories on {_fs_type(b.workdir)} under "
+                      f"{os.path.dirname(b.workdir)}, {b.cfg.persist_puts} puts per repeat, "
+                      "server and size")
+    finally:
+        for side in sides:
+            with suppress(Exception):
+                side.close()
+        for server in servers:
+            b.children.stop(server.proc)
+        for data_dir in dirs:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    return rows
+
+
+# ------------------------------------------------------ EXTENSION POINTS (rows to add later)
+# Each is a section like the ones above: it gets the Bench, measures (interleaving the
+# systems in every repeat), and returns its rows; the SECTIONS entry makes it run in order
+# and selectable with --only. They return no rows until they are written.
+
+
+def section_batched_appends(b: Bench) -> list[Row]:
+    """EXTENSION POINT, not implemented: batched tiny appends through a pipeline API.
+
+    Goal (issue 9): at least 100,000 appends/s. Suggested row: ``appends (batched)`` with
+    tensorshare's appends/s (the pipeline API, once it exists) and the baseline's (e.g. many
+    'P' requests in one ``sendmsg``, replies read afterwards), goal ``>= 100,000/s`` judged on
+    tensorshare's absolute rate, like notify's.
+    """
+    return []
+
+
+def section_unix_socket(b: Bench) -> list[Row]:
+    """EXTENSION POINT, not implemented: the put/get and tiny rows over Unix sockets.
+
+    Suggested: start a tensorshare server and a baseline server listening on a Unix socket
+    under ``b.workdir`` (``b.children.start`` pins them), wrap their clients as Sides, reuse
+    :func:`measure_transfer` and :func:`measure_tiny`, and return rows with
+    ``group="unix"`` (add a heading for it in :func:`run`).
+    """
+    return []
+
+
+def section_shared_memory(b: Bench) -> list[Row]:
+    """EXTENSION POINT, not implemented: large put/get through a shared-memory path.
+
+    Suggested: the 16/64 MiB put/get rows through tensorshare's shared-memory transport
+    (once it exists) against the TCP baseline (or a shared-memory baseline built on
+    ``multiprocessing.shared_memory``), with ``group="shm"``.
+    """
+    return []
+
+
+SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
+    "transfer": section_transfer,
+    "tiny": section_tiny,  # includes the Redis row
+    "notify": section_notify,
+    "fanout": section_fanout,
+    "persist": section_persist,
+    "appends": section_batched_appends,  # extension point
+    "unix": section_unix_socket,  # extension point
+    "shm": section_shared_memory,  # extension point
+}
+
+
 # --------------------------------------------------------------------------- report
 
+_COLS = (28, 20, 20, 8)  # workload, tensorshare, compared system, ratio; then the goal
 
-def print_table(title: str, rows: list[Row]) -> None:
+
+def print_table(title: str, rows: list[Row], headings: dict[str, str]) -> None:
+    """Print the rows, grouped (the baseline rows first), each group under its heading."""
+    w0, w1, w2, w3 = _COLS
     print(title)
-    print(f"{'workload':<20}{'tensorshare':<20}{'baseline':<20}{'ratio':<8}goal")
-    for r in rows:
-        ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
-        goal = r.goal if r.met is None else f"{r.goal}  {'met' if r.met else 'MISSED'}"
-        print(f"{r.workload:<20}{r.ts:<20}{r.base:<20}{ratio:<8}{goal}")
-        for note in r.notes:
-            print(f"  note: {note}")
-
-
-def _meets(ratio: float, goal: float) -> bool:
-    """Judge the ratio as printed (two decimals), so a printed 0.80 never reads MISSED."""
-    return round(ratio, 2) >= goal
+    print(f"{'workload':<{w0}}{'tensorshare':<{w1}}{'baseline':<{w2}}{'ratio':<{w3}}goal")
+    for group in dict.fromkeys(["baseline", *(r.group for r in rows)]):
+        members = [r for r in rows if r.group == group]
+        if members and headings.get(group):
+            print(f"-- {headings[group]}")
+        for r in members:
+            if r.skipped is not None:
+                print(f"{r.workload:<{w0}}skipped: {r.skipped}")
+                continue
+            ratio = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+            goal = r.goal if r.met is None else f"{r.goal}  {'met' if r.met else 'MISSED'}"
+            print(f"{r.workload:<{w0}}{r.ts:<{w1}}{r.base:<{w2}}{ratio:<{w3}}{goal}".rstrip())
+            for note in r.notes:
+                print(f"  note: {note}")
 
 
 def _git_revision() -> str:
@@ -563,71 +1246,69 @@ def _git_revision() -> str:
     return out.stdout.strip() or "?"
 
 
+def _forkserver() -> ForkServerContext:
+    """The context for helper processes: a forkserver that imports torch and tensorshare
+    once, so that 32 readers start in a second rather than a torch import each (as spawned
+    processes would). Started now, so that its imports overlap the servers' start; call this
+    after pinning, so that it and every helper inherit the client core."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", "tensorshare"])
+    forkserver.ensure_running()
+    return ctx
+
+
 def run(cfg: Config) -> None:
-    """Start both servers, run every workload, print the table."""
-    import torch
-
-    import tensorshare
-
+    """Start the servers, run every section, print the table."""
     children = Children()
     sides: list[Side] = []
     workdir = tempfile.mkdtemp(prefix="tensorshare-bench-")
     try:
-        ts_pid, ts_port = start_tensorshare(children)
-        base_pid, base_port = start_baseline(children, workdir)
         pinned = (os.cpu_count() or 1) >= 2
-        if pinned:
+        if pinned:  # the servers are pinned by taskset; what this process starts inherits this
             os.sched_setaffinity(0, {CLIENT_CORE})
-        sides = [TensorShareSide(ts_port), BaselineSide(base_port)]
-        ts_side, base_side = sides
+        waits = [launch_tensorshare(children), launch_baseline(children, workdir)]
+        ctx = _forkserver()
+        import torch  # while the servers start (seconds on a busy machine)
+
+        import tensorshare
+
+        ts_server, base_server = (wait() for wait in waits)
+        ts, base = TensorShareSide(ts_server.port), BaselineSide(base_server.port)
+        sides += [ts, base]
+        b = Bench(cfg, children, workdir, ctx,
+                  {"tensorshare": ts_server, "baseline": base_server}, ts, base,
+                  headings={"redis": "tiny put+get vs Redis in the same run; columns: "
+                                     "tensorshare | redis",
+                            "persist": "tensorshare --data-dir (fsync policy) vs the in-memory "
+                                       "tensorshare server; columns: persistent | in-memory"})
         rows: list[Row] = []
         t_start = time.monotonic()
         load_before = os.getloadavg()[0]
-
-        gets: list[Row] = []
-        for size in cfg.sizes:
-            res = measure_transfer(sides, size, cfg)
-            large = size >= 1 << 20
-            for i, (direction, out) in enumerate((("put", rows), ("get", gets))):
-                ts_r, base_r = res["tensorshare"][i], res["baseline"][i]
-                ratio = ts_r.median / base_r.median
-                out.append(Row(f"{direction} {_label(size)}", f"{_fmt(ts_r.median)} MB/s",
-                               f"{_fmt(base_r.median)} MB/s", ratio,
-                               ts_r.total / base_r.total, ">= 0.8" if large else "-",
-                               _meets(ratio, 0.8) if large else None))
-        rows += gets  # all puts, then all gets
-
-        tiny = measure_tiny(sides, cfg)
-        ts_r, base_r = tiny["tensorshare"], tiny["baseline"]
-        ratio = ts_r.median / base_r.median
-        rows.append(Row("tiny put+get", f"{ts_r.median:,.0f} ops/s", f"{base_r.median:,.0f} ops/s",
-                        ratio, ts_r.total / base_r.total, ">= 0.7", _meets(ratio, 0.7)))
-
-        ts_p50, ts_p99, ts_n = measure_notify(ts_side, ts_port, cfg)
-        b_p50, b_p99, b_n = measure_notify(base_side, base_port, cfg)
-        notify = Row("notify p50 / p99", f"{ts_p50:.2f} / {ts_p99:.2f} ms",
-                     f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / ts_p50, None, "p50 < 1 ms",
-                     ts_p50 < 1.0)
-        for name, n in (("tensorshare", ts_n), ("baseline", b_n)):
-            if n < cfg.notify_puts:
-                notify.notes.append(f"{name}: {n} of {cfg.notify_puts} notifications matched")
-        rows.append(notify)
+        took: list[str] = []
+        for name in cfg.sections:
+            t_section = time.monotonic()
+            new = SECTIONS[name](b)
+            rows += new
+            if new:  # the extension points return no rows yet
+                took.append(f"{name} {time.monotonic() - t_section:.0f} s")
         elapsed = time.monotonic() - t_start
         load_after = os.getloadavg()[0]
 
-        where = (f"server pids {ts_pid}/{base_pid} pinned to core {_affinity(ts_pid)}/"
-                 f"{_affinity(base_pid)}, client to core {_affinity(0)}" if pinned
-                 else "one core: nothing pinned")
+        if pinned:
+            servers = ", ".join(f"{s.label} {s.pid}@{s.cores}" for s in children.servers)
+            where = f"servers (pid@core) {servers}; client on core {_affinity(0)}"
+        else:
+            where = "one core: nothing pinned"
         print_table(f"tensorshare benchmark  ({where}; python {platform.python_version()}, "
-                    f"torch {torch.__version__})", rows)
+                    f"torch {torch.__version__})", rows, b.headings)
         totals = "  ".join(f"{r.workload} {r.total_ratio:.2f}" for r in rows
                            if r.total_ratio is not None)
+        info = "".join(f"\n{line}" for line in b.info)
         print(f"""
-tensorshare {tensorshare.__version__} (git {_git_revision()}); {cfg.repeat} repeats, both systems in every repeat; rate = work per op / median op time; MB = 10^6 bytes
-ratio = tensorshare / baseline, above 1 = tensorshare faster (notify: baseline p50 / tensorshare p50)
-notify: {cfg.notify_puts} puts {cfg.notify_gap * 1e3:g} ms apart, listener callback in a separate process on the client core
+tensorshare {tensorshare.__version__} (git {_git_revision()}); {cfg.repeat} repeats, every system in every repeat; rate = work per op / median op time; MB = 10^6 bytes
+ratio = tensorshare / the compared column (baseline, redis, or in-memory tensorshare), above 1 = tensorshare (or the persistent server) faster; notify: baseline p50 / tensorshare p50{info}
 ratios from total time instead (every stall included): {totals}
-measured in {elapsed:.0f} s; 1-min load average {load_before:.1f} at start, {load_after:.1f} at end (the benchmark adds about 1-2; more means other processes competed)""")
+measured in {elapsed:.0f} s ({", ".join(took)}); 1-min load average {load_before:.1f} at start, {load_after:.1f} at end (the benchmark adds about 1-2; more means other processes competed)""")
     finally:
         for side in sides:
             with suppress(Exception):
@@ -655,38 +1336,53 @@ def _parse_sizes(text: str) -> list[int]:
     return [_parse_size(s) for s in text.split(",") if s.strip()]
 
 
+def _parse_sections(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(SECTIONS)}")
+    return [n for n in SECTIONS if n in names]  # always in the table's order
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     p.add_argument("--sizes", type=_parse_sizes, default=None, metavar="LIST",
-                   help="tensor sizes, e.g. 4K,1M,16M,64M (the default)")
+                   help="tensor sizes of the put/get rows, e.g. 4K,1M,16M,64M (the default)")
     p.add_argument("--repeat", type=int, default=None,
                    help="repeats per measurement (default 21, --quick 7)")
+    p.add_argument("--only", type=_parse_sections, default=None, metavar="SECTIONS",
+                   help=f"run only these sections, comma-separated: {', '.join(SECTIONS)}")
     p.add_argument("--baseline-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     return p
 
 
 @contextmanager
 def _sigterm_exits() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit so ``finally`` blocks stop the servers."""
+    """Turn SIGTERM and SIGHUP into SystemExit so ``finally`` blocks stop the servers."""
 
     def handler(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    old = signal.signal(signal.SIGTERM, handler)
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 whatever the numbers)."""
     args = _parser().parse_args(argv)
     if args.baseline_server:
+        _ignore_sigint()  # Ctrl+C reaches the whole process group; the benchmark stops us
         BaselineServer().serve(args.baseline_server)
         return 0
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # measure this checkout, installed or not
+    os.environ["PYTHONPATH"] = _child_env()["PYTHONPATH"]  # and so do the helper processes
     quick = args.quick
     cfg = Config(
         sizes=args.sizes or [4 << 10, 1 << 20, 16 << 20, 64 << 20],
@@ -696,11 +1392,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiny_pairs=200 if quick else 400,
         notify_puts=300 if quick else 1000,
         notify_gap=0.002,
+        fanout_rounds=2 if quick else 9,
+        persist_puts=20 if quick else 40,
+        sections=args.only or list(SECTIONS),
     )
     if cfg.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
     with _sigterm_exits():
-        run(cfg)
+        try:
+            run(cfg)
+        except KeyboardInterrupt:
+            print("interrupted; servers and helper processes stopped", file=sys.stderr)
+            return 130
     return 0
 
 
