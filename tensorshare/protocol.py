@@ -84,6 +84,8 @@ __all__ = [
     "ProtocolViolation",
     "ServerConnection",
     "check_bin_name",
+    "encode_fetched_parts",
+    "encode_fetched_with_id",
     "encode_message",
     "item_wire_size",
     "items_header",
@@ -569,6 +571,36 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     if cls is Append:
         return h, msg.items  # type: ignore[union-attr]
     return h, ((msg.item,) if cls is Put else ())  # type: ignore[union-attr]
+
+
+_PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
+
+
+def encode_fetched_parts(reply: Fetched, shared: list[Any] | None
+                         ) -> tuple[bytes, list[BytesLike], int]:
+    """The parts of a get/peek reply that do not depend on its request id, encoded once.
+
+    Returns:
+        ``(tail, buffers, fields)``: the packed header fields after ``op`` and ``id``, the
+        payload buffers, and how many header fields there are in all; give them to
+        :func:`encode_fetched_with_id` for each request.
+    """
+    header: dict[str, Any] = {"ok": True}
+    header.update(_fetched_header(reply))
+    buffers: list[BytesLike] = []
+    header["items"] = _items_header(reply.items, buffers, shared)
+    packed = _packb(header)
+    fields = len(header) + 2
+    if fields > 15 or packed[0] & 0xF0 != 0x80:  # not a fixmap: never with these fields
+        raise AssertionError("a get reply header has too many fields for a fixmap")
+    return packed[1:], buffers, fields
+
+
+def encode_fetched_with_id(rid: int, tail: bytes, buffers: list[BytesLike],
+                           fields: int) -> list[BytesLike]:
+    """A get/peek reply frame from :func:`encode_fetched_parts`, for request ``rid``."""
+    header = bytes((0x80 | fields,)) + _PACKED_REPLY_OK + _packb(rid) + tail
+    return encode_frame(header, buffers)
 
 
 def encode_message(msg: Message, extra: dict[str, Any] | None = None,

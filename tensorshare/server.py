@@ -68,6 +68,8 @@ from .protocol import (
     BadRequest,
     ProtocolViolation,
     ServerConnection,
+    encode_fetched_parts,
+    encode_fetched_with_id,
     encode_message,
     item_wire_size,
     op_name,
@@ -409,7 +411,12 @@ class ServerProtocol(Protocol):
         if s is not None and OPS[op].mutating:
             f.sessions.remember(s, msg.id, reply, bin, held)
         shared: list[Any] | None = [] if self.shm else None
-        chunks = encode_message(reply, None, shared)[0]
+        if type(reply) is Fetched and reply.items and not msg.spec.remove:  # type: ignore[union-attr]
+            # Many readers of one version (parameters fanned out to every worker): the
+            # reply is encoded once per bin version, then only the request id differs.
+            chunks = f.encode_peek(msg.bin, reply, shared)  # type: ignore[union-attr]
+        else:
+            chunks = encode_message(reply, None, shared)[0]
         started = self._started.pop(msg.id, None)
         if started is not None:
             f.observe(op, sum(len(c) for c in chunks), time.perf_counter() - started)
@@ -668,6 +675,8 @@ class ServerFactory(Factory):
         # op -> request latency histogram: a count per LATENCY_BUCKETS bound, then the sum
         # in microseconds.
         self.latency: dict[str, list[int]] = {}
+        # bin -> the last peek reply's encoding (see encode_peek); dropped on any change.
+        self._peek_cache: dict[str, tuple[Any, ...]] = {}
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.persist: Persistence | None = None
         self.loaded: Loaded | None = None
@@ -712,7 +721,26 @@ class ServerFactory(Factory):
             if not subs:
                 del self._listeners[name]
 
+    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None
+                    ) -> list[BytesLike]:
+        """Encode a peek reply, reusing the encoding of the same bin version's last one."""
+        key = (reply.kind, reply.version, reply.n_items, reply.dropped,
+               tuple(id(it) for it in reply.items), shared is not None)
+        hit = self._peek_cache.get(name)
+        if hit is None or hit[0] != key:
+            # The items are kept with the entry, so their ids cannot be reused meanwhile.
+            mine: list[Any] | None = [] if shared is not None else None
+            hit = (key, reply.items, mine, *encode_fetched_parts(reply, mine))
+            self._peek_cache[name] = hit
+            self.stats["reply_encodes"] += 1
+        else:
+            self.stats["reply_reuses"] += 1
+        if shared is not None and hit[2]:
+            shared.extend(hit[2])
+        return encode_fetched_with_id(reply.id, hit[3], hit[4], hit[5])
+
     def _changed(self, name: str, op: str, n_items: int, version: int, dropped: int) -> None:
+        self._peek_cache.pop(name, None)  # a new version: the old encoding is no use
         subs = self._listeners.get(name)
         if not subs:
             return
