@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="interface to bind (default 127.0.0.1; 0.0.0.0 accepts other machines)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--unix", default=None, metavar="PATH",
+                   help="also listen on this Unix socket (same-host clients connect to "
+                        "unix://PATH; large tensors then travel through shared memory)")
     s.add_argument("--max-memory", type=_size, default=None, metavar="BYTES",
                    help="refuse put/append that would take stored data above this")
     s.add_argument("--max-frame-bytes", type=_size, default=None, metavar="BYTES",
@@ -114,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
 
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
+    conn.add_argument("--host", default="127.0.0.1",
+                      help="server address (default 127.0.0.1), or a URL: "
+                           "tensorshare://HOST:PORT, unix://PATH")
     conn.add_argument("--port", type=int, default=8000, help="server port (default 8000)")
     conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
                       help="seconds the server has to answer (default 5)")
@@ -215,6 +220,8 @@ def _serve(args: argparse.Namespace) -> int:
         running.append(server)
         host, port = server.host, server.port
         print(f"tensorshare {__version__} listening on {host}:{port}", flush=True)
+        if args.unix is not None:  # on its own line: scripts read HOST:PORT off the first
+            print(f"listening on unix://{args.unix}", flush=True)
         if exporter is not None:
             exporter.collector.server = server
             print(f"metrics at {exporter.url}", flush=True)
@@ -241,7 +248,7 @@ def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list
     from .server import run_server
 
     try:
-        run_server(args.port, args.host, ready=ready, config=config)
+        run_server(args.port, args.host, ready=ready, config=config, unix=args.unix)
     except KeyboardInterrupt:
         # Ctrl+C while run_server was still calling ready() (a script that reads the
         # "listening on" line and interrupts at once): run_server only handles it once it
@@ -253,8 +260,8 @@ def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list
         print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"tensorshare serve: cannot listen on {args.host}:{args.port}: {exc}",
-              file=sys.stderr)
+        where = f"{args.host}:{args.port}" + (f" or unix://{args.unix}" if args.unix else "")
+        print(f"tensorshare serve: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:
         print(f"tensorshare serve: {exc}", file=sys.stderr)

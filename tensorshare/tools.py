@@ -222,7 +222,10 @@ def run_ls(args: argparse.Namespace) -> int:
         table.add_row(name, b["kind"], str(b["n_items"]), fmt_bytes(b["nbytes"]),
                       str(b["version"]), str(b["listeners"]),
                       fmt_age(now - changed) + " ago" if changed else "never",
-                      b["first"] or "", b["last"] or "")
+                      b["first"] or "",
+                      # Most lists hold items of one shape: say so rather than repeat it.
+                      "same as first" if b["last"] and b["last"] == b["first"] else
+                      b["last"] or "")
     _print(_console(), table)
     return 0
 
@@ -401,12 +404,15 @@ def run_watch(args: argparse.Namespace) -> int:
     names = [p for p in args.bins if not _is_glob(p)]
     globs = [p for p in args.bins if _is_glob(p)]
     shown: dict[str, int] = {}  # bin -> the last version printed
+    width = max(map(len, names), default=0)  # names are padded to the longest seen so far
 
     def line(name: str, op: str, version: int, n_items: int, nbytes: int | None,
              extra: str = "") -> None:
+        nonlocal width
+        width = max(width, len(name))
         stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
         size = "?" if nbytes is None else fmt_bytes(nbytes)
-        print(f"{stamp}  {name}  {op:<7} version={version}  items={n_items}  bytes={size}{extra}",
+        print(f"{stamp}  {name:<{width}}  {op:<7} version={version}  items={n_items}  bytes={size}{extra}",
               flush=True)
 
     with _interruptible() as stop, _client(args, reconnect=True) as c:
@@ -493,65 +499,87 @@ _RATES = ("put", "append", "get", "in", "out")  # ops/s of three ops, then MB/s 
 
 
 class _Rates:
-    """Per-bin and total rates from successive stats snapshots, with a short history."""
+    """Per-bin and server-wide rates from successive stats snapshots, with a short history.
+
+    The server lists only bins that hold something, so a queue that its consumers drain
+    comes and goes between snapshots. Such a bin stays in the table (as empty) for
+    ``history`` samples; when it is back, its rate over the whole gap is known again (the
+    bin's counters kept counting) and fills the samples it missed. The server row comes
+    from the server's own per-op counters: all bins, never missing one.
+    """
 
     def __init__(self, history: int) -> None:
         self.history = history
-        self.prev: dict[str, Any] | None = None  # the previous snapshot
-        self.rates: dict[str, dict[str, float]] = {}  # bin -> rate -> latest value
-        self.hist: dict[str, dict[str, deque[float]]] = {}  # bin ('' = total) -> rate -> values
+        self.server_id: str | None = None
+        self.seen: dict[str, tuple[float, dict[str, float]]] = {}  # bin -> (uptime, counts)
+        self.missing: dict[str, int] = {}  # bin -> snapshots since it was last listed
+        self.rates: dict[str, dict[str, float]] = {}  # bin ('' = server) -> rate -> now
+        self.hist: dict[str, dict[str, deque[float]]] = {}  # bin -> rate -> history
         self.req_rate: float | None = None
 
     @staticmethod
-    def _counts(b: dict[str, Any]) -> dict[str, float]:
+    def _bin_counts(b: dict[str, Any]) -> dict[str, float]:
         ops = b["ops"]
         return {"put": ops.get("put", 0), "append": ops.get("append", 0),
                 "get": ops.get("get", 0), "in": b["bytes_in"] / 1e6,
                 "out": b["bytes_out"] / 1e6}
 
+    @staticmethod
+    def _server_counts(s: dict[str, Any]) -> dict[str, float]:
+        req, b_in, b_out = s["requests"], s["bytes_in"], s["bytes_out"]
+        return {"put": req.get("put", 0), "append": req.get("append", 0),
+                "get": req.get("get", 0),
+                "in": (b_in.get("put", 0) + b_in.get("append", 0)) / 1e6,
+                "out": (b_out.get("get", 0) + b_out.get("peek", 0)) / 1e6,
+                "requests": sum(req.values())}
+
+    def _record(self, name: str, rates: dict[str, float], samples: int = 1) -> None:
+        self.rates[name] = rates
+        hist = self.hist.setdefault(name, {k: deque(maxlen=self.history) for k in _RATES})
+        for k in _RATES:
+            hist[k].extend([rates[k]] * samples)
+
     def update(self, snap: dict[str, Any]) -> None:
+        """Take in one ``Client.stats()`` result."""
         server, bins = snap["server"], snap["bins"]
-        prev = self.prev
-        self.prev = snap
-        if prev is None or prev["server"]["server_id"] != server["server_id"] \
-                or server["uptime"] <= prev["server"]["uptime"]:
+        up = server["uptime"]
+        if server["server_id"] != self.server_id or up < self.seen.get("", (0.0, {}))[0]:
             # First look, or another server (a restart): counters start again.
-            self.rates, self.hist, self.req_rate = {}, {}, None
-            return
-        dt = server["uptime"] - prev["server"]["uptime"]
+            self.server_id = server["server_id"]
+            self.seen, self.missing, self.hist = {}, {}, {}
         self.rates = {}
-        total = dict.fromkeys(_RATES, 0.0)
-        for name, b in bins.items():
-            before = prev["bins"].get(name)
-            if before is None:
-                continue  # new (or back) since the last look: no rate yet
-            now_c, then_c = self._counts(b), self._counts(before)
-            rates = {k: max(now_c[k] - then_c[k], 0) / dt for k in _RATES}
-            self.rates[name] = rates
-            for k, v in rates.items():
-                total[k] += v
-        self.rates[""] = total
-        for name, rates in self.rates.items():
-            hist = self.hist.setdefault(name, {k: deque(maxlen=self.history) for k in _RATES})
-            for k, v in rates.items():
-                hist[k].append(v)
-        for name in list(self.hist):
+        for name, counts in [("", self._server_counts(server))] + [
+                (n, self._bin_counts(b)) for n, b in bins.items()]:
+            last = self.seen.get(name)
+            if last is not None and up > last[0]:
+                dt = up - last[0]
+                rates = {k: max(counts[k] - last[1][k], 0) / dt for k in counts}
+                self._record(name, rates, samples=self.missing.pop(name, 0) + 1)
+                if not name:
+                    self.req_rate = rates["requests"]
+            self.seen[name] = (up, counts)
+        for name in list(self.seen):
             if name and name not in bins:
-                del self.hist[name]
-        reqs = sum(server["requests"].values()) - sum(prev["server"]["requests"].values())
-        self.req_rate = max(reqs, 0) / dt
+                self.missing[name] = gone = self.missing.get(name, 0) + 1
+                if gone > self.history:  # deleted for good, most likely: drop it
+                    for table in (self.seen, self.missing, self.hist):
+                        table.pop(name, None)
 
     def cell(self, name: str, rate: str) -> str:
+        """A rate's history, then its value now (``-`` when not known this time)."""
         r = self.rates.get(name, {}).get(rate)
-        if r is None:
+        hist = self.hist.get(name)
+        if r is None and hist is None:
             return "-"
-        text = f"{r:,.1f}" if rate in ("put", "append", "get") else f"{r:,.2f}"
+        text = "-" if r is None else f"{r:,.1f}" if rate in ("put", "append", "get") else \
+            f"{r:,.2f}"
+        bars = sparkline(list(hist[rate]) if hist else [], self.history)
         # The history first, ending right where the number starts: bars line up by row.
-        return f"{sparkline(list(self.hist[name][rate]), self.history)} {text:>7}"
+        return f"{bars} {text:>7}"
 
 
 def _monitor_view(snap: dict[str, Any] | None, rates: _Rates, address: str,
-                  interval: float, problem: str | None) -> RenderableType:
+                  interval: float, problem: str | None, glob: str | None) -> RenderableType:
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -565,23 +593,29 @@ def _monitor_view(snap: dict[str, Any] | None, rates: _Rates, address: str,
     held = mem["sessions"] + mem["output"]
     head = (f"{s['server']} at {address}  up {fmt_age(s['uptime'])}  "
             f"connections {s['connections']}  listeners {s['listeners']}  "
-            f"bins {len(bins)}  stored {fmt_bytes(mem['stored'])}  "
+            f"bins {s['bins']}  stored {fmt_bytes(mem['stored'])}  "
             f"held for clients {fmt_bytes(held)}  requests/s {req}")
-    foot = f"every {interval:g}s, history of the last {rates.history}; Ctrl+C quits"
+    foot = (f"every {interval:g}s, history of the last {rates.history}; server: all bins, "
+            f"from the server's request counters; Ctrl+C quits")
     if problem:
         foot = f"{problem} (showing the last answer); {foot}"
-    t = _totals(bins)
-    # The totals are the footer, under a rule.
+    # The server's totals are the footer, under a rule.
+    # (With a glob the reply lists only some bins: the server's item count is not known.)
+    items = "" if glob is not None else str(sum(b["n_items"] for b in bins.values()))
     table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=True)
-    table.add_column("bin", footer="total")
-    for col, footer in (("items", str(t["items"])), ("bytes", fmt_bytes(t["nbytes"])),
-                        ("listeners", str(t["listeners"])),
+    table.add_column("bin", footer="server")
+    for col, footer in (("items", items),
+                        ("bytes", fmt_bytes(mem["stored"])), ("listeners", str(s["listeners"])),
                         *zip(("put/s", "append/s", "get/s", "in MB/s", "out MB/s"),
                              (rates.cell("", r) for r in _RATES), strict=True)):
         table.add_column(col, justify="right", no_wrap=True, footer=footer)
-    for name, b in bins.items():
-        table.add_row(name, str(b["n_items"]), fmt_bytes(b["nbytes"]), str(b["listeners"]),
-                      *(rates.cell(name, r) for r in _RATES))
+    for name in sorted(set(bins) | set(rates.missing)):
+        b = bins.get(name)
+        if b is None:  # emptied since (or deleted): kept for a while, see _Rates
+            row = ["0", "0 B", "-"]
+        else:
+            row = [str(b["n_items"]), fmt_bytes(b["nbytes"]), str(b["listeners"])]
+        table.add_row(name, *row, *(rates.cell(name, r) for r in _RATES))
     return Group(Text(head), table, Text(foot))
 
 
@@ -609,7 +643,7 @@ def run_monitor(args: argparse.Namespace) -> int:
         rates.update(new)
 
     def view() -> RenderableType:
-        return _monitor_view(snap, rates, address, args.interval, problem)
+        return _monitor_view(snap, rates, address, args.interval, problem, args.glob)
 
     with _interruptible() as stop, _client(args, reconnect=True) as c:
         poll(c)

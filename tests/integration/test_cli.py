@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,8 +84,6 @@ def test_an_infinite_size_is_a_usage_error() -> None:
 
 
 def test_serve_stops_cleanly_on_ctrl_c() -> None:
-    import signal
-
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -95,3 +95,34 @@ def test_serve_stops_cleanly_on_ctrl_c() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_on_a_unix_socket_and_ls_through_it(tmp_path: Path) -> None:
+    path = tmp_path / "ts.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                             "--unix", str(path), "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert "listening on 127.0.0.1:" in proc.stdout.readline()
+        assert proc.stdout.readline() == f"listening on unix://{path}\n"
+        with Client(f"unix://{path}") as c:
+            c.put("w", torch.zeros(3))
+        out = _cli("ls", "--host", f"unix://{path}")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[2].split()[:3] == ["w", "value", "1"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert not path.exists()  # the server removes its socket
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_bad_address_is_one_line() -> None:
+    out = _cli("stats", "--host", "bogus://x")
+    assert out.returncode == 1
+    # One line saying what is wrong with it (the wording is the client's).
+    assert out.stderr.startswith("tensorshare stats: ") and "'bogus://x'" in out.stderr
+    assert out.stderr.count("\n") == 1

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -76,8 +77,9 @@ def test_ls_shows_kind_items_bytes_contents_version_listeners_and_totals(
             b["kind"], b["n_items"], fmt_bytes(b["nbytes"]), b["version"], b["listeners"])
     assert rows["weights"][-1] == "{w: float32[3,4], b: float32[4], step: int}"
     assert rows["odd"][-1] == "float16[5]"
-    # A list bin shows its first and its last item.
-    assert re.split(r" {2,}", rows["queue"][-1]) == ["{obs: float32[2,2], id: int}"] * 2
+    # A list bin shows its first and its last item (here: of the same structure).
+    assert re.split(r" {2,}", rows["queue"][-1]) == ["{obs: float32[2,2], id: int}",
+                                                     "same as first"]
     assert rows["queue"][4] == "1"  # the fixture's listener
     total = lines[-1].split()
     n_bytes = sum(b["nbytes"] for b in bins.values())
@@ -288,7 +290,7 @@ class _Proc:
             self.proc.wait(10)
 
 
-_WATCH = re.compile(r"\d\d:\d\d:\d\d\.\d{3}  (?P<bin>\S+)  (?P<op>\w+) +version=(?P<version>\d+)"
+_WATCH = re.compile(r"\d\d:\d\d:\d\d\.\d{3}  (?P<bin>\S+) +(?P<op>\w+) +version=(?P<version>\d+)"
                     r"  items=(?P<items>\d+)  bytes=(?P<bytes>\?|\d+(?:\.\d)? k?B)")
 
 
@@ -389,15 +391,15 @@ def test_monitor_prints_rates_items_and_listeners_and_stops_on_ctrl_c(
         first = _frames(m.out)[0]
         assert first[0].startswith(f"tensorshare/0.1.0 at 127.0.0.1:{server.port}  up ")
         rows = _rows(first)
-        assert list(rows) == ["mask", "odd", "queue", "weights", "total"]
+        assert list(rows) == ["mask", "odd", "queue", "weights", "server"]
         bins = c.stats()["bins"]
         for name in ("mask", "odd", "queue", "weights"):
             assert rows[name][:3] == [str(bins[name]["n_items"]),
                                       fmt_bytes(bins[name]["nbytes"]),
                                       str(bins[name]["listeners"])]
             assert rows[name][3:] == ["-"] * 5  # no rate before a second look
-        assert rows["total"][:3] == ["6", fmt_bytes(sum(b["nbytes"] for b in bins.values())),
-                                     "1"]
+        stored = c.stats()["server"]["memory"]["stored"]
+        assert rows["server"][:3] == ["6", fmt_bytes(stored), "1"]
 
         def appending() -> bool:
             # Keep appending and taking until a frame shows queue's rates as non-zero.
@@ -412,7 +414,8 @@ def test_monitor_prints_rates_items_and_listeners_and_stops_on_ctrl_c(
         assert _rate(rows["weights"][4]) == 0  # nothing appended there
         # A non-zero rate comes with its history (at least the bar of this sample).
         assert rows["queue"][4].split()[0][-1] in "▁▂▃▄▅▆▇█"
-        assert rows["total"][4].split()[-1] == rows["queue"][4].split()[-1]
+        # The server row counts requests: here only queue's appends.
+        assert _rate(rows["server"][4]) == _rate(rows["queue"][4])
         status, err = m.interrupt()
         assert status == 0, err
         assert err == ""
@@ -458,6 +461,38 @@ def test_monitor_redraws_in_place_on_a_terminal(loaded: tuple[EmbeddedServer, Cl
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def _snap(uptime: float, appends: int, present: bool = True) -> dict[str, Any]:
+    """A stats reply with one bin 'q' (listed only when ``present``)."""
+    q = {"n_items": 1, "nbytes": 10, "listeners": 0, "ops": {"append": appends},
+         "bytes_in": 10 * appends, "bytes_out": 0}
+    return {"server": {"server_id": "s1", "uptime": uptime,
+                       "requests": {"append": appends}, "bytes_in": {"append": 100 * appends},
+                       "bytes_out": {}},
+            "bins": {"q": q} if present else {}}
+
+
+def test_monitor_rates_ride_out_a_bin_that_is_empty_between_samples() -> None:
+    from tensorshare.tools import _Rates
+
+    rates = _Rates(history=4)
+    rates.update(_snap(10.0, 0))
+    assert rates.cell("q", "append") == "-"  # one look: no rate yet
+    rates.update(_snap(11.0, 10, present=False))  # drained when this sample was taken
+    assert rates.missing == {"q": 1}
+    assert rates.cell("q", "append").split()[-1] == "-"
+    assert rates.cell("", "append").split()[-1] == "10.0"  # the server row never misses it
+    rates.update(_snap(12.0, 30))
+    # Back: 30 appends in the 2 s since it was last seen fill both samples.
+    assert rates.cell("q", "append") == "  ██    15.0"
+    assert list(rates.hist["q"]["append"]) == [15.0, 15.0]
+    assert rates.missing == {}
+    for t in range(13, 18):  # gone for longer than the history: dropped
+        rates.update(_snap(float(t), 30, present=False))
+    assert "q" not in rates.seen and "q" not in rates.hist
+    rates.update(_snap(1.0, 0) | {"server": _snap(1.0, 0)["server"] | {"server_id": "s2"}})
+    assert rates.hist == {} and rates.cell("", "append") == "-"  # a new server: start again
 
 
 def test_sparkline_scales_to_the_largest_value_and_leaves_zero_blank() -> None:
