@@ -126,3 +126,18 @@ def test_a_bad_address_is_one_line() -> None:
     # One line saying what is wrong with it (the wording is the client's).
     assert out.stderr.startswith("tensorshare stats: ") and "'bogus://x'" in out.stderr
     assert out.stderr.count("\n") == 1
+
+
+def test_the_readme_command_line_tour_uses_real_options() -> None:
+    """Every command the README's command-line section shows parses as written."""
+    import re
+    import shlex
+
+    from tensorshare.cli import _parser
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^(?:\$ )?tensorshare (.+?)(?:\s+#.*)?$", section, flags=re.M)
+    assert len(commands) >= 10
+    for command in commands:
+        _parser().parse_args(shlex.split(command))
