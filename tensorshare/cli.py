@@ -161,10 +161,20 @@ def _parser() -> argparse.ArgumentParser:
                         "memory, requests and counters since start")
     st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
 
-    d = sub.add_parser("demo", help="a distributed RL run (CartPole) on a local server; ~10-60 s")
-    d.add_argument("--workers", type=int, default=3, help="rollout worker processes (default 3)")
+    # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
+    # _demo passes each one run_demo accepts).
+    d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
+                       "one with --server): a smoke test of a deployment; about a minute")
+    d.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     d.add_argument("--max-seconds", type=float, default=90.0, help="stop after this long")
-    d.add_argument("--target", type=float, default=195.0, help="stop at this average return")
+    d.add_argument("--target", type=float, default=None,
+                   help="average return to reach (default: the environment's)")
+    d.add_argument("--env", default=None,
+                   help="Gymnasium id or builtin-CartPole (default Acrobot-v1 with Gymnasium)")
+    d.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="use this running server instead of hosting one")
+    d.add_argument("--warmup", type=float, default=None,
+                   help="seconds of 1-worker warm-up (default 3)")
     return p
 
 

@@ -141,3 +141,17 @@ def test_the_readme_command_line_tour_uses_real_options() -> None:
     assert len(commands) >= 10
     for command in commands:
         _parser().parse_args(shlex.split(command))
+
+
+def test_demo_has_an_option_for_each_run_demo_argument_with_its_default() -> None:
+    import inspect
+
+    from tensorshare.cli import _parser
+    from tensorshare.demo import run_demo
+
+    args = vars(_parser().parse_args(["demo"]))
+    for name, param in inspect.signature(run_demo).parameters.items():
+        assert name in args, f"`tensorshare demo` has no option for run_demo's {name!r}"
+        assert args[name] == param.default, name
+    out = _cli("demo", "--server", "nowhere")  # passed through: the demo itself refuses it
+    assert out.returncode == 2 and out.stderr.startswith("tensorshare demo: ")
