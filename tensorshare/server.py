@@ -12,6 +12,7 @@ thread or the global reactor; :func:`run_server` is the blocking form the seed u
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import threading
 import time
@@ -954,6 +955,7 @@ class ServerFactory(Factory):
         return {
             "server": f"tensorshare/{__version__}",
             "server_id": self.server_id,
+            "time": self.clock(),
             "uptime": max(self.clock() - self.started_at, 0.0),
             "connections": len(self.connections),
             "listeners": sum(len(s) for s in self._listeners.values()),
@@ -980,7 +982,10 @@ class ServerFactory(Factory):
     def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
         """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
         out: dict[str, dict[str, Any]] = {}
-        for name in self.store.names(glob):
+        names = set(self.store.names(glob))
+        # Bins someone listens to are worth showing even while empty (a drained queue).
+        names.update(n for n in self._listeners if glob is None or fnmatch.fnmatchcase(n, glob))
+        for name in sorted(names):
             d = self.store.describe(name)
             cfg: BinConfig = d.pop("config")
             first, last = d.pop("first"), d.pop("last")
@@ -1176,9 +1181,9 @@ def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
             raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl+C does
 
         previous = signal.signal(signal.SIGTERM, terminate)
-    if ready is not None:
-        ready(server)
     try:
+        if ready is not None:
+            ready(server)
         while server.running:
             server._done.wait(0.5)  # short waits keep Ctrl+C responsive
     except KeyboardInterrupt:
