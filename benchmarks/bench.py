@@ -206,6 +206,22 @@ class BaselineClient:
             raise ConnectionError("baseline server closed the connection")
         return int(_U64.unpack(self._u64)[0])
 
+    def put_many(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Put each tensor, every request written back to back, then read every reply: the
+        pipelining a plain socket protocol allows (the baseline has no batches)."""
+        key = name.encode()
+        chunks: list[Any] = []
+        for t in tensors:
+            data = t.numpy().data.cast("B")
+            chunks += [_HEAD.pack(b"P", len(key), len(data)) + key, data]
+            if len(chunks) >= 512:
+                _sendmsg_all(self.sock, chunks)
+                chunks = []
+        if chunks:
+            _sendmsg_all(self.sock, chunks)
+        for _ in tensors:
+            self._read_u64()
+
     def put(self, name: str, tensor: torch.Tensor) -> int:
         """Store ``tensor`` (contiguous, CPU) in bin ``name``; return the bin's version."""
         data = tensor.numpy().data.cast("B")  # ndarray.data: a memoryview, no copy
@@ -268,11 +284,12 @@ class Side(Protocol):
 class TensorShareSide:
     """tensorshare's blocking ``Client``, as a :class:`Side`."""
 
-    def __init__(self, port: int, name: str = "tensorshare") -> None:
+    def __init__(self, port: int, name: str = "tensorshare", address: str | None = None,
+                 **options: Any) -> None:
         from tensorshare import Client
 
         self.name = name
-        self.client = Client("127.0.0.1", port, timeout=60)
+        self.client = Client(address or "127.0.0.1", port, timeout=60, **options)
 
     def put(self, name: str, tensor: torch.Tensor) -> int:
         """``Client.put``; returns the bin's version."""
@@ -616,6 +633,7 @@ class Config:
     notify_gap: float  # seconds between notified puts
     fanout_rounds: int  # timed fan-out rounds per system (after one warm-up round each)
     persist_puts: int  # timed puts per repeat, server and size, in the persistence section
+    batch_items: int  # tiny appends per repeat through one pipeline
     sections: list[str]
 
 
@@ -1024,6 +1042,7 @@ class Bench:
     ts: TensorShareSide
     base: BaselineSide
     headings: dict[str, str]  # Row.group -> the line printed above that group's rows
+    unix_path: str = ""  # the main tensorshare server's Unix socket
     info: list[str] = field(default_factory=list)  # lines printed under the table
 
 
@@ -1168,36 +1187,121 @@ def section_persist(b: Bench) -> list[Row]:
 # and selectable with --only. They return no rows until they are written.
 
 
-def section_batched_appends(b: Bench) -> list[Row]:
-    """EXTENSION POINT, not implemented: batched tiny appends through a pipeline API.
+def measure_appends(b: Bench) -> tuple[Rate, Rate, Rate]:
+    """Tiny appends through a pipeline, the reading side's drain, and the baseline's
+    pipelined tiny puts; each as items (requests) per second, medians over the repeats."""
+    import torch
 
-    Goal (issue 9): at least 100,000 appends/s. Suggested row: ``appends (batched)`` with
-    tensorshare's appends/s (the pipeline API, once it exists) and the baseline's (e.g. many
-    'P' requests in one ``sendmsg``, replies read afterwards), goal ``>= 100,000/s`` judged on
-    tensorshare's absolute rate, like notify's.
+    n = b.cfg.batch_items
+    tiny = [torch.tensor([float(i)]) for i in range(n)]
+    client = b.ts.client
+    appends: list[int] = []
+    drains: list[int] = []
+    base: list[int] = []
+    clock = time.perf_counter_ns
+    for rep in range(b.cfg.repeat):
+        for system in (("ts", "base") if rep % 2 == 0 else ("base", "ts")):
+            if system == "ts":
+                t0 = clock()
+                with client.pipeline() as p:
+                    for t in tiny:
+                        p.append("batch", t)
+                t1 = clock()
+                got = 0
+                while got < n:
+                    got += len(client.get("batch", max_items=n))
+                t2 = clock()
+                appends.append(t1 - t0)
+                drains.append(t2 - t1)
+            else:
+                t0 = clock()
+                b.base.put_many("batch", tiny)
+                base.append(clock() - t0)
+    return Rate.of(n, appends), Rate.of(n, drains), Rate.of(n, base)
+
+
+def section_batched_appends(b: Bench) -> list[Row]:
+    """appends (batched): tiny appends through ``Client.pipeline()``; drain: ``get(max_items)``.
+
+    The goal (issue 9) is tensorshare's own rate, at least 100,000 appends/s; the baseline
+    column is the baseline server's rate of tiny puts written back to back in one
+    ``sendmsg`` and answered afterwards (its protocol has no batches).
     """
-    return []
+    appends, drains, base = measure_appends(b)
+    rows = [Row("appends (pipeline)", f"{appends.median:,.0f} items/s",
+                f"{base.median:,.0f} puts/s", appends.median / base.median,
+                appends.total / base.total, ">= 100,000/s",
+                appends.median >= 100_000),
+            Row("drain get(max_items)", f"{drains.median:,.0f} items/s",
+                f"{base.median:,.0f} puts/s", drains.median / base.median,
+                drains.total / base.total, ">= 100,000/s", drains.median >= 100_000)]
+    b.info.append(f"appends: {b.cfg.batch_items} tiny (4-byte) tensors per repeat through one "
+                  "pipeline (consecutive appends to one bin travel as batched requests), then "
+                  "drained with get(max_items); baseline: the same number of tiny puts "
+                  "pipelined on one connection")
+    return rows
 
 
 def section_unix_socket(b: Bench) -> list[Row]:
-    """EXTENSION POINT, not implemented: the put/get and tiny rows over Unix sockets.
-
-    Suggested: start a tensorshare server and a baseline server listening on a Unix socket
-    under ``b.workdir`` (``b.children.start`` pins them), wrap their clients as Sides, reuse
-    :func:`measure_transfer` and :func:`measure_tiny`, and return rows with
-    ``group="unix"`` (add a heading for it in :func:`run`).
-    """
-    return []
+    """put / get and tiny put+get over the Unix socket (no shared memory) vs TCP, both
+    tensorshare, same server, interleaved."""
+    unix = TensorShareSide(0, "unix", f"unix://{b.unix_path}", shm=False)
+    try:
+        rows: list[Row] = []
+        for size in (1 << 20, 64 << 20):
+            res = measure_transfer([unix, b.ts], size, b.cfg)
+            for i, direction in enumerate(("put", "get")):
+                u, t = res[unix.name][i], res[b.ts.name][i]
+                rows.append(Row(f"{direction} {_label(size)} unix", f"{_fmt(u.median)} MB/s",
+                                f"{_fmt(t.median)} MB/s", u.median / t.median,
+                                u.total / t.total, group="unix"))
+        tiny = measure_tiny([unix, b.ts], b.cfg)
+        u, t = tiny[unix.name], tiny[b.ts.name]
+        rows.append(Row("tiny put+get unix", f"{u.median:,.0f} ops/s", f"{t.median:,.0f} ops/s",
+                        u.median / t.median, u.total / t.total, group="unix"))
+        return rows
+    finally:
+        unix.close()
 
 
 def section_shared_memory(b: Bench) -> list[Row]:
-    """EXTENSION POINT, not implemented: large put/get through a shared-memory path.
+    """put / get of 16 and 64 MiB through sealed memfds (Unix socket, ``shm=True``) vs TCP,
+    and vs an in-process copy of the same tensor (``torch.Tensor.copy_``)."""
+    import torch
 
-    Suggested: the 16/64 MiB put/get rows through tensorshare's shared-memory transport
-    (once it exists) against the TCP baseline (or a shared-memory baseline built on
-    ``multiprocessing.shared_memory``), with ``group="shm"``.
-    """
-    return []
+    shm = TensorShareSide(0, "shm", f"unix://{b.unix_path}", shm=True)
+    try:
+        if not shm.client.shared_memory:
+            return [Row("put/get via shared memory", "", "", None, group="shm",
+                        skipped="this platform cannot pass sealed memfds (Linux only)")]
+        rows: list[Row] = []
+        for size in (16 << 20, 64 << 20):
+            res = measure_transfer([shm, b.ts], size, b.cfg)
+            src = torch.randn(size // 4)
+            dst = torch.empty_like(src)
+            copies = []
+            for _ in range(b.cfg.repeat * 3):
+                t0 = time.perf_counter_ns()
+                dst.copy_(src)
+                copies.append(time.perf_counter_ns() - t0)
+            memcpy = Rate.of(size / 1e6, copies)
+            for i, direction in enumerate(("put", "get")):
+                m, t = res[shm.name][i], res[b.ts.name][i]
+                ratio = m.median / t.median
+                big = size == 64 << 20
+                row = Row(f"{direction} {_label(size)} shm", f"{_fmt(m.median)} MB/s",
+                          f"{_fmt(t.median)} MB/s", ratio, m.total / t.total,
+                          ">= 3 (vs TCP)" if big else "-", _meets(ratio, 3.0) if big else None,
+                          group="shm")
+                vs_copy = m.median / memcpy.median
+                row.notes.append(f"vs an in-process copy ({_fmt(memcpy.median)} MB/s): "
+                                 f"{vs_copy:.2f}{'  (goal >= 0.5 met)' if vs_copy >= 0.5 else '  (goal >= 0.5 MISSED)' if big else ''}")
+                rows.append(row)
+        b.info.append("shm: the Unix socket client with shm=True: a put writes each tensor "
+                      "once into a sealed memfd, a get maps the server's copy-on-write")
+        return rows
+    finally:
+        shm.close()
 
 
 SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
@@ -1206,9 +1310,9 @@ SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
     "notify": section_notify,
     "fanout": section_fanout,
     "persist": section_persist,
-    "appends": section_batched_appends,  # extension point
-    "unix": section_unix_socket,  # extension point
-    "shm": section_shared_memory,  # extension point
+    "appends": section_batched_appends,
+    "unix": section_unix_socket,
+    "shm": section_shared_memory,
 }
 
 
@@ -1266,7 +1370,9 @@ def run(cfg: Config) -> None:
         pinned = (os.cpu_count() or 1) >= 2
         if pinned:  # the servers are pinned by taskset; what this process starts inherits this
             os.sched_setaffinity(0, {CLIENT_CORE})
-        waits = [launch_tensorshare(children), launch_baseline(children, workdir)]
+        unix_path = os.path.join(workdir, "tensorshare.sock")
+        waits = [launch_tensorshare(children, extra=["--unix", unix_path]),
+                 launch_baseline(children, workdir)]
         ctx = _forkserver()
         import torch  # while the servers start (seconds on a busy machine)
 
@@ -1280,7 +1386,12 @@ def run(cfg: Config) -> None:
                   headings={"redis": "tiny put+get vs Redis in the same run; columns: "
                                      "tensorshare | redis",
                             "persist": "tensorshare --data-dir (fsync policy) vs the in-memory "
-                                       "tensorshare server; columns: persistent | in-memory"})
+                                       "tensorshare server; columns: persistent | in-memory",
+                            "unix": "the same server over its Unix socket (no shared memory) vs "
+                                    "TCP; columns: unix | tcp",
+                            "shm": "large tensors through shared memory (sealed memfds over the "
+                                   "Unix socket) vs TCP; columns: shm | tcp"},
+                  unix_path=unix_path)
         rows: list[Row] = []
         t_start = time.monotonic()
         load_before = os.getloadavg()[0]
@@ -1394,6 +1505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notify_gap=0.002,
         fanout_rounds=2 if quick else 9,
         persist_puts=20 if quick else 40,
+        batch_items=50_000 if quick else 100_000,
         sections=args.only or list(SECTIONS),
     )
     if cfg.repeat < 1:

@@ -456,6 +456,9 @@ class _Encoder:
 # (rollouts, gradients, parameters) is the common case, and its tree is the same bytes.
 _LONE_TENSOR_TREES: dict[tuple[Any, tuple[int, ...]], bytes] = {}
 _LONE_TENSOR_TREES_MAX = 4096
+# ... and the other way, for decoding: tree -> (dtype name, shape, elements, itemsize).
+# (None: a small tree known not to be a lone tensor.)
+_LONE_TENSOR_SHAPES: dict[bytes, tuple[str, tuple[int, ...], int, int] | None] = {}
 
 
 def _plain_tensor(torch: Any, x: Any) -> Encoded | None:
@@ -743,6 +746,12 @@ def decode(
             reused buffer, a size does not match, or torch/numpy is needed but missing.
     """
     buffers = enc.buffers
+    lone = _LONE_TENSOR_SHAPES.get(enc.value, False)
+    if type(lone) is tuple and len(buffers) == 1:
+        # A lone tensor whose tree we made (or saw) before: no need to parse it again.
+        name, shape, n, itemsize = lone
+        raw = _writable_raw(buffers[0], n * itemsize, max_raw_bytes)
+        return _make_tensor(name, list(shape), n, itemsize, raw)
     np_dtypes: dict[str, Any] = {}
 
     def make(code: int, name: str, shape: list[int], index: int) -> Any:
@@ -753,7 +762,24 @@ def decode(
             return _make_tensor(name, shape, n, itemsize, raw)
         return _make_ndarray(name, shape, n, raw, np_dtypes)
 
-    return _Unpacker(len(buffers), max_depth, make).unpack(enc.value)
+    value = _Unpacker(len(buffers), max_depth, make).unpack(enc.value)
+    if lone is False and len(enc.value) <= 64 and len(buffers) == 1 and \
+            len(_LONE_TENSOR_SHAPES) < _LONE_TENSOR_TREES_MAX:
+        _remember_lone_tensor(enc.value)
+    return value
+
+
+def _remember_lone_tensor(tree: bytes) -> None:
+    """If ``tree`` (already checked) is a lone tensor ext, remember its dtype and shape."""
+    _LONE_TENSOR_SHAPES[tree] = None  # not a lone tensor (unless found so below)
+    try:
+        ext = msgpack.unpackb(tree, ext_hook=lambda code, data: (code, data))
+        if type(ext) is tuple and ext[0] == EXT_TENSOR:
+            name, shape, index = _parse_descriptor(EXT_TENSOR, ext[1], 1)
+            _LONE_TENSOR_SHAPES[tree] = (name, tuple(shape), math.prod(shape),
+                                         _ITEMSIZE[name])
+    except (CodecError, ValueError, TypeError):
+        pass
 
 
 def _make_tensor(
@@ -772,10 +798,10 @@ def _make_tensor(
         u8 = _swap_bytes(torch.frombuffer(raw, dtype=torch.uint8), name)
         return u8.view(dtype).reshape(shape)
     t = torch.frombuffer(raw, dtype=dtype, count=n)
-    if t.data_ptr() % itemsize:
+    if itemsize > 1 and t.data_ptr() % itemsize:
         # A buffer slice at an odd offset: some kernels assume aligned elements.
         t = t.clone()
-    return t.reshape(shape)
+    return t if len(shape) == 1 else t.reshape(shape)
 
 
 def _make_ndarray(
