@@ -67,10 +67,12 @@ def test_workers_tag_segments_with_the_parameters_that_played_them(
                      _checksum(learner.state_dict())}
         procs += start_workers(server.port, 2, env=BUILTIN_CARTPOLE, envs=2, prefix=bins.prefix)
         tags: dict[int, list[int]] = defaultdict(list)
+        downloads: dict[int, list[int]] = defaultdict(list)
         while len(checksums) < 6:  # publish a new version after every segment received
             (segment, tag), = trainer.get_data(return_versions=True, timeout=60, max_items=1)
             assert segment["params_checksum"] == pytest.approx(checksums[tag], rel=1e-6)
             tags[int(segment["worker"])].append(tag)
+            downloads[int(segment["worker"])].append(int(segment["downloads"]))
             learner.update([segment])
             checksums[trainer.publish_parameters(learner.state_dict())] = \
                 _checksum(learner.state_dict())
@@ -80,8 +82,13 @@ def test_workers_tag_segments_with_the_parameters_that_played_them(
             (segment, tag), = trainer.get_data(return_versions=True, timeout=60, max_items=1)
             assert segment["params_checksum"] == pytest.approx(checksums[tag], rel=1e-6)
             tags[int(segment["worker"])].append(tag)
+            downloads[int(segment["worker"])].append(int(segment["downloads"]))
         for ts in tags.values():
             assert ts == sorted(ts)  # a worker never goes back to older parameters
+        # One download per version played with, no more: every segment says how many
+        # versions its worker had fetched by then.
+        for worker, ts in tags.items():
+            assert downloads[worker] == [len(set(ts[:i + 1])) for i in range(len(ts))]
         trainer.signal_stop()
         assert stop_workers(procs) == [0, 0]
     with Client("127.0.0.1", server.port) as c:
