@@ -108,7 +108,7 @@ SEGMENTS_PER_UPDATE = 2  # experience per update, however many workers produce i
 MAX_VERSION_LAG = 4  # segments played with parameters at most this many versions old are used
 WINDOW = 100  # "solved" is judged on the average return of this many recent episodes
 WORKER_TIMEOUT = 10.0  # a worker's per-call timeout: how long it outlives a vanished server
-WARMUP_SECONDS = 3.0  # the demo's 1-worker phase, for the speedup it prints
+WARMUP_SECONDS = 2.0  # the demo's 1-worker phase, for the speedup it prints
 
 BUILTIN_CARTPOLE = "builtin-CartPole"
 DEFAULT_GYM_ENV = "Acrobot-v1"

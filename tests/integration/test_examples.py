@@ -1,10 +1,11 @@
 """Run the examples and the demo as a user would: as separate processes, on free ports.
 
 Each test bounds every wait with a subprocess timeout (no sleeps) and kills whatever it
-started in ``finally``. The full learning runs (the demo on Acrobot, CartPole to 475, the
-fallback demo without Gymnasium) are marked ``long``: 10-20 s each on 2 cores when they work;
-their ``--max-seconds`` and ``timeout`` marks only bound a failing run. The others check the
-same commands with targets any policy reaches quickly.
+started in ``finally``. The full learning runs (the demo and the example on Acrobot,
+CartPole to 475, the demo without Gymnasium) are marked ``long``: 5-10 s each on 2 cores when
+they work, about 25 s together; their ``--max-seconds`` and ``timeout`` marks only bound a
+failing run. The demo on a running server checks the same plumbing with a target any policy
+reaches at once.
 """
 
 from __future__ import annotations
@@ -190,14 +191,14 @@ def test_cartpole_solves() -> None:
 
 
 @needs_gymnasium
+@pytest.mark.long
 @pytest.mark.timeout(120)
-def test_acrobot_example_learns() -> None:
-    # A random policy averages about -500 (episodes hit the time limit); -400 takes learning,
-    # but little: this checks the example, the long demo test checks the full task.
-    res = _run([str(EXAMPLES / "acrobot.py"), "--workers", "2", "--target", "-400",
-                "--max-seconds", "90"], timeout=110)
+def test_acrobot_example_solves() -> None:
+    res = _run([str(EXAMPLES / "acrobot.py"), "--workers", "2", "--max-seconds", "90"],
+               timeout=110)
     assert res.returncode == 0, res.stdout + res.stderr
-    _check_summary("\nsummary\n" + res.stdout, "Acrobot-v1", 2)
+    summary = _check_summary("\nsummary\n" + res.stdout, "Acrobot-v1", 2)
+    assert "(target -100)" in summary
     assert _leftover_workers(_port_of(res.stdout)) == []
     assert "Traceback" not in res.stderr, res.stderr
 
