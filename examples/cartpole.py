@@ -1,7 +1,7 @@
 """Distributed CartPole: a trainer process and N worker processes, connected by tensorshare.
 
 The trainer hosts the server (``RLTrainer(host_server=True)`` on a free port) and publishes
-the policy. Each worker process (``python -m tensorshare.demo worker``) steps 8 CartPoles
+the policy. Each worker process (``python -m tensorshare.demo worker``) steps 16 CartPoles
 without pause, sends every 64-step segment tagged with the parameter version that played it,
 and picks up new parameters between segments (one download per version). The trainer learns
 from a fixed amount of experience per update, whichever workers sent it, using segments up to
