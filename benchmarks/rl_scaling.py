@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tensorshare.demo import DEFAULT_GYM_ENV, env_spec, train
+from tensorshare.demo import DEFAULT_GYM_ENV, ENVS_PER_WORKER, SEGMENT_STEPS, env_spec, train
 
 
 @dataclass
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = train(n, target, args.max_seconds, seed, env=spec.name,
                         cpus=cpus if args.pin else None, progress_every=math.inf,
                         out=io.StringIO())
-            segments = res.samples // (64 * 8) + res.dropped
+            segments = res.samples // (SEGMENT_STEPS * ENVS_PER_WORKER) + res.dropped
             runs.append(Run(n, seed, res.solved, res.seconds, res.steps_per_second,
                             res.dropped, segments))
             print(f"  seed {seed}, {n} workers: {res.steps_per_second:,.0f} steps/s, "
