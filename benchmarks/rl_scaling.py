@@ -26,13 +26,15 @@ on 2 cores; 8 workers at least 5x on 16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tensorshare.demo import DEFAULT_GYM_ENV, ENVS_PER_WORKER, SEGMENT_STEPS, env_spec, train
@@ -122,6 +124,42 @@ def _goals(runs: Sequence[Run], n_cpus: int) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def _server_process(wanted: bool) -> Iterator[str | None]:
+    """``HOST:PORT`` of a ``tensorshare serve`` process for the whole benchmark, or None."""
+    if not wanted:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0", "-q"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "tensorshare X listening on HOST:PORT"
+        if "listening on " not in line:
+            raise RuntimeError(f"tensorshare serve did not start: {line!r}")
+        yield line.rsplit("listening on ", 1)[1].split()[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run(workers: int, seed: int, target: float, max_seconds: float, env: str,
+         server: str | None, cpus: Sequence[int] | None) -> Run:
+    res = train(workers, target, max_seconds, seed, env=env, server=server, cpus=cpus,
+                progress_every=math.inf, out=io.StringIO())
+    segments = res.samples // (SEGMENT_STEPS * ENVS_PER_WORKER) + res.dropped
+    print(f"  seed {seed}, {workers} workers: {res.steps_per_second:,.0f} steps/s, "
+          f"{'solved' if res.solved else 'NOT solved'} in {res.seconds:.1f} s "
+          f"(+{res.startup_seconds:.1f} s start-up), {res.dropped} dropped",
+          file=sys.stderr, flush=True)
+    return Run(workers, seed, res.solved, res.seconds, res.steps_per_second, res.dropped,
+               segments)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table. Returns 0 unless a run crashed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -136,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a run that has not reached the target by then counts as unsolved")
     p.add_argument("--pin", action="store_true",
                    help="pin worker i to CPU i mod CPUs (the trainer is not pinned)")
+    p.add_argument("--server-process", action="store_true",
+                   help="run the server as its own process (tensorshare serve) instead of in "
+                        "the trainer's: on many cores the trainer then only learns")
     args = p.parse_args(argv)
     cpus = _cpus()
     counts = ([int(x) for x in args.workers.split(",")] if args.workers
@@ -147,23 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = spec.target if args.target is None else args.target
     load_before = os.getloadavg()
     print(f"{spec.name}, target {target:g}, {args.seeds} seeds per row, {len(cpus)} CPUs, "
-          f"workers pinned: {'yes' if args.pin else 'no'}; load average before "
-          f"{load_before[0]:.2f}", flush=True)
+          f"workers pinned: {'yes' if args.pin else 'no'}, server "
+          f"{'in its own process' if args.server_process else 'in the trainer'}; load average "
+          f"before {load_before[0]:.2f}", flush=True)
     runs: list[Run] = []
     started = time.monotonic()
-    for i, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
-        order = counts if i % 2 == 0 else counts[::-1]
-        for n in order:
-            res = train(n, target, args.max_seconds, seed, env=spec.name,
-                        cpus=cpus if args.pin else None, progress_every=math.inf,
-                        out=io.StringIO())
-            segments = res.samples // (SEGMENT_STEPS * ENVS_PER_WORKER) + res.dropped
-            runs.append(Run(n, seed, res.solved, res.seconds, res.steps_per_second,
-                            res.dropped, segments))
-            print(f"  seed {seed}, {n} workers: {res.steps_per_second:,.0f} steps/s, "
-                  f"{'solved' if res.solved else 'NOT solved'} in {res.seconds:.1f} s "
-                  f"(+{res.startup_seconds:.1f} s start-up), {res.dropped} dropped",
-                  file=sys.stderr, flush=True)
+    with _server_process(args.server_process) as server:
+        for i, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
+            order = counts if i % 2 == 0 else counts[::-1]
+            for n in order:
+                runs.append(_run(n, seed, target, args.max_seconds, spec.name, server,
+                                 cpus if args.pin else None))
     load_after = os.getloadavg()
     print()
     for line in _table(runs, counts):
