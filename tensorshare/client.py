@@ -1024,10 +1024,11 @@ class Client:
                     due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
                     if self._leader is None and not self._yield:
                         # A caller waiting alone reads for itself; with more waiting, or
-                        # none for a while, or during the handshake, this thread reads.
+                        # none for a while, or during the handshake, this thread reads. So
+                        # it does when a lone caller did not take the lead within LINGER
+                        # (it waits on its slot, say, having called while we reconnected).
                         resume = self._last_exit + LINGER
-                        if self._waiting > 1 or (not self._waiting and now >= resume) \
-                                or not session.connected:
+                        if self._waiting > 1 or now >= resume or not session.connected:
                             self._leader = _READER
                             break
                         due = min(due, resume)
