@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
+    BinFull,
     BinNotFound,
     CodecError,
     ConnectError,
@@ -21,16 +22,20 @@ from .errors import (
     LimitExceeded,
     MemoryLimitExceeded,
     ProtocolError,
+    ReplyTimeout,
     ServerError,
+    SessionLost,
     TensorShareError,
     Timeout,
     TransportError,
     UnsupportedType,
     UnsupportedVersion,
+    WaitTimeout,
 )
 
 __all__ = [
     "NOWAIT",
+    "BinFull",
     "BinNotFound",
     "Client",
     "CodecError",
@@ -45,13 +50,17 @@ __all__ = [
     "ProtocolError",
     "RLTrainer",
     "RLWorker",
+    "ReplyTimeout",
     "ServerError",
+    "SessionLost",
     "TensorShare",
     "TensorShareError",
     "Timeout",
+    "TrainerStopped",
     "TransportError",
     "UnsupportedType",
     "UnsupportedVersion",
+    "WaitTimeout",
     "__version__",
     "run_server",
 ]
@@ -67,6 +76,7 @@ _LAZY = {
     "TensorShare": "compat",
     "RLTrainer": "rl",
     "RLWorker": "rl",
+    "TrainerStopped": "rl",
 }
 
 
@@ -87,5 +97,5 @@ if TYPE_CHECKING:
     from .client import NOWAIT, Client, FetchResult
     from .compat import TensorShare
     from .messages import Limits
-    from .rl import RLTrainer, RLWorker
+    from .rl import RLTrainer, RLWorker, TrainerStopped
     from .server import EmbeddedServer, run_server

@@ -16,6 +16,15 @@ never shipped.
   news costs the workers nothing until it comes, and then every call they are making or will
   make raises :class:`TrainerStopped` at once. A trainer that hosts the server signals this
   itself when it stops.
+* Both sides ride out connection drops and server restarts (the client reconnects). If the
+  server came back *without* its data (no ``--data-dir``), parameter versions start again:
+  a worker notices (the server's id changed), forgets its version, so it downloads the next
+  parameters whatever their number, and tags rollouts made meanwhile with no version (stale to
+  a filtering trainer). A call caught in flight by such a restart is settled without doubling
+  anything: a rollout whose append cannot be known to have landed is dropped (it was made with
+  parameters the new server never saw; ``add_data`` returns 0 and ``lost_rollouts`` counts
+  it), a publish is made again (a put replaces, so that is safe), a ``get_data`` returns
+  nothing, and a parameter fetch is asked again.
 
 Both classes work as plain blocking objects (``with RLWorker(host, port) as w: ...``) from
 any thread; ``start()`` / ``stop()`` keep the original API, where ``start()`` blocks until
@@ -24,16 +33,32 @@ any thread; ``start()`` / ``stop()`` keep the original API, where ``start()`` bl
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .client import NOWAIT, Client
-from .errors import BinNotFound, ConnectionLost, Timeout, TransportError, is_server_timeout
+from .errors import (
+    BinNotFound,
+    ConnectionLost,
+    SessionLost,
+    Timeout,
+    TransportError,
+    is_server_timeout,
+)
 
 __all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker", "TrainerStopped", "stop_bin_for"]
 
 _T = TypeVar("_T")
+
+log = logging.getLogger("tensorshare.rl")
+
+# How many times one call is asked again after a server restart caught it in flight (each try
+# has the client's own timeout; a server that restarts this often in one call is broken).
+_RESTART_RETRIES = 3
 
 PARAMS_BIN = "rl/parameters"
 DATA_BIN = "rl/rollouts"
@@ -160,8 +185,17 @@ class RLTrainer(_Base):
         Returns:
             The new parameter version, once the server holds the parameters.
         """
-        self.version = self.client.put(self.params_bin, state_dict)
-        return self.version
+        for attempt in range(_RESTART_RETRIES + 1):
+            try:
+                self.version = self.client.put(self.params_bin, state_dict)
+                return self.version
+            except SessionLost:
+                # The server restarted while the put was in flight: whether it landed is
+                # unknown, but a put replaces the bin, so making it again cannot double it.
+                if attempt == _RESTART_RETRIES:
+                    raise
+                log.warning("publishing parameters again: the server restarted meanwhile")
+        raise AssertionError("unreachable")
 
     def _min_tag(self) -> int | None:
         # Only publishes change the parameter bin, so versions count publishes.
@@ -192,6 +226,12 @@ class RLTrainer(_Base):
         try:
             res = self.client.fetch(self.data_bin, remove=True, max_items=max_items,
                                     timeout=wait, min_tag=min_tag, min_items=min_items)
+        except SessionLost:
+            # The server restarted (or forgot this client) while the get was in flight: the
+            # rollouts it took, if any, went with the old server. Nothing to return this time.
+            log.warning("get_data: the server restarted while rollouts were being fetched")
+            self.last_dropped = 0
+            return []
         except (BinNotFound, Timeout) as exc:
             if isinstance(exc, Timeout) and not is_server_timeout(exc):
                 raise  # the server did not answer: a failure, not "no data"
@@ -230,7 +270,9 @@ class RLWorker(_Base):
         super().__init__(host, port, timeout, params_bin, data_bin, client_options)
         self.version: int | None = None  # version of the parameters last returned
         self.downloads = 0  # parameter versions downloaded (each at most once)
+        self.lost_rollouts = 0  # rollouts dropped because a server restart caught them
         self._params: Any = None
+        self._server_id = ""  # the server whose versions self.version counts
         self._trainer_stopped = threading.Event()
         if watch_stop:
             try:
@@ -276,8 +318,7 @@ class RLWorker(_Base):
             TrainerStopped: the trainer signalled the end of the run.
         """
         try:
-            res = self._call(lambda: self.client.fetch(self.params_bin, remove=False,
-                                                       newer_than=self.version))
+            res = self._fetch_parameters(None, wait=False)
         except BinNotFound:
             return self._params
         return self._adopt(res)
@@ -295,17 +336,51 @@ class RLWorker(_Base):
             TrainerStopped: the trainer signalled the end of the run (also while waiting).
         """
         try:
-            res = self._call(lambda: self.client.fetch(self.params_bin, remove=False,
-                                                       newer_than=self.version or 0,
-                                                       timeout=timeout))
+            res = self._fetch_parameters(timeout, wait=True)
         except Timeout as exc:
             if not is_server_timeout(exc):
                 raise  # the server did not answer: a failure, not "nothing newer"
             return None
         return self._adopt(res)
 
+    def _check_server(self) -> str:
+        """The server's id; forget our parameter version if it is a new server's."""
+        sid = self.client.server_id
+        if sid and sid != self._server_id:
+            if self._server_id and self.version is not None:
+                log.warning("the tensorshare server restarted without its data: parameter "
+                            "versions start again (this worker had version %d)", self.version)
+                self.version = None
+            self._server_id = sid
+        return sid
+
+    def _fetch_parameters(self, timeout: float | None, *, wait: bool) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(_RESTART_RETRIES + 1):
+            sid = self._check_server()
+            newer = self.version
+            if wait:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                call = functools.partial(self.client.fetch, self.params_bin, remove=False,
+                                         newer_than=newer or 0, timeout=left)
+            else:
+                call = functools.partial(self.client.fetch, self.params_bin, remove=False,
+                                         newer_than=newer)
+            try:
+                res = self._call(call)
+            except SessionLost:
+                if attempt == _RESTART_RETRIES:
+                    raise
+                continue  # a read: asking again is safe
+            if self._check_server() == sid or newer is None:
+                return res
+            # The call waited for a reconnect to a new server and compared versions that
+            # meant nothing there: ask again, with the version forgotten.
+        return res
+
     def _adopt(self, res: Any) -> Any:
         if not res.unchanged:
+            self._server_id = self.client.server_id or self._server_id
             self._params = res.value
             self.version = res.version
             self.downloads += 1
@@ -315,9 +390,25 @@ class RLWorker(_Base):
         """Send a rollout, tagged with the version of the parameters last returned.
 
         Returns:
-            The rollout bin's version, once the server holds the rollout.
+            The rollout bin's version, once the server holds the rollout; 0 if a server
+            restart caught the rollout in flight and it was dropped (see the module's notes;
+            ``lost_rollouts`` counts them). Nothing is ever stored twice.
 
         Raises:
             TrainerStopped: the trainer signalled the end of the run.
         """
-        return self._call(lambda: self.client.append(self.data_bin, x, tag=self.version))
+        if not self.client.connected:
+            # Reconnecting: learn which server comes back before tagging, so that a rollout
+            # made for a server that restarted without its data is not tagged with a version
+            # that means something else on the new one (waits up to the client's timeout).
+            self._call(self.client.ping)
+        self._check_server()
+        tag = self.version
+        try:
+            return self._call(lambda: self.client.append(self.data_bin, x, tag=tag))
+        except SessionLost:
+            # Unknown whether it landed: sending it again could store it twice, and it was
+            # made with parameters of a server that is gone. Drop it, loudly.
+            self.lost_rollouts += 1
+            log.warning("a rollout was dropped: the server restarted while it was being sent")
+            return 0

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from tensorshare import Client, ConnectionLost, EmbeddedServer, RLTrainer, RLWorker
+from tensorshare import (
+    Client,
+    ConnectionLost,
+    EmbeddedServer,
+    RLTrainer,
+    RLWorker,
+    TensorShare,
+)
 from tensorshare.rl import TrainerStopped
 from tests.conftest import wait_until
 
@@ -231,3 +240,70 @@ def test_start_blocks_until_stop_from_another_thread(server: EmbeddedServer) -> 
     w.stop()
     t.join(10)
     assert not t.is_alive()
+
+
+def test_a_seed_style_worker_loop_and_a_tensorshare_client_ride_out_a_server_restart() -> None:
+    """The server dies and comes back on the same port without its data: the worker's loop
+    (written as in the seed) and a callback client carry on by themselves."""
+    srv = EmbeddedServer(port=0)
+    port = srv.port
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    replies: queue.Queue[dict[str, Any]] = queue.Queue()
+    trainer = RLTrainer("127.0.0.1", port, timeout=20.0)
+    worker = RLWorker("127.0.0.1", port, timeout=20.0)
+    ts = TensorShare("127.0.0.1", port, timeout=20.0)
+    callbacks = threading.Thread(target=ts.start, daemon=True)
+    callbacks.start()
+
+    def generate_rollouts() -> None:  # the seed's worker loop
+        try:
+            params = worker.get_parameters()
+            if params is None:
+                params = worker.await_new_parameters(timeout=None)
+            while not stop.is_set():
+                worker.add_data(params["weight"][0, :1].clone())  # says which params made it
+                params = worker.get_parameters()
+                stop.wait(0.005)
+        except BaseException as exc:  # checked below
+            errors.append(exc)
+
+    def rollouts_made_with(scale: float, tag: int) -> Callable[[], bool]:
+        def check() -> bool:
+            got = trainer.get_data(return_versions=True)
+            return any(float(x[0]) == scale and v == tag for x, v in got)
+        return check
+
+    loop = threading.Thread(target=generate_rollouts)
+    try:
+        trainer.publish_parameters(_params(1))
+        assert trainer.publish_parameters(_params(2)) == 2
+        loop.start()
+        wait_until(rollouts_made_with(2.0, 2), what="rollouts from the first server")
+        ts.put("ts/x", torch.ones(2), replies.put)
+        assert replies.get(timeout=10)["status"] == "OK"
+
+        srv.stop()
+        srv = EmbeddedServer(port=port)  # same port, no data: versions start again
+
+        # The trainer's publish waits for its reconnect; the new server numbers it 1.
+        assert trainer.publish_parameters(_params(7)) == 1
+        wait_until(rollouts_made_with(7.0, 1), timeout=20.0,
+                   what="rollouts made with the new server's parameters, tagged 1")
+        assert worker.version == 1 and not errors and loop.is_alive()
+        ts.put("ts/x", torch.full((2,), 3.0), replies.put)
+        ts.peek("ts/x", replies.put)
+        assert replies.get(timeout=20)["status"] == "OK"
+        peeked = replies.get(timeout=10)
+        assert peeked["status"] == "OK" and torch.equal(peeked["data"], torch.full((2,), 3.0))
+    finally:
+        stop.set()
+        if loop.ident is not None:
+            loop.join(20)
+        ts.stop(timeout=10)
+        callbacks.join(10)
+        worker.stop()
+        trainer.stop()
+        srv.stop()
+    assert not errors, errors
+    assert not loop.is_alive()
