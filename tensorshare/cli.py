@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="use this running server instead of hosting one")
     d.add_argument("--warmup", type=float, default=None,
-                   help="seconds of 1-worker warm-up (default 3)")
+                   help="seconds of 1-worker warm-up (default: 2 with more than one worker)")
     return p
 
 
