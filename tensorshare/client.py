@@ -409,13 +409,13 @@ class Client:
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
         # Reading (see _serve): who reads the socket now (None, _READER or a caller), how
-        # many callers wait for replies, whether a caller asked the reader thread to yield,
-        # whether the reader thread is in poll() or parked until a caller is done.
+        # many callers wait for replies, whether a lone caller asked the reader thread to
+        # step aside (set until that caller leads or is done), whether the reader thread is
+        # in poll(), when a caller last stopped reading.
         self._leader: object | None = None
         self._waiting = 0
         self._yield = False
         self._polling = False
-        self._parked_long = False
         self._last_exit = 0.0
         self._broken: str | None = None  # a leading caller saw the connection end
         self._reader: _Reader | None = None
@@ -789,7 +789,8 @@ class Client:
             if not chunks or sock is None:
                 return
             try:
-                _sendall(sock, chunks, [m.fd for m in shared] if shared else None)
+                _sendall(sock, chunks, [m.fd for m in shared] if shared else None,
+                         self.timeout)
             except OSError as exc:
                 # A partly written frame leaves the stream unusable: drop the connection; the
                 # reader reconnects and the session resends what had no reply.
@@ -806,11 +807,12 @@ class Client:
         caller waiting (no thread handoff), else let the reading thread hand it over."""
         cv = self._cv
         me = threading.get_ident()
+        asked = False  # this caller asked the reader thread to step aside
         with cv:
             self._waiting += 1
         try:
             while not slot.done:
-                lead = asked = False
+                lead = False
                 with cv:
                     if slot.done:
                         break
@@ -818,20 +820,20 @@ class Client:
                             and self._broken is None and self._session.connected):
                         if self._leader is None:
                             self._leader = me
+                            self._yield = False
                             lead = True
                         elif self._leader is _READER:
-                            # The reader thread is in poll(): ask it to step aside.
-                            if not self._yield:
-                                self._yield = True
-                                if self._polling:
-                                    self._wake()
+                            # The reader thread is in poll(): ask it to step aside (it
+                            # leaves _yield set, so it does not take the lead back first).
+                            self._yield = True
+                            if self._polling:
+                                self._wake()
                             asked = True
                             cv.wait(0.05)
                             continue
                 if lead:
+                    asked = False
                     self._lead(call, slot)
-                    continue
-                if asked:
                     continue
                 deadline = call.deadline
                 wait = None if deadline is None else deadline - time.monotonic() + 0.002
@@ -847,6 +849,9 @@ class Client:
         finally:
             with cv:
                 self._waiting -= 1
+                if asked and self._yield and self._leader is not me:
+                    self._yield = False  # done without leading: the reader may read again
+                    cv.notify_all()
 
     def _expire(self, call: Call) -> None:
         with self._lock:
@@ -969,8 +974,10 @@ class Client:
         else:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # The timeout bounds each send (a server that stops reading); reads use poll.
-        sock.settimeout(self.timeout)
+        # Non-blocking from here on: reads already wait in poll (Python's own poll before every
+        # recv and send on a socket with a timeout would be one more system call each), and
+        # _sendall waits for room itself, up to the timeout (a server that stops reading).
+        sock.setblocking(False)
         return sock
 
     def _serve(self, sock: socket.socket) -> str:
@@ -990,7 +997,7 @@ class Client:
                 self._reader = _Reader(sock)
                 hello = session.connection_made(time.monotonic())
             try:
-                _sendall(sock, hello)
+                _sendall(sock, hello, None, self.timeout)
             except OSError as exc:
                 return f"handshake failed: {exc}"
         reader = self._reader
@@ -1022,7 +1029,7 @@ class Client:
                     nxt = session.next_deadline()
                     beat = session.heartbeat_due(now) if session.connected else None
                     due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
-                    if self._leader is None and not self._yield:
+                    if self._leader is None and not (self._yield and self._waiting == 1):
                         # A caller waiting alone reads for itself; with more waiting, or
                         # none for a while, or during the handshake, this thread reads. So
                         # it does when a lone caller did not take the lead within LINGER
@@ -1032,9 +1039,11 @@ class Client:
                             self._leader = _READER
                             break
                         due = min(due, resume)
-                        self._parked_long = False
                     else:
-                        self._parked_long = True  # a caller leads: wake me when it is done
+                        # A caller leads (or is about to): look again after LINGER rather
+                        # than be woken at the end of every call; a thread wake-up per
+                        # request costs more than the request.
+                        due = min(due, now + LINGER)
                     cv.wait(min(max(due - now, 0.0), 60.0))
                 self._polling = True
             try:
@@ -1048,9 +1057,7 @@ class Client:
             if any(fd != self._wake_r for fd, _ in ready):
                 reason = self._read_once(reader)
             with cv:
-                self._leader = None
-                if self._yield:
-                    self._yield = False
+                self._leader = None  # _yield stays set: the caller that asked leads next
                 cv.notify_all()
             if reason is not None:
                 return reason
@@ -1134,7 +1141,7 @@ class Client:
                 self._last_exit = time.monotonic()
                 if reason is not None and self._broken is None:
                     self._broken = reason
-                if reason is not None or self._parked_long or self._waiting > 1:
+                if reason is not None or self._waiting > 1:
                     self._cv.notify_all()
 
     def _handle(self, events: builtins.list[Any]) -> bool:
@@ -1391,19 +1398,35 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _sendall(sock: socket.socket, chunks: Sequence[BytesLike],
-             fds: list[int] | None = None) -> None:
-    """Send every chunk; ``fds`` (a Unix socket) go along, at most 200 per ``sendmsg``."""
+def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | None = None,
+             timeout: float | None = None) -> None:
+    """Send every chunk on a non-blocking socket, waiting up to ``timeout`` seconds each time
+    it is full; ``fds`` (a Unix socket) go along, at most 200 per ``sendmsg``.
+
+    Raises:
+        TimeoutError: the socket stayed full for ``timeout`` seconds (the peer stopped reading).
+        OSError: the send failed.
+    """
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
     i = 0
     pending = list(fds) if fds else []
+    poller = None
     while i < len(views):
-        if pending:
-            batch, pending = pending[:200], pending[200:]
-            sent = sock.sendmsg(views[i : i + _MAX_IOV], [(
-                socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch).tobytes())])
-        else:
-            sent = sock.sendmsg(views[i : i + _MAX_IOV])
+        try:
+            if pending:
+                sent = sock.sendmsg(views[i : i + _MAX_IOV], [(
+                    socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                    array.array("i", pending[:200]).tobytes())])
+                pending = pending[200:]
+            else:
+                sent = sock.sendmsg(views[i : i + _MAX_IOV])
+        except (BlockingIOError, InterruptedError):
+            if poller is None:
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+            if not poller.poll(None if timeout is None else timeout * 1000.0):
+                raise TimeoutError(f"the server did not read for {timeout:g} s") from None
+            continue
         while sent:
             n = views[i].nbytes
             if sent >= n:
