@@ -910,6 +910,7 @@ class Client:
                     while self._leader not in (None, _READER):  # a caller still reads it
                         self._cv.wait(1.0)
                     self._leader = None
+                    self._yield = False  # a request to step aside is about this connection
                     self._broken = None
                     self._sock = None
                     self._reader = None
@@ -1029,7 +1030,8 @@ class Client:
                     nxt = session.next_deadline()
                     beat = session.heartbeat_due(now) if session.connected else None
                     due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
-                    if self._leader is None and not (self._yield and self._waiting == 1):
+                    if self._leader is None and not (self._yield and self._waiting == 1
+                                                     and session.connected):
                         # A caller waiting alone reads for itself; with more waiting, or
                         # none for a while, or during the handshake, this thread reads. So
                         # it does when a lone caller did not take the lead within LINGER
