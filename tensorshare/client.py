@@ -417,6 +417,7 @@ class Client:
         self._yield = False
         self._polling = False
         self._last_exit = 0.0
+        self._lead_start = 0.0  # when the current leading caller took the lead
         self._broken: str | None = None  # a leading caller saw the connection end
         self._reader: _Reader | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -821,6 +822,7 @@ class Client:
                         if self._leader is None:
                             self._leader = me
                             self._yield = False
+                            self._lead_start = time.monotonic()
                             lead = True
                         elif self._leader is _READER:
                             # The reader thread is in poll(): ask it to step aside (it
@@ -1041,10 +1043,14 @@ class Client:
                             self._leader = _READER
                             break
                         due = min(due, resume)
+                    elif self._leader is not None and now - self._lead_start > LINGER:
+                        # A caller has led for a while (a long wait): it wakes us when it
+                        # is done (see _lead), so sleep until then.
+                        pass
                     else:
                         # A caller leads (or is about to): look again after LINGER rather
                         # than be woken at the end of every call; a thread wake-up per
-                        # request costs more than the request.
+                        # short request costs more than the request.
                         due = min(due, now + LINGER)
                     cv.wait(min(max(due - now, 0.0), 60.0))
                 self._polling = True
@@ -1140,10 +1146,13 @@ class Client:
         finally:
             with self._cv:
                 self._leader = None
-                self._last_exit = time.monotonic()
+                now = time.monotonic()
+                self._last_exit = now
                 if reason is not None and self._broken is None:
                     self._broken = reason
-                if reason is not None or self._waiting > 1:
+                # The reader thread sleeps through a long lead (see _serve): wake it. After
+                # a short one it looks again by itself within LINGER.
+                if reason is not None or self._waiting > 1 or now - self._lead_start > LINGER:
                     self._cv.notify_all()
 
     def _handle(self, events: builtins.list[Any]) -> bool:
