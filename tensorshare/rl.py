@@ -64,6 +64,19 @@ PARAMS_BIN = "rl/parameters"
 DATA_BIN = "rl/rollouts"
 
 
+def _again_after_restart(call: Callable[[], _T], what: str) -> _T:
+    """``call()``, made again when a server restart caught it in flight (``SessionLost``).
+
+    Only for calls that are safe to repeat (a read, a put that replaces).
+    """
+    for _ in range(_RESTART_RETRIES):
+        try:
+            return call()
+        except SessionLost:
+            log.warning("%s again: the server restarted meanwhile", what)
+    return call()
+
+
 class TrainerStopped(ConnectionLost):
     """The trainer signalled the end of the run (:meth:`RLTrainer.signal_stop`).
 
@@ -185,17 +198,11 @@ class RLTrainer(_Base):
         Returns:
             The new parameter version, once the server holds the parameters.
         """
-        for attempt in range(_RESTART_RETRIES + 1):
-            try:
-                self.version = self.client.put(self.params_bin, state_dict)
-                return self.version
-            except SessionLost:
-                # The server restarted while the put was in flight: whether it landed is
-                # unknown, but a put replaces the bin, so making it again cannot double it.
-                if attempt == _RESTART_RETRIES:
-                    raise
-                log.warning("publishing parameters again: the server restarted meanwhile")
-        raise AssertionError("unreachable")
+        # A put replaces the bin: made again after a restart caught it, it cannot double.
+        self.version = _again_after_restart(
+            functools.partial(self.client.put, self.params_bin, state_dict),
+            "publishing parameters")
+        return self.version
 
     def _min_tag(self) -> int | None:
         # Only publishes change the parameter bin, so versions count publishes.
@@ -355,32 +362,32 @@ class RLWorker(_Base):
         return sid
 
     def _fetch_parameters(self, timeout: float | None, *, wait: bool) -> Any:
+        """Fetch parameters newer than ours (waiting up to ``timeout`` with ``wait``), asked
+        again when a server restart caught the fetch or made our version meaningless."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in range(_RESTART_RETRIES + 1):
-            sid = self._check_server()
-            newer = self.version
-            if wait:
-                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                call = functools.partial(self.client.fetch, self.params_bin, remove=False,
-                                         newer_than=newer or 0, timeout=left)
-            else:
-                call = functools.partial(self.client.fetch, self.params_bin, remove=False,
-                                         newer_than=newer)
-            try:
-                res = self._call(call)
-            except SessionLost:
-                if attempt == _RESTART_RETRIES:
-                    raise
-                continue  # a read: asking again is safe
-            if self._check_server() == sid or newer is None:
-                return res
-            # The call waited for a reconnect to a new server and compared versions that
-            # meant nothing there: ask again, with the version forgotten.
-        return res
+
+        def fetch() -> Any:
+            for _ in range(_RESTART_RETRIES):
+                sid = self._check_server()
+                newer = self.version
+                if wait:
+                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    res = self._call(functools.partial(
+                        self.client.fetch, self.params_bin, remove=False,
+                        newer_than=newer or 0, timeout=left))
+                else:
+                    res = self._call(functools.partial(
+                        self.client.fetch, self.params_bin, remove=False, newer_than=newer))
+                if newer is None or self._check_server() == sid:
+                    return res
+                # It waited for a reconnect to a new server and compared a version that meant
+                # nothing there: ask again, with the version forgotten.
+            return res
+
+        return _again_after_restart(fetch, "fetching parameters")  # a read: safe to repeat
 
     def _adopt(self, res: Any) -> Any:
         if not res.unchanged:
-            self._server_id = self.client.server_id or self._server_id
             self._params = res.value
             self.version = res.version
             self.downloads += 1
