@@ -12,6 +12,7 @@ setup(
     license="MIT",
     python_requires=">=3.11",
     packages=find_packages(include=["tensorshare", "tensorshare.*"]),
+    package_data={"tensorshare": ["py.typed"]},
     install_requires=[
         "twisted>=23.10",
         "msgpack>=1.0",
@@ -33,7 +34,7 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy",
                  "mypy-zope", "gymnasium>=1.0"],
     },
-    entry_points={"console_scripts": ["tensorshare=tensorshare.cli:main"]},
+    entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from tensorshare.demo import DEFAULT_GYM_ENV, ENVS_PER_WORKER, SEGMENT_STEPS, env_spec, train
+from tensorshare.rl.demo import DEFAULT_GYM_ENV, ENVS_PER_WORKER, SEGMENT_STEPS, env_spec, train
 
 
 @dataclass

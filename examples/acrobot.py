@@ -24,7 +24,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tensorshare.demo import have_gymnasium, train
+from tensorshare.rl.demo import have_gymnasium, train
 
 
 def main(argv: Sequence[str] | None = None) -> int:

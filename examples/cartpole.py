@@ -25,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tensorshare.demo import BUILTIN_CARTPOLE, have_gymnasium, train
+from tensorshare.rl.demo import BUILTIN_CARTPOLE, have_gymnasium, train
 
 
 def main(argv: Sequence[str] | None = None) -> int:

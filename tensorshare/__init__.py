@@ -72,8 +72,8 @@ _LAZY = {
     "FetchResult": "client",
     "EmbeddedServer": "server",
     "run_server": "server",
-    "Limits": "messages",
-    "TensorShare": "compat",
+    "Limits": "wire.messages",
+    "TensorShare": "client.compat",
     "RLTrainer": "rl",
     "RLWorker": "rl",
     "TrainerStopped": "rl",
@@ -95,7 +95,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .client import NOWAIT, Client, FetchResult
-    from .compat import TensorShare
-    from .messages import Limits
+    from .client.compat import TensorShare
     from .rl import RLTrainer, RLWorker, TrainerStopped
     from .server import EmbeddedServer, run_server
+    from .wire.messages import Limits

@@ -1,5 +1,5 @@
 """``python -m tensorshare``: the same as the ``tensorshare`` command."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""The ``tensorshare`` command (``main``) and its inspection views (``tools``). Nothing in the
+package imports this one."""

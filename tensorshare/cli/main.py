@@ -1,0 +1,320 @@
+"""The ``tensorshare`` command: ``serve``, ``ls``, ``peek``, ``watch``, ``monitor``, ``stats``,
+``demo``.
+
+This module parses the arguments and dispatches; the inspection commands live in
+:mod:`tensorshare.tools`, the Prometheus exporter in :mod:`tensorshare.metrics`.
+
+``tensorshare serve --port 0`` picks a free port and prints it as ``listening on HOST:PORT``,
+so scripts can start a server and read back where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .._version import __version__
+
+__all__ = ["main"]
+
+
+def _size(text: str) -> int:
+    """Parse a byte count: ``1048576``, ``512M``, ``2G``, ``64KiB``."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    if mult != 1:
+        t = t[:-1]
+    try:
+        value = int(float(t) * mult)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1048576, 512M, 2G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """Parse a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be positive and finite: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """Parse a positive int."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorshare", description="Share PyTorch tensors "
+                                "between processes and machines.")
+    p.add_argument("--version", action="version", version=f"tensorshare {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a server (until Ctrl+C)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind (default 127.0.0.1; 0.0.0.0 accepts other machines)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--unix", default=None, metavar="PATH",
+                   help="also listen on this Unix socket (same-host clients connect to "
+                        "unix://PATH; large tensors then travel through shared memory)")
+    s.add_argument("--max-memory", type=_size, default=None, metavar="BYTES",
+                   help="refuse put/append that would take stored data above this")
+    s.add_argument("--max-frame-bytes", type=_size, default=None, metavar="BYTES",
+                   help="largest request or reply frame (default 1G)")
+    s.add_argument("--max-header-bytes", type=_size, default=None, metavar="BYTES",
+                   help="largest msgpack header of a frame (default 64M)")
+    s.add_argument("--max-depth", type=int, default=None, help="deepest value nesting (default 64)")
+    s.add_argument("--max-name-bytes", type=int, default=None,
+                   help="longest bin name in UTF-8 bytes (default 1024)")
+    s.add_argument("--session-ttl", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="keep a disconnected client's session this long for it to resume "
+                        "(default 60)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="connections served at once; more are refused (default 1024)")
+    s.add_argument("--max-client-buffer", type=_size, default=64 << 20, metavar="BYTES",
+                   help="bytes queued for a client that stopped reading before it is "
+                        "disconnected (default 64M)")
+    s.add_argument("--max-session-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="bytes of unacknowledged get items one session may hold (default 1G)")
+    s.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
+                        "without it the server holds everything in memory only")
+    s.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
+                   help="when the data log reaches the disk: before each reply (always), "
+                        "every second (everysec, the default) or when the OS decides (no)")
+    s.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="write a snapshot (and drop the log it covers) this often "
+                        "(default 300)")
+    s.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="also write one once the log has grown this much (default 1G)")
+    s.add_argument("--truncate-corrupt-log", action="store_true",
+                   help="start even if the data log is corrupt in the middle, dropping it "
+                        "from the bad record on (the start-up error tells you when)")
+    s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (0 picks a free "
+                        "one); off by default")
+    s.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface for the metrics endpoint (default: --host's)")
+    s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
+                   help="also export one series per bin (default on; turn it off for "
+                        "servers with very many bins)")
+
+    # The connection options every client command takes, as the clients do.
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--host", default="127.0.0.1",
+                      help="server address (default 127.0.0.1), or a URL: "
+                           "tensorshare://HOST:PORT, unix://PATH")
+    conn.add_argument("--port", type=int, default=8000, help="server port (default 8000)")
+    conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                      help="seconds the server has to answer (default 5)")
+
+    ls = sub.add_parser("ls", parents=[conn], help="the bins: kind, items, bytes, what they "
+                        "hold, version, listeners, last change")
+    ls.add_argument("glob", nargs="?", default=None,
+                    help="only the bins whose name matches this pattern (e.g. 'rollouts/*')")
+    ls.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    pk = sub.add_parser("peek", parents=[conn], help="a bin's value as a tree, with each "
+                        "tensor's dtype, shape, bytes and statistics; nothing is removed")
+    pk.add_argument("bin", help="the bin")
+    pk.add_argument("--item", type=int, default=None, metavar="N",
+                    help="for a list bin: only item N (0 is the oldest, -1 the newest)")
+    pk.add_argument("--values", action="store_true",
+                    help="also print the tensors themselves (abbreviated as torch does)")
+    pk.add_argument("--limit", type=_count, default=10, metavar="K",
+                    help="show at most K items of a list bin and K entries of each "
+                         "container (default 10)")
+
+    w = sub.add_parser("watch", parents=[conn], help="one line per change of some bins, as "
+                       "it happens (until Ctrl+C)")
+    w.add_argument("bins", nargs="+", metavar="BIN",
+                   help="bin names, or patterns such as 'rollouts/*' (quote them) whose bins "
+                        "are found as they appear")
+    w.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                   help="how often to look for new bins matching a pattern (default 1)")
+
+    m = sub.add_parser("monitor", parents=[conn], help="a live table of every bin's rates, "
+                       "redrawn in place (until Ctrl+C)")
+    m.add_argument("glob", nargs="?", default=None, help="only the bins matching this pattern")
+    m.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                   help="seconds between refreshes (default 1)")
+    m.add_argument("--history", type=_count, default=8, metavar="N",
+                   help="samples of history shown per rate (default 8)")
+
+    st = sub.add_parser("stats", parents=[conn], help="the server: uptime, connections, "
+                        "memory, requests and counters since start")
+    st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
+
+    # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
+    # _demo passes each one run_demo accepts).
+    d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
+                       "one with --server): a smoke test of a deployment; about a minute")
+    d.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    d.add_argument("--max-seconds", type=float, default=90.0, help="stop after this long")
+    d.add_argument("--target", type=float, default=None,
+                   help="average return to reach (default: the environment's)")
+    d.add_argument("--env", default=None,
+                   help="Gymnasium id or builtin-CartPole (default Acrobot-v1 with Gymnasium)")
+    d.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="use this running server instead of hosting one")
+    d.add_argument("--warmup", type=float, default=None,
+                   help="seconds of 1-worker warm-up (default: 2 with more than one worker)")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
+
+    from ..server.connection import ServerConfig
+    from ..wire.messages import Limits
+
+    level = LogLevel.warn if args.quiet else LogLevel.info
+    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
+                                    [LogLevelFilterPredicate(defaultLogLevel=level)])
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    defaults = Limits()
+    try:
+        limits = Limits(
+            max_frame_bytes=args.max_frame_bytes or defaults.max_frame_bytes,
+            max_header_bytes=args.max_header_bytes or min(defaults.max_header_bytes,
+                                                          args.max_frame_bytes or 1 << 62),
+            max_depth=args.max_depth or defaults.max_depth,
+            max_name_bytes=args.max_name_bytes or defaults.max_name_bytes,
+        )
+    except ValueError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 2
+
+    if args.max_connections < 1:
+        print("tensorshare serve: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    exporter = None
+    if args.metrics_port is not None:
+        from ..server.metrics import start_metrics_server
+
+        # Bound before the server starts: a busy metrics port fails before anything runs.
+        metrics_host = args.metrics_host or args.host
+        try:
+            exporter = start_metrics_server(args.metrics_port, metrics_host,
+                                            per_bin=args.metrics_per_bin)
+        except OSError as exc:
+            print(f"tensorshare serve: cannot serve metrics on {metrics_host}:"
+                  f"{args.metrics_port}: {exc}", file=sys.stderr)
+            return 1
+
+    running: list[Any] = []
+
+    def ready(server: Any) -> None:
+        running.append(server)
+        host, port = server.host, server.port
+        print(f"tensorshare {__version__} listening on {host}:{port}", flush=True)
+        if args.unix is not None:  # on its own line: scripts read HOST:PORT off the first
+            print(f"listening on unix://{args.unix}", flush=True)
+        if exporter is not None:
+            exporter.collector.server = server
+            print(f"metrics at {exporter.url}", flush=True)
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print("warning: this server accepts connections from other machines and has no "
+                  "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
+
+    config = ServerConfig(limits=limits, max_memory=args.max_memory,
+                          session_ttl=args.session_ttl, max_connections=args.max_connections,
+                          max_client_buffer=args.max_client_buffer,
+                          max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
+                          fsync=args.fsync, snapshot_every=args.snapshot_every,
+                          snapshot_log_bytes=args.snapshot_log_bytes,
+                          truncate_corrupt_log=args.truncate_corrupt_log)
+    try:
+        return _run_server(args, ready, config, running)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+
+
+def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list[Any]) -> int:
+    from ..server.connection import run_server
+    from ..server.persist import DataError
+
+    try:
+        run_server(args.port, args.host, ready=ready, config=config, unix=args.unix)
+    except KeyboardInterrupt:
+        # Ctrl+C while run_server was still calling ready() (a script that reads the
+        # "listening on" line and interrupts at once): run_server only handles it once it
+        # waits, so stop the server here, as it would have.
+        if running:
+            running[0].stop()
+        return 0
+    except DataError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f"{args.host}:{args.port}" + (f" or unix://{args.unix}" if args.unix else "")
+        print(f"tensorshare serve: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _tool(args: argparse.Namespace) -> int:
+    """Run an inspection command; a failure is one line on stderr and exit status 1."""
+    from ..errors import TensorShareError
+    from . import tools
+
+    run = {"ls": tools.run_ls, "peek": tools.run_peek, "watch": tools.run_watch,
+           "monitor": tools.run_monitor, "stats": tools.run_stats}[args.command]
+    try:
+        return run(args)
+    except (TensorShareError, tools.ToolError) as exc:
+        print(f"tensorshare {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`tensorshare ls | head`): not an error worth a traceback.
+        # Point stdout at nothing so the interpreter's final flush does not complain.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:  # Ctrl+C in a one-shot command (watch and monitor catch it)
+        return 130
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """``tensorshare demo``: pass the options through to whatever ``run_demo`` accepts."""
+    from ..rl.demo import run_demo
+
+    accepted = inspect.signature(run_demo).parameters
+    return run_demo(**{k: v for k, v in vars(args).items() if k in accepted})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tensorshare`` command. Returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo":
+        return _demo(args)
+    return _tool(args)

@@ -1,0 +1,738 @@
+"""The client session: one sans-I/O core under every client.
+
+:class:`ClientSession` owns everything a client knows about its conversation with the server:
+request ids, the one table of pending requests (what each is, how to describe it in errors,
+when it times out), the listeners and the last version each has seen, what must be resent
+after a reconnect, the acknowledgements that let the server forget remembered replies, and
+failing everything at once. It never touches a socket, a thread or a clock: the I/O shells
+(:class:`tensorshare.Client` with a socket and a reader thread, the Twisted client with
+``callLater`` and Deferreds) pass the time in and do what the returned events say.
+
+A shell's life::
+
+    session = ClientSession(address="host:8000", timeout=30.0, reconnect=True)
+    transport.write(session.connection_made(now))           # hello
+    call = session.call(Put(0, "w", item), "put to bin 'w'", now, token=slot)
+    transport.write(session.pop_sendable(now))              # once connected, in id order
+    for event in session.receive_data(data, now): ...       # Done, Notify, Ready, Drop
+    for event in session.tick(now): ...                     # timeouts and heartbeats
+    session.connection_lost("reset by peer", now)           # keep calls, or fail them all
+
+Exactly once: every connection opens with ``hello`` carrying the session id. Requests are
+numbered; each carries an acknowledgement of the replies received so far. After a reconnect
+that the server resumes, every request without a reply is sent again and the server answers
+the ones it already ran with the remembered reply. If the server does not know the session
+(restarted without persistence), requests whose outcome cannot be known fail with
+:class:`~tensorshare.errors.SessionLost`; requests that change nothing are simply resent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import (
+    ConnectError,
+    ConnectionLost,
+    ReplyTimeout,
+    SessionLost,
+    TensorShareError,
+    TransportError,
+)
+from ..wire.frames import BytesLike
+from ..wire.messages import (
+    Cancel,
+    Changed,
+    ErrorReply,
+    Fetch,
+    Hello,
+    HelloReply,
+    Limits,
+    Listen,
+    Listening,
+    Ping,
+    Reply,
+    Request,
+)
+from ..wire.protocol import (
+    MAX_OPEN_ACKS,
+    OPS,
+    PROTOCOL_VERSIONS,
+    SESSION_ID_BYTES,
+    AckInfo,
+    ClientConnection,
+    Orphan,
+    ProtocolViolation,
+    op_name,
+)
+
+__all__ = [
+    "Call",
+    "ClientSession",
+    "Done",
+    "Drop",
+    "Notify",
+    "Ready",
+    "event_dict",
+]
+
+# Call states.
+QUEUED = "queued"  # made, not sent on the current connection (maybe sent on an earlier one)
+SENT = "sent"  # sent on the current connection, no reply yet
+ABANDONED = "abandoned"  # the caller gave up; kept until the server confirmed a cancel
+FINISHED = "finished"
+
+# Backoff between reconnect attempts: BASE * 2**attempt, at most CAP, times a random factor
+# in [0.5, 1] so that dozens of workers that lost the same server do not return in lockstep.
+BACKOFF_BASE = 0.05
+BACKOFF_CAP = 2.0
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """One request of the session (made by the user, or internal: heartbeats, cancels,
+    listens renewed after a reconnect).
+
+    Attributes:
+        id: the request id (unique for the life of the session).
+        request: the message as it will be (re)sent.
+        op: its wire op.
+        what: how errors name it, e.g. ``"get on bin 'q'"``.
+        token: the shell's handle (a slot to wake, a Deferred to fire); ``None`` if internal.
+        convert: turns the reply into the caller's result (used by the shell).
+        timeout: seconds the server has to answer (after any server-side wait).
+        wait: server-side wait of a waiting fetch: seconds, or ``None`` (no limit); only
+            meaningful when ``waiting``.
+        waiting: whether this is a waiting get/peek.
+        started: when the call was made.
+        deadline: when it times out (``None``: never; a wait without limit).
+        state: queued, sent, abandoned or finished.
+        sent_on: the connection number it was last sent on (0: never sent).
+    """
+
+    id: int
+    request: Request
+    op: str
+    what: str
+    token: Any
+    convert: Callable[[Any], Any] | None
+    timeout: float
+    wait: float | None
+    waiting: bool
+    started: float
+    deadline: float | None
+    state: str = QUEUED
+    sent_on: int = 0
+    extra: Any = None  # per-op bookkeeping (the callback a listen registers, a cancel's target)
+
+
+@dataclass(slots=True)
+class Done:
+    """A call finished: ``reply`` is the server's reply (maybe an :class:`ErrorReply`), or
+    ``error`` says why there is none."""
+
+    call: Call
+    reply: Reply | None = None
+    error: TensorShareError | None = None
+
+
+@dataclass(slots=True)
+class Notify:
+    """Deliver ``event`` (a dict) to each of ``callbacks`` (opaque to the session)."""
+
+    bin: str
+    event: dict[str, Any]
+    callbacks: list[Any]
+
+
+@dataclass(slots=True)
+class Ready:
+    """The handshake of a connection completed.
+
+    Attributes:
+        hello: the server's reply.
+        first: it is the session's first connection.
+        resumed: the server carried the session on (no request was lost or doubled).
+    """
+
+    hello: HelloReply
+    first: bool
+    resumed: bool
+
+
+@dataclass(slots=True)
+class Drop:
+    """The shell must drop the current connection (then report it with ``connection_lost``)."""
+
+    reason: str
+
+
+Event = Done | Notify | Ready | Drop
+
+
+def event_dict(msg: Changed) -> dict[str, Any]:
+    """A change notification as listen callbacks get it."""
+    ev: dict[str, Any] = {"status": "OK", "bin": msg.bin, "op": msg.op, "n_items": msg.n_items,
+                          "version": msg.version}
+    if msg.skipped:
+        ev["skipped"] = msg.skipped
+    if msg.dropped:
+        ev["dropped"] = msg.dropped
+    return ev
+
+
+@dataclass(slots=True)
+class _Listen:
+    callbacks: list[Any] = field(default_factory=list)
+    version: int | None = None  # the last version delivered or learned
+
+
+class ClientSession:
+    """The state of one client, across any number of connections. Not thread-safe.
+
+    Args:
+        address: ``host:port`` (or a path), for messages.
+        timeout: seconds the server has to answer a request; also the heartbeat's answer time.
+        reconnect: ``True``: ride out connection loss for as long as it takes (each call
+            still times out on its own); a number: give up after that many seconds without
+            a connection; ``False``: fail everything at the first connection loss.
+        name: how the client introduces itself in the server's log.
+        session: ``True`` (default) for exactly-once replay with a random session id, or a
+            16-byte id; ``False`` for no session (nothing is remembered on the server).
+        heartbeat: seconds of silence after which a ping checks the connection and carries
+            acknowledgements; ``None``: a third of ``timeout``, at most 5 s.
+        rng: random numbers for the backoff jitter.
+    """
+
+    def __init__(self, *, address: str, timeout: float = 30.0, reconnect: bool | float = True,
+                 name: str = "tensorshare-python", session: bool | bytes = True,
+                 heartbeat: float | None = None, rng: random.Random | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self.name = name
+        if session is True:
+            self.session_id: bytes | None = os.urandom(SESSION_ID_BYTES)
+        elif session is False:
+            self.session_id = None
+        else:
+            self.session_id = bytes(session)
+        self.heartbeat = heartbeat if heartbeat is not None else min(timeout / 3, 5.0)
+        self.rng = rng or random.Random()
+        self.limits = Limits()
+        self.server: HelloReply | None = None  # the last handshake's answer
+        self.conn: ClientConnection | None = None
+        self.generation = 0  # connections made so far
+        self.connected = False  # the current connection completed its handshake
+        self.closed: TransportError | None = None  # set once no call can succeed any more
+        self.disconnected_since: float | None = None
+        self.server_said: str | None = None
+        self.calls: dict[int, Call] = {}  # id order: ids are given out in increasing order
+        self.listeners: dict[str, _Listen] = {}
+        self._next_id = 0
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, id); stale entries
+        self._through = 0  # highest id whose reply arrived
+        self._last_ack: AckInfo | None = None
+        self._last_tx = 0.0
+        self._last_rx = 0.0
+        self._ping: Call | None = None  # the heartbeat in flight
+        self._hello: Call | None = None
+        self._queue: list[Call] = []  # calls to send on the current connection, in id order
+        self._out_shared: list[Any] = []  # see take_shared
+        self.shm = False  # ask for memfd buffers in the handshake (a Unix socket shell)
+        self._finished_now: list[Done] = []
+        self.last_loss = ""  # why the last connection was lost, for messages
+
+    # -- ids and the table ------------------------------------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    @property
+    def pending(self) -> int:
+        """How many calls wait for a reply (internal ones included)."""
+        return len(self.calls)
+
+    def op_of(self, rid: int) -> str | None:
+        """The op of pending request ``rid`` (the reply parser needs it), or ``None``."""
+        c = self.calls.get(rid)
+        if c is None or c.state == ABANDONED:
+            # A reply to a call we gave up on (its cancel is on the way): the parser
+            # reports it as an Orphan, without decoding its items.
+            return "hello" if (self._hello is not None and self._hello.id == rid) else None
+        return c.op
+
+    # -- making calls -----------------------------------------------------------------------
+    def call(self, request: Request, what: str, now: float, *, token: Any = None,
+             convert: Callable[[Any], Any] | None = None, timeout: float | None = None,
+             extra: Any = None) -> Call:
+        """Add a request to the table; it goes out with the next :meth:`pop_sendable`.
+
+        Args:
+            request: the message; its ``id`` is replaced by a fresh one.
+            what: how errors name the request.
+            now: the current time.
+            token, convert: the shell's (see :class:`Call`).
+            timeout: seconds the server has to answer (default: the session's timeout).
+            extra: per-op bookkeeping kept with the call.
+
+        Raises:
+            ConnectionLost: the session is closed (the message says why).
+        """
+        if self.closed is not None:
+            raise type(self.closed)(f"cannot send {what}: {self.closed}")
+        rid = self._new_id()
+        request = replace(request, id=rid)  # type: ignore[type-var]
+        op = op_name(request)
+        answer = self.timeout if timeout is None else timeout
+        waiting = type(request) is Fetch and request.spec.wait
+        wait = request.spec.timeout if waiting else None  # type: ignore[union-attr]
+        if waiting and wait is None:
+            deadline = None
+        else:
+            deadline = now + answer + (wait or 0.0)
+        c = Call(rid, request, op, what, token, convert, answer, wait, waiting, now, deadline,
+                 extra=extra)
+        self.calls[rid] = c
+        self._queue.append(c)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, rid))
+        return c
+
+    def pop_sendable(self, now: float) -> list[BytesLike]:
+        """The frames of every call not yet sent on the current connection, in id order.
+
+        Empty until the handshake is done. The calls count as sent once this returns: the
+        shell must write the chunks (a failed write is a lost connection).
+        """
+        if not self.connected or self.conn is None:
+            return []
+        out: list[BytesLike] = []
+        gen = self.generation
+        queue, self._queue = self._queue, []
+        shared = self._out_shared if self.conn.shm else None
+        for c in queue:
+            if c.state != QUEUED or c.id not in self.calls:
+                continue
+            request = c.request
+            if c.sent_on and c.waiting and c.wait is not None and c.deadline is not None:
+                # Resent after a reconnect: wait only for what is left of its time.
+                left = max(c.deadline - c.timeout - now, 0.0)
+                if left != c.wait:
+                    assert type(request) is Fetch
+                    request = Fetch(request.id, request.bin, replace(request.spec, timeout=left))
+            try:
+                out.extend(self.conn.send(request, self._ack(), shared))
+            except TensorShareError as exc:
+                # Over the server's limits (learned since the call was made): fail it alone.
+                c.state = FINISHED
+                del self.calls[c.id]
+                self._finished_now.append(Done(c, error=exc))
+                continue
+            c.state = SENT
+            c.sent_on = gen
+        if out:
+            self._last_tx = now
+        return out
+
+    def take_shared(self) -> list[Any]:
+        """The shared memory (sealed memfds) whose descriptors must go with the frames that
+        :meth:`pop_sendable` returned last, in order."""
+        out, self._out_shared = self._out_shared, []
+        return out
+
+    @property
+    def has_sendable(self) -> bool:
+        """Whether :meth:`pop_sendable` would return something now."""
+        return self.connected and bool(self._queue)
+
+    def take_finished(self) -> list[Done]:
+        """Calls that :meth:`pop_sendable` had to fail locally (say, over a limit)."""
+        done, self._finished_now = self._finished_now, []
+        return done
+
+    def _ack(self) -> AckInfo | None:
+        if self.session_id is None:
+            return None
+        through = self._through
+        open_ids: list[int] = []
+        for rid in self.calls:  # id order: stop at the first id at or above ``through``
+            if rid >= through:
+                break
+            open_ids.append(rid)
+            if len(open_ids) > MAX_OPEN_ACKS:
+                through = open_ids[0] - 1
+                open_ids = []
+                break
+        ack = AckInfo(through, tuple(open_ids))
+        if ack == self._last_ack:
+            return None
+        self._last_ack = ack
+        return ack
+
+    # -- listeners ----------------------------------------------------------------------------
+    def add_listener(self, name: str, callback: Any) -> bool:
+        """Register a callback; return whether it is the bin's first (a Listen must be sent)."""
+        entry = self.listeners.get(name)
+        if entry is None:
+            self.listeners[name] = _Listen([callback])
+            return True
+        entry.callbacks.append(callback)
+        return False
+
+    def remove_listener(self, name: str, callback: Any = None) -> bool:
+        """Forget one callback (or all of the bin's); return whether the bin had any."""
+        entry = self.listeners.get(name)
+        if entry is None:
+            return False
+        if callback is None:
+            del self.listeners[name]
+            return True
+        entry.callbacks = [cb for cb in entry.callbacks if cb is not callback]
+        if not entry.callbacks:
+            del self.listeners[name]
+        return True
+
+    def listener_callbacks(self, name: str) -> list[Any]:
+        entry = self.listeners.get(name)
+        return list(entry.callbacks) if entry else []
+
+    # -- the connection -----------------------------------------------------------------------
+    def connection_made(self, now: float) -> list[BytesLike]:
+        """A new connection is up: return the hello to write first."""
+        self.conn = ClientConnection(self.limits)
+        self.generation += 1
+        self.connected = False
+        self.server_said = None
+        self._last_ack = AckInfo(0)  # nothing to acknowledge is not worth a field
+        self._last_rx = self._last_tx = now
+        for c in self.calls.values():
+            if c.state == SENT:
+                c.state = QUEUED  # sent on a dead connection: the resume decides
+        self._queue = [c for c in self.calls.values() if c.state == QUEUED]
+        hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, None, self.session_id,
+                      self.generation > 1 and self.session_id is not None, self.shm)
+        self._out_shared = []
+        c = Call(hello.id, hello, "hello", "handshake", None, None, self.timeout, None, False,
+                 now, now + self.timeout, state=SENT, sent_on=self.generation)
+        self._hello = c
+        heapq.heappush(self._deadlines, (now + self.timeout, hello.id))
+        chunks = self.conn.send(hello, self._ack())
+        return chunks
+
+    def connection_lost(self, reason: str, now: float) -> list[Event]:
+        """The current connection is gone.
+
+        Returns:
+            With ``reconnect`` off (or the session closed): a :class:`Done` with
+            :class:`~tensorshare.errors.ConnectionLost` for every call. Otherwise nothing:
+            calls wait for the next connection (each within its own timeout).
+        """
+        if self.server_said:
+            reason = f"{reason}; the server said: {self.server_said}"
+        was_connected = self.connected
+        if self.conn is not None:
+            self.conn.fds.close()
+        self.conn = None
+        self.connected = False
+        self._hello = None
+        self._ping = None
+        if self.disconnected_since is None:
+            self.disconnected_since = now
+        if self.closed is not None:
+            return []
+        if not self.reconnect or (self.generation == 1 and not was_connected
+                                  and self.server is None):
+            # No reconnect, or the very first handshake failed: nothing to ride out.
+            return self.close(ConnectionLost(
+                f"connection to tensorshare server at {self.address} lost: {reason}"))
+        self.last_loss = reason
+        return []
+
+    def give_up_due(self, now: float) -> bool:
+        """Whether a numeric ``reconnect`` has run out (the shell should then :meth:`close`)."""
+        r = self.reconnect
+        if r is True or r is False or self.disconnected_since is None:
+            return False
+        return now - self.disconnected_since > float(r)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before reconnect attempt ``attempt`` (0, 1, ...), with jitter."""
+        return min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 16)) * self.rng.uniform(0.5, 1)
+
+    def close(self, error: TransportError) -> list[Event]:
+        """Fail every call with ``error`` and refuse new ones. Idempotent."""
+        if self.closed is None:
+            self.closed = error
+        calls, self.calls = self.calls, {}
+        self._deadlines.clear()
+        out: list[Event] = []
+        for c in calls.values():
+            if c.token is not None and c.state != ABANDONED:
+                out.append(Done(c, error=type(error)(f"{c.what} failed: {error}")))
+        self.connected = False
+        return out
+
+    # -- receiving ----------------------------------------------------------------------------
+    @property
+    def receiving(self) -> bool:
+        """Whether a message is partly received."""
+        return self.conn is not None and self.conn.receiving
+
+    def get_buffer(self) -> memoryview | None:
+        """Where to ``recv_into`` next, when a large message part is expected."""
+        return self.conn.get_buffer() if self.conn is not None else None
+
+    def receive_data(self, data: BytesLike, now: float) -> list[Event]:
+        """Feed received bytes; return what the shell must do."""
+        assert self.conn is not None
+        self._last_rx = now
+        return self._events(self.conn.receive_data(data, self.op_of), now)
+
+    def buffer_updated(self, nbytes: int, now: float) -> list[Event]:
+        """Account for bytes received into :meth:`get_buffer`'s view."""
+        assert self.conn is not None
+        self._last_rx = now
+        return self._events(self.conn.buffer_updated(nbytes, self.op_of), now)
+
+    def _events(self, msgs: list[Any], now: float) -> list[Event]:
+        out: list[Event] = []
+        for msg in msgs:
+            cls = type(msg)
+            if cls is Changed:
+                self._notify(msg, out)
+            elif cls is ProtocolViolation:
+                out.append(Drop(f"protocol error: {msg.message}"))
+                break
+            elif cls is Orphan:
+                self._orphan(msg)
+            elif cls is ErrorReply and msg.id == 0:
+                self.server_said = f"{msg.message} ({msg.code})"
+            else:
+                self._reply(msg, out, now)
+        return out
+
+    def _notify(self, msg: Changed, out: list[Event]) -> None:
+        entry = self.listeners.get(msg.bin)
+        if entry is None:
+            return  # an event that was on the way when we stopped listening
+        if entry.version is not None and msg.version <= entry.version:
+            return  # never deliver a version that is not newer than one already seen
+        entry.version = msg.version
+        out.append(Notify(msg.bin, event_dict(msg), list(entry.callbacks)))
+
+    def _orphan(self, msg: Orphan) -> None:
+        if msg.id > self._through:
+            self._through = msg.id
+
+    def _reply(self, msg: Reply, out: list[Event], now: float) -> None:
+        rid = msg.id
+        c = self.calls.get(rid)
+        if c is None:
+            if self._hello is not None and self._hello.id == rid:
+                self._handshake(msg, out, now)
+            return
+        if rid > self._through:
+            self._through = rid
+        if c.state == ABANDONED:
+            return  # the server still answered; the cancel's reply settles it
+        c.state = FINISHED
+        del self.calls[rid]
+        if c.token is not None:
+            if type(msg) is ErrorReply and c.op == "listen":
+                self.remove_listener(c.request.bin, c.extra)  # type: ignore[union-attr]
+            elif type(msg) is Listening:
+                self._listening(c.request.bin, msg, None, out)  # type: ignore[union-attr]
+            out.append(Done(c, reply=msg))
+            return
+        self._internal_done(c, msg, out)
+
+    def _internal_done(self, c: Call, msg: Reply, out: list[Event]) -> None:
+        if c is self._ping:
+            self._ping = None
+        elif c.op == "cancel":
+            target = self.calls.get(c.extra)
+            if target is not None and target.state == ABANDONED:
+                del self.calls[target.id]
+        elif c.op == "listen":
+            if type(msg) is Listening:
+                self._listening(c.request.bin, msg, c.extra, out)  # type: ignore[union-attr]
+
+    def _listening(self, name: str, msg: Listening, renewed: Any, out: list[Event]) -> None:
+        """A listen was registered (``renewed``: after a reconnect, with the server's id then)."""
+        entry = self.listeners.get(name)
+        if entry is None:
+            return
+        if renewed is None:
+            if entry.version is None:
+                entry.version = msg.version
+            return
+        restarted = renewed is not None and renewed[1]
+        if entry.version is not None and (msg.version != entry.version or restarted):
+            # Changes happened while we were away: one event with the current state, so
+            # that no change goes unnoticed.
+            ev: dict[str, Any] = {"status": "OK", "bin": name, "op": "resync",
+                                  "n_items": msg.n_items, "version": msg.version}
+            if restarted:
+                ev["restarted"] = True
+            out.append(Notify(name, ev, list(entry.callbacks)))
+        entry.version = msg.version
+
+    # -- handshake ----------------------------------------------------------------------------
+    def _handshake(self, msg: Reply, out: list[Event], now: float) -> None:
+        self._hello = None
+        if type(msg) is not HelloReply:
+            reason = (f"{msg.message} ({msg.code})" if type(msg) is ErrorReply
+                      else f"unexpected reply {type(msg).__name__}")
+            if self.server is None:
+                out.extend(self.close(ConnectError(
+                    f"handshake with tensorshare server at {self.address} failed: {reason}")))
+            out.append(Drop(f"handshake failed: {reason}"))
+            return
+        first = self.server is None
+        restarted = not first and self.server is not None and \
+            msg.server_id != self.server.server_id
+        self.server = msg
+        self.limits = msg.limits
+        assert self.conn is not None
+        self.conn.set_limits(msg.limits)
+        self.conn.shm = self.shm and msg.shm
+        self.connected = True
+        self.disconnected_since = None
+        resumed = msg.resumed
+        if not first:
+            self._after_reconnect(resumed, restarted, out, now)
+        out.append(Ready(msg, first, resumed))
+
+    def _after_reconnect(self, resumed: bool, restarted: bool, out: list[Event],
+                         now: float) -> None:
+        for c in list(self.calls.values()):
+            if c.sent_on == 0 or c.state == FINISHED:
+                continue  # never sent: it simply goes out now
+            if c.state == ABANDONED:
+                if not resumed:
+                    del self.calls[c.id]  # that server has nothing to give back
+                continue
+            if c.op == "cancel" and not resumed:
+                del self.calls[c.id]
+                continue
+            if resumed or not OPS[c.op].mutating:
+                continue  # resent: replayed or re-run by the server
+            del self.calls[c.id]
+            c.state = FINISHED
+            if c.token is not None:
+                why = ("the server was restarted without persistence" if restarted
+                       else "the server no longer knows this client's session")
+                out.append(Done(c, error=SessionLost(
+                    f"{c.what} was sent before the connection to {self.address} dropped, and "
+                    f"{why}: it may or may not have taken effect")))
+        # Listen again to every bin; each reply tells whether the bin changed meanwhile.
+        for name in self.listeners:
+            self.call(Listen(0, name), f"listen to bin {name!r}", now,
+                      extra=(name, restarted))
+
+    # -- time ---------------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has something to do (a call's deadline), if ever."""
+        heap = self._deadlines
+        while heap and (heap[0][1] not in self.calls and not (
+                self._hello is not None and self._hello.id == heap[0][1])):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def heartbeat_due(self, now: float) -> float:
+        """When a heartbeat ping is next due (the shell may wake then and :meth:`tick`)."""
+        return max(self._last_tx, self._last_rx) + self.heartbeat
+
+    def tick(self, now: float) -> list[Event]:
+        """Time has passed: expire calls, and send a heartbeat when the line was quiet.
+
+        Returns:
+            :class:`Done` events for calls that timed out, and :class:`Drop` when the
+            connection must be given up (the handshake or a heartbeat went unanswered).
+        """
+        out: list[Event] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            c = self.calls.get(rid)
+            if c is None:
+                if self._hello is not None and self._hello.id == rid and not self.connected:
+                    out.append(Drop(f"no answer to the handshake within {self.timeout:g} s"))
+                continue
+            self._expire(c, now, out)
+        if self.connected and self._ping is None and now >= self.heartbeat_due(now):
+            self._ping = self.call(Ping(0), "heartbeat", now)
+        return out
+
+    def expire(self, call: Call, now: float) -> list[Event]:
+        """Check one call against its deadline (a waiting caller woke up); see :meth:`tick`."""
+        out: list[Event] = []
+        if call.deadline is not None and now >= call.deadline and call.id in self.calls:
+            self._expire(call, now, out)
+        return out
+
+    def _expire(self, c: Call, now: float, out: list[Event]) -> None:
+        if c.deadline is None or c.state in (ABANDONED, FINISHED):
+            return
+        if now < c.deadline:
+            heapq.heappush(self._deadlines, (c.deadline, c.id))  # moved later meanwhile
+            return
+        if self.connected and c.state == SENT and self.receiving and \
+                now - self._last_rx < c.timeout:
+            # A message is streaming in (maybe this reply, maybe one queued before it): the
+            # timeout is about silence, so keep waiting while bytes keep coming.
+            c.deadline = self._last_rx + c.timeout
+            heapq.heappush(self._deadlines, (c.deadline, c.id))
+            return
+        if c.token is None:
+            if c is self._ping or c.op == "listen":
+                del self.calls[c.id]
+                if c is self._ping:
+                    self._ping = None
+                if self.connected:
+                    out.append(Drop(f"no answer to a {c.what} within {c.timeout:g} s"))
+            return
+        out.append(Done(c, error=self._timeout_error(c, now)))
+        self._give_up(c, now)
+
+    def _give_up(self, c: Call, now: float) -> None:
+        live = self.connected and c.state == SENT
+        if (c.sent_on != 0 and c.op == "get") or (live and (c.op == "append" or c.waiting)):
+            # The server may hold items this get took (it keeps them for the session until
+            # we acknowledge the reply), or have a waiting get/peek or a blocked append of
+            # ours: ask for the items back / the wait withdrawn. Until the cancel is answered
+            # the id stays open in our acknowledgements, so the server cannot forget them.
+            c.state = ABANDONED
+            self.call(Cancel(0, c.id), "cancel", now, extra=c.id)
+        else:
+            c.state = FINISHED
+            del self.calls[c.id]
+
+    def _timeout_error(self, c: Call, now: float) -> TensorShareError:
+        took = c.timeout + (c.wait or 0.0)
+        if self.connected and c.state == SENT:
+            maybe = " (it may or may not have taken effect)" if OPS[c.op].mutating else ""
+            return ReplyTimeout(f"no reply from tensorshare server at {self.address} to "
+                                f"{c.what} within {took:g} s{maybe}")
+        since = self.disconnected_since if self.disconnected_since is not None else c.started
+        away = max(now - since, 0.0)
+        cause = f" ({self.last_loss})" if self.last_loss else ""
+        if c.sent_on == 0:
+            return ConnectionLost(f"{c.what} not sent: the tensorshare server at "
+                                  f"{self.address} has been unreachable for {away:.1f} s"
+                                  f"{cause}")
+        maybe = "; it may or may not have taken effect" if OPS[c.op].mutating else ""
+        return ConnectionLost(f"no reply to {c.what}: the connection to {self.address} "
+                              f"dropped and the server has been unreachable for "
+                              f"{away:.1f} s{cause}{maybe}")
+
+    def abandon(self, call: Call, now: float) -> None:
+        """The caller gave up on ``call`` (e.g. a cancelled Deferred): forget it, and ask the
+        server to undo a get or withdraw a wait."""
+        if call.id in self.calls and call.state not in (ABANDONED, FINISHED):
+            self._give_up(call, now)

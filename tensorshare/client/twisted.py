@@ -1,0 +1,666 @@
+"""The Twisted client: the same requests as :class:`tensorshare.Client`, returning Deferreds.
+
+For programs that already run a Twisted reactor. The reactor is always passed in (this module
+never imports the global one), every result is a :class:`~twisted.internet.defer.Deferred`,
+and everything, including decoding received tensors and calling listen callbacks, happens in
+the reactor thread. It is a thin shell over the same sans-I/O
+:class:`~tensorshare.session.ClientSession` as the blocking client, so the two behave alike:
+the same errors (:class:`~tensorshare.errors.BinNotFound`,
+:class:`~tensorshare.errors.WaitTimeout`, :class:`~tensorshare.errors.ReplyTimeout`,
+:class:`~tensorshare.errors.ConnectionLost`, ...), the same timeouts, the same automatic
+reconnect with exactly-once replay.
+
+Usage::
+
+    import torch
+    from twisted.internet import reactor, defer
+    from tensorshare.txclient import connect
+
+    @defer.inlineCallbacks
+    def main():
+        client = yield connect(reactor, "127.0.0.1", 8000)
+        version = yield client.put("weights", {"w": torch.zeros(3)})
+        value = yield client.peek("weights")
+        yield client.close()
+
+Local mistakes (a bad bin name, a tag that is not an int, a value holding an unsupported type,
+a negative wait) raise synchronously from the method, before anything is sent, as they do in
+the blocking client. Everything that involves the server or the connection is reported through
+the returned Deferred. Cancelling a returned Deferred abandons the request (a waiting get/peek
+is cancelled on the server, and the items of a get that already ran go back to their bin).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import ClientFactory, Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
+from ..wire.frames import BytesLike
+from ..wire.messages import (
+    Append,
+    Configure,
+    Delete,
+    ErrorReply,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Ping,
+    Put,
+    Request,
+    Stats,
+    Unlisten,
+)
+from ..wire.protocol import check_bin_name
+from .blocking import (
+    BLOCK_SHARE,
+    NOWAIT,
+    BinLimits,
+    FetchResult,
+    check_reconnect,
+    check_timeout,
+    fetch_request,
+    fetch_result,
+    make_item,
+    parse_address,
+)
+from .session import Call, ClientSession, Done, Drop, Notify, Ready
+
+__all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
+
+log = Logger(namespace="tensorshare.txclient")
+
+Listener = Callable[[dict[str, Any]], Any]
+
+
+class TxProtocol(Protocol):
+    """One connection of a :class:`TxClient`: hands bytes and events to it, nothing more."""
+
+    def __init__(self, client: TxClient) -> None:
+        self.client = client
+        self.lost = False
+
+    def connectionMade(self) -> None:
+        self.client._connection_made(self)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.client._data(self, data)
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+        self.lost = True
+        self.client._connection_lost(self, reason or Failure(ConnectionDone()))
+
+
+class _Factory(ClientFactory):
+    """Connects one :class:`TxProtocol` at a time for its client."""
+
+    noisy = False
+
+    def __init__(self, client: TxClient) -> None:
+        self.client = client
+
+    def buildProtocol(self, addr: Any) -> TxProtocol:
+        return TxProtocol(self.client)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:
+        self.client._connect_failed(reason.getErrorMessage())
+
+
+class TxClient:
+    """A connection to a tensorshare server, for code running in a Twisted reactor.
+
+    Made by :func:`connect`. Mirrors :class:`tensorshare.Client`: the same methods, arguments
+    and errors, but each returns a Deferred. It survives connection loss the same way (see
+    ``reconnect``). Like everything Twisted it is not thread-safe: call it from the reactor
+    thread (other threads use ``reactor.callFromThread`` or
+    ``twisted.internet.threads.blockingCallFromThread``).
+
+    Args:
+        reactor: provides ``connectTCP`` and ``callLater``.
+        host, port: the server's address (``host`` may be a ``tensorshare://`` or ``unix://``
+            URL, as for :class:`tensorshare.Client`).
+        timeout: seconds the server has to answer (and the first connection may take).
+        reconnect: as for :class:`tensorshare.Client`.
+        compress, compress_min_bytes, name, session, heartbeat: as for
+            :class:`tensorshare.Client`.
+        connector: ``connector(client)`` starts a connection attempt instead of
+            ``reactor.connectTCP`` (tests attach in-memory transports this way).
+
+    Attributes:
+        ready: fires with this client once the first handshake completed (or errbacks with
+            :class:`~tensorshare.errors.ConnectError`).
+    """
+
+    def __init__(self, reactor: Any, host: str = "127.0.0.1", port: int = 8000, *,
+                 timeout: float = 30.0, reconnect: bool | float = True,
+                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
+                 name: str = "tensorshare-twisted", session: bool = True,
+                 heartbeat: float | None = None,
+                 connector: Callable[[TxClient], Any] | None = None) -> None:
+        if compress not in (None, "lz4"):
+            raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
+        self.reactor = reactor
+        where = parse_address(host, port)
+        self.host, self.port, self.path = where.host, where.port, where.path
+        self.address = str(where)
+        self.timeout = check_timeout(timeout)
+        self.reconnect = check_reconnect(reconnect)
+        self.compress, self.compress_min_bytes = compress, compress_min_bytes
+        self.session = ClientSession(address=self.address, timeout=self.timeout,
+                                     reconnect=self.reconnect, name=name, session=session,
+                                     heartbeat=heartbeat)
+        self.protocol: TxProtocol | None = None
+        self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
+        self._connector = connector
+        self._connecting: Any = None  # the IConnector of an attempt in progress
+        self._timer: IDelayedCall | None = None  # the next tick
+        self._retry: IDelayedCall | None = None  # the next connection attempt
+        self._attempt = 0
+        self._started = reactor.seconds()
+        self._lost_at: float | None = None
+        self._closing = False
+        self._close_waiters: list[Deferred[None]] = []
+        self._close_timer: IDelayedCall | None = None
+        self._start_timer: IDelayedCall | None = None
+        self._drop_reason: str | None = None
+
+    # -- what the server said ---------------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        """The server's limits (from the last handshake)."""
+        return self.session.limits
+
+    @property
+    def server_version(self) -> str:
+        hello = self.session.server
+        return hello.server if hello else ""
+
+    @property
+    def protocol_version(self) -> int:
+        hello = self.session.server
+        return hello.version if hello else 0
+
+    @property
+    def server_id(self) -> str:
+        hello = self.session.server
+        return hello.server_id if hello else ""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now (``False`` while reconnecting)."""
+        return self.session.connected and self.session.closed is None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (or gave up reconnecting): every call fails."""
+        return self.session.closed is not None
+
+    # -- store ------------------------------------------------------------------------------
+    def put(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
+        """Store ``value`` in bin ``name``, replacing whatever it held.
+
+        Fires with the bin's new version once the server holds the value.
+
+        Raises (synchronously, nothing sent):
+            UnsupportedType: ``value`` holds a type that cannot be sent.
+            TypeError, ValueError: a bad bin name or tag.
+        Errbacks:
+            MemoryLimitExceeded, LimitExceeded, BinFull, ReplyTimeout, ConnectionLost,
+            SessionLost.
+        """
+        item = self._item(name, value, tag)
+        return self._request(Put(0, name, item), f"put to bin {name!r}", _version)
+
+    def append(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
+        """Append ``value`` as one item to bin ``name``; fires with the new version (see put)."""
+        item = self._item(name, value, tag)
+        return self._request(Append(0, name, item, BLOCK_SHARE * self.timeout),
+                             f"append to bin {name!r}", _version)
+
+    # -- fetch ------------------------------------------------------------------------------
+    def get(self, name: str, *, max_items: int | None = None,
+            timeout: Any = NOWAIT) -> Deferred[Any]:
+        """Fire with the content of bin ``name`` and remove it.
+
+        Args:
+            max_items: for an appended bin, take at most this many items (FIFO).
+            timeout: ``NOWAIT`` (default): do not wait. A number: the server waits up to
+                that many seconds for data, then errbacks with WaitTimeout. ``None``: wait
+                without limit.
+
+        Fires with the value of a put bin, or the list of items of an appended bin.
+        Errbacks with BinNotFound (missing or empty bin, when not waiting) or WaitTimeout.
+        """
+        d = self.fetch(name, remove=True, max_items=max_items, timeout=timeout)
+        return d.addCallback(lambda r: r.value)
+
+    def peek(self, name: str, *, max_items: int | None = None,
+             timeout: Any = NOWAIT) -> Deferred[Any]:
+        """Like :meth:`get`, but leave the content in the bin."""
+        d = self.fetch(name, remove=False, max_items=max_items, timeout=timeout)
+        return d.addCallback(lambda r: r.value)
+
+    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
+              timeout: Any = NOWAIT, min_tag: int | None = None,
+              newer_than: int | None = None, min_items: int = 1) -> Deferred[FetchResult]:
+        """The full form of get (``remove=True``) and peek; fires with a FetchResult.
+
+        See :meth:`tensorshare.Client.fetch` for ``min_tag``, ``newer_than``, ``min_items``.
+        """
+        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
+                                  min_tag=min_tag, newer_than=newer_than, min_items=min_items,
+                                  limits=self.limits)
+        max_depth = self.limits.max_depth
+        return self._request(msg, what, lambda r: fetch_result(r, max_depth))
+
+    # -- other requests ---------------------------------------------------------------------
+    def list(self) -> Deferred[dict[str, int]]:
+        """Fire with ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
+        return self._request(ListBins(0), "list", lambda r: dict(r.bins))
+
+    def delete(self, name: str) -> Deferred[bool]:
+        """Delete bin ``name``; fire with whether it existed."""
+        self._check_name(name)
+        return self._request(Delete(0, name), f"delete of bin {name!r}", lambda r: r.existed)
+
+    def configure(self, name: str, max_items: int | None = None,
+                  max_bytes: int | None = None, overflow: str = "reject"
+                  ) -> Deferred[BinLimits]:
+        """Bound bin ``name``; see :meth:`tensorshare.Client.configure`."""
+        self._check_name(name)
+        return self._request(Configure(0, name, max_items, max_bytes, overflow),
+                             f"configure of bin {name!r}",
+                             lambda r: BinLimits(r.max_items, r.max_bytes, r.overflow))
+
+    def stats(self, glob: str | None = None) -> Deferred[dict[str, Any]]:
+        """Fire with the server's statistics; see :meth:`tensorshare.Client.stats`."""
+        return self._request(Stats(0, glob), "stats",
+                             lambda r: {"server": r.server, "bins": r.bins})
+
+    def listen(self, name: str, callback: Listener) -> Deferred[None]:
+        """Call ``callback(event)`` in the reactor thread on every change of bin ``name``.
+
+        ``event`` is as for :meth:`tensorshare.Client.listen` (including ``resync`` events
+        after a reconnect). Exceptions raised by a callback are logged and ignored. Fires
+        once the server has registered the listener (at once for a further callback on a
+        bin already listened to); if the server refuses, the callback is forgotten.
+        """
+        self._check_name(name)
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        if not self.session.add_listener(name, callback):
+            return succeed(None)
+        return self._request(Listen(0, name), f"listen to bin {name!r}", _none, callback)
+
+    def unlisten(self, name: str) -> Deferred[bool]:
+        """Drop the bin's callbacks and tell the server; fire with whether we listened."""
+        self._check_name(name)
+        if not self.session.remove_listener(name):
+            return succeed(False)
+        return self._request(Unlisten(0, name), f"unlisten from bin {name!r}", lambda r: True)
+
+    def ping(self) -> Deferred[None]:
+        """Round-trip to the server; errbacks with ReplyTimeout if it does not answer in time."""
+        return self._request(Ping(0), "ping", _none)
+
+    def close(self) -> Deferred[None]:
+        """Close the connection; pending requests errback with ConnectionLost at once.
+
+        Returns a Deferred that fires once the connection is gone. Idempotent.
+        """
+        self._closing = True
+        self._process(self.session.close(ConnectionLost(f"client for {self.address} was closed")))
+        for t in (self._timer, self._retry):
+            if t is not None and t.active():
+                t.cancel()
+        self._timer = self._retry = None
+        self._stop_connecting()
+        if not self.ready.called:
+            self.ready.errback(ConnectError(f"client for {self.address} was closed"))
+        proto = self.protocol
+        if proto is None or proto.lost or proto.transport is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._close_waiters.append(d)
+        if self._close_timer is None:
+            proto.transport.loseConnection()
+            # loseConnection waits for buffered writes; a server that stops reading must not
+            # keep close() from finishing.
+            self._close_timer = self.reactor.callLater(self.timeout, self._abort, proto)
+        return d
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
+        return f"<tensorshare.TxClient {self.address} {state}>"
+
+    # -- requests ---------------------------------------------------------------------------
+    def _check_name(self, name: str) -> None:
+        check_bin_name(name, self.limits.max_name_bytes)
+
+    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
+
+    def _request(self, msg: Request, what: str, convert: Callable[[Any], Any],
+                 extra: Any = None) -> Deferred[Any]:
+        """Add one request to the session; fire with ``convert(reply)``."""
+        holder: builtins.list[Call] = []
+        d: Deferred[Any] = Deferred(lambda _: self._abandon(holder[0]))
+        try:
+            call = self.session.call(msg, what, self.reactor.seconds(), token=d,
+                                     convert=convert, extra=extra)
+        except TensorShareError as exc:
+            return fail(exc)
+        holder.append(call)
+        self._flush()
+        self._reschedule()
+        return d
+
+    def _abandon(self, call: Call) -> None:
+        """Canceller of a request's Deferred: stop waiting for its reply."""
+        call.token = None
+        self.session.abandon(call, self.reactor.seconds())
+        self._flush()
+
+    def _flush(self) -> None:
+        proto = self.protocol
+        if proto is None or proto.lost or proto.transport is None:
+            return
+        chunks = self.session.pop_sendable(self.reactor.seconds())
+        self._process(self.session.take_finished())
+        if chunks:
+            _write(proto, chunks)
+
+    def _process(self, events: builtins.list[Any]) -> None:
+        for ev in events:
+            cls = type(ev)
+            if cls is Done:
+                self._finish(ev)
+            elif cls is Notify:
+                self._notify(ev)
+            elif cls is Ready:
+                self._ready(ev)
+            elif cls is Drop:
+                self._drop(ev.reason)
+
+    @staticmethod
+    def _finish(ev: Done) -> None:
+        d: Deferred[Any] | None = ev.call.token
+        if d is None or d.called:
+            return
+        if ev.error is not None:
+            d.errback(ev.error)
+            return
+        reply = ev.reply
+        if type(reply) is ErrorReply:
+            d.errback(error_from_code(reply.code, reply.message))
+            return
+        convert = ev.call.convert
+        try:
+            result = convert(reply) if convert is not None else reply
+        except TensorShareError as exc:  # e.g. a malformed value from a peer
+            d.errback(exc)
+            return
+        d.callback(result)
+
+    def _notify(self, ev: Notify) -> None:
+        for cb in ev.callbacks:
+            try:
+                result = cb(dict(ev.event))
+            except Exception:
+                log.failure("listen callback for bin {bin!r} raised", bin=ev.bin)
+                continue
+            if isinstance(result, Deferred):  # an async callback: log its failure too
+                result.addErrback(self._log_callback_failure, ev.bin)
+
+    @staticmethod
+    def _log_callback_failure(failure: Failure, name: str) -> None:
+        log.failure("listen callback for bin {bin!r} failed", failure, bin=name)
+
+    # -- time -------------------------------------------------------------------------------
+    def _reschedule(self) -> None:
+        """Keep one timer, at the session's next deadline or heartbeat."""
+        now = self.reactor.seconds()
+        times = [self.session.next_deadline()]
+        if self.session.connected:
+            times.append(self.session.heartbeat_due(now))
+        wake = min((t for t in times if t is not None), default=None)
+        t = self._timer
+        if wake is None or self.session.closed is not None:
+            if t is not None and t.active():
+                t.cancel()
+            self._timer = None
+            return
+        delay = max(wake - now, 0.0)
+        if t is not None and t.active():
+            if abs(t.getTime() - (now + delay)) > 1e-6:
+                t.reset(delay)
+            return
+        self._timer = self.reactor.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._process(self.session.tick(self.reactor.seconds()))
+        self._flush()
+        self._reschedule()
+
+    # -- connections ------------------------------------------------------------------------
+    def start(self) -> Deferred[TxClient]:
+        """Start connecting; returns :attr:`ready`."""
+        self._start_timer = self.reactor.callLater(self.timeout, self._start_overdue)
+        self.ready.addBoth(self._started_ok)
+        self._connect()
+        return self.ready
+
+    def _started_ok(self, result: Any) -> Any:
+        t, self._start_timer = self._start_timer, None
+        if t is not None and t.active():
+            t.cancel()
+        return result
+
+    def _start_overdue(self) -> None:
+        self._start_timer = None
+        if self.ready.called:
+            return
+        self._stop_connecting()
+        error = ConnectError(f"cannot connect to tensorshare server at {self.address}: no "
+                             f"connection within {self.timeout:g} s")
+        self._fail_start(error)
+        proto = self.protocol
+        if proto is not None and proto.transport is not None and not proto.lost:
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+    def _connect(self) -> None:
+        self._retry = None
+        if self._closing or self.session.closed is not None:
+            return
+        if self._connector is not None:
+            self._connecting = self._connector(self)
+            return
+        try:
+            if self.path is not None:
+                self._connecting = self.reactor.connectUNIX(self.path, _Factory(self),
+                                                            timeout=self.timeout)
+            else:
+                self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
+                                                           timeout=self.timeout)
+        except Exception as exc:  # e.g. a malformed address refused synchronously
+            self._connect_failed(str(exc))
+
+    def _connect_failed(self, reason: str) -> None:
+        self._connecting = None
+        if self._closing:
+            return
+        now = self.reactor.seconds()
+        if self.session.server is None:
+            if not self.reconnect or now - self._started >= self.timeout:
+                self._fail_start(ConnectError(
+                    f"cannot connect to tensorshare server at {self.address}: {reason}"))
+                return
+        elif self.session.give_up_due(now):
+            self._give_up(now)
+            return
+        self.session.last_loss = f"cannot connect: {reason}"
+        self._retry_later()
+
+    def _retry_later(self) -> None:
+        delay = self.session.backoff(self._attempt)
+        self._attempt += 1
+        self._retry = self.reactor.callLater(delay, self._connect)
+        self._reschedule()
+
+    def _fail_start(self, error: ConnectError) -> None:
+        self._process(self.session.close(error))
+        if not self.ready.called:
+            self.ready.errback(error)
+
+    def _give_up(self, now: float) -> None:
+        since = self.session.disconnected_since or now
+        self._process(self.session.close(ConnectionLost(
+            f"the tensorshare server at {self.address} has been unreachable for "
+            f"{now - since:.1f} s ({self.session.last_loss}); gave up (reconnect="
+            f"{self.reconnect:g})")))
+        log.warn("gave up reconnecting to tensorshare server at {address}",
+                 address=self.address)
+
+    def make_protocol(self) -> TxProtocol:
+        """A protocol for a new connection of this client (for custom transports)."""
+        return TxProtocol(self)
+
+    def _connection_made(self, proto: TxProtocol) -> None:
+        self._connecting = None
+        if self._closing or self.session.closed is not None:
+            proto.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        self.protocol = proto
+        _write(proto, self.session.connection_made(self.reactor.seconds()))
+        self._reschedule()
+
+    def _data(self, proto: TxProtocol, data: bytes) -> None:
+        if proto is not self.protocol or self.session.conn is None:
+            return  # an old connection's last bytes, or we are closing
+        self._process(self.session.receive_data(data, self.reactor.seconds()))
+        self._flush()
+        self._reschedule()
+
+    def _connection_lost(self, proto: TxProtocol, reason: Failure) -> None:
+        if self._close_timer is not None and self._close_timer.active():
+            self._close_timer.cancel()
+        self._close_timer = None
+        waiters, self._close_waiters = self._close_waiters, []
+        if proto is self.protocol:
+            self.protocol = None
+            why = self._drop_reason or ("the server closed the connection"
+                                        if reason.check(ConnectionDone)
+                                        else reason.getErrorMessage())
+            self._drop_reason = None
+            self._process(self.session.connection_lost(why, self.reactor.seconds()))
+            if not self._closing and self.session.closed is None:
+                if self._lost_at is None:
+                    self._lost_at = self.reactor.seconds()
+                    log.warn("lost connection to tensorshare server at {address} ({why}); "
+                             "reconnecting", address=self.address, why=why)
+                self._retry_later()
+            elif self.session.server is None and not self.ready.called:
+                error = self.session.closed
+                self.ready.errback(error if isinstance(error, ConnectError) else ConnectError(
+                    f"handshake with {self.address} failed: {error}"))
+        for d in waiters:
+            d.callback(None)
+
+    def _ready(self, ev: Ready) -> None:
+        self._attempt = 0
+        if ev.first:
+            if not self.ready.called:
+                self.ready.callback(self)
+        else:
+            away = self.reactor.seconds() - self._lost_at if self._lost_at is not None else 0.0
+            self._lost_at = None
+            how = "session resumed" if ev.resumed else "new session: the server did not know ours"
+            log.warn("reconnected to tensorshare server at {address} after {away:.1f} s "
+                     "({how})", address=self.address, away=away, how=how)
+
+    def _drop(self, reason: str) -> None:
+        """The stream is unusable (or silent): abort the connection; we reconnect."""
+        proto = self.protocol
+        log.warn("dropping connection to tensorshare server at {address}: {reason}",
+                 address=self.address, reason=reason)
+        if proto is not None and proto.transport is not None and not proto.lost:
+            self._drop_reason = reason
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+        if self.session.server is None and self.session.closed is not None \
+                and not self.ready.called:
+            self._fail_start(ConnectError(str(self.session.closed)))
+
+    def _cancel_connect(self) -> None:
+        """Canceller of :attr:`ready`: give up on the connection."""
+        self.close()
+
+    def _stop_connecting(self) -> None:
+        c = self._connecting
+        self._connecting = None
+        if c is not None:
+            try:
+                c.stopConnecting()
+            except Exception:  # not connecting any more (twisted's NotConnectingError)
+                pass
+
+    def _abort(self, proto: TxProtocol) -> None:
+        self._close_timer = None
+        if not proto.lost and proto.transport is not None:
+            proto.transport.abortConnection()  # type: ignore[attr-defined]
+
+
+def _version(reply: Any) -> int:
+    return int(reply.version)
+
+
+def _none(reply: Any) -> None:
+    return None
+
+
+def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
+    # The stock Twisted transports only accept bytes, so the frame (header and every tensor
+    # buffer) is joined into one bytes object here: one copy of the data. The server avoids
+    # this copy with tensorshare._fasttcp (sendmsg of the buffers themselves).
+    proto.transport.write(b"".join(chunks))  # type: ignore[union-attr]
+
+
+def connect(reactor: Any, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
+            reconnect: bool | float = True, compress: str | None = None,
+            name: str = "tensorshare-twisted", compress_min_bytes: int = 64 * 1024,
+            session: bool = True, heartbeat: float | None = None) -> Deferred[TxClient]:
+    """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
+
+    Args:
+        reactor: the reactor to use (``reactor.connectTCP`` and ``reactor.callLater``).
+        host, port: the server's address.
+        timeout: seconds the first connection may take (with ``reconnect`` on, attempts are
+            repeated until then), and the server has to answer each request.
+        reconnect: as for :class:`tensorshare.Client`.
+        compress: ``"lz4"`` to compress large tensor buffers before sending, or ``None``.
+        name: how this client introduces itself in the server's log.
+        compress_min_bytes: buffers smaller than this are never compressed.
+        session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).
+        heartbeat: seconds of silence before a ping checks the connection (see
+            :class:`tensorshare.Client`).
+
+    Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when no
+    server answered within ``timeout`` or the handshake failed. Cancelling the Deferred gives
+    up on the connection.
+
+    Raises:
+        ValueError: a bad ``compress``, ``timeout`` or ``reconnect`` (synchronously).
+    """
+    client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
+                      compress=compress, compress_min_bytes=compress_min_bytes, name=name,
+                      session=session, heartbeat=heartbeat)
+    return client.start()

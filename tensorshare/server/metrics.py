@@ -1,0 +1,282 @@
+"""Prometheus metrics of a tensorshare server (``tensorshare serve --metrics-port PORT``).
+
+A :class:`ServerCollector` reads the server's statistics at scrape time (in the server's
+reactor thread, through :meth:`EmbeddedServer.call`, so it never races the server) and turns
+them into Prometheus metric families; :func:`start_metrics_server` serves them over HTTP with
+``prometheus_client``'s own server. Nothing is counted twice: the server keeps its counters
+anyway (they answer the ``stats`` request), the exporter only translates them.
+
+Metric names are all prefixed ``tensorshare_`` (the README lists them).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
+
+    from .connection import EmbeddedServer
+
+__all__ = ["MetricsServer", "ServerCollector", "start_metrics_server"]
+
+# The server's event counters (the ``counters`` map of its stats) and what they become. The
+# total of requests is left out: tensorshare_requests_total{op} already sums to it.
+_COUNTERS: dict[str, tuple[str, str]] = {
+    "connections_total": ("connections", "connections accepted since the server started"),
+    "connections_refused": ("connections_refused",
+                            "connections refused at max_connections"),
+    "replayed": ("replayed_replies",
+                 "remembered replies sent again to a client that reconnected"),
+    "sessions_resumed": ("sessions_resumed", "client sessions resumed after a reconnect"),
+    "sessions_expired": ("sessions_expired",
+                         "client sessions that expired (their client never came back)"),
+    "hello_timeouts": ("hello_timeouts", "connections closed for not saying hello in time"),
+    "notifications": ("notifications", "change notifications sent to listeners"),
+    "notifications_folded": ("notifications_coalesced",
+                             "notifications folded into a later one because the listener's "
+                             "connection did not read fast enough"),
+    "client_paused": ("client_pauses", "times a connection's output backed up and the "
+                      "server stopped reading its requests"),
+    "client_buffer_closes": ("slow_client_disconnects",
+                             "connections closed with more than max_client_buffer bytes "
+                             "waiting for them (their queued replies and notifications "
+                             "were dropped)"),
+    "snapshots_started": ("snapshots", "snapshots of the data directory started"),
+}
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class ServerCollector:
+    """Reads a server's statistics at each scrape and yields Prometheus metric families.
+
+    Args:
+        server: the server to read, or ``None`` until it runs (then only
+            ``tensorshare_up 0`` is exported); set :attr:`server` later.
+        per_bin: also export per-bin series (labelled ``bin``). Off for servers with very
+            many bins, where one series per bin would be too many for Prometheus.
+        timeout: seconds the server's reactor has to answer a scrape.
+    """
+
+    def __init__(self, server: EmbeddedServer | None = None, *, per_bin: bool = True,
+                 timeout: float = 5.0) -> None:
+        self.server = server
+        self.per_bin = per_bin
+        self.timeout = timeout
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing: registering must not call the server (it may not run yet)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """One scrape: the server's statistics as metric families."""
+        up = GaugeMetricFamily("tensorshare_up",
+                               "1 if the tensorshare server answered this scrape, else 0")
+        snapshot = self._snapshot()
+        up.add_metric([], 0 if snapshot is None else 1)
+        yield up
+        if snapshot is not None:
+            yield from _families(*snapshot, per_bin=self.per_bin)
+
+    def _snapshot(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+        server = self.server
+        if server is None or not server.running:
+            return None
+        factory = server.factory
+        try:
+            # In the reactor thread: the server's state is only ever touched there.
+            return server.call(lambda: (factory.server_stats(), factory.bin_stats()),  # type: ignore[no-any-return]
+                               timeout=self.timeout)
+        except Exception:  # a stopping or stuck server: the scrape says so with up 0
+            return None
+
+
+def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
+              per_bin: bool) -> Iterator[Metric]:
+    """The metric families of one statistics snapshot (see docs/PROTOCOL.md, ``stats``)."""
+    info = InfoMetricFamily("tensorshare_server", "the server's software and data set id")
+    info.add_metric([], {"version": str(stats["server"]), "server_id": str(stats["server_id"])})
+    yield info
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"tensorshare_{name}", doc, value=value)
+
+    yield gauge("uptime_seconds", "seconds since the server started", stats["uptime"])
+    yield gauge("connections_open", "connections open now", stats["connections"])
+    yield gauge("listeners", "listens registered now, all connections and bins together",
+                stats["listeners"])
+    yield gauge("sessions", "client sessions kept now, attached or waiting to be resumed",
+                stats["sessions"])
+    yield gauge("bins", "bins that hold data", stats["bins"])
+    yield gauge("items", "items in all bins together",
+                sum(b["n_items"] for b in bins.values()))
+    memory = stats["memory"]
+    yield gauge("stored_bytes", "bytes of the items stored in bins", memory["stored"])
+    held = GaugeMetricFamily("tensorshare_held_bytes",
+                             "bytes held for clients outside the bins: items of "
+                             "unacknowledged gets and remembered replies (sessions), and "
+                             "output not yet sent (output)", labels=["kind"])
+    held.add_metric(["sessions"], memory["sessions"])
+    held.add_metric(["output"], memory["output"])
+    yield held
+    yield gauge("memory_bytes", "bytes counted against max_memory: stored + held",
+                memory["total"])
+    if memory.get("max_memory") is not None:
+        yield gauge("max_memory_bytes", "the server's max_memory", memory["max_memory"])
+    waiting = stats["waiting"]
+    yield gauge("waiting_fetches", "get/peek requests waiting for data now",
+                waiting["fetches"])
+    yield gauge("blocked_appends", "appends waiting for room in a full 'block' bin now",
+                waiting["appends"])
+
+    yield _by_label("requests", "requests answered, by operation", "op", stats["requests"])
+    yield _by_label("request_bytes", "bytes of request frames received, by operation", "op",
+                    stats["bytes_in"])
+    yield _by_label("reply_bytes", "bytes of reply frames sent, by operation", "op",
+                    stats["bytes_out"])
+    yield _by_label("errors", "error replies sent, by error code", "code", stats["errors"])
+
+    counters = stats["counters"]
+    for key, (name, doc) in _COUNTERS.items():
+        # Counters still at 0 may be absent from the stats; export them as 0 all the same,
+        # so that rate() and alerts work from the first scrape.
+        yield CounterMetricFamily(f"tensorshare_{name}", doc, value=counters.get(key, 0))
+    for key, value in sorted(counters.items()):
+        if key not in _COUNTERS and key != "requests":  # one the server gained later
+            name = _NAME_RE.sub("_", key)
+            yield CounterMetricFamily(f"tensorshare_event_{name}",
+                                      f"the server's {key!r} counter", value=value)
+
+    yield _latency(stats["latency"])
+
+    if per_bin:
+        yield from _bin_families(bins)
+
+
+def _by_label(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(f"tensorshare_{name}", doc, labels=[label])
+    for key in sorted(values):
+        family.add_metric([key], values[key])
+    return family
+
+
+def _latency(latency: dict[str, Any]) -> HistogramMetricFamily:
+    """The server's per-op latency histogram as a Prometheus histogram (seconds)."""
+    bounds: list[float] = list(latency["buckets"])
+    family = HistogramMetricFamily("tensorshare_request_duration_seconds",
+                                   "request latency, from the request's arrival to its reply "
+                                   "(a waiting fetch includes its wait)", labels=["op"])
+    for op in sorted(latency["ops"]):
+        counts: list[int] = latency["ops"][op]  # one per bound, then the one above them all
+        # Prometheus buckets are cumulative and end with +Inf (the total count).
+        buckets: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip(bounds, counts, strict=False):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        buckets.append(("+Inf", sum(counts)))
+        family.add_metric([op], buckets, sum_value=latency["sum_us"].get(op, 0) / 1e6)
+    return family
+
+
+def _bin_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    items = GaugeMetricFamily("tensorshare_bin_items", "items in the bin", labels=["bin"])
+    nbytes = GaugeMetricFamily("tensorshare_bin_bytes", "bytes of the bin's items",
+                               labels=["bin"])
+    listeners = GaugeMetricFamily("tensorshare_bin_listeners", "connections listening to it",
+                                  labels=["bin"])
+    version = GaugeMetricFamily("tensorshare_bin_version", "the bin's version",
+                                labels=["bin"])
+    ops = CounterMetricFamily("tensorshare_bin_operations",
+                              "operations on the bin since the server started",
+                              labels=["bin", "op"])
+    bytes_in = CounterMetricFamily("tensorshare_bin_bytes_in",
+                                   "bytes stored into the bin by put/append", labels=["bin"])
+    bytes_out = CounterMetricFamily("tensorshare_bin_bytes_out",
+                                    "bytes returned from the bin by get/peek", labels=["bin"])
+    for name, b in bins.items():
+        items.add_metric([name], b["n_items"])
+        nbytes.add_metric([name], b["nbytes"])
+        listeners.add_metric([name], b["listeners"])
+        version.add_metric([name], b["version"])
+        for op, n in sorted(b["ops"].items()):
+            ops.add_metric([name, op], n)
+        bytes_in.add_metric([name], b["bytes_in"])
+        bytes_out.add_metric([name], b["bytes_out"])
+    yield from (items, nbytes, listeners, version, ops, bytes_in, bytes_out)
+
+
+class MetricsServer:
+    """A running metrics endpoint: ``http://host:port/metrics``.
+
+    Attributes:
+        collector: the :class:`ServerCollector` it serves (set ``collector.server``).
+        host, port: where it listens (``port`` is the real one when 0 was asked for).
+    """
+
+    def __init__(self, collector: ServerCollector, httpd: WSGIServer,
+                 thread: threading.Thread, host: str) -> None:
+        self.collector = collector
+        self._httpd = httpd
+        self._thread = thread
+        self.host = host
+        self.port: int = httpd.server_port
+
+    @property
+    def url(self) -> str:
+        """The address to scrape."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and close the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1", *,
+                         server: EmbeddedServer | None = None, per_bin: bool = True,
+                         process: bool = True) -> MetricsServer:
+    """Serve a server's metrics over HTTP in a background thread.
+
+    The port is bound before this returns, so it can be called before the tensorshare
+    server runs (a busy port fails at once) and the server attached later.
+
+    Args:
+        port: TCP port (0 picks a free one; see ``.port``).
+        host: interface to bind; 127.0.0.1 unless you mean Prometheus on another machine
+            to scrape it.
+        server: the server to export (or set ``.collector.server`` later).
+        per_bin: also export per-bin series.
+        process: also export the process's CPU, memory and file descriptors
+            (``process_*``, Linux only).
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    from prometheus_client import ProcessCollector, start_http_server
+
+    # A registry of our own: only this server's metrics, even if the program (or a test)
+    # runs several servers or has metrics of its own in the global registry.
+    registry = CollectorRegistry(auto_describe=False)
+    collector = ServerCollector(server, per_bin=per_bin)
+    registry.register(collector)
+    if process:
+        ProcessCollector(registry=registry)
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(collector, httpd, thread, host)

@@ -1,0 +1,180 @@
+"""The server's session table: what makes a client's requests take effect exactly once.
+
+A client opens a session (a random id sent in ``hello``) and numbers its requests. For each
+session the server remembers the replies to requests that changed something (put, append,
+delete, configure, get) until the client acknowledges them; a resent request whose reply is
+remembered gets that reply again instead of running twice. The items a get took stay held
+here, referenced by the remembered reply, until acknowledged: if the client never comes back
+(the session expires) or gives up on the get (cancel), they go back to the front of their bin.
+
+Pure data structure: no sockets, no timers (the server owns the expiry timers), no bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire.messages import Fetched, Reply
+
+__all__ = ["Remembered", "ServerSession", "SessionTable"]
+
+
+@dataclass(slots=True)
+class Remembered:
+    """One remembered reply.
+
+    Attributes:
+        reply: the reply as it was sent.
+        bin: for a get that returned items, the bin they came from (else ``None``).
+        held: bytes of items this reply holds (they left the bin and wait for an ack).
+    """
+
+    reply: Reply
+    bin: str | None = None
+    held: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class ServerSession:
+    """One client session.
+
+    Attributes:
+        id: the 16-byte session id the client chose.
+        replies: request id -> remembered reply, in the order they were made.
+        held: bytes of get items held for this session.
+        attached: the connection currently serving the session (opaque), or ``None``.
+        timer: the server's expiry timer while detached (opaque).
+    """
+
+    id: bytes
+    replies: dict[int, Remembered] = field(default_factory=dict)
+    held: int = 0
+    attached: Any = None
+    timer: Any = None
+    remembered_bytes: int = 0  # rough size of the remembered replies themselves
+    # The ids of ``replies`` as a min-heap, so an ack finds what it releases without scanning
+    # every remembered reply (a pipelining client may have thousands in flight). Entries of
+    # replies dropped another way are skipped when they surface.
+    order: list[int] = field(default_factory=list)
+
+    def lookup(self, rid: int) -> Reply | None:
+        """The remembered reply to request ``rid``, if it ran already."""
+        r = self.replies.get(rid)
+        return None if r is None else r.reply
+
+
+class SessionTable:
+    """Every session the server knows, with the bytes they hold.
+
+    Args:
+        max_sessions: how many sessions may exist at once (attached or not).
+        max_session_bytes: the most bytes of unacknowledged get items one session may hold.
+    """
+
+    #: What one remembered reply without items is counted as (its objects and table slot).
+    REPLY_COST = 200
+
+    def __init__(self, max_sessions: int = 10_000, max_session_bytes: int = 1 << 30) -> None:
+        self.max_sessions = max_sessions
+        self.max_session_bytes = max_session_bytes
+        self.sessions: dict[bytes, ServerSession] = {}
+        self.held = 0  # bytes of get items held, all sessions together
+        self.remembered = 0  # bytes counted for remembered replies (REPLY_COST each)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def __iter__(self) -> Iterator[ServerSession]:
+        return iter(list(self.sessions.values()))
+
+    @property
+    def nbytes(self) -> int:
+        """Everything the sessions hold: get items and the remembered replies."""
+        return self.held + self.remembered
+
+    def get(self, sid: bytes) -> ServerSession | None:
+        """The session with this id, if the server knows it."""
+        return self.sessions.get(sid)
+
+    def open(self, sid: bytes) -> ServerSession:
+        """Create a session (the id is the client's).
+
+        Raises:
+            OverflowError: ``max_sessions`` sessions exist already.
+        """
+        if len(self.sessions) >= self.max_sessions:
+            raise OverflowError(f"the server holds {len(self.sessions)} sessions, its "
+                                f"max_sessions={self.max_sessions}")
+        s = self.sessions[sid] = ServerSession(sid)
+        return s
+
+    def can_hold(self, s: ServerSession, nbytes: int) -> bool:
+        """Whether ``s`` may hold ``nbytes`` more of get items."""
+        return s.held + nbytes <= self.max_session_bytes
+
+    def remember(self, s: ServerSession, rid: int, reply: Reply, bin: str | None = None,
+                 held: int = 0) -> None:
+        """Remember the reply to ``rid`` (a get that returned items names its bin and size)."""
+        if rid not in s.replies:
+            heapq.heappush(s.order, rid)
+        s.replies[rid] = Remembered(reply, bin, held)
+        s.held += held
+        s.remembered_bytes += self.REPLY_COST
+        self.held += held
+        self.remembered += self.REPLY_COST
+
+    def ack(self, s: ServerSession, through: int, open_ids: tuple[int, ...] = ()) -> int:
+        """Forget the replies the client says it has (ids up to ``through`` not in ``open``).
+
+        Returns:
+            How many bytes of held items this released.
+        """
+        replies, order = s.replies, s.order
+        gone: list[int] = []
+        kept: list[int] = []
+        while order and order[0] <= through:
+            rid = heapq.heappop(order)
+            if rid in replies:
+                (kept if rid in open_ids else gone).append(rid)
+        for rid in kept:
+            heapq.heappush(order, rid)
+        return self._drop(s, gone) if gone else 0
+
+    def forget(self, s: ServerSession, rid: int) -> Remembered | None:
+        """Drop one remembered reply and return it (cancel: the client gave up on it)."""
+        r = s.replies.get(rid)
+        if r is not None:
+            self._drop(s, [rid])
+        return r
+
+    def close(self, s: ServerSession) -> list[tuple[str, Fetched, int]]:
+        """Remove a session (expired or never resumed).
+
+        Returns:
+            ``(bin, reply, held)`` for every get whose items were never acknowledged, in
+            the order the gets ran: the caller puts them back at the front of their bins.
+        """
+        restore = [(r.bin, r.reply, r.held) for r in s.replies.values()
+                   if r.bin is not None and isinstance(r.reply, Fetched)]
+        self._drop(s, list(s.replies))
+        s.order.clear()
+        self.sessions.pop(s.id, None)
+        return restore  # type: ignore[return-value]
+
+    def _drop(self, s: ServerSession, rids: list[int]) -> int:
+        freed = 0
+        n = 0
+        for rid in rids:
+            r = s.replies.pop(rid, None)
+            if r is not None:
+                freed += r.held
+                n += 1
+        s.held -= freed
+        self.held -= freed
+        cost = self.REPLY_COST * n
+        s.remembered_bytes -= cost
+        self.remembered -= cost
+        return freed

@@ -1,0 +1,941 @@
+"""Turn a Python value into wire bytes (a msgpack value tree plus raw tensor buffers) and back.
+
+Wire format (the spec another-language client implements)
+=========================================================
+
+An encoded value is one msgpack byte string (the *value tree*) plus an ordered list of
+raw byte buffers. The tree is packed with the msgpack "bin" type for bytes and "str"
+(UTF-8) for text:
+
+* ``nil``, ``bool``, ``int`` (fits in int64 or uint64), ``float`` (float64), ``str``,
+  ``bin`` (bytes) are themselves.
+* array -> list; map -> dict whose keys are all ``str``.
+* ext type 3 (``EXT_TUPLE``): the ext data is a msgpack array whose items follow these
+  same rules; it stands for a tuple.
+* ext type 1 (``EXT_TENSOR``, a torch tensor) and ext type 2 (``EXT_NDARRAY``, a numpy
+  array): the ext data is the msgpack array ``[dtype, shape, buffer_index]`` where
+  ``dtype`` is one of ``DTYPES`` (str), ``shape`` is an array of non-negative ints and
+  ``buffer_index`` an int in ``[0, len(buffers))``. The buffer holds the elements in
+  C (row-major) order, little-endian, ``prod(shape) * itemsize`` bytes. ``bool`` is one
+  byte per element (0 or 1); ``bfloat16`` is the upper half of a float32; complex is
+  (real, imag) pairs. Each buffer is referenced by at most one tensor. ``bfloat16`` is
+  not allowed for ext 2 (numpy has no such dtype).
+* No other ext type (including the msgpack timestamp, -1) is allowed. Containers (array,
+  map, tuple) nest at most ``max_depth`` deep (64 by default); the root container is at
+  depth 1, tensors do not count.
+
+A buffer travels either raw or compressed with LZ4 *block* format (no frame, no size
+prefix); its header (outside this module) then carries ``codec="lz4"`` and the raw size.
+
+Only msgpack is imported with this module: lz4 is imported on first compression, torch and
+numpy only when a value to send already holds one of their objects or a decoded tree holds
+one, so a server can call :func:`validate` without ever importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import CodecError, NestingTooDeep, UnsupportedType
+
+__all__ = [
+    "DEFAULT_MAX_DEPTH",
+    "DTYPES",
+    "EXT_NDARRAY",
+    "EXT_TENSOR",
+    "EXT_TUPLE",
+    "Buffer",
+    "Encoded",
+    "decode",
+    "describe",
+    "encode",
+    "validate",
+]
+
+DEFAULT_MAX_DEPTH = 64
+EXT_TENSOR = 1
+EXT_NDARRAY = 2
+EXT_TUPLE = 3
+
+# Wire dtype name -> bytes per element. The order is the documented order of DTYPES.
+_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "bfloat16": 2,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
+DTYPES: tuple[str, ...] = tuple(_ITEMSIZE)
+# numpy has no native bfloat16, so arrays may use every wire dtype but that one.
+_NUMPY_DTYPES = frozenset(DTYPES) - {"bfloat16"}
+
+_INT_MIN = -(1 << 63)  # int64 min
+_UINT_MAX = (1 << 64) - 1  # uint64 max
+_DIM_MAX = (1 << 63) - 1  # a dimension must fit an int64 on every receiver
+_MAX_NDIM = 64  # numpy 2's limit; far above any real tensor, and bounds descriptor work
+# LZ4 block compression refuses inputs above LZ4_MAX_INPUT_SIZE; such buffers stay raw.
+_LZ4_MAX_INPUT = 0x7E000000
+# One LZ4 input byte can never expand to more than 255 output bytes, so a claimed raw
+# size above this is a lie; checked before allocating the output buffer.
+_LZ4_MAX_RATIO = 255
+
+_BIG_ENDIAN_HOST = sys.byteorder == "big"
+
+_SUPPORTED = (
+    "None, bool, int, float, str, bytes, list, tuple, dict with str keys, "
+    "torch.Tensor, numpy.ndarray"
+)
+# Types packed as they are: they need no conversion and cannot nest.
+_PLAIN: frozenset[type] = frozenset({str, float, bool, type(None), bytes, bytearray})
+# Leaf types a numpy scalar's .item() may give that we accept.
+_NUMPY_ITEM_OK: frozenset[type] = frozenset({bool, int, float, str, bytes})
+
+_short_repr = reprlib.Repr()
+_short_repr.maxstring = 40
+_short_repr.maxother = 40
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One raw buffer of tensor data as it travels.
+
+    Attributes:
+        data: the bytes as sent (compressed when ``codec`` is set); 1-D, C-contiguous,
+            itemsize 1. A memoryview of another shape or format is cast to bytes.
+        codec: ``None`` (raw) or ``"lz4"`` (LZ4 block format, no size prefix).
+        raw_nbytes: the size after decompression; ``-1`` means ``len(data)``.
+        shm: the :class:`~tensorshare.shm.SharedMemory` that ``data`` maps, when the buffer
+            lives in a sealed memfd (it then travels as a descriptor over a Unix socket
+            that allows it, and as bytes anywhere else).
+    """
+
+    data: memoryview | bytes | bytearray
+    codec: str | None = None
+    raw_nbytes: int = -1
+    shm: Any = None
+
+    def __post_init__(self) -> None:
+        data = self.data
+        if type(data) is memoryview and (data.ndim != 1 or data.format != "B"):
+            if not data.c_contiguous:
+                raise ValueError("Buffer data must be C-contiguous")
+            # object.__setattr__ because the dataclass is frozen.
+            object.__setattr__(self, "data", data.cast("B"))
+        if self.raw_nbytes == -1:
+            object.__setattr__(self, "raw_nbytes", len(self.data))
+
+    @property
+    def nbytes(self) -> int:
+        """The number of bytes as sent (compressed size when ``codec`` is set)."""
+        return len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """An encoded value: the msgpack value tree and the raw buffers it refers to.
+
+    Attributes:
+        value: the msgpack bytes of the value tree.
+        buffers: the tensor buffers, indexed by the tensor descriptors in ``value``.
+    """
+
+    value: bytes
+    buffers: tuple[Buffer, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """The total bytes sent: ``len(value)`` plus every buffer's ``nbytes``."""
+        return len(self.value) + sum(b.nbytes for b in self.buffers)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _type_name(obj: object) -> str:
+    """``'set'`` for builtins, ``'numpy.ndarray'`` for anything else."""
+    cls = type(obj)
+    mod = cls.__module__
+    return cls.__qualname__ if mod == "builtins" else f"{mod}.{cls.__qualname__}"
+
+
+_torch_dtype_maps: tuple[dict[Any, str], dict[str, Any]] | None = None
+
+
+def _torch_dtypes(torch: Any) -> tuple[dict[Any, str], dict[str, Any]]:
+    """Return (torch dtype -> wire name, wire name -> torch dtype), built once.
+
+    Built lazily because torch must not be imported with this module; dtypes this torch
+    lacks (old builds without uint16/32/64) are simply missing from both maps.
+    """
+    global _torch_dtype_maps
+    if _torch_dtype_maps is None:
+        to_name: dict[Any, str] = {}
+        for name in DTYPES:
+            dt = getattr(torch, name, None)
+            if isinstance(dt, torch.dtype):
+                to_name[dt] = name
+        _torch_dtype_maps = (to_name, {v: k for k, v in to_name.items()})
+    return _torch_dtype_maps
+
+
+def _swap_bytes(u8: Any, name: str) -> Any:
+    """Byte-swap every element of a flat uint8 torch tensor holding ``name`` elements.
+
+    Only needed on big-endian hosts (the wire is little-endian). Complex numbers are
+    swapped per component so real and imaginary parts keep their places.
+    """
+    group = _ITEMSIZE[name] // 2 if name.startswith("complex") else _ITEMSIZE[name]
+    if group == 1:
+        return u8
+    return u8.reshape(-1, group).flip(-1).reshape(-1).contiguous()
+
+
+class _Refusal(Exception):
+    """Internal: a value was refused; carries the path back up to :func:`encode`.
+
+    Containers append their key while the exception unwinds, so the happy path pays
+    nothing for path tracking.
+    """
+
+    def __init__(self, kind: type[CodecError], detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+        self.parts: list[str] = []
+
+    def error(self) -> CodecError:
+        path = "value" + "".join(reversed(self.parts))
+        return self.kind(f"cannot send {path}: {self.detail}")
+
+
+# --------------------------------------------------------------------------- encode
+
+
+class _Encoder:
+    """Walks a value, turning it into a tree msgpack can pack, collecting buffers."""
+
+    __slots__ = (
+        "buffers",
+        "compress",
+        "min_bytes",
+        "max_depth",
+        "torch",
+        "tensor_type",
+        "np",
+        "ndarray_type",
+    )
+
+    def __init__(self, compress: str | None, min_bytes: int, max_depth: int) -> None:
+        self.buffers: list[Buffer] = []
+        self.compress = compress
+        self.min_bytes = min_bytes
+        self.max_depth = max_depth
+        # If torch/numpy were never imported, no value can hold their objects: looking in
+        # sys.modules avoids importing them (and keeps this module light).
+        self.torch = sys.modules.get("torch")
+        self.tensor_type = getattr(self.torch, "Tensor", None)
+        self.np = sys.modules.get("numpy")
+        self.ndarray_type: Any = getattr(self.np, "ndarray", None)
+
+    def walk(self, x: Any, depth: int) -> Any:
+        """Convert ``x`` (at container depth ``depth``) into a packable tree."""
+        t = type(x)
+        if t in _PLAIN:
+            return x
+        if t is int:
+            if _INT_MIN <= x <= _UINT_MAX:
+                return x
+            raise _Refusal(
+                CodecError,
+                f"int needs {x.bit_length()} bits (must fit in int64 or uint64)",
+            )
+        if t is dict:
+            return self.walk_dict(x, depth + 1)
+        if t is list:
+            return self.walk_seq(x, depth + 1)
+        if t is tuple:
+            return msgpack.ExtType(
+                EXT_TUPLE, msgpack.packb(self.walk_seq(x, depth + 1), use_bin_type=True)
+            )
+        return self.walk_other(x, depth)
+
+    def check_depth(self, depth: int) -> None:
+        if depth > self.max_depth:
+            raise _Refusal(NestingTooDeep, f"nesting deeper than max_depth={self.max_depth} containers")
+
+    def walk_seq(self, x: list[Any] | tuple[Any, ...], depth: int) -> list[Any]:
+        self.check_depth(depth)
+        out: list[Any] = []
+        append = out.append
+        plain = _PLAIN
+        i = 0
+        try:
+            for i, v in enumerate(x):  # noqa: B007 - i is read by the except clause
+                append(v if type(v) in plain else self.walk(v, depth))
+        except _Refusal as e:
+            e.parts.append(f"[{i}]")
+            raise
+        return out
+
+    def walk_dict(self, x: dict[Any, Any], depth: int) -> dict[str, Any]:
+        self.check_depth(depth)
+        out: dict[str, Any] = {}
+        plain = _PLAIN
+        for k, v in x.items():
+            if type(k) is not str:
+                if not isinstance(k, str):
+                    raise _Refusal(
+                        UnsupportedType,
+                        f"dict key {_short_repr.repr(k)} has type {_type_name(k)!r}; "
+                        "only str keys are supported",
+                    )
+                k = str(k)  # a str subclass (e.g. StrEnum) travels as a plain str
+            try:
+                out[k] = v if type(v) in plain else self.walk(v, depth)
+            except _Refusal as e:
+                e.parts.append(f"[{k!r}]")
+                raise
+        return out
+
+    def walk_other(self, x: Any, depth: int) -> Any:
+        """The slow path: tensors, arrays, memoryviews, numpy scalars, subclasses."""
+        if self.tensor_type is not None and isinstance(x, self.tensor_type):
+            return self.tensor(x)
+        if self.np is not None:
+            if isinstance(x, self.ndarray_type):
+                return self.ndarray(x)
+            if isinstance(x, self.np.generic):
+                item = x.item()
+                if type(item) not in _NUMPY_ITEM_OK:
+                    raise _Refusal(
+                        UnsupportedType,
+                        f"type {_type_name(x)!r} is not supported (supported: {_SUPPORTED})",
+                    )
+                return self.walk(item, depth)
+        if isinstance(x, memoryview):
+            # msgpack takes any C-contiguous buffer as raw bytes; others need a copy.
+            return x if x.c_contiguous else x.tobytes()
+        # Subclasses of supported types travel as their base type (a namedtuple arrives
+        # as a tuple, an OrderedDict as a dict, an IntEnum as an int).
+        if isinstance(x, int):
+            return self.walk(int(x), depth)
+        if isinstance(x, float):
+            return float(x)
+        if isinstance(x, str):
+            return str(x)
+        if isinstance(x, (bytes, bytearray)):
+            return bytes(x)
+        if isinstance(x, dict):
+            return self.walk_dict(x, depth + 1)
+        if isinstance(x, list):
+            return self.walk_seq(x, depth + 1)
+        if isinstance(x, tuple):
+            return self.walk(tuple(x), depth)
+        raise _Refusal(
+            UnsupportedType,
+            f"type {_type_name(x)!r} is not supported (supported: {_SUPPORTED})",
+        )
+
+    def tensor(self, x: Any) -> msgpack.ExtType:
+        torch = self.torch
+        assert torch is not None
+        if (type(x) is torch.Tensor and x.is_cpu and not x.requires_grad
+                and x.layout is torch.strided and x.is_contiguous() and not x.is_conj()
+                and not x.is_neg() and not _BIG_ENDIAN_HOST and x.numel()):
+            # The common case (a plain contiguous CPU tensor) in a third of the time: its
+            # numpy view already spans exactly its own bytes.
+            name = _torch_dtypes(torch)[0].get(x.dtype)
+            if name is not None and name != "bfloat16":  # numpy has no bfloat16
+                view = memoryview(x.numpy()).cast("B")
+                return self.add_buffer(EXT_TENSOR, name, list(x.shape), view)
+        t = x.detach()
+        if t.layout is not torch.strided:
+            raise _Refusal(
+                UnsupportedType,
+                f"torch.Tensor with layout {t.layout} is not supported (only dense, "
+                "strided tensors are; call .to_dense() first)",
+            )
+        to_name = _torch_dtypes(torch)[0]
+        name = to_name.get(t.dtype)
+        if name is None:
+            raise _Refusal(
+                UnsupportedType,
+                f"torch.Tensor dtype {t.dtype} is not supported "
+                f"(supported: {', '.join(to_name.values())})",
+            )
+        if not t.is_cpu:
+            if t.is_meta:
+                raise _Refusal(UnsupportedType, "a meta tensor has no data to send")
+            # Data always travels from host memory; the receiver gets a CPU tensor. A
+            # future ``device=`` option on receive may move it to a device again.
+            t = t.cpu()
+        # Materialise lazy conjugate/negative views: the bytes must be the real values.
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()  # copies only the viewed elements
+        shape = list(t.shape)
+        # reshape(-1) is a view for a contiguous tensor (and makes 0-d tensors 1-d);
+        # viewing as uint8 first lets numpy expose dtypes it lacks (bfloat16). The
+        # numpy array keeps the tensor alive and only spans this tensor's elements,
+        # not the whole storage of a sliced tensor.
+        u8 = t.reshape(-1).view(torch.uint8)
+        if _BIG_ENDIAN_HOST:
+            u8 = _swap_bytes(u8, name)
+        try:
+            data: memoryview | bytes = memoryview(u8.numpy())
+        except (RuntimeError, TypeError):
+            # torch without numpy: fall back to one copy of the bytes.
+            import ctypes
+
+            data = ctypes.string_at(u8.data_ptr(), u8.numel()) if u8.numel() else b""
+        return self.add_buffer(EXT_TENSOR, name, shape, data)
+
+    def ndarray(self, x: Any) -> msgpack.ExtType:
+        np = self.np
+        assert np is not None
+        ma = sys.modules.get("numpy.ma")  # numpy 2 imports numpy.ma lazily; avoid it
+        if ma is not None and isinstance(x, ma.MaskedArray):
+            raise _Refusal(
+                UnsupportedType, "numpy masked arrays are not supported (the mask would be lost)"
+            )
+        if type(x) is not np.ndarray:
+            x = x.view(np.ndarray)  # e.g. np.matrix, whose reshape(-1) stays 2-D
+        dt = x.dtype
+        name = dt.name
+        if name not in _NUMPY_DTYPES or dt.fields is not None:
+            raise _Refusal(
+                UnsupportedType,
+                f"numpy.ndarray dtype {str(dt)!r} is not supported "
+                f"(supported: {', '.join(n for n in DTYPES if n in _NUMPY_DTYPES)})",
+            )
+        shape = list(x.shape)
+        if dt.byteorder == ">" or (dt.byteorder == "=" and _BIG_ENDIAN_HOST):
+            x = x.astype(dt.newbyteorder("<"), order="C")  # the wire is little-endian
+        elif not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        data = memoryview(x.reshape(-1).view(np.uint8))
+        return self.add_buffer(EXT_NDARRAY, name, shape, data)
+
+    def add_buffer(
+        self, code: int, name: str, shape: list[int], data: memoryview | bytes
+    ) -> msgpack.ExtType:
+        if type(data) is memoryview:
+            # Read-only: nobody may write into the sender's tensor through the buffer,
+            # and decode() copies read-only buffers, so an in-process round trip never
+            # aliases the original.
+            data = data.toreadonly()
+        n = data.nbytes if type(data) is memoryview else len(data)
+        buf = None
+        if self.compress is not None and self.min_bytes <= n <= _LZ4_MAX_INPUT:
+            packed = _lz4_block().compress(data, store_size=False)
+            if len(packed) < n:  # keep it only when it pays
+                buf = Buffer(packed, "lz4", n)
+        index = len(self.buffers)
+        self.buffers.append(buf if buf is not None else Buffer(data, None, n))
+        return msgpack.ExtType(code, msgpack.packb([name, shape, index]))
+
+
+# Value trees of a lone tensor, by (dtype, shape): one tensor of the same kind again and again
+# (rollouts, gradients, parameters) is the common case, and its tree is the same bytes.
+_LONE_TENSOR_TREES: dict[tuple[Any, tuple[int, ...]], bytes] = {}
+_LONE_TENSOR_TREES_MAX = 4096
+# ... and the other way, for decoding: tree -> (dtype name, shape, elements, itemsize).
+# (None: a small tree known not to be a lone tensor.)
+_LONE_TENSOR_SHAPES: dict[bytes, tuple[str, tuple[int, ...], int, int] | None] = {}
+
+
+def _plain_tensor(torch: Any, x: Any) -> Encoded | None:
+    """Encode a value that is one plain contiguous CPU tensor, or return ``None``.
+
+    Exactly what the general path produces for it (a tensor ext with buffer 0), built with
+    less work: the tree's bytes are reused for every tensor of the same dtype and shape.
+    """
+    if (not x.is_cpu or x.requires_grad or x.layout is not torch.strided
+            or not x.is_contiguous() or x.is_conj() or x.is_neg() or _BIG_ENDIAN_HOST):
+        return None
+    shape = tuple(x.shape)
+    key = (x.dtype, shape)
+    tree = _LONE_TENSOR_TREES.get(key)
+    if tree is None:
+        name = _torch_dtypes(torch)[0].get(x.dtype)
+        if name is None or name == "bfloat16" or not x.numel():
+            return None
+        tree = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(shape), 0])),
+                             use_bin_type=True)
+        if len(_LONE_TENSOR_TREES) < _LONE_TENSOR_TREES_MAX:
+            _LONE_TENSOR_TREES[key] = tree
+    view = memoryview(x.numpy()).cast("B").toreadonly()
+    return Encoded(tree, (Buffer(view, None, len(view)),))
+
+
+def _lz4_block() -> Any:
+    """Import ``lz4.block`` on first use (it is only needed with compression)."""
+    try:
+        import lz4.block
+    except ImportError as exc:  # pragma: no cover - lz4 is a dependency
+        raise CodecError("lz4 compression needs the 'lz4' package") from exc
+    return lz4.block
+
+
+def encode(
+    value: Any,
+    *,
+    compress: str | None = None,
+    compress_min_bytes: int = 65536,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> Encoded:
+    """Encode a value for the wire.
+
+    Tensor and array data is not copied when it is already contiguous on the CPU: the
+    buffers are read-only memoryviews that keep the source alive. Do not modify the
+    source tensors until the buffers have been sent.
+
+    Args:
+        value: None, bool, int, float, str, bytes-like, list, tuple, dict with str
+            keys, torch.Tensor or numpy.ndarray, nested freely (up to ``max_depth``).
+            Numpy scalars travel as Python scalars; subclasses of the builtin types
+            travel as the base type. Tensors lose ``requires_grad`` and their device
+            (they arrive on the CPU).
+        compress: ``None`` or ``"lz4"``: compress each buffer of at least
+            ``compress_min_bytes`` bytes, keeping the result only when it is smaller.
+        compress_min_bytes: the smallest buffer worth compressing.
+        max_depth: the deepest container nesting allowed (the root container is 1).
+
+    Returns:
+        The :class:`Encoded` value tree and buffers.
+
+    Raises:
+        UnsupportedType: a type, dict key type, or tensor dtype/layout that cannot be
+            sent; the message names it and where it was, e.g. ``value['a'][1]``.
+        CodecError: nesting deeper than ``max_depth``, or an int outside int64/uint64.
+        ValueError: an unknown ``compress`` value or a negative limit.
+    """
+    if compress not in (None, "lz4"):
+        raise ValueError(f"unknown compress {compress!r} (use None or 'lz4')")
+    if compress_min_bytes < 0 or max_depth < 0:
+        raise ValueError("compress_min_bytes and max_depth must be >= 0")
+    torch = sys.modules.get("torch")
+    if (torch is not None and type(value) is torch.Tensor
+            and (compress is None or value.nbytes < compress_min_bytes)):
+        fast = _plain_tensor(torch, value)
+        if fast is not None:
+            return fast
+    enc = _Encoder(compress, compress_min_bytes, max_depth)
+    try:
+        tree = enc.walk(value, 0)
+    except _Refusal as e:
+        raise e.error() from None
+    except RecursionError:
+        raise CodecError(
+            f"cannot send value: nested too deeply for max_depth={max_depth}"
+        ) from None
+    try:
+        packed = msgpack.packb(tree, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as exc:  # pragma: no cover - walk checks
+        raise CodecError(f"cannot send value: {exc}") from exc
+    return Encoded(packed, tuple(enc.buffers))
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _parse_descriptor(code: int, data: bytes, n_buffers: int) -> tuple[str, list[int], int]:
+    """Check a tensor/array ext's ``[dtype, shape, buffer_index]`` and return it."""
+    what = "tensor" if code == EXT_TENSOR else "ndarray"
+    try:
+        # No ext_hook: an ext inside a descriptor comes back as ExtType and is refused.
+        desc = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise CodecError(f"malformed {what} descriptor: {exc}") from None
+    if type(desc) is not list or len(desc) != 3:
+        raise CodecError(f"{what} descriptor must be [dtype, shape, buffer_index]")
+    name, shape, index = desc
+    if type(name) is not str or name not in _ITEMSIZE:
+        raise CodecError(f"{what} has unknown dtype {_short_repr.repr(name)}")
+    if code == EXT_NDARRAY and name not in _NUMPY_DTYPES:
+        raise CodecError(f"ndarray dtype {name!r} does not exist in numpy")
+    if (
+        type(shape) is not list
+        or len(shape) > _MAX_NDIM
+        or not all(type(d) is int and 0 <= d <= _DIM_MAX for d in shape)
+    ):
+        raise CodecError(
+            f"{what} shape must be a list of at most {_MAX_NDIM} non-negative ints, "
+            f"got {_short_repr.repr(shape)}"
+        )
+    if type(index) is not int or not 0 <= index < n_buffers:
+        raise CodecError(
+            f"{what} buffer index {_short_repr.repr(index)} is out of range ({n_buffers} buffers)"
+        )
+    return name, shape, index
+
+
+_MakeFn = Callable[[int, str, list[int], int], Any]
+
+
+class _Unpacker:
+    """One decode/validate pass: the ext hook and the buffer bookkeeping."""
+
+    __slots__ = ("max_depth", "n_buffers", "used", "make", "nesting")
+
+    def __init__(self, n_buffers: int, max_depth: int, make: _MakeFn) -> None:
+        self.max_depth = max_depth
+        self.n_buffers = n_buffers
+        self.used = bytearray(n_buffers)  # 1 once a buffer has been claimed
+        self.make = make
+        self.nesting = 0  # tuple exts being unpacked right now (bounds recursion)
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_TENSOR or code == EXT_NDARRAY:
+            name, shape, index = _parse_descriptor(code, data, self.n_buffers)
+            if self.used[index]:
+                raise CodecError(f"buffer {index} is referenced by more than one tensor")
+            self.used[index] = 1
+            return self.make(code, name, shape, index)
+        if code == EXT_TUPLE:
+            # Each tuple is a container, so ext nesting beyond max_depth is already too
+            # deep; stopping here keeps a hostile chain from recursing without bound.
+            if self.nesting >= self.max_depth:
+                raise NestingTooDeep(f"value nests deeper than max_depth={self.max_depth}")
+            self.nesting += 1
+            try:
+                items = msgpack.unpackb(
+                    data, raw=False, strict_map_key=True, ext_hook=self.ext_hook
+                )
+            finally:
+                self.nesting -= 1
+            if type(items) is not list:
+                raise CodecError("tuple ext must hold a msgpack array")
+            return tuple(items)
+        raise CodecError(f"unknown ext type code {code}")
+
+    def unpack(self, value: bytes) -> Any:
+        try:
+            obj = msgpack.unpackb(value, raw=False, strict_map_key=True, ext_hook=self.ext_hook)
+        except (CodecError, MemoryError):
+            raise
+        except msgpack.ExtraData as exc:
+            raise CodecError(
+                f"malformed value: {len(exc.extra)} trailing bytes after the msgpack data"
+            ) from None
+        except msgpack.StackError:
+            raise CodecError("malformed value: msgpack nesting too deep") from None
+        except msgpack.FormatError:
+            raise CodecError("malformed value: invalid msgpack") from None
+        except Exception as exc:
+            # msgpack reports truncation, bad UTF-8, bad map keys, bad timestamps...
+            # as ValueError and friends; a failure building a tensor lands here too.
+            raise CodecError(f"malformed value: {exc}") from exc
+        _check_tree(obj, self.max_depth)
+        return obj
+
+
+_CONTAINERS: frozenset[type] = frozenset({list, dict, tuple})
+
+
+def _check_tree(obj: Any, max_depth: int) -> None:
+    """Check depth, str map keys and the absence of msgpack timestamps.
+
+    msgpack itself has no depth limit we can set, and it decodes ext -1 (timestamp)
+    without calling the ext hook, so one pass over the containers is needed. It is
+    iterative so a hostile tree cannot exhaust the Python stack.
+    """
+    t = type(obj)
+    if t not in _CONTAINERS:
+        if t is msgpack.Timestamp:
+            raise CodecError("unknown ext type code -1 (msgpack timestamp)")
+        return
+    containers = _CONTAINERS
+    timestamp = msgpack.Timestamp
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise NestingTooDeep(f"value nests deeper than max_depth={max_depth}")
+        if type(node) is dict:
+            for k in node:
+                if type(k) is not str:
+                    raise CodecError(f"map key {_short_repr.repr(k)} is not a str")
+            node = node.values()
+        for c in node:
+            tc = type(c)
+            if tc in containers:
+                stack.append((c, depth + 1))
+            elif tc is timestamp:
+                raise CodecError("unknown ext type code -1 (msgpack timestamp)")
+
+
+def _writable_raw(buf: Buffer, expected: int, max_raw_bytes: int) -> bytearray | memoryview:
+    """Return the buffer's decompressed bytes in writable memory.
+
+    A writable buffer is used as it is (zero copy); read-only data is copied once.
+    """
+    if buf.raw_nbytes != expected:
+        raise CodecError(f"buffer holds {buf.raw_nbytes} bytes but the tensor needs {expected}")
+    data = buf.data
+    if buf.codec is None:
+        if len(data) != expected:
+            raise CodecError(f"raw buffer holds {len(data)} bytes but claims {buf.raw_nbytes}")
+        if type(data) is bytearray:
+            return data
+        if type(data) is not memoryview:
+            data = memoryview(data)
+        if data.readonly:
+            return bytearray(data)
+        if data.ndim != 1 or data.format != "B":
+            data = data.cast("B")
+        return data
+    if buf.codec == "lz4":
+        if expected > max_raw_bytes:
+            raise CodecError(f"buffer of {expected} bytes exceeds max_raw_bytes={max_raw_bytes}")
+        if expected > _LZ4_MAX_RATIO * len(data) + _LZ4_MAX_RATIO:
+            raise CodecError(f"lz4 buffer of {len(data)} bytes cannot hold {expected} bytes")
+        if expected == 0:
+            return bytearray()
+        lz4_block = _lz4_block()
+        try:
+            out = lz4_block.decompress(data, uncompressed_size=expected, return_bytearray=True)
+        except lz4_block.LZ4BlockError as exc:
+            raise CodecError(f"corrupt lz4 buffer: {exc}") from None
+        if len(out) != expected:
+            raise CodecError(f"lz4 buffer decompressed to {len(out)} bytes, not {expected}")
+        return out
+    raise CodecError(f"unknown buffer codec {buf.codec!r}")
+
+
+def decode(
+    enc: Encoded,
+    *,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_raw_bytes: int = 1 << 40,
+) -> Any:
+    """Decode a value received from the wire.
+
+    Tensors and arrays are built on writable buffers (a writable memoryview or
+    bytearray) without copying; read-only buffers (``bytes``) are copied once so the
+    result is always writable. Each result tensor owns distinct memory.
+
+    Args:
+        enc: the value tree and its buffers.
+        max_depth: the deepest container nesting accepted.
+        max_raw_bytes: the largest decompressed size accepted for one compressed buffer,
+            checked before decompressing.
+
+    Returns:
+        The value: lists, dicts, tuples, bytes, scalars, CPU torch tensors, numpy arrays.
+
+    Raises:
+        CodecError: the tree or a buffer is malformed, too deep, refers to a missing or
+            reused buffer, a size does not match, or torch/numpy is needed but missing.
+    """
+    buffers = enc.buffers
+    lone = _LONE_TENSOR_SHAPES.get(enc.value, False)
+    if type(lone) is tuple and len(buffers) == 1:
+        # A lone tensor whose tree we made (or saw) before: no need to parse it again.
+        name, shape, n, itemsize = lone
+        raw = _writable_raw(buffers[0], n * itemsize, max_raw_bytes)
+        return _make_tensor(name, list(shape), n, itemsize, raw)
+    np_dtypes: dict[str, Any] = {}
+
+    def make(code: int, name: str, shape: list[int], index: int) -> Any:
+        itemsize = _ITEMSIZE[name]
+        n = math.prod(shape)
+        raw = _writable_raw(buffers[index], n * itemsize, max_raw_bytes)
+        if code == EXT_TENSOR:
+            return _make_tensor(name, shape, n, itemsize, raw)
+        return _make_ndarray(name, shape, n, raw, np_dtypes)
+
+    value = _Unpacker(len(buffers), max_depth, make).unpack(enc.value)
+    if lone is False and len(enc.value) <= 64 and len(buffers) == 1 and \
+            len(_LONE_TENSOR_SHAPES) < _LONE_TENSOR_TREES_MAX:
+        _remember_lone_tensor(enc.value)
+    return value
+
+
+def _remember_lone_tensor(tree: bytes) -> None:
+    """If ``tree`` (already checked) is a lone tensor ext, remember its dtype and shape."""
+    _LONE_TENSOR_SHAPES[tree] = None  # not a lone tensor (unless found so below)
+    try:
+        ext = msgpack.unpackb(tree, ext_hook=lambda code, data: (code, data))
+        if type(ext) is tuple and ext[0] == EXT_TENSOR:
+            name, shape, index = _parse_descriptor(EXT_TENSOR, ext[1], 1)
+            _LONE_TENSOR_SHAPES[tree] = (name, tuple(shape), math.prod(shape),
+                                         _ITEMSIZE[name])
+    except (CodecError, ValueError, TypeError):
+        pass
+
+
+def _make_tensor(
+    name: str, shape: list[int], n: int, itemsize: int, raw: bytearray | memoryview
+) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise CodecError("the value holds a torch tensor but torch is not installed") from None
+    dtype = _torch_dtypes(torch)[1].get(name)
+    if dtype is None:
+        raise CodecError(f"this torch has no dtype {name!r}")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses count=0
+    if _BIG_ENDIAN_HOST and itemsize > 1:
+        u8 = _swap_bytes(torch.frombuffer(raw, dtype=torch.uint8), name)
+        return u8.view(dtype).reshape(shape)
+    t = torch.frombuffer(raw, dtype=dtype, count=n)
+    if itemsize > 1 and t.data_ptr() % itemsize:
+        # A buffer slice at an odd offset: some kernels assume aligned elements.
+        t = t.clone()
+    return t if len(shape) == 1 else t.reshape(shape)
+
+
+def _make_ndarray(
+    name: str, shape: list[int], n: int, raw: bytearray | memoryview, cache: dict[str, Any]
+) -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        raise CodecError("the value holds a numpy array but numpy is not installed") from None
+    dtype = cache.get(name)
+    if dtype is None:
+        dtype = cache[name] = np.dtype(name).newbyteorder("<")
+    if n == 0:
+        return np.empty(shape, dtype=dtype.newbyteorder("="))
+    arr = np.frombuffer(raw, dtype=dtype, count=n).reshape(shape)
+    if _BIG_ENDIAN_HOST:
+        return arr.astype(dtype.newbyteorder("="))
+    if not arr.flags.aligned:
+        arr = arr.copy()  # same reason as for tensors: keep elements aligned
+    return arr
+
+
+def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH,
+             raw_sizes: Sequence[int] | None = None) -> None:
+    """Check a received value tree without building tensors (never imports torch).
+
+    Checks that ``value`` is one complete msgpack value of this format: only known ext
+    codes, well-formed tensor/array descriptors (dtype in ``DTYPES``, shape of
+    non-negative ints, buffer index in ``[0, n_buffers)``), each buffer referenced at
+    most once, str map keys, nesting at most ``max_depth``, no trailing bytes. With
+    ``raw_sizes`` (the uncompressed size of each buffer), each tensor's buffer must hold
+    exactly ``prod(shape) * itemsize`` bytes, so whatever the server stores, readers can
+    decode.
+
+    Args:
+        value: the msgpack bytes of the value tree.
+        n_buffers: how many buffers travel with it.
+        max_depth: the deepest container nesting accepted.
+        raw_sizes: the uncompressed byte size of each buffer, or ``None`` to skip the check.
+
+    Raises:
+        CodecError: the value is malformed.
+    """
+
+    def make(code: int, name: str, shape: list[int], index: int) -> None:
+        if raw_sizes is not None:
+            expected = math.prod(shape) * _ITEMSIZE[name]
+            if raw_sizes[index] != expected:
+                raise CodecError(f"buffer {index} holds {raw_sizes[index]} bytes but its "
+                                 f"{name} tensor of shape {shape} needs {expected}")
+        return None
+
+    if len(value) <= _VALID_TREE_MAX and raw_sizes is not None:
+        # A tree is valid or not whatever its buffers hold: remember the small ones that
+        # were (a stream of like items sends the same tree bytes each time).
+        key = (value, n_buffers, max_depth, tuple(raw_sizes))
+        if key in _VALID_TREES:
+            return
+        _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+        if len(_VALID_TREES) >= _VALID_TREES_MAX:
+            _VALID_TREES.clear()
+        _VALID_TREES[key] = True
+        return
+    _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+
+
+_VALID_TREE_MAX = 512  # bytes
+_VALID_TREES_MAX = 4096
+_VALID_TREES: dict[tuple[bytes, int, int, tuple[int, ...]], bool] = {}
+
+
+class _Leaf:
+    """A tensor or array seen by :func:`describe`: only its dtype and shape."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, code: int, name: str, shape: list[int]) -> None:
+        dims = ",".join(str(d) for d in shape)
+        self.text = f"{'ndarray ' if code == EXT_NDARRAY else ''}{name}[{dims}]"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def describe(value: bytes, limit: int = 80) -> str:
+    """A one-line summary of an encoded value tree, e.g. ``{w: float32[3,3], step: int}``.
+
+    Tensors show their dtype and shape, scalars their type, containers their content (long
+    lists are shortened). Nothing is decoded into tensors and torch is never imported, so
+    the server can describe what it stores.
+
+    Args:
+        value: the msgpack bytes of a value tree (as stored).
+        limit: the longest summary returned; longer ones end with an ellipsis.
+
+    Returns:
+        The summary, or ``"<malformed>"`` for bytes that are not a valid value tree.
+    """
+    try:
+        tree = _Unpacker(1 << 20, DEFAULT_MAX_DEPTH,
+                         lambda code, name, shape, index: _Leaf(code, name, shape)
+                         ).unpack(value)
+    except CodecError:
+        return "<malformed>"
+    text = _summary(tree, limit)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _summary(x: Any, budget: int) -> str:
+    t = type(x)
+    if t is _Leaf:
+        return str(x.text)
+    if t is dict:
+        parts = []
+        used = 2
+        for k, v in x.items():
+            part = f"{k}: {_summary(v, budget - used)}"
+            parts.append(part)
+            used += len(part) + 2
+            if used > budget:
+                break
+        return "{" + ", ".join(parts) + "}"
+    if t is list or t is tuple:
+        open_, close = ("[", "]") if t is list else ("(", ")")
+        if len(x) > 4 and all(type(v) is not _Leaf and type(v) not in _CONTAINERS for v in x):
+            return f"{open_}{len(x)} {type(x[0]).__name__}s{close}"
+        shown = [_summary(v, budget // 2) for v in x[:4]]
+        if len(x) > 4:
+            shown.append(f"... {len(x) - 4} more")
+        return open_ + ", ".join(shown) + close
+    if x is None:
+        return "None"
+    if t is str:
+        return _short_repr.repr(x)
+    if t is bytes:
+        return f"bytes[{len(x)}]"
+    return t.__name__

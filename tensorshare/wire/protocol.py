@@ -1,0 +1,1060 @@
+"""Sans-I/O connection state: bytes in -> messages out, messages in -> bytes out.
+
+Shared by the Twisted server, the Twisted client and the blocking client. Nothing here touches
+a socket, a thread, a clock or Twisted, so it can be tested byte by byte.
+
+There is one table of ops (:data:`OPS`). Each row says how a request becomes a header and back,
+how its reply is parsed, and whether the server must remember the reply for exactly-once
+replay (``mutating``). Replies and notifications are encoded by their class
+(:data:`REPLY_HEADERS`). Adding an op means adding a row, a store method, a server handler and
+a section of ``docs/PROTOCOL.md`` (whose field tables a test checks against this table).
+
+The two sides of a connection::
+
+    conn = ServerConnection(limits)              conn = ClientConnection()
+    for event in conn.receive_data(data):        chunks = conn.send(msg, ack)
+        ...  # requests, AckInfo, BadRequest,    for msg in conn.receive_data(data, op_of):
+             # ProtocolViolation                     ...  # replies, Changed, Orphan, ...
+    chunks = conn.send(reply)
+
+A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeGuard, Union
+
+import msgpack
+
+from ..errors import CodecError, LimitExceeded, NestingTooDeep, ProtocolError
+from .codec import Buffer, Encoded, validate
+from .frames import BytesLike, Frame, FrameDecoder, OversizedFrame, encode_frame, payload_layout
+from .messages import (
+    Acked,
+    Append,
+    Cancel,
+    Changed,
+    Configure,
+    Configured,
+    Delete,
+    Deleted,
+    ErrorReply,
+    Fetch,
+    Fetched,
+    FetchSpec,
+    Hello,
+    HelloReply,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Listening,
+    Listing,
+    Message,
+    Ping,
+    Put,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
+    Stored,
+    Unlisten,
+)
+
+__all__ = [
+    "MAX_APPEND_ITEMS",
+    "MAX_OPEN_ACKS",
+    "OPS",
+    "OVERFLOW_POLICIES",
+    "PRE_HELLO_MAX_BYTES",
+    "PROTOCOL_VERSIONS",
+    "REPLY_HEADERS",
+    "SESSION_ID_BYTES",
+    "AckInfo",
+    "BadRequest",
+    "ClientConnection",
+    "NameTooLong",
+    "Op",
+    "Orphan",
+    "ProtocolViolation",
+    "ServerConnection",
+    "check_bin_name",
+    "encode_fetched_parts",
+    "encode_fetched_with_id",
+    "encode_message",
+    "item_wire_size",
+    "items_header",
+    "op_name",
+    "parse_items",
+]
+
+PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
+REPLY_SLACK = 64 * 1024  # see ClientConnection.set_limits
+# Until a connection completes hello, a frame may take at most this many bytes: a peer that
+# has not even said who it is cannot make the server reserve a large buffer.
+PRE_HELLO_MAX_BYTES = 64 * 1024
+SESSION_ID_BYTES = 16
+# At most this many request ids below ``ack`` may be listed as still open (see AckInfo).
+MAX_OPEN_ACKS = 64
+# The most items one append may carry (a pipeline sends larger batches as several appends).
+MAX_APPEND_ITEMS = 100_000
+OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
+_ALIGN_MASK = 63
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def _unpackb(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+
+
+# -- events besides messages ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ProtocolViolation:
+    """The peer broke the wire format: the connection must be closed.
+
+    It comes last in the list returned by ``receive_data``, after every message that was
+    complete before the violation, so those are still handled in order.
+    """
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class BadRequest:
+    """A request that parsed as a frame but cannot be served; the server answers it with an error.
+
+    The connection stays usable: the frame boundaries were intact.
+    """
+
+    id: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class AckInfo:
+    """What a request said about the replies its client has received (exactly-once bookkeeping).
+
+    The client has received the reply of every request with an id up to ``through``, except
+    those listed in ``open``. It comes right before the request that carried it.
+    """
+
+    through: int
+    open: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A reply to a request the client no longer waits for (it gave up on it)."""
+
+    id: int
+    n_items: int
+
+
+class NameTooLong(ValueError):
+    """A bin name is longer than ``max_name_bytes`` (a limit, not a malformed request)."""
+
+
+def check_bin_name(name: object, max_name_bytes: int) -> str:
+    """Check a bin name: a non-empty str of at most ``max_name_bytes`` UTF-8 bytes.
+
+    Any characters are allowed (spaces, '|', '/', unicode).
+
+    Returns:
+        The name.
+
+    Raises:
+        TypeError: the name is not a str.
+        ValueError: the name is empty; :class:`NameTooLong` (a ValueError): it is too long.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"bin name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("bin name must not be empty")
+    if len(name) * 4 > max_name_bytes:  # cheap pre-check: at most 4 bytes per code point
+        n = len(name.encode("utf-8", "surrogatepass"))
+        if n > max_name_bytes:
+            raise NameTooLong(f"bin name of {n} bytes exceeds max_name_bytes={max_name_bytes}")
+    return name
+
+
+class _Invalid(Exception):
+    """Internal: a header is malformed; carries the error code."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- field readers ----------------------------------------------------------------------------
+def _is_int(v: object) -> TypeGuard[int]:
+    """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
+    v = h.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _Invalid(f"{key!r} must be an integer")
+    if minimum is not None and v < minimum:
+        raise _Invalid(f"{key!r} must be at least {minimum}")
+    return v
+
+
+def _int(h: dict[str, Any], key: str) -> int:
+    v = h.get(key)
+    if not _is_int(v):
+        raise _Invalid(f"{key!r} must be an integer")
+    return v
+
+
+def _str(h: dict[str, Any], key: str) -> str:
+    v = h.get(key)
+    if not isinstance(v, str):
+        raise _Invalid(f"{key!r} must be a string")
+    return v
+
+
+def _bool(h: dict[str, Any], key: str, default: bool = False) -> bool:
+    v = h.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _Invalid(f"{key!r} must be a bool")
+    return v
+
+
+def _name(h: dict[str, Any], limits: Limits) -> str:
+    try:
+        return check_bin_name(h.get("bin"), limits.max_name_bytes)
+    except NameTooLong as exc:
+        raise _Invalid(str(exc), "limit_exceeded") from None
+    except (TypeError, ValueError) as exc:
+        raise _Invalid(str(exc)) from None
+
+
+# -- the op table -----------------------------------------------------------------------------
+_Parse = Callable[[int, dict[str, Any], bytearray, Limits], Request]
+_ParseReply = Callable[[int, dict[str, Any], bytearray, Limits], Reply]
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One row of the op table.
+
+    Attributes:
+        name: the wire ``op``.
+        request: the request class.
+        header: the request's header fields besides ``op``, ``id`` and ``items``.
+        parse: builds the request from a header (server side); raises ``_Invalid``.
+        parse_reply: builds an ``ok`` reply to this op from its header (client side).
+        mutating: the server remembers the reply for exactly-once replay after a reconnect
+            (re-running the request would change something twice).
+        fields: every header key the request may carry (docs/PROTOCOL.md lists these).
+    """
+
+    name: str
+    request: type
+    header: Callable[[Any], dict[str, Any]]
+    parse: _Parse
+    parse_reply: _ParseReply
+    mutating: bool
+    fields: tuple[str, ...]
+
+
+def _store_header(m: Put | Append) -> dict[str, Any]:
+    if type(m) is Append and m.timeout is not None:
+        return {"bin": m.bin, "timeout": m.timeout}
+    return {"bin": m.bin}
+
+
+def _timeout(h: dict[str, Any]) -> float | None:
+    timeout = h.get("timeout")
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout) or timeout < 0):
+        raise _Invalid("'timeout' must be a finite non-negative number or nil")
+    return float(timeout)
+
+
+def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        name = _name(h, limits)
+        raw = h.get("items")
+        if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
+            raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
+                           f"{MAX_APPEND_ITEMS}", "limit_exceeded")
+        items = _parse_items(h, payload, limits.max_depth)
+        if cls is Append:
+            if not items:
+                raise _Invalid("append carries at least one item")
+            return Append(rid, name, items[0], _timeout(h), tuple(items[1:]))
+        if len(items) != 1:
+            raise _Invalid(f"put carries exactly one item, got {len(items)}")
+        return Put(rid, name, items[0])
+    return parse
+
+
+def _fetch_header(m: Fetch) -> dict[str, Any]:
+    s = m.spec
+    h: dict[str, Any] = {"bin": m.bin}
+    if s.max_items is not None:
+        h["max_items"] = s.max_items
+    if s.wait:
+        h["wait"] = True
+        h["timeout"] = s.timeout
+        if s.min_items != 1:
+            h["min_items"] = s.min_items
+    if s.min_tag is not None:
+        h["min_tag"] = s.min_tag
+    if s.newer_than is not None:
+        h["newer_than"] = s.newer_than
+    return h
+
+
+def _parse_fetch(remove: bool) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        name = _name(h, limits)
+        spec = FetchSpec(remove, _opt_int(h, "max_items", minimum=1), _bool(h, "wait"),
+                         _timeout(h),
+                         _opt_int(h, "min_tag"), _opt_int(h, "newer_than"),
+                         _opt_int(h, "min_items", minimum=1) or 1)
+        return Fetch(rid, name, spec)
+    return parse
+
+
+def _reply_fetched(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    unchanged = bool(h.get("unchanged", False))
+    items = () if unchanged else tuple(_parse_items(h, payload, limits.max_depth, client=True))
+    return Fetched(rid, _str(h, "kind"), items, _int(h, "version"), _int(h, "n_items"),
+                   _int(h, "dropped"), unchanged)
+
+
+def _reply_stored(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Stored(rid, _int(h, "version"), _int(h, "n_items"), _opt_int(h, "dropped") or 0)
+
+
+def _reply_acked(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Acked(rid, _bool(h, "flag", True))
+
+
+def _bin_header(m: Delete | Listen | Unlisten) -> dict[str, Any]:
+    return {"bin": m.bin}
+
+
+def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> _Parse:
+    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+        return cls(rid, _name(h, limits))
+    return parse
+
+
+def _hello_header(m: Hello) -> dict[str, Any]:
+    h: dict[str, Any] = {"versions": list(m.versions), "client": m.client}
+    if m.auth is not None:
+        h["auth"] = m.auth
+    if m.session is not None:
+        h["session"] = m.session
+        if m.resume:
+            h["resume"] = True
+    if m.shm:
+        h["shm"] = True
+    return h
+
+
+def _parse_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    versions = h.get("versions")
+    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
+        raise _Invalid("hello needs 'versions', a list of integers")
+    client, auth, session = h.get("client", ""), h.get("auth"), h.get("session")
+    if session is not None and (not isinstance(session, bytes)
+                                or len(session) != SESSION_ID_BYTES):
+        raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
+    return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
+                 auth if isinstance(auth, str) else None, session,
+                 _bool(h, "resume") and session is not None, _bool(h, "shm"))
+
+
+def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    lim = h.get("limits")
+    if not isinstance(lim, dict):
+        raise _Invalid("'limits' must be a map")
+    try:
+        server_limits = Limits(_int(lim, "max_frame_bytes"), _int(lim, "max_header_bytes"),
+                               _int(lim, "max_depth"), _int(lim, "max_name_bytes"))
+    except ValueError as exc:
+        raise _Invalid(f"impossible limits in the handshake: {exc}") from None
+    server_id = h.get("server_id", "")
+    return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
+                      _bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
+                      _bool(h, "shm"))
+
+
+def _reply_listing(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    bins = h.get("bins")
+    if not isinstance(bins, dict) or not all(_is_int(v) for v in bins.values()):
+        raise _Invalid("'bins' must be a map of str to int")
+    return Listing(rid, bins)
+
+
+def _reply_deleted(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Deleted(rid, _bool(h, "existed"), _int(h, "version"))
+
+
+def _reply_listening(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    return Listening(rid, _int(h, "version"), _int(h, "n_items"))
+
+
+def _parse_cancel(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    target = _opt_int(h, "target")
+    if target is None:
+        raise _Invalid("cancel needs an integer 'target'")
+    return Cancel(rid, target)
+
+
+def _parse_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    glob = h.get("glob")
+    if glob is not None and not isinstance(glob, str):
+        raise _Invalid("'glob' must be a string or nil")
+    return Stats(rid, glob)
+
+
+def _stats_header(m: Stats) -> dict[str, Any]:
+    return {} if m.glob is None else {"glob": m.glob}
+
+
+def _reply_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    server, bins = h.get("stats"), h.get("bins")
+    if not isinstance(server, dict) or not isinstance(bins, dict):
+        raise _Invalid("'stats' and 'bins' must be maps")
+    return StatsReply(rid, server, bins)
+
+
+def _configure_header(m: Configure) -> dict[str, Any]:
+    return {"bin": m.bin, "max_items": m.max_items, "max_bytes": m.max_bytes,
+            "overflow": m.overflow}
+
+
+def _parse_configure(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    name = _name(h, limits)
+    overflow = h.get("overflow", "reject")
+    if overflow not in OVERFLOW_POLICIES:
+        raise _Invalid(f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}")
+    return Configure(rid, name, _opt_int(h, "max_items", minimum=1),
+                     _opt_int(h, "max_bytes", minimum=1), overflow)
+
+
+def _reply_configured(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+    overflow = _str(h, "overflow")
+    return Configured(rid, _opt_int(h, "max_items"), _opt_int(h, "max_bytes"), overflow)
+
+
+def _no_fields(m: Any) -> dict[str, Any]:
+    return {}
+
+
+def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: _Parse,
+        parse_reply: _ParseReply, mutating: bool, *fields: str) -> Op:
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+
+
+_FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", "newer_than")
+
+#: The op table: wire op -> how to encode, parse and reply to it.
+OPS: dict[str, Op] = {op.name: op for op in (
+    _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
+        "versions", "client", "auth", "session", "resume", "shm"),
+    _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items"),
+    _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
+        "bin", "items", "timeout"),
+    _op("get", Fetch, _fetch_header, _parse_fetch(True), _reply_fetched, True, *_FETCH_FIELDS),
+    _op("peek", Fetch, _fetch_header, _parse_fetch(False), _reply_fetched, False,
+        *_FETCH_FIELDS),
+    _op("list", ListBins, _no_fields, lambda rid, h, p, lim: ListBins(rid), _reply_listing,
+        False),
+    _op("delete", Delete, _bin_header, _parse_bin_only(Delete), _reply_deleted, True, "bin"),
+    _op("listen", Listen, _bin_header, _parse_bin_only(Listen), _reply_listening, False, "bin"),
+    _op("unlisten", Unlisten, _bin_header, _parse_bin_only(Unlisten), _reply_acked, False,
+        "bin"),
+    _op("ping", Ping, _no_fields, lambda rid, h, p, lim: Ping(rid), _reply_acked, False),
+    _op("cancel", Cancel, lambda m: {"target": m.target}, _parse_cancel, _reply_acked, False,
+        "target"),
+    _op("stats", Stats, _stats_header, _parse_stats, _reply_stats, False, "glob"),
+    _op("configure", Configure, _configure_header, _parse_configure, _reply_configured, True,
+        "bin", "max_items", "max_bytes", "overflow"),
+)}
+# Every request may also carry these (see AckInfo).
+ACK_FIELDS = ("ack", "open")
+_OP_OF_CLASS: dict[type, str] = {op.request: op.name for op in OPS.values()
+                                 if op.request is not Fetch}
+
+
+def op_name(msg: Request) -> str:
+    """The wire op of a request (``"get"`` or ``"peek"`` for a :class:`Fetch`)."""
+    if type(msg) is Fetch:
+        return msg.spec.op
+    return _OP_OF_CLASS[type(msg)]
+
+
+def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
+    lim = m.limits
+    return {"version": m.version, "server": m.server, "limits": {
+        "max_frame_bytes": lim.max_frame_bytes, "max_header_bytes": lim.max_header_bytes,
+        "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes},
+        "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {})}
+
+
+def _fetched_header(f: Fetched) -> dict[str, Any]:
+    h: dict[str, Any] = {"kind": f.kind, "version": f.version, "n_items": f.n_items,
+                         "dropped": f.dropped}
+    if f.unchanged:
+        h["unchanged"] = True
+    return h
+
+
+def _stored_header(m: Stored) -> dict[str, Any]:
+    h: dict[str, Any] = {"version": m.version, "n_items": m.n_items}
+    if m.dropped:
+        h["dropped"] = m.dropped
+    return h
+
+
+#: Reply class -> its ``ok`` header fields (besides ``op``, ``id``, ``ok`` and ``items``).
+REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    HelloReply: _hello_reply_header,
+    Stored: _stored_header,
+    Fetched: _fetched_header,
+    Listing: lambda m: {"bins": m.bins},
+    Deleted: lambda m: {"existed": m.existed, "version": m.version},
+    Listening: lambda m: {"version": m.version, "n_items": m.n_items},
+    Acked: lambda m: {"flag": m.flag},
+    StatsReply: lambda m: {"stats": m.server, "bins": m.bins},
+    Configured: lambda m: {"max_items": m.max_items, "max_bytes": m.max_bytes,
+                           "overflow": m.overflow},
+}
+
+
+# -- encoding ---------------------------------------------------------------------------------
+def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
+    cls = type(msg)
+    if cls is Changed:
+        c: Changed = msg  # type: ignore[assignment]
+        h = {"op": "notify", "bin": c.bin, "event": c.op, "n_items": c.n_items,
+             "version": c.version}
+        if c.skipped:
+            h["skipped"] = c.skipped
+        if c.dropped:
+            h["dropped"] = c.dropped
+        return h, ()
+    if cls is ErrorReply:
+        e: ErrorReply = msg  # type: ignore[assignment]
+        if e.id == 0:
+            return {"op": "error", "code": e.code, "message": e.message}, ()
+        return {"op": "reply", "id": e.id, "ok": False, "code": e.code,
+                "message": e.message}, ()
+    reply = REPLY_HEADERS.get(cls)
+    if reply is not None:
+        h = {"op": "reply", "id": msg.id, "ok": True}  # type: ignore[union-attr]
+        h.update(reply(msg))
+        return h, (msg.items if cls is Fetched else ())  # type: ignore[union-attr]
+    name = op_name(msg)  # type: ignore[arg-type]
+    h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
+    h.update(OPS[name].header(msg))
+    if cls is Append:
+        return h, msg.items  # type: ignore[union-attr]
+    return h, ((msg.item,) if cls is Put else ())  # type: ignore[union-attr]
+
+
+_PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
+
+
+def encode_fetched_parts(reply: Fetched, shared: list[Any] | None
+                         ) -> tuple[bytes, list[BytesLike], int]:
+    """The parts of a get/peek reply that do not depend on its request id, encoded once.
+
+    Returns:
+        ``(tail, buffers, fields)``: the packed header fields after ``op`` and ``id``, the
+        payload buffers, and how many header fields there are in all; give them to
+        :func:`encode_fetched_with_id` for each request.
+    """
+    header: dict[str, Any] = {"ok": True}
+    header.update(_fetched_header(reply))
+    buffers: list[BytesLike] = []
+    header["items"] = _items_header(reply.items, buffers, shared)
+    packed = _packb(header)
+    fields = len(header) + 2
+    if fields > 15 or packed[0] & 0xF0 != 0x80:  # not a fixmap: never with these fields
+        raise AssertionError("a get reply header has too many fields for a fixmap")
+    return packed[1:], buffers, fields
+
+
+def encode_fetched_with_id(rid: int, tail: bytes, buffers: list[BytesLike],
+                           fields: int) -> list[BytesLike]:
+    """A get/peek reply frame from :func:`encode_fetched_parts`, for request ``rid``."""
+    header = bytes((0x80 | fields,)) + _PACKED_REPLY_OK + _packb(rid) + tail
+    return encode_frame(header, buffers)
+
+
+def encode_message(msg: Message, extra: dict[str, Any] | None = None,
+                   shared: list[Any] | None = None) -> tuple[list[BytesLike], int]:
+    """Serialise one message into frame chunks (buffers are not copied).
+
+    Args:
+        msg: any request, reply or notification.
+        extra: more header fields (the acknowledgement fields of a request).
+        shared: when given (a connection that passes memfds), buffers that live in shared
+            memory travel as ``memfd`` descriptors instead of bytes; their
+            :class:`~tensorshare.shm.SharedMemory` objects are appended here, in order,
+            and their descriptors must be sent with the frame.
+
+    Returns:
+        ``(chunks, header_len)``: chunks for ``sendmsg`` / ``writeSequence``, in order, and
+        the size of the packed msgpack header.
+    """
+    header, items = _header_of(msg)
+    if extra:
+        header.update(extra)
+    buffers: list[BytesLike] = []
+    if items:
+        header["items"] = _items_header(items, buffers, shared)
+    packed = _packb(header)
+    return encode_frame(packed, buffers), len(packed)
+
+
+def _items_header(items: Sequence[Item], buffers: list[BytesLike],
+                  shared: list[Any] | None) -> list[list[Any]]:
+    """Describe items for the header and collect their buffers in payload order."""
+    if shared is None:
+        sizes = [b.nbytes for it in items for b in it.value.buffers]
+    else:
+        sizes = [0 if b.shm is not None else b.nbytes for it in items for b in it.value.buffers]
+    offsets, _ = payload_layout(sizes)
+    k = 0
+    out = []
+    for it in items:
+        descs: list[list[Any]] = []
+        for b in it.value.buffers:
+            off = offsets[k]
+            k += 1
+            if shared is not None and b.shm is not None:
+                # In a sealed memfd: the descriptor travels with the frame, not the bytes.
+                shared.append(b.shm)
+                buffers.append(b"")
+                descs.append([off, 0, "memfd", b.raw_nbytes])
+                continue
+            buffers.append(b.data)
+            if b.codec is None:
+                descs.append([off, b.nbytes])
+            else:
+                descs.append([off, b.nbytes, b.codec, b.raw_nbytes])
+        out.append([it.value.value, descs, it.tag])
+    return out
+
+
+def item_wire_size(item: Item) -> int:
+    """Bytes an item takes in a frame: its value and buffers, plus padding and descriptors.
+
+    The store counts this per item, for the memory limit and to keep every reply within
+    the frame limit (a get of a long list bin returns the items that fit; the rest stay).
+    """
+    return item.value.nbytes + 64 * (len(item.value.buffers) + 1)
+
+
+def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[Any]]:
+    """Describe items for a header (``[value, buffers, tag]`` each) and collect their buffers
+    in payload order; what a put/append/get frame carries (also used by the data log)."""
+    return _items_header(items, buffers, None)
+
+
+def parse_items(h: dict[str, Any], payload: bytearray, max_depth: int) -> list[Item]:
+    """Parse and check the ``items`` of a header against its payload, as the server does.
+
+    Raises:
+        ValueError: the items, their buffers or their values are malformed.
+    """
+    try:
+        return _parse_items(h, payload, max_depth)
+    except _Invalid as exc:
+        raise ValueError(str(exc)) from None
+
+
+# -- parsing helpers --------------------------------------------------------------------------
+class _Fds:
+    """Descriptors a peer passed (Unix socket), waiting for the ``memfd`` buffers they carry.
+
+    A ``memfd`` buffer takes the next descriptor in arrival order: the peer sends each one
+    no later than the frame that uses it.
+    """
+
+    __slots__ = ("queue", "writable", "limit")
+
+    def __init__(self, writable: bool, limit: int = 1 << 62) -> None:
+        self.queue: deque[int] = deque()
+        self.writable = writable
+        self.limit = limit  # the largest buffer accepted (the frame limit, as for bytes)
+
+    def take(self, size: int) -> tuple[memoryview, None, int, Any]:
+        """The next descriptor, checked and mapped: the arguments of its :class:`Buffer`."""
+        if not self.queue:
+            raise ProtocolError("a memfd buffer arrived without its file descriptor")
+        if size > self.limit:
+            import os
+
+            os.close(self.queue.popleft())
+            raise _Invalid(f"a shared buffer of {size} bytes exceeds max_frame_bytes="
+                           f"{self.limit}", "limit_exceeded")
+        from ..memory import shm  # only connections that pass descriptors need it
+
+        try:
+            mem = shm.receive(self.queue.popleft(), size, writable=self.writable)
+        except (ValueError, OSError) as exc:
+            raise _Invalid(str(exc)) from None
+        return mem.view, None, size, mem
+
+    def close(self) -> None:
+        """Close descriptors nobody took (the connection ended)."""
+        import os
+
+        while self.queue:
+            try:
+                os.close(self.queue.popleft())
+            except OSError:
+                pass
+
+
+# The descriptors of the connection parsing right now (set around each parse, so that the
+# op table's parse functions need not carry them).
+_PARSING_FDS: ContextVar[_Fds | None] = ContextVar("tensorshare_fds", default=None)
+
+
+def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
+                 client: bool = False) -> list[Item]:
+    raw_items = h.get("items")
+    if not isinstance(raw_items, list):
+        raise _Invalid("'items' must be a list")
+    view = memoryview(payload)
+    end = 0  # buffers must be ordered and disjoint: no aliasing tricks
+    items = []
+    fds = _PARSING_FDS.get()
+    for raw in raw_items:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise _Invalid("an item must be [value, buffers, tag]")
+        value, bufs, tag = raw
+        if not isinstance(value, bytes) or not isinstance(bufs, list):
+            raise _Invalid("an item must be [bin value, list of buffers, tag]")
+        if tag is not None and not _is_int(tag):
+            raise _Invalid("an item's tag must be an integer or nil")
+        buffers = []
+        for desc in bufs:
+            buf, end = _parse_buffer(desc, view, end, fds)
+            buffers.append(buf)
+        if not client:
+            # The server checks every value it stores, so that whatever it hands out,
+            # readers can decode; a client decodes (and so checks) each value when used.
+            try:
+                validate(value, len(buffers), max_depth=max_depth,
+                         raw_sizes=[b.raw_nbytes for b in buffers])
+            except NestingTooDeep as exc:
+                raise _Invalid(f"malformed value: {exc}", "limit_exceeded") from None
+            except CodecError as exc:
+                raise _Invalid(f"malformed value: {exc}") from None
+        items.append(Item(Encoded(value, tuple(buffers)), tag))
+    if end != len(payload):
+        raise _Invalid(f"payload of {len(payload)} bytes but buffers end at {end}")
+    return items
+
+
+def _parse_buffer(desc: Any, view: memoryview, end: int, fds: _Fds | None = None
+                  ) -> tuple[Buffer, int]:
+    if not isinstance(desc, list) or len(desc) not in (2, 4):
+        raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
+    off, n = desc[0], desc[1]
+    if not (_is_int(off) and _is_int(n)) or off < 0 or n < 0:
+        raise _Invalid("buffer offset and size must be non-negative integers")
+    if off & _ALIGN_MASK:
+        raise _Invalid(f"buffer offset {off} is not a multiple of 64")
+    if off < end:
+        raise _Invalid(f"buffer at offset {off} overlaps the previous one (ends at {end})")
+    if off + n > len(view):
+        raise _Invalid(f"buffer [{off}, {off + n}) lies outside the {len(view)}-byte payload")
+    if len(desc) == 4:
+        codec, raw = desc[2], desc[3]
+        if codec == "memfd" and fds is not None and _is_int(raw) and raw >= 0 and n == 0:
+            return Buffer(*fds.take(raw)), off
+        if codec != "lz4" or not _is_int(raw) or raw < 0:
+            raise _Invalid(f"unsupported buffer codec {codec!r}")
+        return Buffer(view[off : off + n], codec, raw), off + n
+    return Buffer(view[off : off + n]), off + n
+
+
+def _header_map(frame: Frame | OversizedFrame) -> dict[str, Any]:
+    try:
+        header = _unpackb(frame.header)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a msgpack map")
+    return header
+
+
+# -- the two sides ----------------------------------------------------------------------------
+ServerEvent = Union[Request, AckInfo, BadRequest, ProtocolViolation]
+ClientEvent = Union[Reply, Changed, Orphan, ProtocolViolation]
+
+
+class _Side:
+    """What both sides share: the frame decoder and its two ways of being fed."""
+
+    def __init__(self, max_frame_bytes: int, max_header_bytes: int) -> None:
+        self._decoder = FrameDecoder(max_frame_bytes, max_header_bytes)
+
+    @property
+    def receiving(self) -> bool:
+        """Whether a frame is partly received (its rest is still to come)."""
+        return self._decoder.in_frame
+
+    def get_buffer(self) -> memoryview | None:
+        """A writable view to ``recv_into`` directly, when a large frame part is expected."""
+        return self._decoder.get_buffer()
+
+    def _frames(self, data: BytesLike | None, nbytes: int
+                ) -> tuple[list[Frame | OversizedFrame], ProtocolError | None]:
+        try:
+            if data is None:
+                return self._decoder.buffer_updated(nbytes), None
+            return self._decoder.feed(data), None
+        except ProtocolError as exc:
+            return getattr(exc, "frames", []), exc
+
+
+class ServerConnection(_Side):
+    """The server side of one connection: bytes in -> requests; replies -> bytes.
+
+    Args:
+        limits: the limits applied to received frames and values once the handshake is done.
+        pre_hello_max_bytes: the largest frame accepted before :meth:`handshake_done`.
+    """
+
+    def __init__(self, limits: Limits | None = None, *,
+                 pre_hello_max_bytes: int = PRE_HELLO_MAX_BYTES) -> None:
+        self.limits = limits or Limits()
+        small = min(pre_hello_max_bytes, self.limits.max_frame_bytes)
+        super().__init__(small, min(small, self.limits.max_header_bytes))
+        self.greeted = False
+        # Bytes of each complete request frame, by op (statistics), as they are parsed.
+        self.bytes_in: dict[str, int] = {}
+        # What the server stores, nobody may change; as large as a frame may be.
+        self.fds = _Fds(writable=False, limit=self.limits.max_frame_bytes)
+
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors the peer passed (Unix socket): for the ``memfd`` buffers to come."""
+        self.fds.queue.extend(fds)
+
+    def handshake_done(self) -> None:
+        """Lift the small pre-hello cap to the configured limits."""
+        self.greeted = True
+        self._decoder.max_frame_bytes = self.limits.max_frame_bytes
+        self._decoder.max_header_bytes = self.limits.max_header_bytes
+
+    def receive_data(self, data: BytesLike) -> list[ServerEvent]:
+        """Feed received bytes; return the requests they complete, in order.
+
+        Never raises for bad input: if the peer broke the wire format, the last event is a
+        :class:`ProtocolViolation` and the connection must be closed.
+        """
+        return self._parse(*self._frames(data, 0))
+
+    def buffer_updated(self, nbytes: int) -> list[ServerEvent]:
+        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
+        return self._parse(*self._frames(None, nbytes))
+
+    def send(self, msg: Message) -> list[BytesLike]:
+        """Serialise a reply or notification into frame chunks (buffers are not copied)."""
+        return encode_message(msg)[0]
+
+    def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
+               ) -> list[ServerEvent]:
+        out: list[ServerEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        try:
+            for frame in frames:
+                self._parse_frame(frame, out)
+        except ProtocolError as exc:
+            error = exc
+        finally:
+            _PARSING_FDS.reset(token)
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
+
+    def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
+        h = _header_map(frame)
+        rid = h.get("id")
+        if not _is_int(rid) or rid < 1:
+            raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
+                                f"op {h.get('op')!r})")
+        if isinstance(frame, OversizedFrame):
+            if not self.greeted:
+                raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
+                                    f"handshake; at most {frame.limit} bytes are accepted "
+                                    f"until hello")
+            out.append(BadRequest(rid, "limit_exceeded",
+                                  f"frame of {frame.payload_len} payload bytes exceeds the "
+                                  f"server's max_frame_bytes={frame.limit}; nothing was stored"))
+            return
+        if "ack" in h:
+            ack = self._ack(h)
+            if ack is not None:
+                out.append(ack)
+        op = OPS.get(h.get("op"))  # type: ignore[arg-type]
+        if op is None:
+            out.append(BadRequest(rid, "invalid_request", f"unknown op {h.get('op')!r}"))
+            return
+        size = len(frame.header) + len(frame.payload) + 16
+        self.bytes_in[op.name] = self.bytes_in.get(op.name, 0) + size
+        try:
+            out.append(op.parse(rid, h, frame.payload, self.limits))
+        except _Invalid as exc:
+            out.append(BadRequest(rid, exc.code, str(exc)))
+
+    @staticmethod
+    def _ack(h: dict[str, Any]) -> AckInfo | None:
+        through, open_ids = h.get("ack"), h.get("open", [])
+        if not _is_int(through) or through < 0:
+            return None  # a malformed ack is ignored: replies are kept a little longer
+        if (not isinstance(open_ids, list) or len(open_ids) > MAX_OPEN_ACKS
+                or not all(_is_int(i) for i in open_ids)):
+            return None
+        return AckInfo(through, tuple(open_ids)) if open_ids else AckInfo(through)
+
+
+class ClientConnection(_Side):
+    """The client side of one connection: requests -> bytes; bytes in -> replies and events.
+
+    A reply does not repeat the op of its request; :meth:`receive_data` asks ``op_of(id)``.
+
+    Args:
+        limits: the limits to respect (the server's, once known from the handshake).
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        super().__init__(self.limits.max_frame_bytes + REPLY_SLACK,
+                         self.limits.max_frame_bytes + REPLY_SLACK)
+        self.fds = _Fds(writable=True)  # received tensors are the caller's to change
+        self.shm = False  # the handshake allowed memfd buffers, both ways
+
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors the server passed (Unix socket): for the ``memfd`` buffers to come."""
+        self.fds.queue.extend(fds)
+
+    def set_limits(self, limits: Limits) -> None:
+        """Adopt the server's limits (from the handshake).
+
+        They bound what the client sends; what it receives may be a little larger: a reply
+        carries a few more header fields than the request that stored the value, and the
+        value trees of several items share one reply header. The server keeps each reply's
+        items within ``max_frame_bytes``.
+        """
+        self.limits = limits
+        self._decoder.max_frame_bytes = limits.max_frame_bytes + REPLY_SLACK
+        self._decoder.max_header_bytes = limits.max_frame_bytes + REPLY_SLACK
+
+    def send(self, msg: Request, ack: AckInfo | None = None,
+             shared: list[Any] | None = None) -> list[BytesLike]:
+        """Serialise one request, with the acknowledgement fields if given.
+
+        Args:
+            shared: with memfd buffers allowed (see :func:`encode_message`), collects the
+                shared memory whose descriptors must go with the frame.
+
+        Raises:
+            LimitExceeded: the frame or its header is over the server's limit; nothing
+                was sent, and the connection stays usable.
+        """
+        extra: dict[str, Any] | None = None
+        if ack is not None:
+            extra = {"ack": ack.through}
+            if ack.open:
+                extra["open"] = list(ack.open)
+        chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
+        limits = self.limits
+        size = sum(len(c) for c in chunks)
+        if size > limits.max_frame_bytes or header_len > limits.max_header_bytes:
+            bin_name = getattr(msg, "bin", None)
+            what = op_name(msg) + (f" of bin {bin_name!r}" if bin_name is not None else "")
+            if size > limits.max_frame_bytes:
+                raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
+                                    f"server's max_frame_bytes={limits.max_frame_bytes}")
+            raise LimitExceeded(
+                f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
+                f"numbers travel there, tensors do not), over the server's "
+                f"max_header_bytes={limits.max_header_bytes}")
+        return chunks
+
+    def receive_data(self, data: BytesLike, op_of: Callable[[int], str | None]
+                     ) -> list[ClientEvent]:
+        """Feed received bytes; return the replies and notifications they complete.
+
+        Args:
+            data: the bytes.
+            op_of: the op of the request with this id, or ``None`` if nobody waits for it.
+
+        Never raises for bad input: if the server broke the wire format, the last event is
+        a :class:`ProtocolViolation` and the connection must be closed.
+        """
+        return self._parse(*self._frames(data, 0), op_of)
+
+    def buffer_updated(self, nbytes: int, op_of: Callable[[int], str | None]
+                       ) -> list[ClientEvent]:
+        """Account for bytes received into :meth:`get_buffer`'s view."""
+        return self._parse(*self._frames(None, nbytes), op_of)
+
+    def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
+               op_of: Callable[[int], str | None]) -> list[ClientEvent]:
+        out: list[ClientEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        try:
+            for frame in frames:
+                if isinstance(frame, OversizedFrame):
+                    raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
+                                        f"the server exceeds {frame.limit} bytes")
+                out.append(self._parse_frame(frame, op_of))
+        except ProtocolError as exc:
+            error = exc
+        finally:
+            _PARSING_FDS.reset(token)
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
+
+    def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
+        h = _header_map(frame)
+        op = h.get("op")
+        try:
+            if op == "reply":
+                rid = _int(h, "id")
+                if not _bool(h, "ok"):
+                    return ErrorReply(rid, _str(h, "code"), _str(h, "message"))
+                req_op = op_of(rid)
+                if req_op is None:
+                    items = h.get("items")
+                    return Orphan(rid, len(items) if isinstance(items, list) else 0)
+                return OPS[req_op].parse_reply(rid, h, frame.payload, self.limits)
+            if op == "notify":
+                return Changed(_str(h, "bin"), _str(h, "event"), _int(h, "n_items"),
+                               _int(h, "version"), _opt_int(h, "skipped") or 0,
+                               _opt_int(h, "dropped") or 0)
+            if op == "error":
+                return ErrorReply(0, _str(h, "code"), _str(h, "message"))
+        except _Invalid as exc:
+            raise ProtocolError(f"malformed message from server: {exc}") from None
+        raise ProtocolError(f"unexpected message op {op!r} from server")

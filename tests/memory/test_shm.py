@@ -1,0 +1,168 @@
+"""Same host: Unix socket addresses, and large tensors through sealed memfds.
+
+The shared-memory path must give the same values as the socket, keep readers' tensors
+independent, refuse descriptors that are not sealed memfds, and leave nothing behind: memfds
+have no name, so a killed client or server frees them with its descriptors; /dev/shm stays
+as it was.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tensorshare import Client, EmbeddedServer
+from tensorshare.memory import shm as shm_module
+from tensorshare.wire.codec import Buffer, Encoded, encode
+from tensorshare.wire.messages import Hello, Item, Put
+from tests.conftest import wait_until
+from tests.rawwire import WireClient
+
+pytestmark = pytest.mark.skipif(not shm_module.available(), reason="needs Linux memfd seals")
+
+MiB = 1 << 20
+WAIT = 30.0
+
+
+@pytest.fixture
+def unix_server(tmp_path: Path) -> Any:
+    path = str(tmp_path / "ts.sock")
+    with EmbeddedServer(port=0, unix=path) as srv:
+        yield srv, path
+
+
+def memfds(pid: int) -> int:
+    """How many distinct memfds process ``pid`` holds (by descriptor or mapping)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "/memfd:" in line:
+                inodes.add(int(line.split()[4]))
+    return len(inodes)
+
+
+def test_unix_addresses_work_for_both_clients_and_the_server_lists_them(
+        unix_server: Any) -> None:
+    srv, path = unix_server
+    assert srv.addresses == [f"127.0.0.1:{srv.port}", f"unix://{path}"]
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"  # only its owner may connect
+    with Client(f"unix://{path}") as c, Client("127.0.0.1", srv.port) as tcp:
+        assert c.address == f"unix://{path}" and c.shared_memory
+        assert c.put("w", {"a": torch.arange(4)}) == 1
+        assert torch.equal(tcp.get("w")["a"], torch.arange(4))
+    with Client(f"tensorshare://127.0.0.1:{srv.port}") as c:
+        assert not c.shared_memory and c.list() == {}
+
+
+def test_large_tensors_go_through_shared_memory_and_come_back_exact(unix_server: Any) -> None:
+    srv, path = unix_server
+    x = torch.randn(4 * MiB // 4)
+    small = torch.arange(10)
+    with Client(f"unix://{path}") as c, Client("127.0.0.1", srv.port) as tcp:
+        c.put("v", {"big": x, "small": small})
+        stored = srv.call(lambda: srv.factory.bin_stats()["v"]["first"])
+        assert stored == "{big: float32[1048576], small: int64[10]}"
+        # The server holds the big buffer as a mapped memfd, the small one as bytes.
+        item = srv.call(lambda: next(iter(srv.factory.store.entries()))[3][0][0])
+        kinds = [b.shm is not None for b in item.value.buffers]
+        assert kinds == [True, False]
+        got = c.peek("v")
+        assert torch.equal(got["big"], x) and torch.equal(got["small"], small)
+        got["big"][0] = 1e9  # the reader's copy-on-write tensor: the stored value stays
+        assert torch.equal(c.peek("v")["big"], x)
+        assert torch.equal(tcp.peek("v")["big"], x)  # TCP readers get the bytes
+        tcp.put("t", x)  # and what TCP clients store, shm readers get as bytes
+        assert torch.equal(c.get("t"), x)
+
+
+def test_shm_can_be_turned_off_and_small_tensors_never_use_it(unix_server: Any) -> None:
+    srv, path = unix_server
+    with Client(f"unix://{path}", shm=False) as c:
+        assert not c.shared_memory
+        c.put("x", torch.ones(MiB))
+        item = srv.call(lambda: next(iter(srv.factory.store.entries()))[3][0][0])
+        assert item.value.buffers[0].shm is None
+
+
+def test_a_descriptor_that_is_not_a_sealed_memfd_is_refused(unix_server: Any,
+                                                          tmp_path: Path) -> None:
+    srv, path = unix_server
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(WAIT)
+    sock.connect(path)
+    wire = WireClient()
+    sock.sendall(wire.frame(Hello(wire.next_id(), (1,), "hostile", None, None, False, True)))
+    (hello,) = wire.receive_data(sock.recv(65536))
+    assert hello.shm
+    unsealed = os.memfd_create("x")
+    os.ftruncate(unsealed, 16)
+    mem = shm_module.SharedMemory(os.dup(unsealed), 16, writable=False)
+    item = Item(Encoded(encode(torch.zeros(4)).value, (Buffer(mem.view, None, 16, mem),)))
+    shared: list[Any] = []
+    msg = Put(wire.next_id(), "x", item)
+    wire.ops[msg.id] = "put"
+    wire.conn.shm = True
+    chunks = wire.conn.send(msg, None, shared)
+    assert shared == [mem]  # the buffer travels as a descriptor: send one that is not sealed
+    sock.sendmsg(chunks, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                           array.array("i", [unsealed]).tobytes())])
+    (reply,) = wire.receive_data(sock.recv(65536))
+    assert reply.code == "invalid_request" and "not sealed" in reply.message
+    with Client(f"unix://{path}") as good:  # the server serves on
+        assert good.list() == {}
+    sock.close()
+    os.close(unsealed)
+
+
+def test_killed_processes_leave_no_shared_memory_behind(tmp_path: Path) -> None:
+    path = str(tmp_path / "ts.sock")
+    before = set(os.listdir("/dev/shm"))
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from tensorshare.server.connection import run_server
+        run_server(None, unix={path!r}, ready=lambda s: print("listening", flush=True))
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and "listening" in server.stdout.readline()
+        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, torch
+            from tensorshare import Client
+            c = Client("unix://{path}")
+            assert c.shared_memory
+            for i in range(3):
+                c.put(f"b{{i}}", torch.full((4 << 18,), float(i)))
+            print("stored", flush=True)
+            sys.stdin.read()
+            """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "stored"
+        assert memfds(server.pid) == 3  # the server holds the three values' memfds
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(WAIT)
+        with Client(f"unix://{path}") as c:
+            assert torch.equal(c.peek("b1")[:3], torch.ones(3))  # data outlives its writer
+            c.delete("b0")
+            c.put("b1", 5)  # replaced
+            wait_until(lambda: memfds(server.pid) == 1, timeout=WAIT,
+                       what="the server to let go of the deleted and replaced values")
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(WAIT)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(WAIT)
+    assert set(os.listdir("/dev/shm")) == before

@@ -1,0 +1,74 @@
+"""Wire helpers for tests: a bare client side that numbers requests and parses replies.
+
+Tests that speak the protocol by hand (a raw socket, a server on a StringTransport) use
+:class:`WireClient`; ``Get``/``Peek`` build the one fetch message the protocol has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorshare.wire.frames import BytesLike
+from tensorshare.wire.messages import Fetch, FetchSpec, Limits, Request
+from tensorshare.wire.protocol import AckInfo, ClientConnection, ServerConnection, op_name
+
+__all__ = ["Get", "Peek", "WireClient", "server_frames"]
+
+
+def Get(rid: int, name: str, max_items: int | None = None, wait: bool = False,  # noqa: N802
+        timeout: float | None = None, min_tag: int | None = None,
+        newer_than: int | None = None, min_items: int = 1) -> Fetch:
+    """A get request (the fields of :class:`FetchSpec`, positionally as they used to be)."""
+    return Fetch(rid, name, FetchSpec(True, max_items, wait, timeout, min_tag, newer_than,
+                                      min_items))
+
+
+def Peek(rid: int, name: str, max_items: int | None = None, wait: bool = False,  # noqa: N802
+         timeout: float | None = None, min_tag: int | None = None,
+         newer_than: int | None = None, min_items: int = 1) -> Fetch:
+    """A peek request."""
+    return Fetch(rid, name, FetchSpec(False, max_items, wait, timeout, min_tag, newer_than,
+                                      min_items))
+
+
+class WireClient:
+    """The client side of a connection without a session: ids, ops, frames.
+
+    ``send`` remembers each request's op so that ``receive_data`` can parse its reply.
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.conn = ClientConnection(limits)
+        self.ops: dict[int, str] = {}
+        self._next = 0
+
+    @property
+    def limits(self) -> Limits:
+        return self.conn.limits
+
+    def set_limits(self, limits: Limits) -> None:
+        self.conn.set_limits(limits)
+
+    def next_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def send(self, msg: Request, ack: AckInfo | None = None) -> list[BytesLike]:
+        chunks = self.conn.send(msg, ack)
+        self.ops[msg.id] = op_name(msg)
+        return chunks
+
+    def frame(self, msg: Request, ack: AckInfo | None = None) -> bytes:
+        return b"".join(self.send(msg, ack))
+
+    def forget(self, rid: int) -> None:
+        self.ops.pop(rid, None)
+
+    def receive_data(self, data: BytesLike) -> list[Any]:
+        return self.conn.receive_data(data, self.ops.get)
+
+
+def server_frames(*msgs: Any) -> bytes:
+    """Frames as the server would send them."""
+    conn = ServerConnection()
+    return b"".join(b"".join(conn.send(m)) for m in msgs)

@@ -1,0 +1,168 @@
+"""The Prometheus endpoint: scraped over HTTP and parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tensorshare import BinNotFound, Client, EmbeddedServer
+from tensorshare.server.connection import LATENCY_BUCKETS
+from tensorshare.server.metrics import ServerCollector, start_metrics_server
+
+
+def _scrape(url: str) -> dict[str, Any]:
+    """``family name -> {(sample name, labels as sorted tuple): value}`` and each family's
+    type under ``(name, "type")``."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        out[(family.name, "type")] = family.type
+        samples = out.setdefault(family.name, {})
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(metrics: dict[str, Any], family: str, sample: str | None = None,
+           **labels: str) -> float:
+    return metrics[family][(sample or family, tuple(sorted(labels.items())))]  # type: ignore[no-any-return]
+
+
+def test_scrape_exports_requests_bytes_errors_bins_connections_and_latency(
+        server: EmbeddedServer) -> None:
+    exporter = start_metrics_server(0, server=server)
+    try:
+        with Client("127.0.0.1", server.port) as c, Client("127.0.0.1", server.port) as d:
+            c.put("weights", torch.zeros(100))
+            c.put("weights", torch.ones(100))
+            for i in range(3):
+                c.append("queue", torch.full((10,), float(i)))
+            c.get("queue", max_items=1)
+            with pytest.raises(BinNotFound):
+                c.get("nothing")
+            d.listen("queue", lambda ev: None)
+            stats = c.stats()
+            m = _scrape(exporter.url)
+        s, bins = stats["server"], stats["bins"]
+        assert _value(m, "tensorshare_up") == 1
+        assert _value(m, "tensorshare_server_info",
+                      server_id=server.factory.server_id, version="tensorshare/0.1.0") == 1
+        # Requests and bytes by operation, errors by code.
+        assert m[("tensorshare_requests", "type")] == "counter"
+        assert _value(m, "tensorshare_requests", "tensorshare_requests_total", op="put") == 2
+        assert _value(m, "tensorshare_requests", "tensorshare_requests_total",
+                      op="append") == 3
+        assert _value(m, "tensorshare_requests", "tensorshare_requests_total", op="get") == 2
+        assert _value(m, "tensorshare_errors", "tensorshare_errors_total",
+                      code="bin_not_found") == 1
+        for op in ("put", "append"):
+            assert _value(m, "tensorshare_request_bytes", "tensorshare_request_bytes_total",
+                          op=op) == s["bytes_in"][op]
+            assert _value(m, "tensorshare_reply_bytes", "tensorshare_reply_bytes_total",
+                          op=op) == s["bytes_out"][op]
+        # Bins, items, stored bytes, connections, listeners.
+        assert _value(m, "tensorshare_bins") == 2
+        assert _value(m, "tensorshare_items") == 3  # the value, and two items left in queue
+        assert _value(m, "tensorshare_stored_bytes") == s["memory"]["stored"]
+        assert _value(m, "tensorshare_connections_open") == 2
+        assert _value(m, "tensorshare_connections", "tensorshare_connections_total") == 2
+        assert _value(m, "tensorshare_listeners") == 1
+        assert _value(m, "tensorshare_notifications_coalesced",
+                      "tensorshare_notifications_coalesced_total") == 0
+        assert _value(m, "tensorshare_slow_client_disconnects",
+                      "tensorshare_slow_client_disconnects_total") == 0
+        # Per bin.
+        assert _value(m, "tensorshare_bin_items", bin="queue") == 2
+        assert _value(m, "tensorshare_bin_bytes", bin="weights") == bins["weights"]["nbytes"]
+        assert _value(m, "tensorshare_bin_listeners", bin="queue") == 1
+        assert _value(m, "tensorshare_bin_operations", "tensorshare_bin_operations_total",
+                      bin="queue", op="append") == 3
+        # The latency histogram: cumulative buckets at the server's bounds, +Inf = count.
+        assert m[("tensorshare_request_duration_seconds", "type")] == "histogram"
+        h = m["tensorshare_request_duration_seconds"]
+        for op, n in (("put", 2), ("append", 3), ("get", 2)):
+            buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in h.items()
+                             if name.endswith("_bucket") and dict(labels)["op"] == op)
+            assert [b for b, _ in buckets] == list(LATENCY_BUCKETS)  # ends with +Inf
+            counts = [v for _, v in buckets]
+            assert counts == sorted(counts) and counts[-1] == n
+            assert _value(m, "tensorshare_request_duration_seconds",
+                          "tensorshare_request_duration_seconds_count", op=op) == n
+            total = _value(m, "tensorshare_request_duration_seconds",
+                           "tensorshare_request_duration_seconds_sum", op=op)
+            assert total == s["latency"]["sum_us"][op] / 1e6 and 0 < total < 10
+    finally:
+        exporter.stop()
+
+
+def test_without_a_running_server_the_scrape_says_up_0(server: EmbeddedServer) -> None:
+    exporter = start_metrics_server(0, process=False)  # no server attached yet
+    try:
+        m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_up") == 0
+        assert "tensorshare_requests" not in m
+        exporter.collector.server = server
+        assert _value(_scrape(exporter.url), "tensorshare_up") == 1
+        server.stop()
+        assert _value(_scrape(exporter.url), "tensorshare_up") == 0
+    finally:
+        exporter.stop()
+
+
+def test_per_bin_series_can_be_turned_off(server: EmbeddedServer) -> None:
+    collector = ServerCollector(server, per_bin=False)
+    with Client("127.0.0.1", server.port) as c:
+        c.put("w", 1)
+    names = {f.name for f in collector.collect()}
+    assert "tensorshare_items" in names
+    assert not any(n.startswith("tensorshare_bin_") for n in names)
+
+
+def test_serve_metrics_port_serves_metrics_and_stops_on_ctrl_c() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                             "--metrics-port", "0", "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        listening, metrics = proc.stdout.readline(), proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in listening
+        assert metrics.startswith("metrics at http://127.0.0.1:")  # localhost by default
+        port = int(listening.rsplit(":", 1)[1])
+        with Client("127.0.0.1", port) as c:
+            c.append("q", torch.zeros(3))
+        m = _scrape(metrics.split()[-1])
+        assert _value(m, "tensorshare_up") == 1
+        assert _value(m, "tensorshare_bin_items", bin="q") == 1
+        assert _value(m, "tensorshare_requests", "tensorshare_requests_total", op="append") == 1
+        assert "process_resident_memory_bytes" in m  # the server process's own
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_busy_metrics_port_is_one_line_before_anything_starts() -> None:
+    exporter = start_metrics_server(0, process=False)
+    try:
+        out = subprocess.run([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                              "--metrics-port", str(exporter.port)], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 1
+        assert out.stdout == ""  # the server never started
+        assert out.stderr.startswith(f"tensorshare serve: cannot serve metrics on "
+                                     f"127.0.0.1:{exporter.port}: ")
+        assert out.stderr.count("\n") == 1
+    finally:
+        exporter.stop()

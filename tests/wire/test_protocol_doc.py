@@ -1,0 +1,783 @@
+"""Keep docs/PROTOCOL.md honest: its hex dumps, tables and rules must match the code.
+
+* Every ``<!-- golden: NAME -->`` hex dump equals the frame the current code produces for the
+  same message; the request dumps, sent to a real server, get the reply dumps back (with the
+  server's random ``server_id`` and its version string taken from the live reply); and the
+  Python client, talking to a fake server that answers with the reply dumps, writes the
+  request dumps byte for byte (with its random session id masked).
+* The op table of the doc (§3.2) is the code's ``protocol.OPS``, remembered ops included;
+  every op has a header table listing exactly ``Op.fields`` (the ``ack``/``open`` fields are
+  documented once for all requests), and every reply class of ``protocol.REPLY_HEADERS`` has
+  a table listing exactly the keys the code writes.
+* The error table is ``errors.ERROR_CODES``; the stats, limits, server-settings, dtype and
+  ext-type tables match the code; a few session rules the doc states are checked on a server.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+
+from tensorshare import errors
+from tensorshare._version import __version__
+from tensorshare.cli import main as cli
+from tensorshare.client import session
+from tensorshare.server import connection as server
+from tensorshare.server.store import BinConfig
+from tensorshare.wire import codec, protocol
+from tensorshare.wire.frames import PREFIX, aligned, encode_frame
+from tensorshare.wire.messages import (
+    Acked,
+    Append,
+    Cancel,
+    Changed,
+    Configure,
+    Configured,
+    Delete,
+    Deleted,
+    ErrorReply,
+    Fetch,
+    Fetched,
+    FetchSpec,
+    Hello,
+    HelloReply,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Listening,
+    Listing,
+    Message,
+    Ping,
+    Put,
+    Stats,
+    StatsReply,
+    Stored,
+    Unlisten,
+)
+from tensorshare.wire.protocol import (
+    ACK_FIELDS,
+    MAX_OPEN_ACKS,
+    OPS,
+    PRE_HELLO_MAX_BYTES,
+    REPLY_HEADERS,
+    SESSION_ID_BYTES,
+    AckInfo,
+    BadRequest,
+    ClientConnection,
+    ProtocolViolation,
+    ServerConnection,
+    encode_message,
+)
+from tests.rawwire import Get, Peek, WireClient
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
+DOC = DOC_PATH.read_text(encoding="utf-8")
+
+SERVER_OPS = {"reply", "error", "notify"}
+GOLDEN_NAMES = [
+    "hello-request",
+    "hello-request-minimal",
+    "hello-reply",
+    "put-request",
+    "put-reply",
+    "get-request",
+    "get-reply",
+]
+# The session id and server id of the example in §10 (real ones are random).
+GOLDEN_SESSION = bytes(range(SESSION_ID_BYTES))
+GOLDEN_SERVER_ID = "0123456789abcdef"
+# Reply class -> the marker of its header table.
+REPLY_TABLES: dict[type, str] = {
+    HelloReply: "reply-hello",
+    Stored: "reply-put",
+    Fetched: "reply-get",
+    Listing: "reply-list",
+    Deleted: "reply-delete",
+    Listening: "reply-listen",
+    Acked: "reply-ack",
+    StatsReply: "reply-stats",
+    Configured: "reply-configure",
+}
+
+
+# --------------------------------------------------------------------------- doc parsing
+
+
+def golden(name: str) -> bytes:
+    """The bytes of the hex dump that follows ``<!-- golden: NAME -->`` in the doc."""
+    m = re.search(
+        rf"^<!-- golden: {re.escape(name)} -->\n```[^\n]*\n(.*?)^```", DOC, re.MULTILINE | re.DOTALL
+    )
+    assert m, f"no golden block {name!r} in {DOC_PATH}"
+    data = bytearray()
+    for line in m.group(1).splitlines():
+        if not line.strip():
+            continue
+        offset, *cells = line.split()
+        assert int(offset, 16) == len(data), f"{name}: offset column says {offset}"
+        assert 0 < len(cells) <= 16 and all(re.fullmatch(r"[0-9a-f]{2}", c) for c in cells), line
+        data += bytes.fromhex("".join(cells))
+    return bytes(data)
+
+
+def table(marker: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the Markdown table right after ``marker``."""
+    assert DOC.count(marker) == 1, f"{marker!r} should appear once in {DOC_PATH}"
+    start = DOC.find(marker)
+    rows = []
+    for line in DOC[start + len(marker) :].lstrip("\n").splitlines():
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    assert len(rows) > 2, f"no table after {marker!r}"
+    return rows[2:]  # skip the heading row and the |---| row
+
+
+def code_cell(cell: str) -> str:
+    m = re.fullmatch(r"`([^`]+)`", cell)
+    assert m, f"expected a `code` cell, got {cell!r}"
+    return m.group(1)
+
+
+def documented_fields(name: str) -> set[str]:
+    return {code_cell(row[0]) for row in table(f"<!-- fields: {name} -->")}
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def frame_bytes(msg: Message, extra: dict[str, Any] | None = None) -> bytes:
+    return b"".join(bytes(c) for c in encode_message(msg, extra)[0])
+
+
+def header_of(frame: bytes) -> dict[str, Any]:
+    header_len = struct.unpack_from("<I", frame, 4)[0]
+    header = msgpack.unpackb(frame[PREFIX : PREFIX + header_len], raw=False)
+    assert isinstance(header, dict)
+    return header
+
+
+def w_item() -> Item:
+    torch = pytest.importorskip("torch")
+    return Item(codec.encode(torch.tensor([1.0, 2.0])))
+
+
+def hello_reply(server_name: str = "tensorshare/0.1.0",
+                server_id: str = GOLDEN_SERVER_ID) -> HelloReply:
+    return HelloReply(1, 1, server_name, Limits(), False, server_id)
+
+
+def expected_golden(name: str) -> bytes:
+    """What the code produces for the message each golden dump shows (see §10 of the doc)."""
+    if name == "hello-request":
+        return frame_bytes(Hello(1, (1,), "tensorshare-python", None, GOLDEN_SESSION))
+    if name == "hello-request-minimal":
+        return frame_bytes(Hello(1, (1,), "tensorshare-python"))
+    if name == "hello-reply":
+        return frame_bytes(hello_reply())
+    if name == "put-request":
+        return frame_bytes(Put(2, "w", w_item()))
+    if name == "put-reply":
+        return frame_bytes(Stored(2, 1, 1))
+    if name == "get-request":
+        return b"".join(bytes(c) for c in ClientConnection().send(Get(3, "w"), AckInfo(2)))
+    if name == "get-reply":
+        return frame_bytes(Fetched(3, "value", (w_item(),), 2, 0))
+    raise AssertionError(name)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(data)} of {n} bytes")
+        data += chunk
+    return bytes(data)
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    prefix = recv_exact(sock, PREFIX)
+    magic, _, _, header_len, payload_len = struct.unpack("<2sBBIQ", prefix)
+    assert magic == b"TS"
+    rest = aligned(PREFIX + header_len) - PREFIX + payload_len if payload_len else header_len
+    return prefix + recv_exact(sock, rest)
+
+
+# --------------------------------------------------------------------------- golden dumps
+
+
+def test_every_golden_dump_is_checked() -> None:
+    assert set(re.findall(r"<!-- golden: ([\w-]+) -->", DOC)) == set(GOLDEN_NAMES)
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_golden_dump_matches_code(name: str) -> None:
+    assert golden(name).hex(" ") == expected_golden(name).hex(" ")
+
+
+def test_golden_session_and_server_id_are_where_the_doc_says() -> None:
+    assert header_of(golden("hello-request"))["session"] == GOLDEN_SESSION
+    assert "session" not in header_of(golden("hello-request-minimal"))
+    reply = header_of(golden("hello-reply"))
+    assert (reply["resumed"], reply["server_id"]) == (False, GOLDEN_SERVER_ID)
+    assert header_of(golden("get-request"))["ack"] == 2
+
+
+@pytest.mark.parametrize("hello", ["hello-request", "hello-request-minimal"])
+def test_golden_requests_get_golden_replies_from_a_real_server(hello: str) -> None:
+    """Send the doc's request frames to a real server; its replies are the doc's reply frames.
+
+    The hello reply is compared with the server's own version string and its random
+    ``server_id`` (checked to be 16 hex digits) in place of the doc's.
+    """
+    with (
+        server.EmbeddedServer(port=0) as srv,
+        socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock,
+    ):
+        sock.sendall(golden(hello))
+        live = read_frame(sock)
+        server_id = header_of(live)["server_id"]
+        assert re.fullmatch(r"[0-9a-f]{16}", server_id), server_id
+        assert live == frame_bytes(hello_reply(f"tensorshare/{__version__}", server_id))
+        sock.sendall(golden("put-request"))
+        assert read_frame(sock).hex(" ") == golden("put-reply").hex(" ")
+        sock.sendall(golden("get-request"))
+        assert read_frame(sock).hex(" ") == golden("get-reply").hex(" ")
+
+        def session_state() -> tuple[int, list[int], int] | None:
+            s = srv.factory.sessions.get(GOLDEN_SESSION)
+            return None if s is None else (len(srv.factory.sessions), sorted(s.replies), s.held)
+
+        state = srv.call(session_state)
+    if hello == "hello-request":
+        # §10.6: the get's ack let the server forget the put's reply; it holds the get's item.
+        assert state is not None
+        n_sessions, remembered, held = state
+        assert n_sessions == 1 and remembered == [3] and held > 0
+    else:
+        assert state is None  # no session: nothing remembered
+
+
+def test_python_client_writes_the_golden_requests() -> None:
+    """The real Client, answered with the doc's reply frames, writes the doc's request frames
+    (its session id is random: it is masked with the doc's)."""
+    torch = pytest.importorskip("torch")
+    from tensorshare.client.blocking import Client
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    seen: dict[str, bytes] = {}
+    failures: list[BaseException] = []
+
+    def fake_server() -> None:
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(10)
+                for step in ("hello", "put", "get"):
+                    seen[step] = read_frame(conn)
+                    conn.sendall(golden(f"{step}-reply"))
+                while conn.recv(65536):  # until the client closes
+                    pass
+        except BaseException as exc:  # reported by the test thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=fake_server, daemon=True)
+    thread.start()
+    try:
+        with Client("127.0.0.1", listener.getsockname()[1], timeout=10, heartbeat=600,
+                    reconnect=False) as client:
+            assert client.protocol_version == 1
+            assert client.limits == Limits()
+            assert client.server_id == GOLDEN_SERVER_ID
+            assert client.put("w", torch.tensor([1.0, 2.0])) == 1
+            value = client.get("w")
+    finally:
+        thread.join(10)
+        listener.close()
+    assert not failures, failures
+    assert torch.equal(value, torch.tensor([1.0, 2.0]))
+    session_id = header_of(seen["hello"])["session"]
+    assert len(session_id) == SESSION_ID_BYTES and session_id != GOLDEN_SESSION
+    masked = seen["hello"].replace(session_id, GOLDEN_SESSION)
+    assert masked.hex(" ") == golden("hello-request").hex(" ")
+    for step in ("put", "get"):
+        assert seen[step].hex(" ") == golden(f"{step}-request").hex(" "), step
+
+
+def test_two_buffer_layout_example() -> None:
+    """The numbers of worked example 2 in §2.2."""
+    torch = pytest.importorskip("torch")
+    enc = codec.encode({"w": torch.zeros(3), "b": torch.arange(5)})
+    frame = frame_bytes(Put(2, "params", Item(enc)))
+    header_len, payload_len = struct.unpack_from("<IQ", frame, 4)
+    assert (header_len, payload_len, len(frame)) == (74, 104, 232)
+    assert header_of(frame)["items"][0][1] == [[0, 12], [64, 40]]
+    assert "`H = 74`" in DOC and "`payload_len = 104`" in DOC and "`128 + 104 = 232`" in DOC
+
+
+def test_one_buffer_and_no_payload_examples() -> None:
+    """Worked examples 1 and 3 in §2.2 are the get and put replies of §10."""
+    get_reply, put_reply = golden("get-reply"), golden("put-reply")
+    assert struct.unpack_from("<IQ", get_reply, 4) == (86, 8) and len(get_reply) == 136
+    assert struct.unpack_from("<IQ", put_reply, 4) == (36, 0) and len(put_reply) == 52
+    assert "`H = 86`" in DOC and "`16 + 36 = 52`" in DOC
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def error_table() -> dict[str, list[str]]:
+    return {code_cell(row[0]): row for row in table("<!-- table: error-codes -->")}
+
+
+def test_error_table_is_the_code_table() -> None:
+    rows = error_table()
+    assert set(rows) == set(errors.ERROR_CODES), "the error table and ERROR_CODES differ"
+    for code, cls in errors.ERROR_CODES.items():
+        assert f"`{cls.__name__}`" in rows[code][1], f"{code!r} should name {cls.__name__}"
+        assert errors.code_for(cls("x")) == code
+
+
+def test_codes_written_literally_by_the_server_are_documented() -> None:
+    sources = inspect.getsource(server) + inspect.getsource(protocol)
+    patterns = [
+        r'_fail_connection\(\s*"(\w+)"',
+        r'reply_error\(\s*[\w.]+,\s*"(\w+)"',
+        r'ErrorReply\(\s*[\w.]+,\s*"(\w+)"',
+        r'BadRequest\(\s*\w+,\s*"(\w+)"',
+        r'_Invalid\([^()]*\),\s*"(\w+)"',
+        r'code = "(\w+)"',
+        r'code: str = "(\w+)"',
+    ]
+    found = {code for pattern in patterns for code in re.findall(pattern, sources)}
+    assert {"protocol_error", "limit_exceeded", "invalid_request", "timeout",
+            "bin_full", "unsupported_version"} <= found, found
+    missing = found - set(error_table())
+    assert not missing, f"codes the server sends but the doc's error table lacks: {missing}"
+
+
+# --------------------------------------------------------------------------- ops and headers
+
+
+def test_the_docs_op_table_is_the_code_op_table() -> None:
+    rows = {code_cell(row[0]): row for row in table("<!-- table: ops -->")}
+    assert list(rows) == list(OPS), "the op table of §3.2 and protocol.OPS differ"
+    for name, op in OPS.items():
+        remembered = rows[name][3]
+        assert remembered in ("yes", "no"), rows[name]
+        assert (remembered == "yes") == op.mutating, f"{name}: Remembered column is wrong"
+
+
+def test_remembered_ops_are_named_in_the_sessions_section() -> None:
+    mutating = [name for name, op in OPS.items() if op.mutating]
+    listed = ", ".join(f"`{name}`" for name in mutating[:-1]) + f" and `{mutating[-1]}`"
+    assert f"**{listed}**" in " ".join(DOC.split()), listed
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_each_op_has_a_table_listing_exactly_its_fields(op: str) -> None:
+    assert documented_fields(op) == set(OPS[op].fields)
+    assert re.search(rf"^#### 3\.2\.\d+ `{op}`$", DOC, re.MULTILINE), f"no section for {op}"
+
+
+def test_ack_fields_are_documented_once_for_every_request() -> None:
+    assert documented_fields("ack") == set(ACK_FIELDS)
+    for op in OPS.values():
+        assert not set(op.fields) & set(ACK_FIELDS)
+
+
+# One request per op with every optional field set: the code writes exactly ``Op.fields``.
+def _full_requests() -> dict[str, list[Message]]:
+    item = Item(codec.encode([1, "a", b"b"]), tag=5)
+    return {
+        "hello": [Hello(1, (1,), "me", "token", GOLDEN_SESSION, True, True)],
+        "put": [Put(2, "w", item)],
+        "append": [Append(2, "w", item, 1.5)],
+        "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
+        "peek": [Peek(3, "w", 2, True, 1.5, 1, 4, 2)],
+        "list": [ListBins(4)],
+        "delete": [Delete(5, "w")],
+        "listen": [Listen(6, "w")],
+        "unlisten": [Unlisten(7, "w")],
+        "ping": [Ping(8)],
+        "cancel": [Cancel(9, 3)],
+        "stats": [Stats(10, "w*")],
+        "configure": [Configure(11, "w", 5, 1024, "block")],
+    }
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_the_code_writes_exactly_the_documented_request_fields(op: str) -> None:
+    cases = _full_requests()
+    assert set(cases) == set(OPS)
+    written: set[str] = set()
+    for msg in cases[op]:
+        written |= set(header_of(frame_bytes(msg)))
+    assert written == documented_fields(op)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_server_accepts_each_documented_op(op: str) -> None:
+    """Behaviourally: the server knows the op (a bare request is never an 'unknown op')."""
+    conn = ServerConnection()
+    header = msgpack.packb({"op": op, "id": 7})
+    out = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
+    assert len(out) == 1
+    if isinstance(out[0], BadRequest):
+        assert "unknown op" not in out[0].message
+
+
+def test_server_refuses_an_undocumented_op() -> None:
+    assert "`frob`" not in DOC
+    conn = ServerConnection()
+    header = msgpack.packb({"op": "frob", "id": 7})
+    (out,) = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
+    assert isinstance(out, BadRequest) and out.code == "invalid_request"
+
+
+def _reply_cases() -> dict[str, list[Message]]:
+    item = Item(codec.encode([1, "a", b"b"]), tag=5)
+    return {
+        "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True)],
+        "reply-put": [Stored(2, 1, 1), Stored(2, 3, 2, dropped=1)],
+        "reply-get": [Fetched(3, "list", (item, item), 5, 1, 2),
+                      Fetched(3, "value", (), 5, 1, 0, True)],
+        "reply-list": [Listing(4, {"w": 1})],
+        "reply-delete": [Deleted(5, True, 6)],
+        "reply-listen": [Listening(6, 6, 0)],
+        "reply-ack": [Acked(7, False)],
+        "reply-stats": [StatsReply(8, {"uptime": 1.0}, {"w": {"kind": "value"}})],
+        "reply-configure": [Configured(9, 5, None, "drop_oldest")],
+        "reply-error": [ErrorReply(8, "bin_not_found", "no bin")],
+        "error": [ErrorReply(0, "protocol_error", "bad magic")],
+        "notify": [Changed("w", "put", 1, 1), Changed("w", "append", 3, 9, 2, 1)],
+    }
+
+
+def test_every_reply_class_has_a_table() -> None:
+    assert set(REPLY_TABLES) == set(REPLY_HEADERS), "a reply class has no table in the doc"
+    cases = _reply_cases()
+    for cls, marker in REPLY_TABLES.items():
+        assert {type(m) for m in cases[marker]} == {cls}
+
+
+@pytest.mark.parametrize("name", list(_reply_cases()))
+def test_reply_table_lists_exactly_the_keys_the_code_writes(name: str) -> None:
+    written: set[str] = set()
+    for msg in _reply_cases()[name]:
+        written |= set(header_of(frame_bytes(msg)))
+    assert documented_fields(name) == written
+
+
+def test_server_message_ops_are_documented_and_the_only_ones_a_client_accepts() -> None:
+    frames = {
+        "reply": {"op": "reply", "id": 1, "ok": False, "code": "error", "message": "m"},
+        "error": {"op": "error", "code": "protocol_error", "message": "m"},
+        "notify": {"op": "notify", "bin": "w", "event": "put", "n_items": 1, "version": 1},
+    }
+    assert set(frames) == SERVER_OPS
+    for op, header in frames.items():
+        assert f'`"{op}"`' in DOC
+        data = b"".join(bytes(c) for c in encode_frame(msgpack.packb(header)))
+        (msg,) = ClientConnection().receive_data(data, lambda rid: None)
+        assert type(msg) is not ProtocolViolation, (op, msg)
+    data = b"".join(bytes(c) for c in encode_frame(msgpack.packb({"op": "push"})))
+    (msg,) = ClientConnection().receive_data(data, lambda rid: None)
+    assert type(msg) is ProtocolViolation
+
+
+def test_limits_table_matches_the_defaults() -> None:
+    limits_map = header_of(frame_bytes(hello_reply()))["limits"]
+    rows = {code_cell(row[0]): row for row in table("<!-- fields: limits -->")}
+    assert set(rows) == set(limits_map)
+    defaults = Limits()
+    for name, row in rows.items():
+        documented = int(re.match(r"\d+", row[2]).group())  # type: ignore[union-attr]
+        assert documented == getattr(defaults, name) == limits_map[name], name
+
+
+# --------------------------------------------------------------------------- stats
+
+
+def _flat(d: dict[str, Any], nested: tuple[str, ...]) -> set[str]:
+    keys = set(d)
+    for k in nested:
+        keys |= {f"{k}.{sub}" for sub in d[k]}
+    return keys
+
+
+def test_stats_tables_match_a_live_server() -> None:
+    with server.EmbeddedServer(port=0) as srv:
+        f = srv.factory
+
+        def fill() -> tuple[dict[str, Any], dict[str, Any]]:
+            f.store.put("w", Item(codec.encode({"x": 1})), 100)
+            f.store.configure("q", BinConfig(2, None, "block"))
+            return f.server_stats(), f.bin_stats()
+
+        stats, bins = srv.call(fill)
+    assert _flat(stats, ("memory", "waiting", "latency")) == documented_fields("stats-server")
+    assert set(bins) == {"q", "w"}  # data or limits
+    for summary in bins.values():
+        assert _flat(summary, ("limits",)) == documented_fields("stats-bin")
+    assert bins["q"]["kind"] == "empty" and bins["w"]["first"] == "{x: int}"
+    counters = table("<!-- fields: stats-server -->")
+    documented = next(row[2] for row in counters if row[0] == "`counters`")
+    source = inspect.getsource(server)
+    for name in set(re.findall(r'stats\["(\w+)"\]', source)):
+        assert f"`{name}`" in documented, f"counter {name!r} is not in the stats table"
+
+
+def test_stats_and_configure_replies_from_a_live_server() -> None:
+    """A stats and a configure reply, as a foreign client gets them on the wire."""
+    with (
+        server.EmbeddedServer(port=0) as srv,
+        socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock,
+    ):
+        sock.sendall(golden("hello-request-minimal"))
+        read_frame(sock)
+        sock.sendall(frame_bytes(Configure(2, "q", 3, None, "drop_oldest")))
+        assert header_of(read_frame(sock)) == {"op": "reply", "id": 2, "ok": True,
+                                               "max_items": 3, "max_bytes": None,
+                                               "overflow": "drop_oldest"}
+        sock.sendall(frame_bytes(Stats(3, "q")))
+        reply = header_of(read_frame(sock))
+    assert set(reply) == documented_fields("reply-stats")
+    assert reply["bins"]["q"]["limits"] == {"max_items": 3, "max_bytes": None,
+                                            "overflow": "drop_oldest"}
+    assert reply["stats"]["server_id"] == srv.factory.server_id
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_server_settings_table_matches_the_defaults_and_the_cli() -> None:
+    defaults = server.ServerConfig()
+    serve = vars(cli._parser().parse_args(["serve"]))  # the options of `tensorshare serve`
+    rows = table("<!-- table: server-config -->")
+    assert rows
+    for row in rows:
+        name = code_cell(row[0])
+        value = getattr(defaults, name)
+        if value is None or isinstance(value, bool):
+            assert row[1] == str(value), name
+        else:
+            assert type(value)(row[1]) == value, name
+        if row[2] == "—":
+            assert name not in serve, f"`tensorshare serve` has an option for {name}: document it"
+        else:
+            assert code_cell(row[2]) == f"--{name.replace('_', '-')}", name
+            assert serve[name] == value, f"the CLI default of {name} differs"
+
+
+def test_constants_the_doc_states() -> None:
+    assert PRE_HELLO_MAX_BYTES == 65536 and "**65536 bytes**" in DOC
+    assert server.ServerConfig().hello_timeout == 10.0 and "within **10 s**" in DOC
+    assert MAX_OPEN_ACKS == 64 and "(`protocol.MAX_OPEN_ACKS`)" in DOC
+    assert SESSION_ID_BYTES == 16 and "16 bytes (`protocol.SESSION_ID_BYTES`)" in DOC
+    assert protocol.REPLY_SLACK == 65536 and "`max_frame_bytes + 65536`" in DOC
+    assert (session.BACKOFF_BASE, session.BACKOFF_CAP) == (0.05, 2.0)
+    assert "backoff of 50 ms, doubling with each failed attempt up to 2 s" in DOC
+    s = session.ClientSession(address="x", timeout=30.0)
+    assert s.heartbeat == 5.0 and session.ClientSession(address="x", timeout=6.0).heartbeat == 2.0
+    assert all(0.025 <= s.backoff(0) <= 0.05 and 1.0 <= s.backoff(9) <= 2.0 for _ in range(50))
+    from tensorshare.client.blocking import BLOCK_SHARE
+
+    assert BLOCK_SHARE == 0.8 and "0.8 × its own reply timeout" in DOC
+
+
+# --------------------------------------------------------------------------- session rules
+
+
+SID = bytes(16 * [7])
+
+
+class Peer:
+    """A connection to a ServerFactory over a StringTransport (no sockets, no real time)."""
+
+    _ports = iter(range(50000, 60000))
+
+    def __init__(self, factory: server.ServerFactory, session_id: bytes | None = None,
+                 resume: bool = False, wire: WireClient | None = None) -> None:
+        addr = IPv4Address("TCP", "127.0.0.1", next(self._ports))
+        self.proto = factory.buildProtocol(addr)
+        self.transport = StringTransport(peerAddress=addr)
+        self.proto.makeConnection(self.transport)
+        self.wire = wire or WireClient()
+        self.hello = self.request(Hello(self.wire.next_id(), (1,), "doc", None, session_id,
+                                        resume))
+
+    def request(self, msg: Any, ack: AckInfo | None = None) -> Any:
+        self.proto.dataReceived(self.wire.frame(msg, ack))
+        (reply,) = self.received()
+        return reply
+
+    def received(self) -> list[Any]:
+        data = self.transport.value()
+        self.transport.clear()
+        return self.wire.receive_data(data)
+
+    def fetch(self, name: str, max_items: int | None = None) -> list[Any]:
+        reply = self.request(Get(self.wire.next_id(), name, max_items))
+        assert type(reply) is Fetched, reply
+        return [codec.decode(it.value) for it in reply.items]
+
+    def append(self, name: str, value: Any) -> None:
+        reply = self.request(Append(self.wire.next_id(), name, Item(codec.encode(value))))
+        assert type(reply) is Stored, reply
+
+    def lose(self) -> None:
+        self.proto.connectionLost(Failure(ConnectionDone()))
+
+
+@pytest.fixture
+def clock() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+@pytest.fixture
+def factory(clock: MemoryReactorClock) -> Iterator[server.ServerFactory]:
+    yield server.ServerFactory(clock)
+
+
+def test_doc_6_7_cancel_of_a_remembered_put_undoes_nothing_and_keeps_its_reply(
+        factory: server.ServerFactory) -> None:
+    """§6.7: cancelling a remembered put undoes nothing (flag false); resent, it is still
+    answered from memory."""
+    peer = Peer(factory, SID)
+    rid = peer.wire.next_id()
+    put = Put(rid, "w", Item(codec.encode(1)))
+    assert peer.request(put) == Stored(rid, 1, 1)
+    assert peer.request(put) == Stored(rid, 1, 1)  # replayed: version 1 again
+    cancel = peer.wire.next_id()
+    assert peer.request(Cancel(cancel, rid)) == Acked(cancel, False)
+    assert peer.request(put) == Stored(rid, 1, 1)  # still remembered: never runs twice
+
+
+def test_doc_6_7_cancel_of_a_get_whose_value_was_superseded(
+        factory: server.ServerFactory) -> None:
+    """§6.7: the value is dropped, not restored, and the cancel still says true."""
+    writer, peer = Peer(factory), Peer(factory, SID)
+    writer.request(Put(writer.wire.next_id(), "v", Item(codec.encode("old"))))
+    rid = peer.wire.next_id()
+    assert type(peer.request(Get(rid, "v"))) is Fetched
+    writer.request(Put(writer.wire.next_id(), "v", Item(codec.encode("new"))))
+    cancel = peer.wire.next_id()
+    assert peer.request(Cancel(cancel, rid)) == Acked(cancel, True)
+    assert writer.fetch("v") == ["new"]
+
+
+def test_doc_9_6_only_resume_resumes_a_known_session(
+        factory: server.ServerFactory, clock: MemoryReactorClock) -> None:
+    """§9.6: ``resume`` carries a known session on; without it the old session ends first
+    (its get items go back), and an unknown id is new despite ``resume``."""
+    writer = Peer(factory)
+    writer.append("q", "a")
+    first = Peer(factory, SID)
+    assert first.hello.resumed is False and first.hello.server_id == factory.server_id
+    assert first.fetch("q", 1) == ["a"]
+    first.lose()
+    again = Peer(factory, SID, resume=True)
+    assert again.hello.resumed is True
+    again.lose()
+    restarted = Peer(factory, SID, resume=False)  # the same id, requests numbered afresh
+    assert restarted.hello.resumed is False
+    assert writer.fetch("q") == ["a"]  # the old session ended: its get went back
+    fresh = Peer(factory, bytes(16), resume=True)
+    assert fresh.hello.resumed is False
+
+
+def test_doc_9_7_expiry_restores_unacknowledged_gets_with_a_restore_event(
+        factory: server.ServerFactory, clock: MemoryReactorClock) -> None:
+    writer, listener, peer = Peer(factory), Peer(factory), Peer(factory, SID)
+    listener.request(Listen(listener.wire.next_id(), "q"))
+    for i in range(3):
+        writer.append("q", i)
+    assert peer.fetch("q", 2) == [0, 1]
+    listener.received()
+    peer.lose()
+    clock.advance(factory.config.session_ttl + 0.1)
+    events = listener.received()
+    assert [(e.op, e.n_items) for e in events] == [("restore", 3)]
+    assert writer.fetch("q") == [0, 1, 2]
+
+
+def test_doc_9_7_expiry_keeps_the_order_of_items_across_gets(
+        factory: server.ServerFactory, clock: MemoryReactorClock) -> None:
+    writer, peer = Peer(factory), Peer(factory, SID)
+    for i in range(5):
+        writer.append("q", i)
+    assert peer.fetch("q", 2) == [0, 1]
+    assert peer.fetch("q", 2) == [2, 3]
+    peer.lose()
+    clock.advance(factory.config.session_ttl + 0.1)
+    assert writer.fetch("q") == [0, 1, 2, 3, 4]
+
+
+def test_doc_9_3_an_ack_makes_a_gets_items_the_clients_for_good(
+        factory: server.ServerFactory, clock: MemoryReactorClock) -> None:
+    writer, peer = Peer(factory), Peer(factory, SID)
+    writer.append("q", "a")
+    get_id = peer.wire.next_id()
+    assert type(peer.request(Get(get_id, "q"))) is Fetched
+    ping = peer.wire.next_id()
+    assert peer.request(Ping(ping), AckInfo(get_id)) == Acked(ping, True)
+    cancel = peer.wire.next_id()
+    assert peer.request(Cancel(cancel, get_id)) == Acked(cancel, False)
+    peer.lose()
+    clock.advance(factory.config.session_ttl + 0.1)
+    assert factory.store.n_items("q") == 0
+
+
+# --------------------------------------------------------------------------- values
+
+
+def test_dtype_table_matches_the_codec() -> None:
+    rows = table("<!-- table: dtypes -->")
+    names = [code_cell(row[0]) for row in rows]
+    assert tuple(names) == codec.DTYPES
+    assert {code_cell(row[0]): int(row[1]) for row in rows} == codec._ITEMSIZE
+    for row in rows:  # a dtype numpy lacks is marked as tensor-only
+        numpy_ok = code_cell(row[0]) in codec._NUMPY_DTYPES
+        assert numpy_ok == row[3].startswith("`"), row
+
+
+def test_ext_type_table_matches_the_codec() -> None:
+    rows = {int(row[0]): code_cell(row[1]) for row in table("<!-- table: ext-types -->")}
+    assert rows == {
+        codec.EXT_TENSOR: "EXT_TENSOR",
+        codec.EXT_NDARRAY: "EXT_NDARRAY",
+        codec.EXT_TUPLE: "EXT_TUPLE",
+    }
+
+
+def test_small_value_examples() -> None:
+    """The byte examples given in §5.2."""
+    assert codec.encode((1, "a")).value.hex(" ") == "d6 03 92 01 a1 61"
+    assert codec.encode(()).value.hex(" ") == "d4 03 90"
+    assert "`d6 03 92 01 a1 61`" in DOC and "`d4 03 90`" in DOC
+    torch = pytest.importorskip("torch")
+    scalar = codec.encode(torch.tensor(3.5)).value
+    assert scalar == bytes.fromhex("c70b0193") + msgpack.packb("float32") + bytes.fromhex("9000")
+
+
+def test_fetch_spec_is_what_get_and_peek_carry() -> None:
+    """The doc's get/peek tables are one FetchSpec; the helpers of tests/wire.py build it."""
+    assert Get(1, "w") == Fetch(1, "w", FetchSpec(True))
+    assert Peek(1, "w") == Fetch(1, "w", FetchSpec(False))
