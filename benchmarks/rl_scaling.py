@@ -37,7 +37,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from tensorshare.rl.demo import DEFAULT_GYM_ENV, ENVS_PER_WORKER, SEGMENT_STEPS, env_spec, train
+from tensorshare.rl.demo import ENVS_PER_WORKER, train
+from tensorshare.rl.envs import DEFAULT_GYM_ENV, env_spec
+from tensorshare.rl.learner import SEGMENT_STEPS
 
 
 @dataclass

@@ -24,7 +24,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tensorshare.rl.demo import have_gymnasium, train
+from tensorshare.rl.demo import train
+from tensorshare.rl.envs import have_gymnasium
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tensorshare.rl.demo import BUILTIN_CARTPOLE, have_gymnasium, train
+from tensorshare.rl.demo import train
+from tensorshare.rl.envs import BUILTIN_CARTPOLE, have_gymnasium
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,9 +14,11 @@
     │   ├── ConnectError                   could not connect / handshake failed
     │   └── ConnectionLost                 the connection dropped (and did not come back in
     │       │                              time); the request may or may not have run
-    │       └── SessionLost                the server forgot this client's session (it was
-    │                                      restarted without persistence): the outcome of the
-    │                                      request cannot be known
+    │       ├── SessionLost                the server forgot this client's session (it was
+    │       │                              restarted without persistence): the outcome of the
+    │       │                              request cannot be known
+    │       └── SessionTakenOver           another connection took this client's session over
+    │                                      (two processes share one session id); not retried
     └── ServerError                        the server answered a request with an error
         ├── BinNotFound (LookupError)      the bin is missing or empty
         ├── InvalidRequest (ValueError)    a malformed request, a bad bin name, an unknown op
@@ -30,7 +32,8 @@ Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError``
 of timeout; ``except TransportError`` only real connection trouble; ``except ServerError``
 only answers from the server (a ``WaitTimeout`` is one: the server is fine, the bin was empty).
 
-The server sends a short string code (``ERROR_CODES``); clients turn it back into the
+Every error that travels has its wire code as the class attribute ``code`` (``BinFull.code ==
+"bin_full"``); :data:`ERROR_CODES` is built from them, and clients turn a code back into the
 same class with :func:`error_from_code`. An unknown code becomes a plain ``ServerError``.
 """
 
@@ -51,6 +54,7 @@ __all__ = [
     "ReplyTimeout",
     "ServerError",
     "SessionLost",
+    "SessionTakenOver",
     "TensorShareError",
     "Timeout",
     "TransportError",
@@ -64,7 +68,13 @@ __all__ = [
 
 
 class TensorShareError(Exception):
-    """Base class of every error raised by tensorshare."""
+    """Base class of every error raised by tensorshare.
+
+    Attributes:
+        code: the wire code of the errors that travel (``None`` for local ones).
+    """
+
+    code: str | None = None
 
 
 class CodecError(TensorShareError, ValueError):
@@ -83,7 +93,13 @@ class NestingTooDeep(CodecError):
 
 
 class ProtocolError(TensorShareError):
-    """The peer sent bytes that break the wire format; the connection is closed."""
+    """The peer sent bytes that break the wire format; the connection is closed.
+
+    The server says so in a connection-level error with this code just before it closes;
+    the client reports it as the reason of the ``ConnectionLost`` that follows.
+    """
+
+    code = "protocol_error"
 
 
 class TransportError(TensorShareError, ConnectionError):
@@ -112,6 +128,17 @@ class SessionLost(ConnectionLost):
     """
 
 
+class SessionTakenOver(ConnectionLost):
+    """Another connection resumed this client's session, and the server closed this one.
+
+    Two live processes are using the same session id (a client object shared across a
+    fork, or a session id given twice). Reconnecting would only take it back, so the client
+    stops: every call fails with this error.
+    """
+
+    code = "session_taken_over"
+
+
 class Timeout(TensorShareError, TimeoutError):
     """Something did not happen within the time allowed (see the two subclasses)."""
 
@@ -123,12 +150,12 @@ class ServerError(TensorShareError):
         code: the wire error code (see ``ERROR_CODES``).
     """
 
-    code = "error"
+    code: str = "error"
 
     def __init__(self, message: str = "", code: str | None = None) -> None:
         super().__init__(message)
         if code is not None:
-            self.code = code
+            self.code = code  # an unknown code (a newer server's) is kept on the instance
 
 
 class BinNotFound(ServerError, LookupError):
@@ -180,30 +207,19 @@ class UnsupportedVersion(ServerError):
     code = "unsupported_version"
 
 
-# One table, used in both directions.
+# One table, used in both directions: wire code -> class, from the classes' own ``code``.
 ERROR_CODES: dict[str, type[TensorShareError]] = {
-    "error": ServerError,
-    "bin_not_found": BinNotFound,
-    "invalid_request": InvalidRequest,
-    "limit_exceeded": LimitExceeded,
-    "memory_limit": MemoryLimitExceeded,
-    "bin_full": BinFull,
-    "unsupported_version": UnsupportedVersion,
-    "timeout": WaitTimeout,
-    # Sent in an "error" message just before the server closes a connection that broke the
-    # wire format; the client reports it as the reason of the ConnectionLost that follows.
-    "protocol_error": ProtocolError,
+    cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
+                              MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
+                              ProtocolError, SessionTakenOver)
+    if cls.code is not None
 }
-_CODE_OF = {cls: code for code, cls in ERROR_CODES.items()}
 
 
 def code_for(exc: BaseException) -> str:
     """Return the wire code for an exception (``"error"`` for anything unknown)."""
-    for cls in type(exc).__mro__:
-        code = _CODE_OF.get(cls)  # type: ignore[arg-type]
-        if code is not None:
-            return code
-    return "error"
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) and code in ERROR_CODES else "error"
 
 
 def error_from_code(code: str, message: str) -> TensorShareError:
@@ -213,10 +229,8 @@ def error_from_code(code: str, message: str) -> TensorShareError:
     """
     cls = ERROR_CODES.get(code, ServerError)
     if issubclass(cls, ServerError):
-        return cls(message, code)
-    exc = cls(message)
-    exc.code = code  # type: ignore[attr-defined]
-    return exc
+        return cls(message, code if code != cls.code else None)
+    return cls(message)
 
 
 def is_server_timeout(exc: BaseException) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tensorshare.server.connection import EmbeddedServer
+from tensorshare.server import EmbeddedServer
 
 
 @pytest.fixture

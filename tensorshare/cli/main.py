@@ -187,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
         textFileLogObserver,
     )
 
-    from ..server.connection import ServerConfig
+    from ..server import ServerConfig
     from ..wire.messages import Limits
 
     level = LogLevel.warn if args.quiet else LogLevel.info
@@ -254,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list[Any]) -> int:
-    from ..server.connection import run_server
+    from ..server import run_server
     from ..server.persist import DataError
 
     try:

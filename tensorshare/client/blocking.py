@@ -14,111 +14,49 @@ meanwhile wait for the connection within their own timeout.
 
 Listen callbacks run on a separate dispatcher thread, in the order events arrived, so a slow
 callback never delays replies to other requests.
+
+The ops themselves (put, get, ...) are written once in :mod:`.ops`, for every client face.
 """
 
 from __future__ import annotations
 
 import array
 import builtins
-import gc
 import logging
-import math
 import os
 import queue
 import select
 import socket
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import (
-    ConnectError,
-    ConnectionLost,
-    LimitExceeded,
-    TensorShareError,
-    error_from_code,
-)
-from ..wire.codec import Buffer, Encoded, decode, encode
+from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
+from ..wire.address import parse_address
 from ..wire.frames import BytesLike
-from ..wire.messages import (
-    Append,
-    Configure,
-    Configured,
-    Delete,
-    ErrorReply,
-    Fetch,
-    Fetched,
-    FetchSpec,
-    Item,
-    Limits,
-    ListBins,
-    Listen,
-    Ping,
-    Put,
-    Request,
-    Stats,
-    Unlisten,
+from ..wire.messages import ErrorReply, Item, Limits
+from .ops import (
+    NOWAIT,
+    BinLimits,
+    Command,
+    FetchResult,
+    Ops,
+    check_reconnect,
+    check_timeout,
+    gc_paused,
+    make_item,
 )
-from ..wire.protocol import check_bin_name
+from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready
 
 __all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
 log = logging.getLogger("tensorshare.client")
 
-
-class _NoWait:
-    """Sentinel: do not wait for data (the default of get/peek)."""
-
-    def __repr__(self) -> str:
-        return "NOWAIT"
-
-
-NOWAIT: Any = _NoWait()
 _MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
 _READ_CHUNK = 256 * 1024
-# Frame overhead beyond the value itself: the prefix, the header fields, the padding.
-_FRAME_SLACK = 4096
-# The share of the client's timeout an append may wait for room in a full "block" bin.
-BLOCK_SHARE = 0.8
-
-
-@dataclass(frozen=True, slots=True)
-class FetchResult:
-    """What :meth:`Client.fetch` returns.
-
-    Attributes:
-        value: the value of a put bin, or the list of items of an appended bin;
-            ``None`` when ``unchanged``.
-        kind: ``"value"`` or ``"list"``.
-        tags: the items' tags (``None`` for untagged items), oldest first.
-        version: the bin's version after the operation.
-        n_items: items left in the bin.
-        dropped: items dropped (get) or skipped (peek) for being tagged below ``min_tag``.
-        unchanged: ``newer_than`` was given and the bin was not newer.
-    """
-
-    value: Any
-    kind: str
-    tags: tuple[int | None, ...]
-    version: int
-    n_items: int
-    dropped: int = 0
-    unchanged: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class BinLimits:
-    """A bin's limits as the server applies them (see :meth:`Client.configure`)."""
-
-    max_items: int | None
-    max_bytes: int | None
-    overflow: str
-
 
 class _Slot:
     """Where the reading thread leaves one reply for the thread waiting on it."""
@@ -202,146 +140,8 @@ class PendingCall:
             return False, exc
 
 
-def _version(reply: Any) -> int:
-    return int(reply.version)
 
-
-def _none(reply: Any) -> None:
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    """Where a server listens: TCP ``host:port`` or a Unix socket ``path``."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    path: str | None = None
-
-    def __str__(self) -> str:
-        return f"unix://{self.path}" if self.path is not None else f"{self.host}:{self.port}"
-
-
-def parse_address(host: str, port: int) -> Address:
-    """``host`` and ``port`` as given to a client: a host name and a port, or one URL:
-    ``tensorshare://HOST:PORT`` or ``unix://PATH`` (``unix:///tmp/ts.sock``).
-
-    Raises:
-        ValueError: an unknown scheme, or a URL without a port.
-    """
-    if "://" not in host:
-        return Address(host, port)
-    scheme, rest = host.split("://", 1)
-    if scheme == "unix":
-        if not rest:
-            raise ValueError(f"no socket path in {host!r}")
-        return Address(path=rest)
-    if scheme == "tensorshare":
-        name, _, number = rest.rstrip("/").rpartition(":")
-        if not name or not number.isdigit():
-            raise ValueError(f"expected tensorshare://HOST:PORT, got {host!r}")
-        return Address(name.strip("[]"), int(number))
-    raise ValueError(f"unknown address scheme {scheme!r} in {host!r} (use tensorshare:// or "
-                     f"unix://)")
-
-
-def check_timeout(timeout: Any, what: str = "timeout") -> float:
-    """A client timeout: a positive, finite number of seconds."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-            not 0 < timeout < math.inf:
-        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
-    return float(timeout)
-
-
-def check_reconnect(reconnect: Any) -> bool | float:
-    """``True``, ``False`` or a positive number of seconds."""
-    if isinstance(reconnect, bool):
-        return reconnect
-    return check_timeout(reconnect, "reconnect")
-
-
-def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
-              compress_min_bytes: int, share_min_bytes: int | None = None) -> Item:
-    """Check a put/append locally and encode its value (raises before anything is sent).
-
-    With ``share_min_bytes`` (a connection that passes shared memory), every uncompressed
-    buffer of at least that many bytes is written once into a sealed memfd, which then
-    travels instead of the bytes (see :mod:`tensorshare.shm`).
-
-    Raises:
-        TypeError, ValueError: a bad bin name or tag.
-        UnsupportedType: the value holds a type that cannot be sent.
-        LimitExceeded: the value is larger than the server's frame limit.
-    """
-    check_bin_name(name, limits.max_name_bytes)
-    if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
-        raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
-    enc = encode(value, compress=compress, compress_min_bytes=compress_min_bytes,
-                 max_depth=limits.max_depth)
-    if enc.nbytes + _FRAME_SLACK > limits.max_frame_bytes:
-        size = enc.nbytes + 64 * (len(enc.buffers) + 1)
-        if size > limits.max_frame_bytes:
-            raise LimitExceeded(f"value for bin {name!r} not sent: it takes about {size} "
-                                f"bytes, over the server's max_frame_bytes="
-                                f"{limits.max_frame_bytes}")
-    if share_min_bytes is not None and any(
-            b.codec is None and b.nbytes >= share_min_bytes for b in enc.buffers):
-        from ..memory import shm
-
-        buffers = []
-        for b in enc.buffers:
-            if b.codec is None and b.nbytes >= share_min_bytes:
-                mem = shm.share(b.data)
-                b = Buffer(mem.view, None, mem.size, mem)
-            buffers.append(b)
-        enc = Encoded(enc.value, tuple(buffers))
-    return Item(enc, tag)
-
-
-def fetch_request(name: str, *, remove: bool, max_items: int | None, timeout: Any,
-                  min_tag: int | None, newer_than: int | None, min_items: int,
-                  limits: Limits) -> tuple[Fetch, str]:
-    """Check a get/peek locally; return the message and how errors name it."""
-    wait = timeout is not NOWAIT
-    if wait and timeout is not None and (isinstance(timeout, bool) or not 0 <= timeout < math.inf):
-        raise ValueError(f"timeout must be a finite number >= 0, or None; got {timeout!r}")
-    check_bin_name(name, limits.max_name_bytes)
-    spec = FetchSpec(remove, max_items, wait, float(timeout) if wait and timeout is not None
-                     else None, min_tag, newer_than, min_items)
-    return Fetch(0, name, spec), f"{spec.op} on bin {name!r}"
-
-
-@contextmanager
-def gc_paused(n: int) -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while ``n`` (many) objects are made at once.
-
-    Building tens of thousands of small objects (the items of a batch) otherwise triggers
-    collections that scan every live object again and again: that, not the work itself,
-    cost three quarters of the time of a 50,000-item batch. Nothing made meanwhile is a
-    cycle, and the collector runs again right after.
-    """
-    if n < 1000 or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def fetch_result(reply: Fetched, max_depth: int) -> FetchResult:
-    """Decode a get/peek reply."""
-    if reply.unchanged:
-        return FetchResult(None, reply.kind, (), reply.version, reply.n_items, reply.dropped, True)
-    with gc_paused(len(reply.items)):
-        values = [decode(it.value, max_depth=max_depth) for it in reply.items]
-    value = values[0] if reply.kind == "value" else values
-    return FetchResult(value, reply.kind, tuple(it.tag for it in reply.items), reply.version,
-                       reply.n_items, reply.dropped)
-
-
-class Client:
+class Client(Ops):
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
@@ -381,7 +181,6 @@ class Client:
             c.put("weights", {"w": torch.randn(3, 3)})
             print(c.peek("weights"))
     """
-
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
                  reconnect: bool | float = True, compress: str | None = None,
                  compress_min_bytes: int = 64 * 1024, name: str = "tensorshare-python",
@@ -397,14 +196,32 @@ class Client:
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.address = str(where)
         self._connector = connector
+        self._options = (name, session, heartbeat, shm)
+        self.shm_min_bytes = shm_min_bytes
+        self.begin = _Begin(self)
+        self._start()
+        _CLIENTS.add(self)
+        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
+            error = self._session.closed
+            self.close()
+            if isinstance(error, ConnectError):
+                raise error
+            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
+                               f"{error or 'no answer'}")
+
+    def _start(self) -> None:
+        """Make the session and the threads' state, and start the reader thread (which
+        connects). Also run in a forked child, which must not share its parent's socket or
+        session."""
+        name, session, heartbeat, shm = self._options
+        self._pid = os.getpid()
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
                                       heartbeat=heartbeat)
-        if shm and self.path is not None and connector is None:
+        if shm and self.path is not None and self._connector is None:
             from ..memory import shm as _shm
 
             self._session.shm = _shm.available()
-        self.shm_min_bytes = shm_min_bytes
         self._lock = threading.Lock()  # the session, and who reads (below)
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
@@ -434,13 +251,24 @@ class Client:
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"tensorshare-reader-{self.address}")
         self._thread.start()
-        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
-            error = self._session.closed
+
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker that inherited this client): leave the
+        parent's connection, threads and session alone and open this process's own, as
+        redis-py does. Listen callbacks stay with the parent."""
+        sock, wake = self._sock, (self._wake_r, self._wake_w)
+        if sock is not None:
+            sock.close()  # the child's copy of the descriptor only: no shutdown
+        for fd in wake:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        closing = self._closing
+        self._start()
+        if closing:
             self.close()
-            if isinstance(error, ConnectError):
-                raise error
-            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
-                               f"{error or 'no answer'}")
 
     # -- what the server said ---------------------------------------------------------------
     @property
@@ -476,139 +304,6 @@ class Client:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
         return self._session.closed is not None
 
-    # -- public API ---------------------------------------------------------------------------
-    def put(self, name: str, value: Any, *, tag: int | None = None) -> int:
-        """Store ``value`` in bin ``name``, replacing whatever it held.
-
-        Args:
-            name: the bin (any non-empty str up to the server's name limit).
-            value: tensors, numpy arrays, and dict/list/tuple/str/bytes/int/float/bool/None.
-            tag: optional integer stored with the item (see ``min_tag`` in :meth:`fetch`).
-
-        Returns:
-            The bin's new version; the server holds the value when this returns.
-
-        Raises:
-            UnsupportedType: ``value`` holds a type that cannot be sent (nothing was sent).
-            MemoryLimitExceeded: the server's memory limit would be exceeded.
-            LimitExceeded: the value is larger than the server's frame limit.
-            BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
-            ReplyTimeout, ConnectionLost, SessionLost: no confirmation from the server (the
-                message says whether the put may have taken effect).
-        """
-        return self.begin_put(name, value, tag=tag).result()  # type: ignore[no-any-return]
-
-    def append(self, name: str, value: Any, *, tag: int | None = None) -> int:
-        """Append ``value`` as one item to bin ``name`` (a list is one item, never flattened).
-
-        Appending to a bin that holds a put value turns it into ``[value, new]``. On a bin
-        configured with ``overflow="block"`` that is full, this waits on the server for a
-        get to make room (up to 80% of the client's timeout, then ``BinFull``).
-
-        Returns:
-            The bin's new version. Raises: as :meth:`put`, and ``BinFull`` for a full bin.
-        """
-        return self.begin_append(name, value, tag=tag).result()  # type: ignore[no-any-return]
-
-    def get(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> Any:
-        """Return the content of bin ``name`` and remove it.
-
-        Args:
-            name: the bin.
-            max_items: for an appended bin, take at most this many items from the front
-                (FIFO) and leave the rest.
-            timeout: by default, do not wait. A number: wait up to that many seconds for
-                data. ``None``: wait without limit (across reconnects).
-
-        Returns:
-            The value of a put bin, or the list of items of an appended bin.
-
-        Raises:
-            BinNotFound: the bin is missing or empty (when not waiting).
-            WaitTimeout: no data arrived within ``timeout`` (a :class:`Timeout`).
-        """
-        return self.fetch(name, remove=True, max_items=max_items, timeout=timeout).value
-
-    def peek(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> Any:
-        """Like :meth:`get`, but leave the content in the bin."""
-        return self.fetch(name, remove=False, max_items=max_items, timeout=timeout).value
-
-    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
-              timeout: Any = NOWAIT, min_tag: int | None = None,
-              newer_than: int | None = None, min_items: int = 1) -> FetchResult:
-        """The full form of get (``remove=True``) and peek (``remove=False``).
-
-        Args:
-            min_tag: skip items tagged below this (and untagged ones); a get also removes
-                them from the bin. How many is reported in ``dropped``.
-            newer_than: only a bin whose version is above this counts. Without waiting, an
-                older bin gives ``unchanged=True`` and no data (nothing is downloaded); when
-                waiting, the call returns once the bin is newer.
-            min_items: when waiting, wait until at least this many items are available.
-            (others as :meth:`get`)
-
-        Returns:
-            A :class:`FetchResult`.
-        """
-        return self.begin_fetch(  # type: ignore[no-any-return]
-            name, remove=remove, max_items=max_items, timeout=timeout, min_tag=min_tag,
-            newer_than=newer_than, min_items=min_items).result()
-
-    def list(self) -> dict[str, int]:
-        """Return ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
-        return self.begin_list().result()  # type: ignore[no-any-return]
-
-    def delete(self, name: str) -> bool:
-        """Delete bin ``name``. Returns whether it existed."""
-        return self.begin_delete(name).result()  # type: ignore[no-any-return]
-
-    def configure(self, name: str, max_items: int | None = None, max_bytes: int | None = None,
-                  overflow: str = "reject") -> BinLimits:
-        """Bound bin ``name``: at ``max_items`` items or ``max_bytes`` bytes it is full.
-
-        Args:
-            overflow: what an append to a full bin does: ``"reject"`` raises ``BinFull``;
-                ``"drop_oldest"`` removes the oldest items to make room (listeners' events
-                say how many in ``dropped``); ``"block"`` waits on the server until a get
-                makes room (backpressure for producers that outrun their consumers).
-
-        Returns:
-            The limits as the server now applies them (they persist with the bin's name).
-        """
-        check_bin_name(name, self.limits.max_name_bytes)
-        return self._begin(Configure(0, name, max_items, max_bytes, overflow),  # type: ignore[no-any-return]
-                           f"configure of bin {name!r}", _limits).result()
-
-    def stats(self, glob: str | None = None) -> dict[str, Any]:
-        """The server's statistics and a summary of every bin (matching ``glob``).
-
-        Returns:
-            ``{"server": {...}, "bins": {name: {...}}}`` (see docs/PROTOCOL.md, ``stats``).
-        """
-        return self._begin(Stats(0, glob), "stats",  # type: ignore[no-any-return]
-                           lambda r: {"server": r.server, "bins": r.bins}).result()
-
-    def listen(self, name: str, callback: Callable[[dict[str, Any]], Any]) -> None:
-        """Call ``callback(event)`` on every change of bin ``name``.
-
-        ``event`` is a dict: ``{'status': 'OK', 'bin': name, 'op': 'put'|'append'|'get'|
-        'delete'|'restore', 'n_items': n, 'version': v}``. After a reconnect, a bin that
-        changed meanwhile gives one ``op: 'resync'`` event with its current version and item
-        count (``'restarted': True`` if the server restarted without persistence). Callbacks
-        run on this client's dispatcher thread, one at a time, in the order the changes
-        happened; a slow callback delays later events, never replies. Returns once the
-        server has registered the listener; if it refuses, the callback is forgotten.
-        """
-        self.begin_listen(name, callback).result()
-
-    def unlisten(self, name: str) -> bool:
-        """Stop listening to bin ``name``. Returns whether this client was listening."""
-        return self.begin_unlisten(name).result()  # type: ignore[no-any-return]
-
-    def ping(self) -> None:
-        """Round-trip to the server (raises if it does not answer within ``timeout``)."""
-        self._begin(Ping(0), "ping", _none).result()
-
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """Queue many requests and send them together, without waiting for each reply.
 
@@ -631,77 +326,16 @@ class Client:
         """
         return Pipeline(self, raise_on_error)
 
-    # -- non-blocking halves: send now, collect the result later -----------------------------
-    def begin_put(self, name: str, value: Any, *, tag: int | None = None) -> PendingCall:
-        """Send a put now; ``.result()`` of the returned call gives what :meth:`put` returns.
 
-        Local mistakes (a bad name, an unsupported type) raise here, before anything is sent.
-        Do not modify the tensors of ``value`` until the call has completed: they are sent
-        from their own memory (and sent again if the connection drops meanwhile).
-        """
-        item = self._item(name, value, tag)
-        return self._begin(Put(0, name, item), f"put to bin {name!r}", _version)
+    # -- the op surface (see .ops) ------------------------------------------------------------
+    def _execute(self, cmd: Command) -> Any:
+        return self._submit(cmd).result()
 
-    def begin_append(self, name: str, value: Any, *, tag: int | None = None) -> PendingCall:
-        """Send an append now (see :meth:`begin_put`)."""
-        item = self._item(name, value, tag)
-        # On a full "block" bin the server waits for room; it gives up a little before we
-        # would, so that the caller hears BinFull rather than a timeout.
-        return self._begin(Append(0, name, item, BLOCK_SHARE * self.timeout),
-                           f"append to bin {name!r}", _version)
-
-    def begin_fetch(self, name: str, *, remove: bool, max_items: int | None = None,
-                    timeout: Any = NOWAIT, min_tag: int | None = None,
-                    newer_than: int | None = None, min_items: int = 1) -> PendingCall:
-        """Send a get/peek now; ``.result()`` gives the :class:`FetchResult`."""
-        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
-                                  min_tag=min_tag, newer_than=newer_than, min_items=min_items,
-                                  limits=self.limits)
-        max_depth = self.limits.max_depth
-        return self._begin(msg, what, lambda r: fetch_result(r, max_depth))
-
-    def begin_list(self) -> PendingCall:
-        """Send a list request now."""
-        return self._begin(ListBins(0), "list", lambda r: dict(r.bins))
-
-    def begin_delete(self, name: str) -> PendingCall:
-        """Send a delete now."""
-        self._check_name(name)
-        return self._begin(Delete(0, name), f"delete of bin {name!r}", lambda r: r.existed)
-
-    def begin_listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,
-                     inline: bool = False) -> PendingCall:
-        """Register ``callback`` and send the listen request now (see :meth:`listen`).
-
-        Args:
-            inline: run ``callback`` on the reader thread, before any reply that arrives
-                after the event is handed over. Only for callbacks that return at once (e.g.
-                put the event on a queue): a slow inline callback stalls every reply.
-        """
-        self._check_name(name)
-        if not callable(callback):
-            raise TypeError("callback must be callable")
-        if not inline:
-            self._start_dispatcher()
-        entry = (callback, inline)
-        with self._lock:
-            first = self._session.add_listener(name, entry)
-            if not first:
-                return PendingCall.done(None)
-            call, slot = self._call(Listen(0, name), f"listen to bin {name!r}", _none, entry)
-        self._flush()
-        return PendingCall(self, call, slot)
-
-    def begin_unlisten(self, name: str) -> PendingCall:
-        """Drop this bin's listen callbacks and tell the server (see :meth:`unlisten`)."""
-        self._check_name(name)
-        with self._lock:
-            if not self._session.remove_listener(name):
-                return PendingCall.done(False)
-            call, slot = self._call(Unlisten(0, name), f"unlisten from bin {name!r}",
-                                    lambda r: True)
-        self._flush()
-        return PendingCall(self, call, slot)
+    def __getattr__(self, name: str) -> Any:
+        # begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names).
+        if name.startswith("begin_") and name != "begin_":
+            return getattr(self.begin, name[6:])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
         """Close the connection. Pending calls fail with ConnectionLost. Idempotent."""
@@ -749,9 +383,6 @@ class Client:
         return f"<tensorshare.Client {self.address} {state}>"
 
     # -- requests -----------------------------------------------------------------------------
-    def _check_name(self, name: str) -> None:
-        check_bin_name(name, self.limits.max_name_bytes)
-
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         conn = self._session.conn
         share = self.shm_min_bytes if conn is not None and conn.shm else None
@@ -764,19 +395,50 @@ class Client:
         conn = self._session.conn
         return conn is not None and conn.shm
 
-    def _call(self, msg: Request, what: str, convert: Callable[[Any], Any],
-              extra: Any = None) -> tuple[Call, _Slot]:
-        slot = _Slot()
-        call = self._session.call(msg, what, time.monotonic(), token=slot, convert=convert,
-                                  extra=extra)
-        return call, slot
-
-    def _begin(self, msg: Request, what: str, convert: Callable[[Any], Any]) -> PendingCall:
+    def _submit(self, cmd: Command) -> PendingCall:
         """Add one request to the session and send what can be sent now."""
-        with self._lock:
-            call, slot = self._call(msg, what, convert)
+        if self._pid != os.getpid():
+            raise ConnectionLost(f"the client for {self.address} was made in another process")
+        if cmd.kind == "call":
+            with self._lock:
+                call, slot = self._call(cmd)
+        else:
+            entry = cmd.listener
+            if cmd.kind == "listen" and not entry[1]:
+                self._start_dispatcher()
+            name = cmd.bin
+            assert name is not None
+            with self._lock:
+                if cmd.kind == "listen":
+                    if not self._session.add_listener(name, entry):
+                        return PendingCall.done(None)
+                elif not self._session.remove_listener(name):
+                    return PendingCall.done(False)
+                call, slot = self._call(cmd)
         self._flush()
         return PendingCall(self, call, slot)
+
+    def _call(self, cmd: Command) -> tuple[Call, _Slot]:
+        slot = _Slot()
+        call = self._session.call(cmd.request, cmd.what, time.monotonic(), token=slot,
+                                  convert=cmd.convert, extra=cmd.listener)
+        return call, slot
+
+    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+                      ) -> builtins.list[Any]:
+        calls = []
+        with self._lock:
+            for cmd, _ in batch:
+                call, slot = self._call(cmd)
+                calls.append(PendingCall(self, call, slot))
+        self._flush()
+        outcomes: builtins.list[Any] = []
+        for pending in calls:
+            try:
+                outcomes.append(pending.result())
+            except TensorShareError as exc:
+                outcomes.append(exc)
+        return pipeline.finish(outcomes, [n for _, n in batch])
 
     def _flush(self) -> None:
         """Write every request not yet sent on the current connection, in id order."""
@@ -1206,154 +868,36 @@ class Client:
                     _call_listener(cb, event, name)
 
 
-class Pipeline:
-    """Requests queued locally and sent together (see :meth:`Client.pipeline`).
+class _Begin(Ops):
+    """The ops of a :class:`Client` that send at once and return a :class:`PendingCall`
+    (``client.begin.put(...)``; ``client.begin_put(...)`` is the same)."""
 
-    Each method returns the index its result will have in :attr:`results`.
-
-    Attributes:
-        results: after :meth:`execute`, what each call returned, in order; a call that
-            failed holds its exception instead.
-    """
-
-    #: Most items one append request carries (more go in the next one).
-    MAX_BATCH_ITEMS = 10_000
-
-    def __init__(self, client: Client, raise_on_error: bool = True) -> None:
+    def __init__(self, client: Client) -> None:
         self._client = client
-        self._raise = raise_on_error
-        self._ops: builtins.list[tuple[str, Any, Any, Any]] = []  # (kind, name/msg, item, what)
-        self.results: builtins.list[Any] | None = None
+        self.timeout = client.timeout
+        self.compress, self.compress_min_bytes = client.compress, client.compress_min_bytes
 
-    def __len__(self) -> int:
-        return len(self._ops)
+    @property
+    def limits(self) -> Limits:
+        return self._client.limits
 
-    def _add(self, kind: str, a: Any, b: Any = None, c: Any = None) -> int:
-        if self.results is not None:
-            raise RuntimeError("this pipeline was executed already; make a new one")
-        self._ops.append((kind, a, b, c))
-        return len(self._ops) - 1
+    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        return self._client._item(name, value, tag)
 
-    def put(self, name: str, value: Any, *, tag: int | None = None) -> int:
-        """Queue a put (see :meth:`Client.put`)."""
-        return self._add("put", name, self._client._item(name, value, tag))
-
-    def append(self, name: str, value: Any, *, tag: int | None = None) -> int:
-        """Queue an append (see :meth:`Client.append`)."""
-        torch = sys.modules.get("torch")
-        if torch is not None and type(value) is torch.Tensor and value.is_cpu \
-                and (tag is None or (type(tag) is int)):
-            # A lone CPU tensor (the common batch item) is encoded at execute(), many at a
-            # time with the garbage collector paused; its name is checked now.
-            self._client._check_name(name)
-            return self._add("append", name, None, (value, tag))
-        return self._add("append", name, self._client._item(name, value, tag))
-
-    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
-              timeout: Any = NOWAIT, min_tag: int | None = None,
-              newer_than: int | None = None, min_items: int = 1) -> int:
-        """Queue a get/peek; its result is a :class:`FetchResult` (see :meth:`Client.fetch`)."""
-        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
-                                  min_tag=min_tag, newer_than=newer_than,
-                                  min_items=min_items, limits=self._client.limits)
-        return self._add("fetch", msg, what)
-
-    def get(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> int:
-        """Queue a get; its result is what :meth:`Client.get` returns."""
-        return self._add("value", *fetch_request(
-            name, remove=True, max_items=max_items, timeout=timeout, min_tag=None,
-            newer_than=None, min_items=1, limits=self._client.limits))
-
-    def peek(self, name: str, *, max_items: int | None = None, timeout: Any = NOWAIT) -> int:
-        """Queue a peek; its result is what :meth:`Client.peek` returns."""
-        return self._add("value", *fetch_request(
-            name, remove=False, max_items=max_items, timeout=timeout, min_tag=None,
-            newer_than=None, min_items=1, limits=self._client.limits))
-
-    def delete(self, name: str) -> int:
-        """Queue a delete; its result says whether the bin existed."""
-        self._client._check_name(name)
-        return self._add("delete", name)
-
-    def execute(self) -> builtins.list[Any]:
-        """Send every queued request, wait for every reply, and return :attr:`results`.
-
-        Raises:
-            the first error among the results (with ``raise_on_error``, the default).
-        """
-        if self.results is not None:
-            return self.results
-        with gc_paused(len(self._ops)):
-            return self._execute()
-
-    def _execute(self) -> builtins.list[Any]:
-        client = self._client
-        ops = self._ops
-        for i, (kind, a, b, c) in enumerate(ops):
-            if kind == "append" and b is None:  # deferred (see append)
-                ops[i] = (kind, a, client._item(a, c[0], c[1]), None)
-        timeout = BLOCK_SHARE * client.timeout
-        max_depth = client.limits.max_depth
-        room = client.limits.max_frame_bytes // 2
-        groups: builtins.list[tuple[Request, str, Callable[[Any], Any], int]] = []
-        i, n = 0, len(ops)
-        while i < n:
-            kind, a, b, c = ops[i]
-            if kind == "append":
-                items = [b]
-                size = b.value.nbytes
-                i += 1
-                while (i < n and ops[i][0] == "append" and ops[i][1] == a
-                       and len(items) < self.MAX_BATCH_ITEMS
-                       and size + ops[i][2].value.nbytes < room):
-                    items.append(ops[i][2])
-                    size += ops[i][2].value.nbytes
-                    i += 1
-                msg: Request = Append(0, a, items[0], timeout, tuple(items[1:]))
-                what = (f"append to bin {a!r}" if len(items) == 1
-                        else f"append of {len(items)} items to bin {a!r}")
-                groups.append((msg, what, _version, len(items)))
-                continue
-            i += 1
-            if kind == "put":
-                groups.append((Put(0, a, b), f"put to bin {a!r}", _version, 1))
-            elif kind == "fetch":
-                groups.append((a, b, lambda r: fetch_result(r, max_depth), 1))
-            elif kind == "value":
-                groups.append((a, b, lambda r: fetch_result(r, max_depth).value, 1))
-            else:  # delete
-                groups.append((Delete(0, a), f"delete of bin {a!r}", lambda r: r.existed, 1))
-        calls = []
-        with client._lock:
-            for msg, what, convert, count in groups:
-                call, slot = client._call(msg, what, convert)
-                calls.append((PendingCall(client, call, slot), count))
-        client._flush()
-        results: builtins.list[Any] = []
-        for pending, count in calls:
-            try:
-                value = pending.result()
-            except TensorShareError as exc:
-                value = exc
-            results.extend([value] * count)
-        self.results = results
-        self._ops = []
-        if self._raise:
-            first = next((r for r in results if isinstance(r, BaseException)), None)
-            if first is not None:
-                raise first
-        return results
-
-    def __enter__(self) -> Pipeline:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            self.execute()
+    def _execute(self, cmd: Command) -> PendingCall:
+        return self._client._submit(cmd)
 
 
-def _limits(reply: Configured) -> BinLimits:
-    return BinLimits(reply.max_items, reply.max_bytes, reply.overflow)
+# Every live client, so that a forked child can give each its own connection.
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, Any],

@@ -68,27 +68,27 @@ class TensorShare:
     # -- requests ---------------------------------------------------------------------------
     def put(self, bin: str, value: Any, callback: Callback | None = None) -> None:
         """Store ``value`` in ``bin`` (replacing it). Callback data: the bin's new version."""
-        self._request(lambda c: c.begin_put(bin, value), callback)
+        self._request(lambda c: c.begin.put(bin, value), callback)
 
     def append(self, bin: str, value: Any, callback: Callback | None = None) -> None:
         """Append ``value`` to ``bin`` as one item. Callback data: the bin's new version."""
-        self._request(lambda c: c.begin_append(bin, value), callback)
+        self._request(lambda c: c.begin.append(bin, value), callback)
 
     def get(self, bin: str, callback: Callback | None = None) -> None:
         """Return and remove the content of ``bin``. Callback data: the value (or list)."""
-        self._request(lambda c: c.begin_fetch(bin, remove=True), callback, _value)
+        self._request(lambda c: c.begin.fetch(bin, remove=True), callback, _value)
 
     def peek(self, bin: str, callback: Callback | None = None) -> None:
         """Return the content of ``bin`` without removing it. Callback data: the value."""
-        self._request(lambda c: c.begin_fetch(bin, remove=False), callback, _value)
+        self._request(lambda c: c.begin.fetch(bin, remove=False), callback, _value)
 
     def list(self, callback: Callback | None = None) -> None:
         """Callback data: ``{bin: n_items}`` for every non-empty bin."""
-        self._request(lambda c: c.begin_list(), callback)
+        self._request(lambda c: c.begin.list(), callback)
 
     def delete(self, bin: str, callback: Callback | None = None) -> None:
         """Delete ``bin``. Callback data: whether it existed."""
-        self._request(lambda c: c.begin_delete(bin), callback)
+        self._request(lambda c: c.begin.delete(bin), callback)
 
     def listen(self, bin: str, callback: Callback) -> None:
         """Call ``callback`` on every change of ``bin``.
@@ -106,12 +106,12 @@ class TensorShare:
         # the moment they arrive, in order: every event that arrived before stop() is
         # delivered before start() returns. (A request's callback is queued when the request
         # is made, so it may run before an event that reached us earlier than its reply.)
-        self._request(lambda c: c.begin_listen(bin, forward, inline=True), callback, None,
+        self._request(lambda c: c.begin.listen(bin, forward, inline=True), callback, None,
                       errors_only=True)
 
     def ignore(self, bin: str, callback: Callback | None = None) -> None:
         """Stop listening to ``bin``. Callback data: whether this object was listening."""
-        self._request(lambda c: c.begin_unlisten(bin), callback)
+        self._request(lambda c: c.begin.unlisten(bin), callback)
 
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:

@@ -40,6 +40,7 @@ from ..errors import (
     ConnectionLost,
     ReplyTimeout,
     SessionLost,
+    SessionTakenOver,
     TensorShareError,
     TransportError,
 )
@@ -512,6 +513,13 @@ class ClientSession:
                 self._orphan(msg)
             elif cls is ErrorReply and msg.id == 0:
                 self.server_said = f"{msg.message} ({msg.code})"
+                if msg.code == SessionTakenOver.code:
+                    # Another live connection uses our session id: reconnecting would only
+                    # take it back (and be taken again). Stop, and say why.
+                    out.extend(self.close(SessionTakenOver(
+                        f"tensorshare server at {self.address}: {msg.message}")))
+                    out.append(Drop(f"session taken over: {msg.message}"))
+                    break
             else:
                 self._reply(msg, out, now)
         return out

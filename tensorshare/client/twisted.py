@@ -33,10 +33,10 @@ is cancelled on the server, and the items of a get that already ran go back to t
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ClientFactory, Protocol
@@ -44,35 +44,11 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
+from ..wire.address import parse_address
 from ..wire.frames import BytesLike
-from ..wire.messages import (
-    Append,
-    Configure,
-    Delete,
-    ErrorReply,
-    Item,
-    Limits,
-    ListBins,
-    Listen,
-    Ping,
-    Put,
-    Request,
-    Stats,
-    Unlisten,
-)
-from ..wire.protocol import check_bin_name
-from .blocking import (
-    BLOCK_SHARE,
-    NOWAIT,
-    BinLimits,
-    FetchResult,
-    check_reconnect,
-    check_timeout,
-    fetch_request,
-    fetch_result,
-    make_item,
-    parse_address,
-)
+from ..wire.messages import ErrorReply, Limits
+from .ops import NOWAIT, Command, FetchResult, Ops, check_reconnect, check_timeout
+from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
@@ -115,7 +91,7 @@ class _Factory(ClientFactory):
         self.client._connect_failed(reason.getErrorMessage())
 
 
-class TxClient:
+class TxClient(Ops):
     """A connection to a tensorshare server, for code running in a Twisted reactor.
 
     Made by :func:`connect`. Mirrors :class:`tensorshare.Client`: the same methods, arguments
@@ -204,113 +180,30 @@ class TxClient:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
         return self.session.closed is not None
 
-    # -- store ------------------------------------------------------------------------------
-    def put(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
-        """Store ``value`` in bin ``name``, replacing whatever it held.
+    # -- the op surface (see .ops) ----------------------------------------------------------
+    def _execute(self, cmd: Command) -> Deferred[Any]:
+        """Send ``cmd``; the Deferred fires with its result (or its error)."""
+        if cmd.kind != "call":
+            name = cmd.bin
+            assert name is not None
+            if cmd.kind == "listen":
+                if not self.session.add_listener(name, cmd.listener[0]):
+                    return succeed(None)
+                return self._request(cmd, cmd.listener[0])
+            if not self.session.remove_listener(name):
+                return succeed(False)
+        return self._request(cmd)
 
-        Fires with the bin's new version once the server holds the value.
+    def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
+        """Queue many requests and send them together (see ``Client.pipeline``); its
+        ``execute()`` returns a Deferred that fires with the results."""
+        return Pipeline(self, raise_on_error)
 
-        Raises (synchronously, nothing sent):
-            UnsupportedType: ``value`` holds a type that cannot be sent.
-            TypeError, ValueError: a bad bin name or tag.
-        Errbacks:
-            MemoryLimitExceeded, LimitExceeded, BinFull, ReplyTimeout, ConnectionLost,
-            SessionLost.
-        """
-        item = self._item(name, value, tag)
-        return self._request(Put(0, name, item), f"put to bin {name!r}", _version)
-
-    def append(self, name: str, value: Any, *, tag: int | None = None) -> Deferred[int]:
-        """Append ``value`` as one item to bin ``name``; fires with the new version (see put)."""
-        item = self._item(name, value, tag)
-        return self._request(Append(0, name, item, BLOCK_SHARE * self.timeout),
-                             f"append to bin {name!r}", _version)
-
-    # -- fetch ------------------------------------------------------------------------------
-    def get(self, name: str, *, max_items: int | None = None,
-            timeout: Any = NOWAIT) -> Deferred[Any]:
-        """Fire with the content of bin ``name`` and remove it.
-
-        Args:
-            max_items: for an appended bin, take at most this many items (FIFO).
-            timeout: ``NOWAIT`` (default): do not wait. A number: the server waits up to
-                that many seconds for data, then errbacks with WaitTimeout. ``None``: wait
-                without limit.
-
-        Fires with the value of a put bin, or the list of items of an appended bin.
-        Errbacks with BinNotFound (missing or empty bin, when not waiting) or WaitTimeout.
-        """
-        d = self.fetch(name, remove=True, max_items=max_items, timeout=timeout)
-        return d.addCallback(lambda r: r.value)
-
-    def peek(self, name: str, *, max_items: int | None = None,
-             timeout: Any = NOWAIT) -> Deferred[Any]:
-        """Like :meth:`get`, but leave the content in the bin."""
-        d = self.fetch(name, remove=False, max_items=max_items, timeout=timeout)
-        return d.addCallback(lambda r: r.value)
-
-    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
-              timeout: Any = NOWAIT, min_tag: int | None = None,
-              newer_than: int | None = None, min_items: int = 1) -> Deferred[FetchResult]:
-        """The full form of get (``remove=True``) and peek; fires with a FetchResult.
-
-        See :meth:`tensorshare.Client.fetch` for ``min_tag``, ``newer_than``, ``min_items``.
-        """
-        msg, what = fetch_request(name, remove=remove, max_items=max_items, timeout=timeout,
-                                  min_tag=min_tag, newer_than=newer_than, min_items=min_items,
-                                  limits=self.limits)
-        max_depth = self.limits.max_depth
-        return self._request(msg, what, lambda r: fetch_result(r, max_depth))
-
-    # -- other requests ---------------------------------------------------------------------
-    def list(self) -> Deferred[dict[str, int]]:
-        """Fire with ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
-        return self._request(ListBins(0), "list", lambda r: dict(r.bins))
-
-    def delete(self, name: str) -> Deferred[bool]:
-        """Delete bin ``name``; fire with whether it existed."""
-        self._check_name(name)
-        return self._request(Delete(0, name), f"delete of bin {name!r}", lambda r: r.existed)
-
-    def configure(self, name: str, max_items: int | None = None,
-                  max_bytes: int | None = None, overflow: str = "reject"
-                  ) -> Deferred[BinLimits]:
-        """Bound bin ``name``; see :meth:`tensorshare.Client.configure`."""
-        self._check_name(name)
-        return self._request(Configure(0, name, max_items, max_bytes, overflow),
-                             f"configure of bin {name!r}",
-                             lambda r: BinLimits(r.max_items, r.max_bytes, r.overflow))
-
-    def stats(self, glob: str | None = None) -> Deferred[dict[str, Any]]:
-        """Fire with the server's statistics; see :meth:`tensorshare.Client.stats`."""
-        return self._request(Stats(0, glob), "stats",
-                             lambda r: {"server": r.server, "bins": r.bins})
-
-    def listen(self, name: str, callback: Listener) -> Deferred[None]:
-        """Call ``callback(event)`` in the reactor thread on every change of bin ``name``.
-
-        ``event`` is as for :meth:`tensorshare.Client.listen` (including ``resync`` events
-        after a reconnect). Exceptions raised by a callback are logged and ignored. Fires
-        once the server has registered the listener (at once for a further callback on a
-        bin already listened to); if the server refuses, the callback is forgotten.
-        """
-        self._check_name(name)
-        if not callable(callback):
-            raise TypeError("callback must be callable")
-        if not self.session.add_listener(name, callback):
-            return succeed(None)
-        return self._request(Listen(0, name), f"listen to bin {name!r}", _none, callback)
-
-    def unlisten(self, name: str) -> Deferred[bool]:
-        """Drop the bin's callbacks and tell the server; fire with whether we listened."""
-        self._check_name(name)
-        if not self.session.remove_listener(name):
-            return succeed(False)
-        return self._request(Unlisten(0, name), f"unlisten from bin {name!r}", lambda r: True)
-
-    def ping(self) -> Deferred[None]:
-        """Round-trip to the server; errbacks with ReplyTimeout if it does not answer in time."""
-        return self._request(Ping(0), "ping", _none)
+    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+                      ) -> Deferred[builtins.list[Any]]:
+        deferreds = [self._request(cmd).addErrback(_outcome) for cmd, _ in batch]
+        counts = [n for _, n in batch]
+        return gatherResults(deferreds).addCallback(pipeline.finish, counts)
 
     def close(self) -> Deferred[None]:
         """Close the connection; pending requests errback with ConnectionLost at once.
@@ -343,20 +236,13 @@ class TxClient:
         return f"<tensorshare.TxClient {self.address} {state}>"
 
     # -- requests ---------------------------------------------------------------------------
-    def _check_name(self, name: str) -> None:
-        check_bin_name(name, self.limits.max_name_bytes)
-
-    def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
-
-    def _request(self, msg: Request, what: str, convert: Callable[[Any], Any],
-                 extra: Any = None) -> Deferred[Any]:
-        """Add one request to the session; fire with ``convert(reply)``."""
+    def _request(self, cmd: Command, extra: Any = None) -> Deferred[Any]:
+        """Add one request to the session; fire with ``cmd.convert(reply)``."""
         holder: builtins.list[Call] = []
         d: Deferred[Any] = Deferred(lambda _: self._abandon(holder[0]))
         try:
-            call = self.session.call(msg, what, self.reactor.seconds(), token=d,
-                                     convert=convert, extra=extra)
+            call = self.session.call(cmd.request, cmd.what, self.reactor.seconds(), token=d,
+                                     convert=cmd.convert, extra=extra)
         except TensorShareError as exc:
             return fail(exc)
         holder.append(call)
@@ -619,12 +505,11 @@ class TxClient:
             proto.transport.abortConnection()  # type: ignore[attr-defined]
 
 
-def _version(reply: Any) -> int:
-    return int(reply.version)
-
-
-def _none(reply: Any) -> None:
-    return None
+def _outcome(failure: Failure) -> Any:
+    """A pipelined request's error, as a result (the pipeline reports it in order)."""
+    if failure.check(TensorShareError):
+        return failure.value
+    return failure
 
 
 def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:

@@ -150,9 +150,9 @@ class RLTrainer(_Base):
                  **client_options: Any) -> None:
         server = None
         if host_server:
-            from ..server.connection import EmbeddedServer
+            from ..server import EmbeddedServer
 
-            server = EmbeddedServer(port, _local(host))
+            server = EmbeddedServer(port, host=_local(host))
             port = server.port
         try:
             super().__init__(host, port, timeout, params_bin, data_bin, client_options)

@@ -21,9 +21,10 @@ costs more than learning and workers add throughput; ``CartPole-v1`` and any Gym
 with discrete actions and a vector observation work too. Without Gymnasium a hand-written
 CartPole (as in gym's v0: 200 steps, solved at 195) stands in.
 
-Everything lives in this module so that the installed package can run it: ``tensorshare demo``
-calls :func:`run_demo`, the examples and ``benchmarks/rl_scaling.py`` call :func:`train`, and
-each worker process is ``python -m tensorshare.demo worker --port PORT ...``.
+The learner is :mod:`tensorshare.rl.learner` and the environments :mod:`tensorshare.rl.envs`;
+this module runs them: ``tensorshare demo`` calls :func:`run_demo`, the examples and
+``benchmarks/rl_scaling.py`` call :func:`train`, and each worker process is
+``python -m tensorshare.demo worker --port PORT ...``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
-import random
 import subprocess
 import sys
 import time
@@ -41,366 +40,43 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, SupportsFloat, TextIO
+from typing import Any, TextIO
 
-import numpy as np
 import torch
-from torch import nn
 
 from ..client.blocking import Client
 from ..errors import BinNotFound, ConnectError, Timeout, TransportError, is_server_timeout
 from .api import RLTrainer, RLWorker, TrainerStopped, stop_bin_for
+from .envs import BUILTIN_CARTPOLE, DEFAULT_GYM_ENV, EnvSpec, default_env, env_spec, have_gymnasium
+from .learner import SEGMENT_STEPS, Collector, Learner, NumpyActor
 
 __all__ = [
-    "BUILTIN_CARTPOLE",
-    "ActorCritic",
+    "ENVS_PER_WORKER",
+    "MAX_VERSION_LAG",
+    "SEGMENTS_PER_UPDATE",
+    "WARMUP_SECONDS",
+    "WINDOW",
+    "WORKER_TIMEOUT",
     "Bins",
-    "CartPole",
-    "Collector",
-    "EnvSpec",
-    "Learner",
-    "NumpyActor",
     "Phase",
     "TrainResult",
-    "UpdateStats",
-    "default_env",
-    "env_spec",
-    "have_gymnasium",
     "main",
     "run_demo",
     "run_worker",
     "start_workers",
     "stop_workers",
     "train",
-    "vtrace",
 ]
 
-# -- the hand-written CartPole: Barto, Sutton & Anderson (1983), as in gym's v0 ------------------
-GRAVITY = 9.8
-MASS_CART = 1.0
-MASS_POLE = 0.1
-TOTAL_MASS = MASS_CART + MASS_POLE
-HALF_LENGTH = 0.5  # half the pole's length
-POLE_MASS_LENGTH = MASS_POLE * HALF_LENGTH
-FORCE_MAG = 10.0
-TAU = 0.02  # seconds per step (explicit Euler)
-X_LIMIT = 2.4
-THETA_LIMIT = 12 * 2 * math.pi / 360  # 12 degrees
-MAX_STEPS = 200  # reward is 1 per step, so 200 is the best possible return
-
-# -- learning ------------------------------------------------------------------------------------
-GAMMA = 0.99
-LAMBDA = 0.95  # V-trace's trace-cutting lambda; GAE's lambda on fresh experience
-LEARNING_RATE = 4e-3
-HIDDEN = 64
-# One pass over each batch, in 4 minibatches: a second pass saved ~10-20% of the samples on
-# Acrobot but cost ~75% more learner time per sample, and the learner shares the cores with
-# the workers (it is what keeps 2 workers on 2 cores from being twice as fast as one).
-EPOCHS = 1
-MINIBATCHES = 4
-CLIP = 0.2  # PPO's clip range
-ENTROPY_COEF = 0.02  # keeps Acrobot exploring through its long -500 plateau
-VALUE_COEF = 0.5
-MAX_GRAD_NORM = 0.5
 ENVS_PER_WORKER = 16  # environments each worker steps together (one forward pass for all)
-SEGMENT_STEPS = 64  # time steps per segment: a segment is SEGMENT_STEPS x ENVS_PER_WORKER steps
 SEGMENTS_PER_UPDATE = 2  # experience per update, however many workers produce it
 MAX_VERSION_LAG = 4  # segments played with parameters at most this many versions old are used
 WINDOW = 100  # "solved" is judged on the average return of this many recent episodes
 WORKER_TIMEOUT = 10.0  # a worker's per-call timeout: how long it outlives a vanished server
 WARMUP_SECONDS = 2.0  # the demo's 1-worker phase, for the speedup it prints
 
-BUILTIN_CARTPOLE = "builtin-CartPole"
-DEFAULT_GYM_ENV = "Acrobot-v1"
-# The most an episode can return, where we know it: a target above it can never be reached.
-BEST_RETURN = {"CartPole-v0": 200.0, "CartPole-v1": 500.0, "Acrobot-v1": 0.0,
-               "MountainCar-v0": 0.0, BUILTIN_CARTPOLE: float(MAX_STEPS)}
 
-
-class Env(Protocol):
-    """The part of Gymnasium's ``Env`` API the workers use."""
-
-    def reset(self, *, seed: int | None = None) -> tuple[Any, dict[str, Any]]: ...
-
-    def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]: ...
-
-
-class CartPole:
-    """The hand-written cart-pole, with Gymnasium's ``reset``/``step`` API (no Gymnasium needed).
-
-    Plain Python floats: for one pole this beats numpy. An episode ends when the cart leaves
-    the track or the pole passes 12 degrees (terminated) or after ``MAX_STEPS`` steps
-    (truncated); every step rewards 1.
-
-    Args:
-        seed: seeds the random start states (``reset(seed=...)`` reseeds).
-    """
-
-    observation_size = 4
-    n_actions = 2
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.rng = random.Random(seed)
-        self.state = [0.0, 0.0, 0.0, 0.0]
-        self.steps = 0
-
-    def reset(self, *, seed: int | None = None) -> tuple[list[float], dict[str, Any]]:
-        """Start an episode near upright and still. Returns ``(observation, info)``."""
-        if seed is not None:
-            self.rng.seed(seed)
-        self.state = [self.rng.uniform(-0.05, 0.05) for _ in range(4)]
-        self.steps = 0
-        return list(self.state), {}
-
-    def step(self, action: int) -> tuple[list[float], float, bool, bool, dict[str, Any]]:
-        """Push left (0) or right (1) for one time step.
-
-        Returns:
-            ``(observation, reward, terminated, truncated, info)`` as in Gymnasium; the
-            observation is ``[x, x_dot, theta, theta_dot]``.
-        """
-        x, x_dot, theta, theta_dot = self.state
-        force = FORCE_MAG if action == 1 else -FORCE_MAG
-        cos, sin = math.cos(theta), math.sin(theta)
-        temp = (force + POLE_MASS_LENGTH * theta_dot * theta_dot * sin) / TOTAL_MASS
-        theta_acc = (GRAVITY * sin - cos * temp) / (
-            HALF_LENGTH * (4.0 / 3.0 - MASS_POLE * cos * cos / TOTAL_MASS))
-        x_acc = temp - POLE_MASS_LENGTH * theta_acc * cos / TOTAL_MASS
-        x += TAU * x_dot
-        x_dot += TAU * x_acc
-        theta += TAU * theta_dot
-        theta_dot += TAU * theta_acc
-        self.state = [x, x_dot, theta, theta_dot]
-        self.steps += 1
-        terminated = abs(x) > X_LIMIT or abs(theta) > THETA_LIMIT
-        return list(self.state), 1.0, terminated, self.steps >= MAX_STEPS and not terminated, {}
-
-
-def have_gymnasium() -> bool:
-    """Whether Gymnasium can be imported (the ``rl`` extra)."""
-    try:
-        import gymnasium  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def default_env() -> str:
-    """``Acrobot-v1`` with Gymnasium, else the hand-written CartPole."""
-    return DEFAULT_GYM_ENV if have_gymnasium() else BUILTIN_CARTPOLE
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """What the trainer and the workers need to know about an environment.
-
-    Attributes:
-        name: a Gymnasium id, or ``BUILTIN_CARTPOLE``.
-        observation_size, n_actions: a vector observation, discrete actions.
-        target: the average return that counts as solved (Gymnasium's reward threshold).
-        best_return: the most an episode can return, if known.
-    """
-
-    name: str
-    observation_size: int
-    n_actions: int
-    target: float
-    best_return: float | None
-
-    def make(self) -> Env:
-        """A new instance of the environment (seed it with ``reset(seed=...)``)."""
-        if self.name == BUILTIN_CARTPOLE:
-            return CartPole()
-        import gymnasium
-
-        return gymnasium.make(self.name)
-
-
-def env_spec(name: str | None = None) -> EnvSpec:
-    """Describe environment ``name`` (``None``: :func:`default_env`).
-
-    Raises:
-        ImportError: a Gymnasium id was named and Gymnasium is not installed.
-        ValueError: the environment does not have discrete actions and a vector observation,
-            or has no reward threshold to use as the target.
-    """
-    name = name or default_env()
-    if name == BUILTIN_CARTPOLE:
-        return EnvSpec(name, CartPole.observation_size, CartPole.n_actions, 195.0,
-                       BEST_RETURN[name])
-    try:
-        import gymnasium
-    except ImportError as exc:
-        raise ImportError(f"environment {name!r} needs Gymnasium: pip install -e '.[rl]' "
-                          f"(or use {BUILTIN_CARTPOLE!r})") from exc
-    env = gymnasium.make(name)
-    try:
-        obs_space, act_space = env.observation_space, env.action_space
-        if not (isinstance(act_space, gymnasium.spaces.Discrete)
-                and isinstance(obs_space, gymnasium.spaces.Box) and len(obs_space.shape) == 1):
-            raise ValueError(f"{name}: only discrete actions and vector observations are "
-                             f"supported (it has {act_space} and {obs_space})")
-        threshold = env.spec.reward_threshold if env.spec is not None else None
-        if threshold is None:
-            raise ValueError(f"{name} has no reward threshold: give a target")
-        return EnvSpec(name, int(obs_space.shape[0]), int(act_space.n), float(threshold),
-                       BEST_RETURN.get(name))
-    finally:
-        env.close()
-
-
-# -- the policy ------------------------------------------------------------------------------------
-class ActorCritic(nn.Module):
-    """Two MLPs (ReLU, two hidden layers): the policy's logits and the state value.
-
-    Separate networks: a shared trunk learns much worse here, because value targets are
-    returns in the hundreds while the policy's signal is normalised advantages. ReLU rather
-    than tanh: the same results on these tasks for a third less learner time.
-    """
-
-    def __init__(self, observation_size: int, n_actions: int, hidden: int = HIDDEN) -> None:
-        super().__init__()
-        logits = nn.Linear(hidden, n_actions)
-        with torch.no_grad():  # start near uniform: every action gets tried
-            logits.weight.mul_(0.01)
-            logits.bias.zero_()
-        self.pi = nn.Sequential(nn.Linear(observation_size, hidden), nn.ReLU(),
-                                nn.Linear(hidden, hidden), nn.ReLU(), logits)
-        self.v = nn.Sequential(nn.Linear(observation_size, hidden), nn.ReLU(),
-                               nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(logits, value)`` for a batch of observations."""
-        return self.pi(obs), self.v(obs).squeeze(-1)
-
-
-class NumpyActor:
-    """The workers' copy of an :class:`ActorCritic`, in numpy.
-
-    For a handful of environments a torch call costs more in overhead than the arithmetic;
-    numpy does the same forward pass in a fraction of the time, and acting is the workers'
-    whole job.
-
-    Args:
-        state_dict: an :class:`ActorCritic`'s parameters, as published by the trainer.
-
-    Raises:
-        KeyError: ``state_dict`` is not an :class:`ActorCritic`'s.
-    """
-
-    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
-        def layers(net: str) -> list[tuple[np.ndarray, np.ndarray]]:
-            return [(state_dict[f"{net}.{i}.weight"].numpy().astype(np.float32).T.copy(),
-                     state_dict[f"{net}.{i}.bias"].numpy().astype(np.float32))
-                    for i in (0, 2, 4)]
-
-        self.pi, self.v = layers("pi"), layers("v")
-        # A fingerprint of the parameters, sent with each segment: a test can check which
-        # parameters really played it, independently of the version tag.
-        self.checksum = float(sum(float(t.double().sum()) for t in state_dict.values()))
-
-    @staticmethod
-    def _mlp(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
-        (w1, b1), (w2, b2), (w3, b3) = layers
-        h = np.maximum(x @ w1 + b1, 0.0)
-        return np.maximum(h @ w2 + b2, 0.0) @ w3 + b3  # type: ignore[no-any-return]
-
-    def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """Sample one action per row of ``obs``.
-
-        Returns:
-            ``(actions, log_probs)``: the actions and the log-probability each had.
-        """
-        logits = self._mlp(self.pi, obs)
-        logits -= logits.max(axis=1, keepdims=True)
-        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        cdf = np.exp(log_probs).cumsum(axis=1)
-        u = rng.random(len(obs))[:, None]
-        actions = np.minimum((u > cdf).sum(axis=1), logits.shape[1] - 1)
-        return actions, log_probs[np.arange(len(obs)), actions]
-
-    def value(self, obs: np.ndarray) -> np.ndarray:
-        """The state values of the rows of ``obs``."""
-        return self._mlp(self.v, obs)[:, 0]
-
-
-# -- the worker side ---------------------------------------------------------------------------------
-class Collector:
-    """Steps ``n_envs`` environments together and cuts their experience into segments.
-
-    Episodes run across segments: a segment ends after a fixed number of steps, wherever the
-    episodes are, and carries the observation after its last step so that the learner can
-    bootstrap from it. When an episode is truncated (a time limit, not a failure), the value
-    of its last observation, discounted, is added to its last reward: the episode did not end
-    there, it was only cut off.
-
-    Args:
-        spec: the environment. n_envs: how many to run.
-        seed: seeds the environments and the action sampling.
-        gamma: the discount (for the truncation bootstrap).
-    """
-
-    def __init__(self, spec: EnvSpec, n_envs: int, seed: int, gamma: float = GAMMA) -> None:
-        seeds = np.random.SeedSequence(seed).generate_state(n_envs + 1)
-        self.envs = [spec.make() for _ in range(n_envs)]
-        self.obs = np.stack([np.asarray(env.reset(seed=int(s))[0], dtype=np.float32)
-                             for env, s in zip(self.envs, seeds[1:], strict=True)])
-        self.rng = np.random.default_rng(int(seeds[0]))
-        self.gamma = gamma
-        self.episode_return = np.zeros(n_envs)
-        self.episode_length = np.zeros(n_envs, dtype=np.int64)
-
-    def collect(self, actor: NumpyActor, steps: int = SEGMENT_STEPS) -> dict[str, Any]:
-        """Play ``steps`` steps in every environment with ``actor``.
-
-        Returns:
-            The segment: ``obs`` (T+1, E, D) float32, ``actions`` (T, E) int64, ``log_probs``
-            (T, E) float32 (the actor's, "mu"), ``rewards`` (T, E) float32, ``dones`` (T, E)
-            float32 (1 where an episode ended at that step), ``episode_returns`` and
-            ``episode_lengths`` (K,) of the episodes that ended, and ``params_checksum``.
-        """
-        n = len(self.envs)
-        obs = np.empty((steps + 1, n, self.obs.shape[1]), dtype=np.float32)
-        actions = np.empty((steps, n), dtype=np.int64)
-        log_probs = np.empty((steps, n), dtype=np.float32)
-        rewards = np.empty((steps, n), dtype=np.float32)
-        dones = np.zeros((steps, n), dtype=np.float32)
-        finished: list[float] = []
-        lengths: list[int] = []
-        for t in range(steps):
-            obs[t] = self.obs
-            a, lp = actor.act(self.obs, self.rng)
-            actions[t], log_probs[t] = a, lp
-            nxt = self.obs.copy()
-            for i, (env, action) in enumerate(zip(self.envs, a.tolist(), strict=True)):
-                o, r, terminated, truncated, _ = env.step(action)
-                self.episode_return[i] += float(r)
-                self.episode_length[i] += 1
-                if terminated or truncated:
-                    if truncated and not terminated:
-                        last = np.asarray(o, dtype=np.float32)[None]
-                        r = float(r) + self.gamma * float(actor.value(last)[0])
-                    dones[t, i] = 1.0
-                    finished.append(float(self.episode_return[i]))
-                    lengths.append(int(self.episode_length[i]))
-                    self.episode_return[i], self.episode_length[i] = 0.0, 0
-                    o, _ = env.reset()
-                rewards[t, i] = r
-                nxt[i] = o
-            self.obs = nxt
-        obs[steps] = self.obs
-        return {
-            "obs": torch.from_numpy(obs),
-            "actions": torch.from_numpy(actions),
-            "log_probs": torch.from_numpy(log_probs),
-            "rewards": torch.from_numpy(rewards),
-            "dones": torch.from_numpy(dones),
-            "episode_returns": torch.tensor(finished, dtype=torch.float32),
-            "episode_lengths": torch.tensor(lengths, dtype=torch.int64),
-            "params_checksum": actor.checksum,
-        }
-
-
+# -- the run's bins ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bins:
     """The bins of one run, all under one prefix so that runs sharing a server stay apart."""
@@ -459,23 +135,10 @@ def _wait_until_active(client: Client, bins: Bins, worker_id: int,
     return True
 
 
-def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
-               envs: int = ENVS_PER_WORKER, *, env: str | None = None, prefix: str = "rl",
-               steps: int = SEGMENT_STEPS, timeout: float = WORKER_TIMEOUT,
-               cpu: int | None = None) -> int:
-    """The loop of one worker process: act, send each segment, pick up new parameters.
 
-    Args:
-        host, port: the server. worker_id: this worker's number (seeds, warm-up order).
-        seed: the run's seed. envs: environments stepped together. env: which (see
-            :func:`env_spec`). prefix: the run's bins (:class:`Bins`). steps: segment length.
-        timeout: per call; with the server gone, the worker gives up after about this long.
-        cpu: pin this process to that CPU.
-
-    Returns:
-        0 once the trainer signals the end of the run (or its process is gone, or the server
-        is); 1 if the server could not be reached at all.
-    """
+# -- the workers ----------------------------------------------------------------------------------
+def _settle_worker_process(cpu: int | None) -> None:
+    """Ready this process to share few cores with others: one thread, quick GIL hand-offs."""
     torch.set_num_threads(1)  # several processes share few cores: threads would only contend
     # Replies are handled by the client's threads, which need the GIL for moments; after
     # CPU-bound acting, CPython's default switch interval (5 ms) made each call wait for it.
@@ -485,6 +148,48 @@ def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
         os.sched_setaffinity(0, {cpu})
     # A lost connection while the run winds down is expected; the client's warning is noise.
     logging.getLogger("tensorshare").setLevel(logging.ERROR)
+
+
+def _play(worker: RLWorker, collector: Collector, worker_id: int, steps: int,
+          parent_alive: Callable[[], bool]) -> None:
+    """Act and send segments, with the newest parameters, until the trainer's process is gone.
+
+    Raises what ``worker`` raises: :class:`TrainerStopped` at the end of the run.
+    """
+    actor, actor_version = None, None
+    while parent_alive():
+        params = worker.get_parameters()  # one tiny round trip if nothing is new
+        if params is None:
+            worker.await_new_parameters(timeout=1.0)
+            continue
+        if worker.version != actor_version:
+            actor, actor_version = NumpyActor(params), worker.version
+        assert actor is not None
+        segment = collector.collect(actor, steps)
+        segment["worker"] = worker_id
+        segment["downloads"] = worker.downloads  # parameter versions fetched so far
+        worker.add_data(segment)  # tagged with actor_version
+
+
+def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
+               envs: int = ENVS_PER_WORKER, *, env: str | None = None, prefix: str = "rl",
+               steps: int = SEGMENT_STEPS, timeout: float = WORKER_TIMEOUT,
+               cpu: int | None = None) -> int:
+    """The loop of one worker process: act, send each segment, pick up new parameters.
+
+    Args:
+        host, port: the server. worker_id: this worker's number (seeds, warm-up order).
+        seed: the run's seed. envs: environments stepped together. env: which (see
+            :func:`~tensorshare.rl.envs.env_spec`). prefix: the run's bins (:class:`Bins`).
+            steps: segment length.
+        timeout: per call; with the server gone, the worker gives up after about this long.
+        cpu: pin this process to that CPU.
+
+    Returns:
+        0 once the trainer signals the end of the run (or its process is gone, or the server
+        is); 1 if the server could not be reached at all.
+    """
+    _settle_worker_process(cpu)
     parent = os.getppid()
 
     def parent_alive() -> bool:
@@ -499,19 +204,7 @@ def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
             worker.client.append(bins.ready, worker_id)
             if not _wait_until_active(worker.client, bins, worker_id, parent_alive):
                 return 0
-            actor, actor_version = None, None
-            while parent_alive():
-                params = worker.get_parameters()  # one tiny round trip if nothing is new
-                if params is None:
-                    worker.await_new_parameters(timeout=1.0)
-                    continue
-                if worker.version != actor_version:
-                    actor, actor_version = NumpyActor(params), worker.version
-                assert actor is not None
-                segment = collector.collect(actor, steps)
-                segment["worker"] = worker_id
-                segment["downloads"] = worker.downloads  # parameter versions fetched so far
-                worker.add_data(segment)  # tagged with actor_version
+            _play(worker, collector, worker_id, steps, parent_alive)
     except TrainerStopped:
         return 0
     except ConnectError as exc:
@@ -578,154 +271,6 @@ def stop_workers(procs: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) 
             p.wait()
         codes.append(p.returncode)
     return codes
-
-
-# -- the learner ----------------------------------------------------------------------------------------
-def vtrace(values: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,
-           rhos: torch.Tensor, gamma: float = GAMMA, lam: float = LAMBDA,
-           rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets (Espeholt et al., 2018, eq. 1), and the advantages they give.
-
-    Args:
-        values: (T+1, B) the learner's values of the segment's observations.
-        rewards, dones: (T, B). rhos: (T, B) importance ratios pi/mu of the actions taken.
-        gamma: discount. lam: trace cutting (lambda). rho_bar, c_bar: truncation levels.
-
-    Returns:
-        ``(vs, advantages)``, both (T, B): the value targets, and
-        ``r_t + gamma * vs_{t+1} - V(x_t)``. With all ``rhos`` 1 these are the lambda-returns
-        and GAE(lambda).
-    """
-    discounts = gamma * (1.0 - dones)
-    clipped_rho = rhos.clamp(max=rho_bar)
-    cs = lam * rhos.clamp(max=c_bar)
-    deltas = clipped_rho * (rewards + discounts * values[1:] - values[:-1])
-    corrections = torch.empty_like(rewards)
-    acc = torch.zeros_like(values[0])
-    for t in range(rewards.shape[0] - 1, -1, -1):
-        acc = deltas[t] + discounts[t] * cs[t] * acc
-        corrections[t] = acc
-    vs = values[:-1] + corrections
-    vs_next = torch.cat([vs[1:], values[-1:]])
-    return vs, rewards + discounts * vs_next - values[:-1]
-
-
-@dataclass
-class UpdateStats:
-    """What one update did.
-
-    Attributes:
-        samples: steps learned from. stale_samples: those played with older parameters.
-        weight_by_lag: the mean importance weight ``min(1, pi/mu)`` of the steps, by how many
-            versions old their parameters were (0: fresh).
-        policy_loss, value_loss, entropy: of the last minibatch.
-    """
-
-    samples: int
-    stale_samples: int
-    weight_by_lag: dict[int, float]
-    policy_loss: float
-    value_loss: float
-    entropy: float
-
-
-class Learner:
-    """Actor-critic with V-trace targets and a decoupled PPO objective, for async experience.
-
-    Per batch: the values and log-probabilities under the current parameters (the
-    "proximal" policy) are computed once; ``rho = pi_prox / mu`` measures how far the
-    parameters that acted (mu) lag behind. V-trace turns ``rho`` into value targets and
-    advantages; the policy loss is PPO's clipped surrogate against ``pi_prox``, each step
-    weighted by ``min(1, rho)``. So stale steps count, less where the policy has moved away
-    from what was done; fresh steps have weight 1 and this is plain PPO.
-
-    Args:
-        observation_size, n_actions: the environment's. seed: initial parameters, shuffling.
-        lr, epochs, minibatches, clip, entropy_coef, value_coef, gamma, lam, max_grad_norm:
-            the usual PPO hyperparameters.
-    """
-
-    def __init__(self, observation_size: int, n_actions: int, seed: int = 0, *,
-                 lr: float = LEARNING_RATE, epochs: int = EPOCHS, minibatches: int = MINIBATCHES,
-                 clip: float = CLIP, entropy_coef: float = ENTROPY_COEF,
-                 value_coef: float = VALUE_COEF, gamma: float = GAMMA, lam: float = LAMBDA,
-                 max_grad_norm: float = MAX_GRAD_NORM) -> None:
-        torch.manual_seed(seed)
-        self.net = ActorCritic(observation_size, n_actions)
-        # fused: one kernel for all parameters; the per-tensor loop costs more than the math
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=lr, eps=1e-5, fused=True)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.epochs, self.minibatches, self.clip = epochs, minibatches, clip
-        self.entropy_coef, self.value_coef = entropy_coef, value_coef
-        self.gamma, self.lam, self.max_grad_norm = gamma, lam, max_grad_norm
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters to publish."""
-        return self.net.state_dict()
-
-    def update(self, segments: Sequence[dict[str, Any]],
-               lags: Sequence[int] | None = None) -> UpdateStats:
-        """Learn from ``segments`` (as :meth:`Collector.collect` makes them).
-
-        Args:
-            lags: per segment, how many versions older than the current parameters the ones
-                that played it were (for the statistics only: the correction itself comes
-                from the log-probabilities each segment carries).
-
-        Returns:
-            What the update did.
-
-        Raises:
-            ValueError: no segments, or segments of different lengths.
-        """
-        if not segments:
-            raise ValueError("no segments to learn from")
-        if len({int(s["actions"].shape[0]) for s in segments}) != 1:
-            raise ValueError("segments must all have the same number of time steps")
-        lags = list(lags) if lags is not None else [0] * len(segments)
-        obs = torch.cat([s["obs"] for s in segments], dim=1)
-        actions = torch.cat([s["actions"] for s in segments], dim=1)
-        mu = torch.cat([s["log_probs"] for s in segments], dim=1)
-        rewards = torch.cat([s["rewards"] for s in segments], dim=1)
-        dones = torch.cat([s["dones"] for s in segments], dim=1)
-        lag = torch.cat([torch.full(s["actions"].shape, lg) for s, lg in
-                         zip(segments, lags, strict=True)], dim=1)
-        steps, width = actions.shape
-        with torch.no_grad():
-            logits, values = self.net(obs)
-            prox = torch.log_softmax(logits[:-1], -1).gather(-1, actions[..., None])[..., 0]
-            rhos = torch.exp(prox - mu)
-            vs, advantages = vtrace(values, rewards, dones, rhos, self.gamma, self.lam)
-            weights = rhos.clamp(max=1.0)
-        n = steps * width
-        flat_obs = obs[:-1].reshape(n, -1)
-        flat = [t.reshape(n) for t in (actions, prox, weights, vs, advantages)]
-        f_actions, f_prox, f_weights, f_vs, f_adv = flat
-        f_adv = (f_adv - f_adv.mean()) / (f_adv.std() + 1e-8)
-        size = n // self.minibatches
-        policy_loss = value_loss = entropy = torch.zeros(())
-        for _ in range(self.epochs):
-            order = torch.randperm(n, generator=self.generator)
-            for k in range(self.minibatches):
-                idx = order[k * size:(k + 1) * size]
-                logits_mb, values_mb = self.net(flat_obs[idx])
-                log_probs = torch.log_softmax(logits_mb, -1)
-                chosen = log_probs.gather(-1, f_actions[idx, None])[:, 0]
-                ratio = torch.exp(chosen - f_prox[idx])
-                adv = f_adv[idx]
-                surrogate = torch.min(ratio * adv, ratio.clamp(1 - self.clip, 1 + self.clip) * adv)
-                policy_loss = -(f_weights[idx] * surrogate).mean()
-                value_loss = 0.5 * (values_mb - f_vs[idx]).square().mean()
-                entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-                loss = policy_loss + self.value_coef * value_loss - self.entropy_coef * entropy
-                self.optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(self.net.parameters(), self.max_grad_norm)
-                self.optimizer.step()
-        by_lag = {int(lg): float(weights[lag == lg].mean()) for lg in sorted(set(lags))}
-        return UpdateStats(samples=n, stale_samples=int((lag > 0).sum()), weight_by_lag=by_lag,
-                           policy_loss=policy_loss.item(), value_loss=value_loss.item(),
-                           entropy=entropy.item())
 
 
 # -- the trainer ----------------------------------------------------------------------------------------
@@ -840,6 +385,255 @@ def _parse_server(server: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """The arguments of one :func:`train` call, resolved."""
+
+    spec: EnvSpec
+    workers: int
+    target: float
+    max_seconds: float
+    seed: int
+    warmup: float
+    envs: int
+    max_version_lag: int
+    segments_per_update: int
+    cpus: Sequence[int] | None
+    progress_every: float
+    out: TextIO
+
+    @property
+    def staged(self) -> bool:
+        """Whether the run starts with a warm-up in which only one worker acts."""
+        return self.warmup > 0 and self.workers > 1
+
+    @property
+    def segment_steps(self) -> int:
+        """Environment steps in one segment."""
+        return SEGMENT_STEPS * self.envs
+
+
+def _open_trainer(server: str | None, bins: Bins,
+                  max_version_lag: int) -> tuple[RLTrainer, str, int]:
+    """Host a server in this process (``server`` is ``None``) or connect to ``server``.
+
+    Returns:
+        The trainer, and the host and port the workers are to use.
+    """
+    if server is None:
+        trainer = RLTrainer("127.0.0.1", 0, host_server=True, max_version_lag=max_version_lag,
+                            params_bin=bins.params, data_bin=bins.data, timeout=30.0)
+        return trainer, "127.0.0.1", trainer.port
+    host, port = _parse_server(server)
+    trainer = RLTrainer(host, port, max_version_lag=max_version_lag, params_bin=bins.params,
+                        data_bin=bins.data, timeout=30.0)
+    return trainer, host, port
+
+
+class _Run:
+    """The trainer's side of one run: the server, the run's bins and the worker processes.
+
+    Made, it has a trainer (a server hosted here, or a connection to ``server``); as a context
+    manager it ends the run on the way out, however it ends: signals the end, waits for the
+    workers (or kills them), deletes the run's bins from a server it does not host, and stops
+    the trainer.
+    """
+
+    def __init__(self, cfg: _Settings, server: str | None) -> None:
+        self.cfg = cfg
+        self.bins = Bins(f"demo/{uuid.uuid4().hex[:12]}")
+        self.tidy = server is not None  # a server that outlives the run keeps none of its bins
+        self.trainer, self.host, self.port = _open_trainer(server, self.bins, cfg.max_version_lag)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.exit_codes: list[int] = []
+        self.started = time.monotonic()
+        self._switch_interval = sys.getswitchinterval()
+
+    def __enter__(self) -> _Run:
+        # The hosted server's thread answers the workers while the learner computes: let it
+        # have the GIL within a millisecond instead of CPython's default 5 (restored at the end).
+        sys.setswitchinterval(min(self._switch_interval, 0.001))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with contextlib.suppress(TransportError):
+            self.trainer.signal_stop()  # workers raise TrainerStopped and exit
+        self.exit_codes = stop_workers(self.procs)
+        if self.tidy:
+            with contextlib.suppress(TransportError):
+                for name in self.bins.all():
+                    self.trainer.client.delete(name)
+        self.trainer.stop()
+        sys.setswitchinterval(self._switch_interval)
+
+    def start(self) -> Learner:
+        """Start the workers (only worker 0 acting, with a warm-up) and wait for them.
+
+        Returns:
+            The learner, built while the workers start.
+
+        Raises:
+            RuntimeError: the workers did not all connect in time, or all exited.
+        """
+        cfg = self.cfg
+        if cfg.staged:
+            self.trainer.client.put(self.bins.active, 1)
+        self.procs = start_workers(self.port, cfg.workers, cfg.seed, self.host, cfg.envs,
+                                   env=cfg.spec.name, prefix=self.bins.prefix, cpus=cfg.cpus)
+        # After the workers: building the first optimizer imports much of torch, which can
+        # take a second or two, and the workers spend that long starting anyway.
+        learner = Learner(cfg.spec.observation_size, cfg.spec.n_actions, cfg.seed)
+        print(f"trainer: server on {self.host}:{self.port}, {cfg.workers} worker processes x "
+              f"{cfg.envs} {cfg.spec.name} environments, "
+              f"{cfg.segments_per_update * cfg.segment_steps} steps per update, rollouts up to "
+              f"{cfg.max_version_lag} versions old used", file=cfg.out, flush=True)
+        _wait_for_ready(self.trainer.client, self.bins, cfg.workers, self.procs,
+                        self.started + max(60.0, cfg.max_seconds))
+        return learner
+
+
+class _Phases:
+    """The warm-up (one worker acting) and the rest of the run, timed for the speedup.
+
+    The many-worker phase starts once every worker has delivered after the warm-up: the first
+    segments of the newly active ones were partly played before.
+    """
+
+    def __init__(self, cfg: _Settings, start: float) -> None:
+        self.cfg, self.start = cfg, start
+        self.phases = [Phase(1 if cfg.staged else cfg.workers, 0.0, 0)]
+        self.phase_start: float | None = start  # of the phase that is counting steps
+        self.activated_at: float | None = None  # when the warm-up ended
+        self.seen_since_activation: set[int] = set()
+
+    @property
+    def acting(self) -> int:
+        """How many workers may act now."""
+        return 1 if self.cfg.staged and self.activated_at is None else self.cfg.workers
+
+    def warmup_over(self, now: float) -> bool:
+        """Whether the warm-up has run its time and not been ended yet."""
+        return (self.cfg.staged and self.activated_at is None
+                and now - self.start >= self.cfg.warmup)
+
+    def end_warmup(self, now: float) -> None:
+        """Every worker acts from ``now`` on."""
+        self.phases[0].seconds = now - self.start
+        self.activated_at, self.phase_start = now, None
+        self.phases.append(Phase(self.cfg.workers, 0.0, 0))
+
+    def received(self, segment: dict[str, Any], now: float) -> None:
+        """Count a segment the trainer received at ``now``."""
+        if self.phase_start is not None:
+            self.phases[-1].steps += self.cfg.segment_steps
+        elif self.activated_at is not None:
+            self.seen_since_activation.add(int(segment["worker"]))
+            if len(self.seen_since_activation) == self.cfg.workers:
+                self.phase_start = now
+
+    def close(self, end: float) -> list[Phase]:
+        """End the last phase at ``end``. Returns the phases."""
+        if self.phase_start is not None:
+            self.phases[-1].seconds = (end - self.phase_start if len(self.phases) > 1
+                                       else end - self.start)
+        return self.phases
+
+
+class _Learning:
+    """The timed part of a run: learn from the workers' segments until solved or out of time."""
+
+    def __init__(self, run: _Run, learner: Learner, start: float) -> None:
+        self.run, self.cfg, self.trainer, self.learner = run, run.cfg, run.trainer, learner
+        self.start, self.deadline = start, start + run.cfg.max_seconds
+        self.phases = _Phases(run.cfg, start)
+        self.window: deque[float] = deque(maxlen=WINDOW)
+        self.episodes = self.samples = self.stale_used = self.max_lag = 0
+        self.stale_weight_sum = 0.0
+        self.batch: list[dict[str, Any]] = []
+        self.lags: list[int] = []
+        self.last_print, self.last_samples = start, 0
+
+    def loop(self) -> bool:
+        """Receive, learn and publish until the target is reached (``True``) or time is up."""
+        solved = False
+        while not solved:
+            now = time.monotonic()
+            if now >= self.deadline:
+                break
+            if self.phases.warmup_over(now):
+                self.trainer.client.put(self.run.bins.active, self.cfg.workers)
+                self.phases.end_warmup(now)
+            got = self._receive(now)
+            now = time.monotonic()
+            for segment, version in got:
+                self._count(segment, (self.trainer.version or 0) - (version or 0), now)
+            if len(self.window) == WINDOW and sum(self.window) / WINDOW >= self.cfg.target:
+                solved = True
+            elif len(self.batch) == self.cfg.segments_per_update:
+                self._update()
+            elif not got and all(p.poll() is not None for p in self.run.procs):
+                raise RuntimeError("every worker process exited; see their errors above")
+            if now - self.last_print >= self.cfg.progress_every or solved:
+                self._print_progress(now)
+        return solved
+
+    def _receive(self, now: float) -> list[tuple[Any, int | None]]:
+        """Wait (briefly) for the segments that complete the batch: those that came."""
+        need = self.cfg.segments_per_update - len(self.batch)
+        return self.trainer.get_data(return_versions=True, timeout=min(0.5, self.deadline - now),
+                                     min_items=need, max_items=need)
+
+    def _count(self, segment: dict[str, Any], lag: int, now: float) -> None:
+        """Add a segment, played ``lag`` versions ago, to the batch and the statistics."""
+        self.batch.append(segment)
+        self.lags.append(lag)
+        self.window.extend(segment["episode_returns"].tolist())
+        self.episodes += len(segment["episode_returns"])
+        self.samples += self.cfg.segment_steps
+        self.phases.received(segment, now)
+
+    def _update(self) -> None:
+        """Learn from the batch, publish the new parameters, start the next batch."""
+        stats = self.learner.update(self.batch, self.lags)
+        for lg, weight in stats.weight_by_lag.items():
+            if lg > 0:  # segments are all the same size: a plain mean over segments
+                self.stale_used += self.lags.count(lg)
+                self.stale_weight_sum += weight * self.lags.count(lg)
+        self.max_lag = max(self.max_lag, *self.lags)
+        self.trainer.publish_parameters(self.learner.state_dict())
+        self.batch, self.lags = [], []
+
+    def _print_progress(self, now: float) -> None:
+        dt = max(now - self.last_print, 1e-9)
+        avg = sum(self.window) / len(self.window) if self.window else float("nan")
+        print(f"{now - self.start:6.1f}s  version {self.trainer.version:5d}  "
+              f"{(self.samples - self.last_samples) / dt:8,.0f} steps/s  "
+              f"{self.phases.acting} acting  avg return {avg:7.1f}  stale used "
+              f"{self.stale_used}  dropped {self.trainer.dropped}", file=self.cfg.out, flush=True)
+        self.last_print, self.last_samples = now, self.samples
+
+    def result(self, solved: bool, end: float) -> TrainResult:
+        """How the run went, if it ended at ``end``."""
+        cfg, trainer, window = self.cfg, self.trainer, self.window
+        return TrainResult(
+            solved=solved, seconds=end - self.start, target=cfg.target,
+            versions=trainer.version or 0, episodes=self.episodes, samples=self.samples,
+            average_return=sum(window) / len(window) if window else 0.0,
+            dropped=trainer.dropped, env=cfg.spec.name, workers=cfg.workers,
+            startup_seconds=self.start - self.run.started, stale_used=self.stale_used,
+            max_lag=self.max_lag,
+            mean_stale_weight=self.stale_weight_sum / self.stale_used if self.stale_used else 1.0,
+            phases=self.phases.close(end))
+
+
+def _learn(run: _Run, learner: Learner) -> TrainResult:
+    """Publish the first parameters, then learn until the target is reached or time is up."""
+    run.trainer.publish_parameters(learner.state_dict())
+    learning = _Learning(run, learner, start=time.monotonic())
+    solved = learning.loop()
+    return learning.result(solved, end=time.monotonic())
+
+
 def train(workers: int = 2, target: float | None = None, max_seconds: float = 120.0,
           seed: int = 0, *, env: str | None = None, server: str | None = None,
           warmup: float = 0.0, envs: int = ENVS_PER_WORKER, max_version_lag: int = MAX_VERSION_LAG,
@@ -850,7 +644,8 @@ def train(workers: int = 2, target: float | None = None, max_seconds: float = 12
     Args:
         workers: worker processes. target: average return over the last ``WINDOW`` episodes
             that counts as solved (``None``: the environment's). max_seconds: give up then.
-        seed: seeds the learner and the workers. env: see :func:`env_spec`.
+        seed: seeds the learner and the workers. env: see
+            :func:`~tensorshare.rl.envs.env_spec`.
         server: ``"HOST:PORT"`` of a running server to use; ``None`` hosts one here.
         warmup: with more than one worker, let only one act for this many seconds first, to
             measure the speedup of the rest (:attr:`TrainResult.phases`).
@@ -871,126 +666,13 @@ def train(workers: int = 2, target: float | None = None, max_seconds: float = 12
         raise ValueError("workers must be >= 1")
     out = out or sys.stdout
     spec = env_spec(env)
-    target = spec.target if target is None else target
+    cfg = _Settings(spec, workers, spec.target if target is None else target, max_seconds, seed,
+                    warmup, envs, max_version_lag, segments_per_update, cpus, progress_every, out)
     torch.set_num_threads(1)
-    bins = Bins(f"demo/{uuid.uuid4().hex[:12]}")
-    if server is None:
-        trainer = RLTrainer("127.0.0.1", 0, host_server=True, max_version_lag=max_version_lag,
-                            params_bin=bins.params, data_bin=bins.data, timeout=30.0)
-        host, port = "127.0.0.1", trainer.port
-    else:
-        host, port = _parse_server(server)
-        trainer = RLTrainer(host, port, max_version_lag=max_version_lag, params_bin=bins.params,
-                            data_bin=bins.data, timeout=30.0)
-    segment_steps = SEGMENT_STEPS * envs
-    procs: list[subprocess.Popen[bytes]] = []
-    codes: list[int] = []
-    started = time.monotonic()
-    # The hosted server's thread answers the workers while the learner computes: let it have
-    # the GIL within a millisecond instead of CPython's default 5 (restored at the end).
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch_interval, 0.001))
-    try:
-        staged = warmup > 0 and workers > 1
-        if staged:
-            trainer.client.put(bins.active, 1)
-        procs = start_workers(port, workers, seed, host, envs, env=spec.name,
-                              prefix=bins.prefix, cpus=cpus)
-        # After the workers: building the first optimizer imports much of torch, which can
-        # take a second or two, and the workers spend that long starting anyway.
-        learner = Learner(spec.observation_size, spec.n_actions, seed)
-        print(f"trainer: server on {host}:{port}, {workers} worker processes x {envs} "
-              f"{spec.name} environments, {segments_per_update * segment_steps} steps per "
-              f"update, rollouts up to {max_version_lag} versions old used",
-              file=out, flush=True)
-        _wait_for_ready(trainer.client, bins, workers, procs, started + max(60.0, max_seconds))
-        trainer.publish_parameters(learner.state_dict())
-        start = time.monotonic()
-        startup = start - started
-        deadline = start + max_seconds
-        window: deque[float] = deque(maxlen=WINDOW)
-        episodes = samples = stale_used = max_lag = 0
-        stale_weight_sum = 0.0
-        batch: list[dict[str, Any]] = []
-        lags: list[int] = []
-        phases = [Phase(1 if staged else workers, 0.0, 0)]
-        phase_start: float | None = start
-        activated_at: float | None = None
-        seen_since_activation: set[int] = set()
-        last_print, last_samples = start, 0
-        solved = False
-        while not solved:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if staged and activated_at is None and now - start >= warmup:
-                trainer.client.put(bins.active, workers)
-                phases[0].seconds = now - start
-                activated_at, phase_start = now, None
-                phases.append(Phase(workers, 0.0, 0))
-            need = segments_per_update - len(batch)
-            got = trainer.get_data(return_versions=True, timeout=min(0.5, deadline - now),
-                                   min_items=need, max_items=need)
-            now = time.monotonic()
-            for segment, version in got:
-                lag = (trainer.version or 0) - (version or 0)
-                batch.append(segment)
-                lags.append(lag)
-                window.extend(segment["episode_returns"].tolist())
-                episodes += len(segment["episode_returns"])
-                samples += segment_steps
-                if phase_start is not None:
-                    phases[-1].steps += segment_steps
-                elif activated_at is not None:
-                    # The many-worker phase starts once every worker has delivered: the
-                    # first segments of the newly active ones were partly played before.
-                    seen_since_activation.add(int(segment["worker"]))
-                    if len(seen_since_activation) == workers:
-                        phase_start = now
-            if len(window) == WINDOW and sum(window) / WINDOW >= target:
-                solved = True
-            elif len(batch) == segments_per_update:
-                stats = learner.update(batch, lags)
-                for lg, weight in stats.weight_by_lag.items():
-                    if lg > 0:  # segments are all the same size: a plain mean over segments
-                        stale_used += lags.count(lg)
-                        stale_weight_sum += weight * lags.count(lg)
-                max_lag = max(max_lag, *lags)
-                trainer.publish_parameters(learner.state_dict())
-                batch, lags = [], []
-            elif not got and all(p.poll() is not None for p in procs):
-                raise RuntimeError("every worker process exited; see their errors above")
-            if now - last_print >= progress_every or solved:
-                dt = max(now - last_print, 1e-9)
-                avg = sum(window) / len(window) if window else float("nan")
-                active = 1 if staged and activated_at is None else workers
-                print(f"{now - start:6.1f}s  version {trainer.version:5d}  "
-                      f"{(samples - last_samples) / dt:8,.0f} steps/s  {active} acting  "
-                      f"avg return {avg:7.1f}  stale used {stale_used}  dropped "
-                      f"{trainer.dropped}", file=out, flush=True)
-                last_print, last_samples = now, samples
-        end = time.monotonic()
-        if phase_start is not None:
-            phases[-1].seconds = end - phase_start if len(phases) > 1 else end - start
-        result = TrainResult(
-            solved=solved, seconds=end - start, target=target, versions=trainer.version or 0,
-            episodes=episodes, samples=samples,
-            average_return=sum(window) / len(window) if window else 0.0,
-            dropped=trainer.dropped, env=spec.name, workers=workers, startup_seconds=startup,
-            stale_used=stale_used, max_lag=max_lag,
-            mean_stale_weight=stale_weight_sum / stale_used if stale_used else 1.0,
-            phases=phases)
-    finally:
-        with contextlib.suppress(TransportError):
-            trainer.signal_stop()  # workers raise TrainerStopped and exit
-        codes = stop_workers(procs)
-        if server is not None:
-            with contextlib.suppress(TransportError):
-                for name in bins.all():
-                    trainer.client.delete(name)
-        trainer.stop()
-        sys.setswitchinterval(switch_interval)
-    result.worker_exit_codes = codes
+    with _Run(cfg, server) as run:  # a server hosted here, or a connection to one
+        learner = run.start()  # the workers, connected; the learner
+        result = _learn(run, learner)  # the warm-up, the learning loop
+    result.worker_exit_codes = run.exit_codes  # the run is over: every worker has exited
     return result
 
 

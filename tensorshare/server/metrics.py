@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from .connection import EmbeddedServer
+    from .embedded import EmbeddedServer
 
 __all__ = ["MetricsServer", "ServerCollector", "start_metrics_server"]
 

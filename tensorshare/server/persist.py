@@ -47,15 +47,29 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 
 from ..wire.frames import ALIGN, PREFIX, BytesLike, aligned, encode_frame
-from ..wire.messages import Configured, Deleted, ErrorReply, Fetched, Item, Limits, Reply, Stored
+from ..wire.messages import (
+    Append,
+    Configure,
+    Configured,
+    Delete,
+    Deleted,
+    ErrorReply,
+    Fetched,
+    Item,
+    Limits,
+    Put,
+    Reply,
+    Stored,
+)
 from ..wire.protocol import OPS, encode_message, item_wire_size, items_header, parse_items
-from .sessions import SessionTable
+from .handlers import EFFECTS
+from .sessions import ServerSession, SessionTable
 from .store import BinConfig, Store
 
 __all__ = [
@@ -415,70 +429,16 @@ class Persistence:
 
     def _apply(self, h: dict[str, Any], payload: bytearray, store: Store,
                sessions: SessionTable) -> None:
-        op = h["op"]
-        name: str = h.get("bin", "")
-        sid: bytes = h.get("s", b"")
-        rid: int = h.get("id", 0)
-        if not isinstance(name, str):
-            raise TypeError("'bin' must be a str")
-        if not isinstance(sid, bytes) or len(sid) not in (0, 16):
-            raise TypeError("'s' must be 16 bytes")
-        if not isinstance(rid, int) or isinstance(rid, bool):
-            raise TypeError("'id' must be an int")
-        if op in ("session", "ack", "forget", "expire") and not sid:
-            raise TypeError(f"a {op!r} record needs 's'")
-        reply: Reply | None = None
-        held_bin, held = None, 0
-        if op == "put":
-            (item,) = parse_items(h, payload, self.limits.max_depth)
-            w = store.put(name, item, item_wire_size(item), item.tag)
-            reply = Stored(rid, w.version, w.n_items, w.dropped)
-        elif op == "append":
-            items = parse_items(h, payload, self.limits.max_depth)
-            w = store.append_many(name, [(it, item_wire_size(it), it.tag) for it in items])
-            reply = Stored(rid, w.version, w.n_items, w.dropped)
-        elif op == "take":
-            taken = store.take(name, int(h["n"]), h.get("min_tag"))
-            if taken is not None:
-                reply = Fetched(rid, taken.kind, taken.items, taken.version,
-                                taken.n_items, taken.dropped)
-                held_bin, held = name, taken.nbytes
-        elif op == "delete":
-            existed, version = store.delete(name)
-            reply = Deleted(rid, existed, version)
-        elif op == "configure":
-            cfg = BinConfig(h.get("max_items"), h.get("max_bytes"), h.get("overflow", "reject"))
-            store.configure(name, cfg)
-            reply = Configured(rid, cfg.max_items, cfg.max_bytes, cfg.overflow)
-        elif op == "restore":
-            items = parse_items(h, payload, self.limits.max_depth)
-            store.restore(name, h["kind"], [(it, item_wire_size(it), it.tag) for it in items])
-        elif op == "session":
-            if sessions.get(sid) is None:
-                sessions.open(sid)
-            return
-        elif op == "ack":
-            s = sessions.get(sid)
-            if s is not None:
-                sessions.ack(s, int(h["through"]), tuple(h.get("open", ())))
-            return
-        elif op == "forget":
-            s = sessions.get(sid)
-            r = sessions.forget(s, rid) if s is not None else None
-            if r is not None and r.bin is not None and isinstance(r.reply, Fetched):
-                _restore(store, r.bin, r.reply)
-            return
-        elif op == "expire":
-            s = sessions.get(sid)
-            if s is not None:
-                for bin_name, fetched, _ in reversed(sessions.close(s)):
-                    _restore(store, bin_name, fetched)
-            return
-        else:
-            raise ValueError(f"unknown record op {op!r}")
-        if sid and rid and reply is not None:
-            s = sessions.get(sid) or sessions.open(sid)
-            sessions.remember(s, rid, reply, held_bin, held)
+        """Replay one log record through :data:`_REPLAY` (requests through the server's own
+        op table, :data:`~.handlers.EFFECTS`), and remember the reply it gave."""
+        rec = _Rec(h, payload, store, sessions, self.limits.max_depth)
+        row = _REPLAY.get(rec.op)
+        if row is None:
+            raise ValueError(f"unknown record op {rec.op!r}")
+        reply = row(rec)
+        if rec.sid and rec.rid and reply is not None:
+            s = sessions.get(rec.sid) or sessions.open(rec.sid)
+            sessions.remember(s, rec.rid, reply, rec.held_bin, rec.held)
 
     # -- recording ------------------------------------------------------------------------------
     def record(self, op: str, name: str, ctx: Any, fields: dict[str, Any]) -> None:
@@ -686,6 +646,107 @@ class Persistence:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+class _Rec:
+    """One log record being replayed: its common fields, checked, and what it needs."""
+
+    __slots__ = ("h", "payload", "store", "sessions", "max_depth", "op", "name", "sid", "rid",
+                 "held_bin", "held")
+
+    def __init__(self, h: dict[str, Any], payload: bytearray, store: Store,
+                 sessions: SessionTable, max_depth: int) -> None:
+        self.h, self.payload, self.store, self.sessions = h, payload, store, sessions
+        self.max_depth = max_depth
+        self.op: str = h["op"]
+        self.name: str = h.get("bin", "")
+        self.sid: bytes = h.get("s", b"")
+        self.rid: int = h.get("id", 0)
+        if not isinstance(self.name, str):
+            raise TypeError("'bin' must be a str")
+        if not isinstance(self.sid, bytes) or len(self.sid) not in (0, 16):
+            raise TypeError("'s' must be 16 bytes")
+        if not isinstance(self.rid, int) or isinstance(self.rid, bool):
+            raise TypeError("'id' must be an int")
+        if self.op in ("session", "ack", "forget", "expire") and not self.sid:
+            raise TypeError(f"a {self.op!r} record needs 's'")
+        self.held_bin: str | None = None
+        self.held = 0
+
+    def items(self) -> list[Item]:
+        return parse_items(self.h, self.payload, self.max_depth)
+
+    def session(self) -> ServerSession | None:
+        return self.sessions.get(self.sid)
+
+
+def _put(r: _Rec) -> Reply:
+    (item,) = r.items()
+    return EFFECTS[Put](r.store, Put(r.rid, r.name, item), None)
+
+
+def _append(r: _Rec) -> Reply:
+    first, *rest = r.items()
+    return EFFECTS[Append](r.store, Append(r.rid, r.name, first, None, tuple(rest)), None)
+
+
+def _delete(r: _Rec) -> Reply:
+    return EFFECTS[Delete](r.store, Delete(r.rid, r.name), None)
+
+
+def _configure(r: _Rec) -> Reply:
+    h = r.h
+    msg = Configure(r.rid, r.name, h.get("max_items"), h.get("max_bytes"),
+                    h.get("overflow", "reject"))
+    return EFFECTS[Configure](r.store, msg, None)
+
+
+def _take(r: _Rec) -> Reply | None:
+    taken = r.store.take(r.name, int(r.h["n"]), r.h.get("min_tag"))
+    if taken is None:
+        return None
+    r.held_bin, r.held = r.name, taken.nbytes
+    return replace(taken, id=r.rid)
+
+
+def _restore_record(r: _Rec) -> None:
+    items = r.items()
+    r.store.restore(r.name, r.h["kind"], [(it, item_wire_size(it), it.tag) for it in items])
+
+
+def _session(r: _Rec) -> None:
+    if r.session() is None:
+        r.sessions.open(r.sid)
+
+
+def _ack(r: _Rec) -> None:
+    s = r.session()
+    if s is not None:
+        r.sessions.ack(s, int(r.h["through"]), tuple(r.h.get("open", ())))
+
+
+def _forget(r: _Rec) -> None:
+    s = r.session()
+    gone = r.sessions.forget(s, r.rid) if s is not None else None
+    if gone is not None and gone.bin is not None and isinstance(gone.reply, Fetched):
+        _restore(r.store, gone.bin, gone.reply)
+
+
+def _expire(r: _Rec) -> None:
+    s = r.session()
+    if s is not None:
+        for bin_name, fetched, _ in reversed(r.sessions.close(s)):
+            _restore(r.store, bin_name, fetched)
+
+
+#: Log record op -> how to replay it: the requests go through the server's op table
+#: (:data:`~.handlers.EFFECTS`), the log-only records (what a get took, restores, session
+#: bookkeeping) have their own rows. A row returns the reply to remember, if any.
+_REPLAY: dict[str, Callable[[_Rec], Reply | None]] = {
+    "put": _put, "append": _append, "delete": _delete, "configure": _configure,
+    "take": _take, "restore": _restore_record, "session": _session, "ack": _ack,
+    "forget": _forget, "expire": _expire,
+}
 
 
 def _restore(store: Store, name: str, reply: Fetched) -> None:

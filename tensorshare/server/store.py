@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import BinFull, BinNotFound, MemoryLimitExceeded
-from ..wire.messages import FetchSpec
+from ..wire.messages import Fetched, FetchSpec
 
-__all__ = ["BinConfig", "Blocked", "Store", "Taken", "Waiter", "Written"]
+__all__ = ["BinConfig", "Blocked", "Store", "Waiter", "Written"]
 
 # (bin, op, n_items, version, dropped)
 ChangeHook = Callable[[str, str, int, int, int], None]
@@ -102,40 +102,14 @@ class _Meta:
     bytes_out: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """The result of a fetch.
-
-    Attributes:
-        kind: "value" or "list" (what the bin was).
-        items: the stored objects, oldest first.
-        tags: their tags, same order.
-        version: the bin's version after the fetch.
-        n_items: items left in the bin.
-        dropped: items dropped (get; counted since the last get of the bin that returned
-            items) or skipped (peek) because of ``min_tag``.
-        unchanged: ``newer_than`` was given and the bin is not newer; no items.
-        nbytes: the summed size of the items returned.
-    """
-
-    kind: str
-    items: tuple[Any, ...]
-    tags: tuple[int | None, ...]
-    version: int
-    n_items: int
-    dropped: int = 0
-    unchanged: bool = False
-    nbytes: int = 0
-
-
 @dataclass(eq=False, slots=True)
 class Waiter:
-    """A pending fetch. ``callback(Taken)`` is called once when it is served."""
+    """A pending fetch. ``callback(Fetched)`` is called once when it is served."""
 
     name: str
     spec: FetchSpec
     max_bytes: int | None
-    callback: Callable[[Taken], None]
+    callback: Callable[[Fetched], None]
     ctx: Any = None
     active: bool = True
 
@@ -456,7 +430,7 @@ class Store:
         return version
 
     def fetch(self, name: str, spec: FetchSpec, max_bytes: int | None = None,
-              ctx: Any = None) -> Taken:
+              ctx: Any = None) -> Fetched:
         """Get (``spec.remove``) or peek at the content of a bin, without waiting.
 
         ``max_bytes`` caps the summed size of the items of a list bin returned at once (at
@@ -470,14 +444,14 @@ class Store:
             raise BinNotFound(self._missing_message(name, spec.min_tag))
         return taken
 
-    def fetch_or_wait(self, name: str, spec: FetchSpec, callback: Callable[[Taken], None],
-                      max_bytes: int | None = None, ctx: Any = None) -> Taken | Waiter:
+    def fetch_or_wait(self, name: str, spec: FetchSpec, callback: Callable[[Fetched], None],
+                      max_bytes: int | None = None, ctx: Any = None) -> Fetched | Waiter:
         """Fetch now if the bin can satisfy the request, else register a waiter.
 
         A waiter whose ``newer_than`` is set is satisfied only by a version above it.
 
         Returns:
-            The :class:`Taken` if served at once, else the :class:`Waiter` (pass it to
+            The :class:`Fetched` if served at once, else the :class:`Waiter` (pass it to
             :meth:`cancel` on timeout or disconnect); ``callback`` is then called when served.
         """
         queue = self._waiters.get(name)
@@ -628,7 +602,7 @@ class Store:
         if name in self._blocked and not self._blocked[name]:
             del self._blocked[name]
 
-    def take(self, name: str, n: int, min_tag: int | None = None) -> Taken | None:
+    def take(self, name: str, n: int, min_tag: int | None = None) -> Fetched | None:
         """Replay a logged ``take``: drop items tagged below ``min_tag``, then remove ``n``
         items from the front (``n`` may be 0: only the drop). Exactly what the logged get
         did to the bin, given the same state. Returns what was taken (``None`` for 0)."""
@@ -638,7 +612,7 @@ class Store:
         return self._try_fetch(name, FetchSpec(True, n, min_tag=min_tag), 1, None)
 
     def _try_fetch(self, name: str, spec: FetchSpec, min_items: int, max_bytes: int | None,
-                   report_unchanged: bool = True, ctx: Any = None) -> Taken | None:
+                   report_unchanged: bool = True, ctx: Any = None) -> Fetched | None:
         b = self._bins.get(name)
         if b is None:
             return None
@@ -646,7 +620,7 @@ class Store:
         newer_than, min_tag, remove = spec.newer_than, spec.min_tag, spec.remove
         if newer_than is not None and version <= newer_than:
             if report_unchanged:
-                return Taken(b.kind, (), (), version, len(b.entries), unchanged=True)
+                return Fetched(0, b.kind, (), version, len(b.entries), unchanged=True)
             return None
         entries = b.entries
         dropped = 0
@@ -691,8 +665,8 @@ class Store:
             left = len(entries)
             freed = sum(e.nbytes for e in chosen)
             self._count(name, "peek", 0, freed)
-        return Taken(b.kind, tuple(e.item for e in chosen), tuple(e.tag for e in chosen),
-                     version, left, dropped, nbytes=freed)
+        return Fetched(0, b.kind, tuple(e.item for e in chosen), version, left, dropped,
+                       tags=tuple(e.tag for e in chosen), nbytes=freed)
 
     def _after_removal(self, name: str, b: _Bin, nbytes: int) -> tuple[int, int]:
         if not b.entries:

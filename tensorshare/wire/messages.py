@@ -10,9 +10,11 @@ tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Generic, TypeVar, Union
 
 from .codec import Encoded
+
+T = TypeVar("T")
 
 __all__ = [
     "Acked",
@@ -261,25 +263,43 @@ class Stored:
 
 
 @dataclass(frozen=True, slots=True)
-class Fetched:
-    """Reply to get/peek.
+class Fetched(Generic[T]):
+    r"""The result of a get or peek: one record from the store to the caller.
+
+    The store returns one (``id`` 0, the stored :class:`Item`\ s), the server sends it with the
+    request's id, and the client hands it to the caller with the items decoded and their tags
+    beside them (the public name of that is ``tensorshare.FetchResult``).
 
     Attributes:
+        id: the request's id (0 until the server answers a request with it).
         kind: ``"value"`` for a put bin (one item), ``"list"`` for an appended bin.
-        items: the items returned, oldest first.
+        items: the items returned, oldest first: :class:`Item`\ s on the wire and in the
+            server, decoded values in a client's hands.
         version: the bin's version after the operation.
         n_items: items left in the bin.
-        dropped: items removed because their tag was below ``min_tag``.
+        dropped: items dropped (get) or skipped (peek) for being tagged below ``min_tag``.
         unchanged: ``newer_than`` was given and the bin is not newer (no items sent).
+        tags: in a client's hands, the items' tags (``None`` for untagged items).
+        nbytes: in the server, the bytes the items take (not on the wire).
     """
 
     id: int
     kind: str
-    items: tuple[Item, ...]
+    items: tuple[T, ...]
     version: int
     n_items: int
     dropped: int = 0
     unchanged: bool = False
+    tags: tuple[int | None, ...] = field(default=(), compare=False)
+    nbytes: int = field(default=0, compare=False)
+
+    @property
+    def value(self) -> Any:
+        """The value of a put bin, or the list of items of an appended bin (``None`` when
+        ``unchanged``)."""
+        if self.unchanged:
+            return None
+        return self.items[0] if self.kind == "value" else list(self.items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import Any, TypeGuard, Union
 
 import msgpack
 
-from ..errors import CodecError, LimitExceeded, NestingTooDeep, ProtocolError
+from ..errors import CodecError, InvalidRequest, LimitExceeded, NestingTooDeep, ProtocolError
 from .codec import Buffer, Encoded, validate
 from .frames import BytesLike, Frame, FrameDecoder, OversizedFrame, encode_frame, payload_layout
 from .messages import (
@@ -187,7 +187,7 @@ def check_bin_name(name: object, max_name_bytes: int) -> str:
 class _Invalid(Exception):
     """Internal: a header is malformed; carries the error code."""
 
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
+    def __init__(self, message: str, code: str = InvalidRequest.code) -> None:
         super().__init__(message)
         self.code = code
 
@@ -236,7 +236,7 @@ def _name(h: dict[str, Any], limits: Limits) -> str:
     try:
         return check_bin_name(h.get("bin"), limits.max_name_bytes)
     except NameTooLong as exc:
-        raise _Invalid(str(exc), "limit_exceeded") from None
+        raise _Invalid(str(exc), LimitExceeded.code) from None
     except (TypeError, ValueError) as exc:
         raise _Invalid(str(exc)) from None
 
@@ -292,7 +292,7 @@ def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
         raw = h.get("items")
         if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
             raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
-                           f"{MAX_APPEND_ITEMS}", "limit_exceeded")
+                           f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
         items = _parse_items(h, payload, limits.max_depth)
         if cls is Append:
             if not items:
@@ -710,7 +710,7 @@ class _Fds:
 
             os.close(self.queue.popleft())
             raise _Invalid(f"a shared buffer of {size} bytes exceeds max_frame_bytes="
-                           f"{self.limit}", "limit_exceeded")
+                           f"{self.limit}", LimitExceeded.code)
         from ..memory import shm  # only connections that pass descriptors need it
 
         try:
@@ -763,7 +763,7 @@ def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
                 validate(value, len(buffers), max_depth=max_depth,
                          raw_sizes=[b.raw_nbytes for b in buffers])
             except NestingTooDeep as exc:
-                raise _Invalid(f"malformed value: {exc}", "limit_exceeded") from None
+                raise _Invalid(f"malformed value: {exc}", LimitExceeded.code) from None
             except CodecError as exc:
                 raise _Invalid(f"malformed value: {exc}") from None
         items.append(Item(Encoded(value, tuple(buffers)), tag))
@@ -906,7 +906,7 @@ class ServerConnection(_Side):
                 raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
                                     f"handshake; at most {frame.limit} bytes are accepted "
                                     f"until hello")
-            out.append(BadRequest(rid, "limit_exceeded",
+            out.append(BadRequest(rid, LimitExceeded.code,
                                   f"frame of {frame.payload_len} payload bytes exceeds the "
                                   f"server's max_frame_bytes={frame.limit}; nothing was stored"))
             return
@@ -916,7 +916,7 @@ class ServerConnection(_Side):
                 out.append(ack)
         op = OPS.get(h.get("op"))  # type: ignore[arg-type]
         if op is None:
-            out.append(BadRequest(rid, "invalid_request", f"unknown op {h.get('op')!r}"))
+            out.append(BadRequest(rid, InvalidRequest.code, f"unknown op {h.get('op')!r}"))
             return
         size = len(frame.header) + len(frame.payload) + 16
         self.bytes_in[op.name] = self.bytes_in.get(op.name, 0) + size

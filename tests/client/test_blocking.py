@@ -38,9 +38,8 @@ from tensorshare.errors import (
     TransportError,
     UnsupportedType,
 )
-from tensorshare.server.connection import EmbeddedServer
-from tensorshare.server.store import Taken
-from tensorshare.wire.messages import Hello, Limits
+from tensorshare.server import EmbeddedServer
+from tensorshare.wire.messages import Fetched, Hello, Limits
 from tests.rawwire import WireClient
 
 WAIT = 20.0  # safety deadline; never reached when things work
@@ -131,7 +130,7 @@ def waiter_registered(server: EmbeddedServer) -> threading.Event:
 
     def spy(*args: Any, **kw: Any) -> Any:
         result = original(*args, **kw)
-        if not isinstance(result, Taken):
+        if not isinstance(result, Fetched):
             event.set()
         return result
 

@@ -9,7 +9,7 @@ import torch
 
 from tensorshare import Client, EmbeddedServer
 from tensorshare.errors import BinFull, BinNotFound, UnsupportedType
-from tensorshare.server.connection import ServerConfig
+from tensorshare.server import ServerConfig
 
 
 def test_many_appends_travel_as_batches_and_arrive_in_order(server: EmbeddedServer) -> None:

@@ -23,7 +23,7 @@ from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.test import iosim
 
-from tensorshare.client.blocking import NOWAIT, FetchResult
+from tensorshare.client.ops import NOWAIT, FetchResult
 from tensorshare.client.twisted import TxClient, connect
 from tensorshare.errors import (
     BinNotFound,
@@ -35,7 +35,8 @@ from tensorshare.errors import (
     UnsupportedType,
     WaitTimeout,
 )
-from tensorshare.server.connection import EmbeddedServer, ServerFactory
+from tensorshare.server import EmbeddedServer
+from tensorshare.server.core import ServerFactory
 from tensorshare.wire.messages import (
     Cancel,
     ErrorReply,
@@ -472,7 +473,7 @@ def test_a_dropped_connection_is_resumed_and_nothing_runs_twice(mem: Memory) -> 
     assert client.connected
     assert [success(d) for d in pending] == [2, 3, [1]]
     assert mem.run(other.get("q")) == [2, 3]  # each append stored once
-    assert mem.factory.stats["replayed"] == 3
+    assert mem.factory.stats.counters["replayed"] == 3
     assert [e["op"] for e in events] == ["resync"] and events[0]["version"] == 1
 
 

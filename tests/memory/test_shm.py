@@ -134,7 +134,7 @@ def test_killed_processes_leave_no_shared_memory_behind(tmp_path: Path) -> None:
     path = str(tmp_path / "ts.sock")
     before = set(os.listdir("/dev/shm"))
     server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        from tensorshare.server.connection import run_server
+        from tensorshare.server import run_server
         run_server(None, unix={path!r}, ready=lambda s: print("listening", flush=True))
         """)], stdout=subprocess.PIPE, text=True)
     try:

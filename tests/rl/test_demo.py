@@ -6,6 +6,7 @@ played what with which parameters, what the trainer keeps, and that every proces
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -18,17 +19,9 @@ import pytest
 import torch
 
 from tensorshare import Client, EmbeddedServer, RLTrainer, RLWorker
-from tensorshare.rl.demo import (
-    BUILTIN_CARTPOLE,
-    Bins,
-    Collector,
-    Learner,
-    NumpyActor,
-    env_spec,
-    start_workers,
-    stop_workers,
-    train,
-)
+from tensorshare.rl.demo import Bins, _resolve_target, start_workers, stop_workers, train
+from tensorshare.rl.envs import BUILTIN_CARTPOLE, env_spec
+from tensorshare.rl.learner import Collector, Learner, NumpyActor
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +194,14 @@ def test_train_refuses_bad_arguments() -> None:
         train(0, env=BUILTIN_CARTPOLE)
     with pytest.raises(ValueError, match="HOST:PORT"):
         train(1, env=BUILTIN_CARTPOLE, server="nowhere")
+
+
+def test_a_target_no_episode_can_reach_is_replaced_by_the_environments() -> None:
+    pytest.importorskip("gymnasium")
+    acrobot = env_spec("Acrobot-v1")
+    # The CLI's CartPole target, asked of Acrobot (returns are at most 0), would never be met.
+    out = io.StringIO()
+    assert _resolve_target(acrobot, 195.0, out) == -100.0 and "above the best return" in \
+        out.getvalue()
+    assert _resolve_target(acrobot, -150.0, out) == -150.0
+    assert _resolve_target(acrobot, None, out) == -100.0

@@ -1,8 +1,7 @@
-"""The demo's learner and actors without a server: V-trace, importance weights, segments."""
+"""The learner and actors without a server: V-trace, importance weights, segments."""
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any
 
@@ -10,19 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tensorshare.rl.demo import (
-    BUILTIN_CARTPOLE,
-    GAMMA,
-    MAX_STEPS,
-    ActorCritic,
-    CartPole,
-    Collector,
-    Learner,
-    NumpyActor,
-    _resolve_target,
-    env_spec,
-    vtrace,
-)
+from tensorshare.rl.envs import BUILTIN_CARTPOLE, MAX_STEPS, CartPole, env_spec
+from tensorshare.rl.learner import GAMMA, ActorCritic, Collector, Learner, NumpyActor, vtrace
 
 torch.set_num_threads(1)
 
@@ -96,19 +84,6 @@ def test_actions_follow_the_policy() -> None:
     p_right = 1 / (1 + math.exp(-2))
     assert abs(actions.mean() - p_right) < 0.03
     assert np.allclose(log_probs[actions == 1], math.log(p_right), atol=1e-5)
-
-
-def test_builtin_cartpole_has_the_gymnasium_api() -> None:
-    env = CartPole()
-    obs, info = env.reset(seed=3)
-    assert len(obs) == 4 and info == {} and all(abs(x) <= 0.05 for x in obs)
-    assert env.reset(seed=3)[0] == obs  # seeded: the same start
-    steps, terminated, truncated = 0, False, False
-    while not (terminated or truncated):
-        obs, reward, terminated, truncated, _ = env.step(steps % 2)  # wiggle: stays up long
-        assert reward == 1.0
-        steps += 1
-    assert steps <= MAX_STEPS and (truncated == (steps == MAX_STEPS))
 
 
 def test_segments_carry_what_the_learner_needs() -> None:
@@ -193,19 +168,3 @@ def test_the_learner_refuses_segments_it_cannot_stack() -> None:
         learner.update([])
     with pytest.raises(ValueError, match="same number of time steps"):
         learner.update([collector.collect(actor, 8), collector.collect(actor, 9)])
-
-
-def test_env_specs() -> None:
-    builtin = env_spec(BUILTIN_CARTPOLE)
-    assert (builtin.observation_size, builtin.n_actions, builtin.target) == (4, 2, 195.0)
-    pytest.importorskip("gymnasium")
-    acrobot = env_spec("Acrobot-v1")
-    assert (acrobot.observation_size, acrobot.n_actions, acrobot.target) == (6, 3, -100.0)
-    with pytest.raises(ValueError, match="discrete actions"):
-        env_spec("Pendulum-v1")
-    # The CLI's CartPole target, asked of Acrobot (returns are at most 0), would never be met.
-    out = io.StringIO()
-    assert _resolve_target(acrobot, 195.0, out) == -100.0 and "above the best return" in \
-        out.getvalue()
-    assert _resolve_target(acrobot, -150.0, out) == -150.0
-    assert _resolve_target(acrobot, None, out) == -100.0

@@ -21,7 +21,9 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
-from tensorshare.server.connection import ServerConfig, ServerFactory, ServerProtocol
+from tensorshare.server import ServerConfig
+from tensorshare.server.connection import ServerProtocol
+from tensorshare.server.core import ServerFactory
 from tensorshare.wire import codec
 from tensorshare.wire.messages import (
     Acked,
@@ -580,7 +582,7 @@ def test_a_resent_put_is_answered_from_memory_and_not_run_twice(factory: ServerF
     again.write(frame)
     (second,) = again.received()
     assert second == first and factory.store.n_items("q") == 1
-    assert factory.stats["replayed"] == 1
+    assert factory.stats.counters["replayed"] == 1
 
 
 def test_a_get_whose_reply_was_lost_is_delivered_again_not_lost(factory: ServerFactory) -> None:
@@ -652,7 +654,7 @@ def test_an_expired_session_gives_back_what_its_gets_took(
     clock.advance(factory.config.session_ttl - 1)
     assert factory.store.n_items("q") == 1
     clock.advance(2)
-    assert len(factory.sessions) == 0 and factory.stats["sessions_expired"] == 1
+    assert len(factory.sessions) == 0 and factory.stats.counters["sessions_expired"] == 1
     assert values(writer.request(Get(writer.rid(), "q"))) == ["a", "b"]
     # the client coming back later starts a new session: the server says so
     late = Peer(factory, session=SID, resume=True)
@@ -701,7 +703,7 @@ def test_a_connection_that_never_says_hello_is_closed(
     clock.advance(factory.config.hello_timeout + 0.1)
     assert peer.transport.disconnecting
     (err,) = peer.received()
-    assert "no hello within" in err.message and factory.stats["hello_timeouts"] == 1
+    assert "no hello within" in err.message and factory.stats.counters["hello_timeouts"] == 1
 
 
 def test_connections_over_max_connections_are_refused_with_a_reason(

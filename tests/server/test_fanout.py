@@ -33,12 +33,12 @@ def test_32_readers_each_fetch_every_version_once_and_the_server_encodes_it_once
                         got[i].append((res.version, float(res.value[0])))
 
             r.listen("params", fetch)
-        before = server.call(lambda: dict(server.factory.stats))
+        before = server.call(lambda: dict(server.factory.stats.counters))
         for v in range(1, 4):
             writer.put("params", torch.full((1 << 20,), float(v)))  # 4 MiB
             wait_until(lambda v=v: all(g and g[-1][0] == v for g in got), timeout=WAIT,  # type: ignore[misc]
                        what=f"every reader to hold version {v}")
-        after = server.call(lambda: dict(server.factory.stats))
+        after = server.call(lambda: dict(server.factory.stats.counters))
         for g in got:
             assert g == [(1, 1.0), (2, 2.0), (3, 3.0)]  # each version once, the right one
         encodes = after.get("reply_encodes", 0) - before.get("reply_encodes", 0)

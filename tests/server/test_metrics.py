@@ -13,8 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorshare import BinNotFound, Client, EmbeddedServer
-from tensorshare.server.connection import LATENCY_BUCKETS
 from tensorshare.server.metrics import ServerCollector, start_metrics_server
+from tensorshare.server.stats import LATENCY_BUCKETS
 
 
 def _scrape(url: str) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from twisted.internet.testing import MemoryReactorClock
 
-from tensorshare.server.connection import ServerConfig, ServerFactory
+from tensorshare.server import ServerConfig
+from tensorshare.server.core import ServerFactory
 from tensorshare.server.persist import DataError
 from tensorshare.wire import codec
 from tensorshare.wire.messages import (

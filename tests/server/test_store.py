@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorshare.errors import BinNotFound, LimitExceeded, MemoryLimitExceeded, ServerError
-from tensorshare.server.store import Store, Taken, Waiter
+from tensorshare.server.store import Store, Waiter
+from tensorshare.wire.messages import Fetched as Taken
 from tensorshare.wire.messages import FetchSpec
 
 

@@ -1,0 +1,469 @@
+"""One op surface for every client face: each op's signature, checks and reply conversion,
+written once.
+
+As redis-py writes its commands once and mixes them into every client, :class:`Ops` is mixed
+into each face of a client: the blocking :class:`~.blocking.Client` (whose calls wait for the
+result), its ``begin`` view (whose calls return a :class:`~.blocking.PendingCall`), a
+:class:`~.pipeline.Pipeline` (whose calls queue and return an index), the Twisted
+:class:`~.twisted.TxClient` (whose calls return a ``Deferred``) and the sharded client (whose
+calls go to the server that owns the bin). An op checks its arguments, encodes what it
+sends, and hands a :class:`Command` to the face's ``_execute``; what the face returns is what
+the caller gets, holding (now or later) the op's converted result.
+
+Local mistakes (a bad name, an unsupported type, a negative timeout) raise at the call,
+before anything is sent, in every face.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+from ..errors import LimitExceeded
+from ..wire.codec import Buffer, Encoded, decode, encode
+from ..wire.messages import (
+    Append,
+    Configure,
+    Configured,
+    Delete,
+    Fetch,
+    Fetched,
+    FetchSpec,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Ping,
+    Put,
+    Request,
+    Stats,
+    Unlisten,
+)
+from ..wire.protocol import check_bin_name
+
+__all__ = [
+    "BLOCK_SHARE",
+    "NOWAIT",
+    "BinLimits",
+    "Command",
+    "FetchResult",
+    "NoWait",
+    "Ops",
+    "Wait",
+    "check_reconnect",
+    "check_timeout",
+    "decode_fetched",
+    "gc_paused",
+    "make_item",
+]
+
+
+class NoWait(enum.Enum):
+    """The type of :data:`NOWAIT`: a get/peek that does not wait for data."""
+
+    NOWAIT = "NOWAIT"
+
+    def __repr__(self) -> str:
+        return "NOWAIT"
+
+
+#: Do not wait for data (the default ``timeout`` of get/peek).
+NOWAIT: Final = NoWait.NOWAIT
+#: A get/peek's ``timeout``: :data:`NOWAIT`, seconds to wait, or ``None`` (no limit).
+Wait: TypeAlias = "float | None | NoWait"
+
+#: What a get or peek returns (the one record of a fetch, with its items decoded).
+FetchResult = Fetched
+
+# The share of the client's timeout an append may wait for room in a full "block" bin: the
+# server gives up a little before the client would, so the caller hears BinFull.
+BLOCK_SHARE = 0.8
+# Frame overhead beyond the value itself: the prefix, the header fields, the padding.
+_FRAME_SLACK = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class BinLimits:
+    """A bin's limits as the server applies them (see :meth:`Ops.configure`)."""
+
+    max_items: int | None
+    max_bytes: int | None
+    overflow: str
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One request as every face sends it.
+
+    Attributes:
+        request: the message (its id is given by the session).
+        what: how errors name it, e.g. ``"get on bin 'q'"``.
+        convert: turns the server's reply into the caller's result.
+        kind: ``"call"``; ``"listen"`` / ``"unlisten"`` also (un)register ``listener``.
+        listener: for a listen: ``(callback, inline)``.
+    """
+
+    request: Request
+    what: str
+    convert: Callable[[Any], Any]
+    kind: str = "call"
+    listener: Any = None
+
+    @property
+    def bin(self) -> str | None:
+        """The bin the request is about (``None`` for list, stats, ping)."""
+        return getattr(self.request, "bin", None)
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float:
+    """A client timeout: a positive, finite number of seconds.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout < math.inf:
+        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def check_reconnect(reconnect: Any) -> bool | float:
+    """``True``, ``False`` or a positive number of seconds.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(reconnect, bool):
+        return reconnect
+    return check_timeout(reconnect, "reconnect")
+
+
+def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
+              compress_min_bytes: int, share_min_bytes: int | None = None) -> Item:
+    """Check a put/append locally and encode its value (raises before anything is sent).
+
+    With ``share_min_bytes`` (a connection that passes shared memory), every uncompressed
+    buffer of at least that many bytes is written once into a sealed memfd, which then
+    travels instead of the bytes (see :mod:`tensorshare.memory.shm`).
+
+    Raises:
+        TypeError, ValueError: a bad bin name or tag.
+        UnsupportedType: the value holds a type that cannot be sent.
+        LimitExceeded: the value is larger than the server's frame limit.
+    """
+    check_bin_name(name, limits.max_name_bytes)
+    if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
+        raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
+    enc = encode(value, compress=compress, compress_min_bytes=compress_min_bytes,
+                 max_depth=limits.max_depth)
+    if enc.nbytes + _FRAME_SLACK > limits.max_frame_bytes:
+        size = enc.nbytes + 64 * (len(enc.buffers) + 1)
+        if size > limits.max_frame_bytes:
+            raise LimitExceeded(f"value for bin {name!r} not sent: it takes about {size} "
+                                f"bytes, over the server's max_frame_bytes="
+                                f"{limits.max_frame_bytes}")
+    if share_min_bytes is not None and any(
+            b.codec is None and b.nbytes >= share_min_bytes for b in enc.buffers):
+        enc = _shared(enc, share_min_bytes)
+    return Item(enc, tag)
+
+
+def _shared(enc: Encoded, share_min_bytes: int) -> Encoded:
+    from ..memory import shm
+
+    buffers = []
+    for b in enc.buffers:
+        if b.codec is None and b.nbytes >= share_min_bytes:
+            mem = shm.share(b.data)
+            b = Buffer(mem.view, None, mem.size, mem)
+        buffers.append(b)
+    return Encoded(enc.value, tuple(buffers))
+
+
+@contextmanager
+def gc_paused(n: int) -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while ``n`` (many) objects are made at once.
+
+    Building tens of thousands of small objects (the items of a batch) otherwise triggers
+    collections that scan every live object again and again: that, not the work itself,
+    cost three quarters of the time of a 50,000-item batch. Nothing made meanwhile is a
+    cycle, and the collector runs again right after.
+    """
+    if n < 1000 or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def decode_fetched(reply: Fetched[Item], max_depth: int) -> Fetched[Any]:
+    """A get/peek reply with its items decoded (and their tags beside them).
+
+    Raises:
+        CodecError: a value is malformed.
+    """
+    if reply.unchanged:
+        return reply
+    with gc_paused(len(reply.items)):
+        values = tuple(decode(it.value, max_depth=max_depth) for it in reply.items)
+    return Fetched(reply.id, reply.kind, values, reply.version, reply.n_items, reply.dropped,
+                   False, tuple(it.tag for it in reply.items))
+
+
+def _version(reply: Any) -> int:
+    return int(reply.version)
+
+
+def _none(reply: Any) -> None:
+    return None
+
+
+def _true(reply: Any) -> bool:
+    return True
+
+
+def _existed(reply: Any) -> bool:
+    return bool(reply.existed)
+
+
+def _bins(reply: Any) -> dict[str, int]:
+    return dict(reply.bins)
+
+
+def _stats(reply: Any) -> dict[str, Any]:
+    return {"server": reply.server, "bins": reply.bins}
+
+
+def _limits(reply: Configured) -> BinLimits:
+    return BinLimits(reply.max_items, reply.max_bytes, reply.overflow)
+
+
+class _Decode:
+    """Converts a get/peek reply: the decoded record, or only its value."""
+
+    __slots__ = ("max_depth", "value_only")
+
+    def __init__(self, max_depth: int, value_only: bool) -> None:
+        self.max_depth, self.value_only = max_depth, value_only
+
+    def __call__(self, reply: Fetched[Item]) -> Any:
+        res = decode_fetched(reply, self.max_depth)
+        return res.value if self.value_only else res
+
+
+class Ops:
+    """The ops of a tensorshare client, for any face (see the module docstring).
+
+    A face provides ``limits`` (the server's), ``timeout``, ``compress`` and
+    ``compress_min_bytes``, and implements :meth:`_execute`; it may override :meth:`_item`
+    (how a value becomes an item: shared memory, deferred encoding).
+    """
+
+    timeout: float
+    compress: str | None
+    compress_min_bytes: int
+
+    @property
+    def limits(self) -> Limits:
+        """The server's limits (from the last handshake)."""
+        raise NotImplementedError
+
+    def _execute(self, cmd: Command) -> Any:
+        """Send ``cmd`` the way this face does; return what the caller gets."""
+        raise NotImplementedError
+
+    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
+
+    def _check_name(self, name: str) -> None:
+        check_bin_name(name, self.limits.max_name_bytes)
+
+    # -- writes -----------------------------------------------------------------------------
+    def put(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+        """Store ``value`` in bin ``name``, replacing whatever it held.
+
+        Args:
+            name: the bin (any non-empty str up to the server's name limit).
+            value: tensors, numpy arrays, and dict/list/tuple/str/bytes/int/float/bool/None.
+            tag: optional integer stored with the item (see ``min_tag`` in :meth:`fetch`).
+
+        Returns:
+            The bin's new version; the server holds the value when it is returned. Do not
+            change the tensors of ``value`` before then: they are sent from their own memory
+            (and sent again if the connection drops meanwhile).
+
+        Raises:
+            UnsupportedType: ``value`` holds a type that cannot be sent (nothing was sent).
+            MemoryLimitExceeded: the server's memory limit would be exceeded.
+            LimitExceeded: the value is larger than the server's frame limit.
+            BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
+            ReplyTimeout, ConnectionLost, SessionLost: no confirmation from the server (the
+                message says whether the put may have taken effect).
+        """
+        item = self._item(name, value, tag)
+        return self._execute(Command(Put(0, name, item), f"put to bin {name!r}", _version))
+
+    def append(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+        """Append ``value`` as one item to bin ``name`` (a list is one item, never flattened).
+
+        Appending to a bin that holds a put value turns it into ``[value, new]``. On a bin
+        configured with ``overflow="block"`` that is full, this waits on the server for a
+        get to make room (up to 80% of the client's timeout, then ``BinFull``).
+
+        Returns:
+            The bin's new version. Raises: as :meth:`put`, and ``BinFull`` for a full bin.
+        """
+        item = self._item(name, value, tag)
+        return self._execute(Command(Append(0, name, item, BLOCK_SHARE * self.timeout),
+                                     f"append to bin {name!r}", _version))
+
+    def delete(self, name: str) -> Any:
+        """Delete bin ``name``. Returns whether it existed."""
+        self._check_name(name)
+        return self._execute(Command(Delete(0, name), f"delete of bin {name!r}", _existed))
+
+    def configure(self, name: str, max_items: int | None = None, max_bytes: int | None = None,
+                  overflow: str = "reject") -> Any:
+        """Bound bin ``name``: at ``max_items`` items or ``max_bytes`` bytes it is full.
+
+        Args:
+            overflow: what an append to a full bin does: ``"reject"`` raises ``BinFull``;
+                ``"drop_oldest"`` removes the oldest items to make room (listeners' events
+                say how many in ``dropped``); ``"block"`` waits on the server until a get
+                makes room (backpressure for producers that outrun their consumers).
+
+        Returns:
+            The limits as the server now applies them (:class:`BinLimits`; they persist
+            with the bin's name).
+        """
+        self._check_name(name)
+        return self._execute(Command(Configure(0, name, max_items, max_bytes, overflow),
+                                     f"configure of bin {name!r}", _limits))
+
+    # -- reads ------------------------------------------------------------------------------
+    def get(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT) -> Any:
+        """Return the content of bin ``name`` and remove it.
+
+        Args:
+            name: the bin.
+            max_items: for an appended bin, take at most this many items from the front
+                (FIFO) and leave the rest.
+            timeout: by default (:data:`NOWAIT`), do not wait. A number: wait up to that
+                many seconds for data. ``None``: wait without limit (across reconnects).
+
+        Returns:
+            The value of a put bin, or the list of items of an appended bin.
+
+        Raises:
+            BinNotFound: the bin is missing or empty (when not waiting).
+            WaitTimeout: no data arrived within ``timeout`` (a :class:`Timeout`).
+        """
+        return self._fetch(name, True, max_items, timeout, None, None, 1, value_only=True)
+
+    def peek(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT) -> Any:
+        """Like :meth:`get`, but leave the content in the bin."""
+        return self._fetch(name, False, max_items, timeout, None, None, 1, value_only=True)
+
+    def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
+              timeout: Wait = NOWAIT, min_tag: int | None = None,
+              newer_than: int | None = None, min_items: int = 1) -> Any:
+        """The full form of get (``remove=True``) and peek (``remove=False``).
+
+        Args:
+            min_tag: skip items tagged below this (and untagged ones); a get also removes
+                them from the bin. How many is reported in ``dropped``.
+            newer_than: only a bin whose version is above this counts. Without waiting, an
+                older bin gives ``unchanged=True`` and no data (nothing is downloaded); when
+                waiting, the call returns once the bin is newer.
+            min_items: when waiting, wait until at least this many items are available.
+            (others as :meth:`get`)
+
+        Returns:
+            A :class:`FetchResult`: ``value``, ``items``, ``tags``, ``kind``, ``version``,
+            ``n_items`` (left in the bin), ``dropped``, ``unchanged``.
+        """
+        return self._fetch(name, remove, max_items, timeout, min_tag, newer_than, min_items,
+                           value_only=False)
+
+    def _fetch(self, name: str, remove: bool, max_items: int | None, timeout: Wait,
+               min_tag: int | None, newer_than: int | None, min_items: int, *,
+               value_only: bool) -> Any:
+        seconds: float | None = None
+        if timeout is NOWAIT:
+            wait = False
+        else:
+            wait = True
+            if timeout is not None:
+                if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                        or not 0 <= timeout < math.inf):
+                    raise ValueError(f"timeout must be a finite number >= 0, or None; got "
+                                     f"{timeout!r}")
+                seconds = float(timeout)
+        self._check_name(name)
+        spec = FetchSpec(remove, max_items, wait, seconds, min_tag, newer_than, min_items)
+        return self._execute(Command(Fetch(0, name, spec), f"{spec.op} on bin {name!r}",
+                                     _Decode(self.limits.max_depth, value_only)))
+
+    def list(self) -> Any:
+        """Return ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
+        return self._execute(Command(ListBins(0), "list", _bins))
+
+    def stats(self, glob: str | None = None) -> Any:
+        """The server's statistics and a summary of every bin (matching ``glob``).
+
+        Returns:
+            ``{"server": {...}, "bins": {name: {...}}}`` (see docs/PROTOCOL.md, ``stats``).
+        """
+        return self._execute(Command(Stats(0, glob), "stats", _stats))
+
+    def ping(self) -> Any:
+        """Round-trip to the server (raises if it does not answer within ``timeout``)."""
+        return self._execute(Command(Ping(0), "ping", _none))
+
+    # -- listeners --------------------------------------------------------------------------
+    def listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,
+               inline: bool = False) -> Any:
+        """Call ``callback(event)`` on every change of bin ``name``.
+
+        ``event`` is a dict: ``{'status': 'OK', 'bin': name, 'op': 'put'|'append'|'get'|
+        'delete'|'restore', 'n_items': n, 'version': v}``. After a reconnect, a bin that
+        changed meanwhile gives one ``op: 'resync'`` event with its current version and item
+        count (``'restarted': True`` if the server restarted without persistence). Events
+        come in the order the changes happened. Completes once the server has registered
+        the listener; if it refuses, the callback is forgotten.
+
+        Args:
+            inline: (blocking client) run ``callback`` on the thread that reads the
+                connection, before any reply that arrives after the event is handed over;
+                only for callbacks that return at once (e.g. put the event on a queue). By
+                default callbacks run on the client's own event thread, so a slow callback
+                never delays replies.
+        """
+        self._check_name(name)
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        return self._execute(Command(Listen(0, name), f"listen to bin {name!r}", _none,
+                                     "listen", (callback, inline)))
+
+    def unlisten(self, name: str) -> Any:
+        """Stop listening to bin ``name``. Returns whether this client was listening."""
+        self._check_name(name)
+        return self._execute(Command(Unlisten(0, name), f"unlisten from bin {name!r}", _true,
+                                     "unlisten"))
+
+
+def lone_cpu_tensor(value: Any, tag: int | None) -> bool:
+    """Whether ``value`` is a lone CPU tensor with a plain tag (the common batch item, which
+    a pipeline encodes later, many at a time)."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and type(value) is torch.Tensor and value.is_cpu
+            and (tag is None or type(tag) is int))

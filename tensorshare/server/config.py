@@ -1,0 +1,52 @@
+"""What a server can be told: :class:`ServerConfig`, with safe defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..wire.messages import Limits
+from ..wire.protocol import PRE_HELLO_MAX_BYTES
+
+__all__ = ["ServerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything a server can be told, with safe defaults.
+
+    Attributes:
+        limits: hard limits of every connection (frame, header, depth, name).
+        max_memory: bytes the server may hold for clients (bins, items taken by gets whose
+            replies are not yet acknowledged, queued output); a put/append that would go
+            above is refused. ``None``: no limit.
+        session_ttl: seconds a disconnected client's session is kept for it to resume.
+        max_sessions: sessions kept at once (connected or waiting to be resumed).
+        max_session_bytes: bytes of unacknowledged get items one session may hold.
+        max_connections: connections served at once; more are refused with an error.
+        max_client_buffer: bytes queued for one connection beyond its current reply before
+            the server gives up on it and closes it (a client that stopped reading).
+        hello_timeout: seconds a new connection has to complete ``hello``.
+        pre_hello_bytes: the largest frame accepted before ``hello``.
+        data_dir: keep the data in this directory (a data log and snapshots, see
+            :mod:`tensorshare.server.persist`); ``None``: in memory only.
+        fsync: when the data log reaches the disk: ``"always"``, ``"everysec"``, ``"no"``.
+        snapshot_every: seconds between snapshots (``None``: by log size and at exit only).
+        snapshot_log_bytes: take a snapshot once the data log has grown this much.
+        truncate_corrupt_log: start even if a log segment is corrupt in the middle,
+            dropping it from there (only after reading the error that says so).
+    """
+
+    limits: Limits = field(default_factory=Limits)
+    max_memory: int | None = None
+    session_ttl: float = 60.0
+    max_sessions: int = 10_000
+    max_session_bytes: int = 1 << 30
+    max_connections: int = 1024
+    max_client_buffer: int = 64 << 20
+    hello_timeout: float = 10.0
+    pre_hello_bytes: int = PRE_HELLO_MAX_BYTES
+    data_dir: str | None = None
+    fsync: str = "everysec"
+    snapshot_every: float | None = 300.0
+    snapshot_log_bytes: int = 1 << 30
+    truncate_corrupt_log: bool = False

@@ -1,0 +1,346 @@
+"""The server's state: :class:`ServerFactory` holds the store, the session table, the listeners
+and the data directory, and builds one :class:`~.connection.ServerProtocol` per connection.
+
+It is also where the parts meet: a change in the store becomes notifications to listeners
+(encoded once for all of them), a session's life (attach, detach, expiry, acknowledgements)
+is kept here with its timers, and the data log is committed at the end of every batch of
+work, before the output that depends on it leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+
+from ..wire.frames import BytesLike
+from ..wire.messages import Changed, Fetched, Limits
+from ..wire.protocol import (
+    AckInfo,
+    encode_fetched_parts,
+    encode_fetched_with_id,
+    encode_message,
+    item_wire_size,
+)
+from .config import ServerConfig
+from .handlers import Responder
+from .persist import Loaded, Persistence
+from .sessions import ServerSession, SessionTable
+from .stats import ServerStats, bin_stats, server_stats
+from .store import Store
+
+if TYPE_CHECKING:
+    from .connection import ServerProtocol
+
+__all__ = ["ServerFactory"]
+
+log = Logger(namespace="tensorshare.server")
+
+
+class ServerFactory(Factory):
+    """Holds the store, the sessions and the listeners; builds one protocol per connection.
+
+    Args:
+        reactor: the reactor that runs this server (for timers).
+        limits: hard limits applied to every connection (overrides ``config.limits``).
+        max_memory: see :class:`ServerConfig` (overrides ``config.max_memory``).
+        config: every other setting.
+        clock: wall-clock time in seconds (for statistics); defaults to ``time.time``.
+    """
+
+    noisy = False  # we log connections ourselves
+
+    def __init__(self, reactor: Any, limits: Limits | None = None,
+                 max_memory: int | None = None, *, config: ServerConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        config = config or ServerConfig()
+        if limits is not None:
+            config = replace(config, limits=limits)
+        if max_memory is not None:
+            config = replace(config, max_memory=max_memory)
+        self.config = config
+        self.reactor = reactor
+        self.limits = config.limits
+        self.clock = clock
+        self.started_at = clock()
+        # Random per data set: a client that sees it change knows versions started again.
+        self.server_id = os.urandom(8).hex()
+        # Room for the reply's own header fields around the items (a few hundred bytes).
+        self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
+        self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock,
+                           outside=self.held_bytes)
+        self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
+        self.responder = Responder(self)
+        self.connections: set[ServerProtocol] = set()
+        self._listeners: dict[str, set[ServerProtocol]] = {}
+        self.stats = ServerStats()
+        self.held: list[tuple[ServerProtocol, Sequence[BytesLike], list[Any] | None]] = []
+        # bin -> the last peek reply's encoding (see encode_peek); dropped on any change.
+        self._peek_cache: dict[str, tuple[Any, ...]] = {}
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.persist: Persistence | None = None
+        self.loaded: Loaded | None = None
+        if config.data_dir is not None:
+            self._open_data(config)
+
+    def _open_data(self, config: ServerConfig) -> None:
+        """Load the data directory and log every effect from now on.
+
+        Raises:
+            DataError: the directory cannot be used (the message says why and what to do).
+        """
+        p = Persistence(config.data_dir or ".", fsync=config.fsync,
+                        snapshot_every=config.snapshot_every,
+                        snapshot_log_bytes=config.snapshot_log_bytes, limits=config.limits,
+                        truncate_corrupt=config.truncate_corrupt_log)
+        self.loaded = loaded = p.open(self.store, self.sessions)
+        self.persist = p
+        self.server_id = loaded.server_id
+        self.store.journal = p.record
+        if loaded.warning:
+            log.warn("{warning}", warning=loaded.warning)
+        # Sessions come back detached: their clients have session_ttl to resume them.
+        for s in self.sessions:
+            s.timer = self.reactor.callLater(config.session_ttl, self.expire, s)
+        log.info("loaded {dir}: {bins} bins, {sessions} sessions ({records} log records "
+                 "replayed{snap})", dir=p.dir, bins=len(self.store.list()),
+                 sessions=len(self.sessions), records=loaded.records,
+                 snap=f" after {os.path.basename(loaded.snapshot)}" if loaded.snapshot else "")
+
+    def buildProtocol(self, addr: Any) -> ServerProtocol:
+        from .connection import ServerProtocol
+
+        return ServerProtocol(self)
+
+    # -- listeners --------------------------------------------------------------------------
+    def subscribe(self, name: str, proto: ServerProtocol) -> None:
+        self._listeners.setdefault(name, set()).add(proto)
+
+    def unsubscribe(self, name: str, proto: ServerProtocol) -> None:
+        subs = self._listeners.get(name)
+        if subs is not None:
+            subs.discard(proto)
+            if not subs:
+                del self._listeners[name]
+
+    def listener_count(self, name: str | None = None) -> int:
+        """Listeners of bin ``name``, or of every bin together."""
+        if name is not None:
+            return len(self._listeners.get(name, ()))
+        return sum(len(s) for s in self._listeners.values())
+
+    def listened_bins(self) -> list[str]:
+        """The bins someone listens to."""
+        return list(self._listeners)
+
+    def encode_peek(self, name: str, reply: Fetched[Any], shared: list[Any] | None
+                    ) -> list[BytesLike]:
+        """Encode a peek reply, reusing the encoding of the same bin version's last one."""
+        key = (reply.kind, reply.version, reply.n_items, reply.dropped,
+               tuple(id(it) for it in reply.items), shared is not None)
+        hit = self._peek_cache.get(name)
+        if hit is None or hit[0] != key:
+            # The items are kept with the entry, so their ids cannot be reused meanwhile.
+            mine: list[Any] | None = [] if shared is not None else None
+            hit = (key, reply.items, mine, *encode_fetched_parts(reply, mine))
+            self._peek_cache[name] = hit
+            self.stats.counters["reply_encodes"] += 1
+        else:
+            self.stats.counters["reply_reuses"] += 1
+        if shared is not None and hit[2]:
+            shared.extend(hit[2])
+        return encode_fetched_with_id(reply.id, hit[3], hit[4], hit[5])
+
+    def _changed(self, name: str, op: str, n_items: int, version: int, dropped: int) -> None:
+        self._peek_cache.pop(name, None)  # a new version: the old encoding is no use
+        subs = self._listeners.get(name)
+        if not subs:
+            return
+        # Encode once, write the same chunks to every listener.
+        msg = Changed(name, op, n_items, version, 0, dropped)
+        chunks = encode_message(msg)[0]
+        self.stats.counters["notifications"] += len(subs)
+        for proto in list(subs):
+            proto.notify(chunks, msg)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def attach(self, sid: bytes, proto: ServerProtocol, resume: bool
+               ) -> tuple[ServerSession, bool]:
+        """Give ``proto`` the session ``sid``: the known one (resumed) or a new one.
+
+        A session still attached to another connection is taken over: the old connection
+        is told so (``session_taken_over``) and closed first.
+
+        Raises:
+            OverflowError: a new session would exceed ``max_sessions``.
+        """
+        s = self.sessions.get(sid)
+        if s is not None and not resume:
+            # A client that starts afresh with an id we know (it restarted, reusing the id)
+            # numbers its requests from scratch: the old session's replies must not answer
+            # them. It ends as if it had expired.
+            self._take_over(s, proto)
+            s.attached = None
+            self.expire(s)
+            s = None
+        if s is None:
+            s = self.sessions.open(sid)
+            s.attached = proto
+            if self.persist is not None:
+                self.persist.session_record("session", sid)
+            return s, False
+        self._take_over(s, proto)
+        if s.timer is not None and s.timer.active():
+            s.timer.cancel()
+        s.timer = None
+        s.attached = proto
+        if resume:
+            self.stats.counters["sessions_resumed"] += 1
+        return s, True
+
+    def _take_over(self, s: ServerSession, proto: ServerProtocol) -> None:
+        old = s.attached
+        if old is None or old is proto:
+            return
+        log.info("{peer} takes over a session attached to {old}; closing that one",
+                 peer=proto.peer, old=old.peer)
+        self.stats.counters["sessions_taken_over"] += 1
+        old.taken_over(proto.peer)
+
+    def detach(self, s: ServerSession, proto: ServerProtocol) -> None:
+        """The connection of ``s`` is gone: keep the session ``session_ttl`` seconds."""
+        if s.attached is not proto:
+            return
+        s.attached = None
+        s.timer = self.reactor.callLater(self.config.session_ttl, self.expire, s)
+
+    def expire(self, s: ServerSession) -> None:
+        """Drop a session whose client did not come back; its unacknowledged gets go back."""
+        s.timer = None
+        if s.attached is not None or self.sessions.get(s.id) is not s:
+            return
+        if self.persist is not None:
+            self.persist.session_record("expire", s.id)  # replayed with its restores
+        restore = self.sessions.close(s)
+        self.stats.counters["sessions_expired"] += 1
+        n = 0
+        # Latest get first: each goes in front, so the earliest ends up first, as taken.
+        for name, reply, _ in reversed(restore):
+            self.restore(name, reply, logged=True)
+            n += len(reply.items)
+        if n:
+            log.info("a session expired; {n} item(s) it had taken but not acknowledged went "
+                     "back to their bins", n=n)
+        self.commit()
+
+    def ack(self, s: ServerSession, info: AckInfo) -> None:
+        """The client has the replies ``info`` names: forget them (and release their items)."""
+        if self.sessions.ack(s, info.through, info.open) and self.persist is not None:
+            # Logged only when it releases get items: else a restart could give them back.
+            self.persist.session_record("ack", s.id, through=info.through,
+                                        open=list(info.open))
+
+    def restore(self, name: str, reply: Fetched[Any], *, logged: bool = False) -> None:
+        """Put the items of a get reply back at the front of their bin.
+
+        ``logged``: the data log already has a record that replays this restore.
+        """
+        journal = self.store.journal
+        if logged:
+            self.store.journal = None
+        try:
+            self.store.restore(name, reply.kind,
+                               [(it, item_wire_size(it), it.tag) for it in reply.items])
+        finally:
+            self.store.journal = journal
+
+    # -- persistence ------------------------------------------------------------------------
+    @property
+    def holding(self) -> bool:
+        """Whether output must wait for the data log (fsync "always", records pending)."""
+        p = self.persist
+        return p is not None and p.fsync == "always" and p.dirty
+
+    def commit(self) -> None:
+        """End of a batch of work: write the data log, then release held output."""
+        p = self.persist
+        if p is None:
+            return
+        if p.dirty:
+            try:
+                p.flush()
+            except OSError as exc:
+                self._log_failed(exc)
+                return
+        if self.held:
+            held, self.held = self.held, []
+            for proto, chunks, shared in held:
+                proto.write_chunks(chunks, shared)
+        if p.snapshot_due():
+            self.snapshot()
+
+    def snapshot(self, wait: bool = False) -> None:
+        """Write a snapshot of the state now (in a background thread unless ``wait``)."""
+        p = self.persist
+        if p is None or p.failed is not None:
+            return
+        self.stats.counters["snapshots_started"] += 1
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                log.error("writing a snapshot failed: {error}; the data log still holds "
+                          "everything", error=error)
+
+        try:
+            p.snapshot(self.store, self.sessions, wait=wait, done=done)
+        except OSError as exc:
+            self._log_failed(exc)
+
+    def _log_failed(self, exc: OSError) -> None:
+        # What the server holds is now ahead of its disk: acknowledging anything more would
+        # be a lie. Stop, so that a restart recovers what was acknowledged.
+        log.critical("cannot write the data log in {dir}: {error}; stopping the server",
+                     dir=self.persist.dir if self.persist else "?", error=exc)
+        self.held.clear()
+        for proto in list(self.connections):
+            proto.abort()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def close_persistence(self) -> None:
+        """Flush, write a final snapshot and release the data directory (at shutdown)."""
+        p = self.persist
+        if p is None:
+            return
+        self.persist = None
+        self.store.journal = None
+        try:
+            if p.failed is None:
+                p.flush()
+            p.close(self.store, self.sessions)
+        except OSError as exc:
+            log.critical("closing the data log failed: {error}", error=exc)
+
+    # -- memory -----------------------------------------------------------------------------
+    def queued_bytes(self) -> int:
+        """Bytes written to connections and not yet sent, all connections together."""
+        return sum(p.queued_bytes for p in self.connections)
+
+    def held_bytes(self) -> int:
+        """What the server holds for clients outside the bins: items taken by gets whose
+        replies are not yet acknowledged, remembered replies, and queued output."""
+        return self.sessions.nbytes + self.queued_bytes()
+
+    # -- statistics -------------------------------------------------------------------------
+    def server_stats(self) -> dict[str, Any]:
+        """The server-wide statistics of the ``stats`` reply (see :mod:`.stats`)."""
+        return server_stats(self)
+
+    def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
+        """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
+        return bin_stats(self, glob)

@@ -1,0 +1,221 @@
+"""A server inside any program: :class:`EmbeddedServer` runs one on a private reactor in a
+daemon thread, so a trainer or a test can host a server without giving up its main thread or
+the global reactor; :func:`run_server` is the blocking form the seed used.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+from twisted.logger import Logger
+
+from ..wire.messages import Limits
+from .config import ServerConfig
+from .core import ServerFactory
+from .transports import listen_fast_tcp, listen_fast_unix
+
+__all__ = ["EmbeddedServer", "run_server"]
+
+log = Logger(namespace="tensorshare.server")
+
+
+class EmbeddedServer:
+    """A server running on a private reactor in a daemon thread.
+
+    Usage::
+
+        with EmbeddedServer(port=0) as server:
+            client = Client("127.0.0.1", server.port)
+
+    Args:
+        port: TCP port; 0 picks a free one (read it back from ``.port``); ``None``: no TCP
+            (then ``unix`` must be given).
+        host: interface to bind; 127.0.0.1 unless you mean to accept other machines.
+        limits: hard limits (see :class:`~tensorshare.messages.Limits`).
+        max_memory: refuse values that would take the bytes held above this.
+        config: every other setting (:class:`ServerConfig`).
+        unix: also listen on this Unix socket path (same-host clients: ``unix://PATH``;
+            they may pass large tensors through shared memory). Readable and writable by
+            its owner only; removed when the server stops.
+
+    Raises:
+        OSError: the port or path could not be bound (e.g. it is in use).
+    """
+
+    def __init__(self, port: int | None = 0, *, host: str = "127.0.0.1",
+                 limits: Limits | None = None, max_memory: int | None = None,
+                 config: ServerConfig | None = None, unix: str | None = None) -> None:
+        from twisted.internet.epollreactor import EPollReactor
+
+        if port is None and unix is None:
+            raise ValueError("give a TCP port, a Unix socket path, or both")
+        self.host = host
+        self.unix = unix
+        self._ports: list[Any] = []
+        self.reactor = EPollReactor()
+        self.error: BaseException | None = None  # why the server stopped by itself, if it did
+        self._stopping = False
+        self._reactor_closed = False
+        try:
+            self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
+            self.factory.on_fatal = self._fatal
+            if port is not None:
+                self._ports.append(listen_fast_tcp(self.reactor, port, self.factory,
+                                                   interface=host))
+            if unix is not None:
+                self._ports.append(listen_fast_unix(self.reactor, unix, self.factory))
+        except BaseException:
+            for p in self._ports:
+                p.stopListening()
+            if getattr(self, "factory", None) is not None:
+                self.factory.close_persistence()
+            self._close_reactor()
+            raise
+        # The TCP port (0 if there is none).
+        self.port: int = self._ports[0].getHost().port if port is not None else 0
+        # Liveness is this event, not Thread.is_alive(): a join() interrupted by Ctrl+C can
+        # leave a thread marked as stopped while it runs on (CPython 3.11).
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tensorshare-server-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("tensorshare server listening on {where}", where=", ".join(self.addresses))
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where clients connect: ``HOST:PORT`` and/or ``unix://PATH``."""
+        out = [f"{self.host}:{self.port}"] if self.port else []
+        if self.unix is not None:
+            out.append(f"unix://{self.unix}")
+        return out
+
+    def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
+        """Run ``fn(*args)`` in the server's reactor thread and return its result."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # handed back to the caller below
+                box.append((False, exc))
+            done.set()
+
+        self.reactor.callFromThread(run)
+        if not done.wait(timeout):
+            raise TimeoutError("the server's reactor did not answer")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        try:
+            self.reactor.run(installSignalHandlers=False)
+        finally:
+            self._done.set()
+
+    def _fatal(self, error: BaseException) -> None:
+        self.error = error
+        self.reactor.callLater(0, self._shutdown)
+
+    def _shutdown(self) -> None:
+        if self._stopping or not self.reactor.running:
+            return
+        self._stopping = True
+        for p in self._ports:
+            p.stopListening()  # a Unix socket's file goes with it
+        for proto in list(self.factory.connections):
+            proto.transport.abortConnection()  # type: ignore[union-attr]
+        # With a data directory: the log is flushed and a final snapshot written, so that
+        # the next start loads quickly.
+        self.factory.close_persistence()
+        self.reactor.callLater(0, self.reactor.stop)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Close the port and every connection, write the final snapshot (with a data
+        directory), stop the reactor and join its thread.
+
+        Args:
+            timeout: seconds to wait (default 10 s, or 10 minutes with a data directory:
+                the final snapshot writes everything the server holds).
+        """
+        if timeout is None:
+            timeout = 600.0 if self.factory.config.data_dir else 10.0
+        if not self._done.is_set():
+            self.reactor.callFromThread(self._shutdown)
+            if not self._done.wait(timeout):
+                raise TimeoutError(f"the server thread on port {self.port} did not stop "
+                                   f"within {timeout:g} s")
+        self._thread.join(timeout)
+        self.factory.close_persistence()  # if the reactor ended some other way
+        self._close_reactor()
+
+    def _close_reactor(self) -> None:
+        # A private reactor is never used again: give back its epoll and waker descriptors,
+        # or a process that starts many servers (a test suite) runs out of them.
+        if self._reactor_closed:
+            return
+        self._reactor_closed = True
+        try:
+            self.reactor.waker.connectionLost(None)
+            self.reactor._poller.close()
+        except (AttributeError, OSError):  # another reactor type, or already closed
+            pass
+
+    @property
+    def running(self) -> bool:
+        """Whether the server is running (its reactor thread has not ended)."""
+        return not self._done.is_set()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
+               limits: Limits | None = None, max_memory: int | None = None, ready: Any = None,
+               config: ServerConfig | None = None, unix: str | None = None) -> None:
+    """Run a server until interrupted (Ctrl+C). This blocks, as in the seed.
+
+    Args:
+        port: TCP port (0 picks a free one; it is logged and passed to ``ready``).
+        host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines.
+        limits, max_memory, config, unix: see :class:`EmbeddedServer`.
+        ready: optional callable ``ready(server)`` called once the port is bound.
+    """
+    server = EmbeddedServer(port, host=host, limits=limits, max_memory=max_memory, config=config,
+                            unix=unix)
+    # This process is the server: tune the cyclic garbage collector for it. What is loaded
+    # at start (a data directory) is frozen out of every collection, and collections come
+    # less often: a batch of 50,000 small items would otherwise trigger hundreds, each
+    # scanning every stored object. Nothing the server makes per request forms cycles.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        def terminate(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl+C does
+
+        previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        if ready is not None:
+            ready(server)
+        while server.running:
+            server._done.wait(0.5)  # short waits keep Ctrl+C responsive
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+    if server.error is not None:
+        raise RuntimeError(f"the server stopped: {server.error}")

@@ -1,0 +1,269 @@
+"""What each request does: the server's op table, apart from the connection that carries it.
+
+The connection (:mod:`.connection`) parses, enforces limits and backpressure, and hands each
+request to the :class:`Responder`, which routes it by type to one handler. Handlers act on the
+server's state (the store, the sessions, the listeners: :class:`~.core.ServerFactory`) and
+answer through the connection's ``reply``.
+
+The effects that change the store (:data:`EFFECTS`) are written once and used twice: by the
+handlers, and by the data log's replay at start-up (:mod:`.persist`), which turns each logged
+record back into the request it was and runs it through the same table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from twisted.logger import Logger
+
+from ..errors import (
+    BinFull,
+    InvalidRequest,
+    LimitExceeded,
+    ServerError,
+    WaitTimeout,
+    code_for,
+)
+from ..wire.messages import (
+    Acked,
+    Append,
+    Cancel,
+    Configure,
+    Configured,
+    Delete,
+    Deleted,
+    ErrorReply,
+    Fetch,
+    Fetched,
+    Hello,
+    ListBins,
+    Listen,
+    Listening,
+    Listing,
+    Ping,
+    Put,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
+    Stored,
+    Unlisten,
+)
+from ..wire.protocol import OPS, item_wire_size, op_name
+from .store import BinConfig, Store, Written
+
+if TYPE_CHECKING:
+    from .connection import ServerProtocol
+    from .core import ServerFactory
+
+__all__ = ["EFFECTS", "Responder"]
+
+log = Logger(namespace="tensorshare.server")
+
+Ctx = Any  # what ties a store effect to its request: (session id, request id) or None
+
+
+# -- effects: the changes to the store, shared with the data log's replay --------------------
+def put_effect(store: Store, msg: Put, ctx: Ctx = None) -> Stored:
+    """Replace a bin's content with the put's item."""
+    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx)
+    return Stored(msg.id, w.version, w.n_items)
+
+
+def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:
+    """Append the items now (a replayed append, or one to a bin that does not block)."""
+    entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
+    return _stored(msg.id, store.append_many(msg.bin, entries, ctx))
+
+
+def delete_effect(store: Store, msg: Delete, ctx: Ctx = None) -> Deleted:
+    """Delete a bin."""
+    existed, version = store.delete(msg.bin, ctx)
+    return Deleted(msg.id, existed, version)
+
+
+def configure_effect(store: Store, msg: Configure, ctx: Ctx = None) -> Configured:
+    """Set a bin's limits.
+
+    Raises:
+        InvalidRequest: the limits are not valid.
+    """
+    try:
+        cfg = BinConfig(msg.max_items, msg.max_bytes, msg.overflow)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    cfg = store.configure(msg.bin, cfg, ctx)
+    return Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow)
+
+
+def _stored(rid: int, w: Written) -> Stored:
+    return Stored(rid, w.version, w.n_items, w.dropped)
+
+
+#: Request type -> its effect on the store (see the module docstring).
+EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {
+    Put: put_effect, Append: append_effect, Delete: delete_effect, Configure: configure_effect,
+}
+
+
+class Responder:
+    """Routes requests to their handlers; one per server.
+
+    Args:
+        server: the server's state.
+    """
+
+    def __init__(self, server: ServerFactory) -> None:
+        self.server = server
+        self._handlers: dict[type, Callable[[ServerProtocol, Any], None]] = {
+            Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
+            Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
+            Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
+            Configure: self._configure, Hello: self._hello_again,
+        }
+
+    def handle(self, conn: ServerProtocol, msg: Request) -> None:
+        """Serve one request of ``conn`` (after its handshake). Never raises: a failure
+        costs this request an error reply, never the connection or the server."""
+        s = conn.session
+        if s is not None and OPS[op_name(msg)].mutating:
+            old = s.lookup(msg.id)
+            if old is not None:  # ran before the connection dropped: answer the same again
+                self.server.stats.counters["replayed"] += 1
+                conn.started.pop(msg.id, None)
+                conn.send(old)
+                return
+        try:
+            self._handlers[type(msg)](conn, msg)
+        except ServerError as exc:
+            conn.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))
+        except Exception:  # a bug must cost one request, never the server
+            log.failure("internal error serving {op} from {peer}", op=op_name(msg),
+                        peer=conn.peer)
+            conn.reply(msg, ErrorReply(msg.id, ServerError.code,
+                                       "internal server error; see the server log"))
+
+    # -- writes -----------------------------------------------------------------------------
+    def _put(self, conn: ServerProtocol, msg: Put) -> None:
+        conn.reply(msg, put_effect(self.server.store, msg, conn.ctx(msg)))
+
+    def _append(self, conn: ServerProtocol, msg: Append) -> None:
+        store = self.server.store
+        entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
+        rid = msg.id
+
+        def stored(w: Written | BaseException) -> None:
+            conn.stop_waiting(rid)
+            conn.reply(msg, _stored(rid, w) if isinstance(w, Written)
+                       else ErrorReply(rid, code_for(w), str(w)))
+
+        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg))
+        if isinstance(result, Written):
+            conn.reply(msg, _stored(rid, result))
+            return
+        # A full "block" bin: wait for room, up to the append's timeout (a cancel or a
+        # disconnect withdraws it too).
+        conn.wait(rid, result, msg.timeout, lambda: self._block_timed_out(conn, msg))
+
+    def _block_timed_out(self, conn: ServerProtocol, msg: Append) -> None:
+        conn.reply(msg, ErrorReply(msg.id, BinFull.code,
+                                   f"bin {msg.bin!r} stayed full for {msg.timeout:g} s "
+                                   f"(overflow='block'); nothing was stored"))
+
+    def _delete(self, conn: ServerProtocol, msg: Delete) -> None:
+        conn.reply(msg, delete_effect(self.server.store, msg, conn.ctx(msg)))
+
+    def _configure(self, conn: ServerProtocol, msg: Configure) -> None:
+        conn.reply(msg, configure_effect(self.server.store, msg, conn.ctx(msg)))
+
+    # -- reads ------------------------------------------------------------------------------
+    def _fetch(self, conn: ServerProtocol, msg: Fetch) -> None:
+        f = self.server
+        spec = msg.spec
+        max_bytes = f.max_reply_bytes
+        s = conn.session
+        if spec.remove and s is not None:
+            # What a get takes stays held for the session until acknowledged: keep within
+            # the session's allowance (at least one item is still returned).
+            room = f.sessions.max_session_bytes - s.held
+            if room <= 0:
+                raise LimitExceeded(
+                    f"this client's session holds {s.held} bytes of items from gets it has "
+                    f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
+            max_bytes = min(max_bytes, room)
+        if not spec.wait:
+            self._fetched(conn, msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
+            return
+        rid = msg.id
+
+        def served(taken: Fetched[Any]) -> None:
+            conn.stop_waiting(rid)
+            self._fetched(conn, msg, taken)
+
+        result = f.store.fetch_or_wait(msg.bin, spec, served, max_bytes, conn.ctx(msg))
+        if isinstance(result, Fetched):
+            self._fetched(conn, msg, result)
+        elif result.active:  # else served at once, through ``served``, behind earlier waiters
+            conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
+
+    def _fetched(self, conn: ServerProtocol, msg: Fetch, taken: Fetched[Any]) -> None:
+        reply = replace(taken, id=msg.id)
+        if msg.spec.remove and taken.items:
+            conn.reply(msg, reply, bin=msg.bin, held=taken.nbytes)
+        else:
+            conn.reply(msg, reply)
+
+    def _timed_out(self, conn: ServerProtocol, msg: Fetch) -> None:
+        what = "newer data" if msg.spec.newer_than is not None else "data"
+        conn.reply(msg, ErrorReply(msg.id, WaitTimeout.code,
+                                   f"no {what} in bin {msg.bin!r} within "
+                                   f"{msg.spec.timeout or 0.0:g} s"))
+
+    def _list(self, conn: ServerProtocol, msg: ListBins) -> None:
+        conn.reply(msg, Listing(msg.id, self.server.store.list()))
+
+    def _stats(self, conn: ServerProtocol, msg: Stats) -> None:
+        f = self.server
+        conn.reply(msg, StatsReply(msg.id, f.server_stats(), f.bin_stats(msg.glob)))
+
+    # -- listeners and the rest -------------------------------------------------------------
+    def _listen(self, conn: ServerProtocol, msg: Listen) -> None:
+        store = self.server.store
+        conn.listening.add(msg.bin)
+        self.server.subscribe(msg.bin, conn)
+        conn.reply(msg, Listening(msg.id, store.version(msg.bin), store.n_items(msg.bin)))
+
+    def _unlisten(self, conn: ServerProtocol, msg: Unlisten) -> None:
+        was = msg.bin in conn.listening
+        conn.listening.discard(msg.bin)
+        self.server.unsubscribe(msg.bin, conn)
+        conn.reply(msg, Acked(msg.id, was))
+
+    def _hello_again(self, conn: ServerProtocol, msg: Hello) -> None:
+        conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code, "handshake already done"))
+
+    def _ping(self, conn: ServerProtocol, msg: Ping) -> None:
+        conn.reply(msg, Acked(msg.id, True))
+
+    def _cancel(self, conn: ServerProtocol, msg: Cancel) -> None:
+        f = self.server
+        target = msg.target
+        cancelled = conn.cancel_wait(target)
+        if cancelled is not None:
+            conn.reply(msg, Acked(msg.id, cancelled))
+            return
+        # A get that already ran, whose reply the client will not take: its items go back.
+        # (Other remembered replies stay: a resent put must still not run twice.)
+        s = conn.session
+        done = s.replies.get(target) if s is not None else None
+        if s is not None and done is not None and done.bin is not None and \
+                isinstance(done.reply, Fetched):
+            if f.persist is not None:
+                f.persist.session_record("forget", s.id, id=target)
+            f.sessions.forget(s, target)
+            f.restore(done.bin, done.reply, logged=True)
+            conn.reply(msg, Acked(msg.id, True))
+            return
+        conn.reply(msg, Acked(msg.id, False))

@@ -1,0 +1,148 @@
+"""The server's statistics: named counters, a latency histogram per op, and the two maps of
+the ``stats`` reply (server-wide and per bin; docs/PROTOCOL.md §3.3.8 lists every field).
+
+Counters are plain dict entries bumped in place on the hot path; everything else (sums,
+summaries) is built only when someone asks, so statistics cost a request almost nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+from .._version import __version__
+from ..wire import codec
+from ..wire.messages import Item
+
+if TYPE_CHECKING:
+    from .core import ServerFactory
+
+__all__ = ["LATENCY_BUCKETS", "Counters", "ServerStats", "bin_stats", "server_stats"]
+
+# Upper bounds (seconds) of the request latency histogram's buckets (the last is +Inf).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
+
+
+class Counters(dict[str, int]):
+    """Named counters that start at 0."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+class ServerStats:
+    """Counters and per-op latency histograms of one server.
+
+    Attributes:
+        counters: named counters (``requests``, ``replayed``, ``errors.CODE``, ``op.OP``,
+            ``bytes_in.OP``, ``bytes_out.OP``, ...).
+        latency: op -> a count per :data:`LATENCY_BUCKETS` bound, then the sum in µs.
+    """
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.latency: dict[str, list[int]] = {}
+
+    def count_error(self, code: str) -> None:
+        """Count one error reply by its wire code."""
+        self.counters[f"errors.{code}"] += 1
+
+    def observe(self, op: str, bytes_out: int, seconds: float) -> None:
+        """Count one answered request: by op, its reply's bytes and its latency."""
+        c = self.counters
+        c[f"op.{op}"] += 1
+        c[f"bytes_out.{op}"] += bytes_out
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+        h[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        h[-1] += int(seconds * 1e6)
+
+    def add_bytes_in(self, by_op: dict[str, int]) -> None:
+        """Fold a connection's received bytes (by op) into the totals, and clear them."""
+        for op, n in by_op.items():
+            self.counters[f"bytes_in.{op}"] += n
+        by_op.clear()
+
+    def _prefixed(self, prefix: str) -> dict[str, int]:
+        n = len(prefix)
+        return {k[n:]: v for k, v in self.counters.items() if k.startswith(prefix)}
+
+    def report(self) -> dict[str, Any]:
+        """Counters, errors, requests, bytes out and latency, as the stats reply has them."""
+        return {
+            "counters": {k: v for k, v in self.counters.items() if "." not in k},
+            "errors": self._prefixed("errors."),
+            "requests": self._prefixed("op."),
+            "bytes_out": self._prefixed("bytes_out."),
+            "latency": {"buckets": [b for b in LATENCY_BUCKETS if b != float("inf")],
+                        "ops": {op: h[:-1] for op, h in self.latency.items()},
+                        "sum_us": {op: h[-1] for op, h in self.latency.items()}},
+        }
+
+    def bytes_in(self, open_connections: dict[str, int]) -> dict[str, int]:
+        """Request bytes received, by op: closed connections' and ``open_connections``'."""
+        out = self._prefixed("bytes_in.")
+        for op, n in open_connections.items():
+            out[op] = out.get(op, 0) + n
+        return out
+
+
+def server_stats(f: ServerFactory) -> dict[str, Any]:
+    """The server-wide statistics of the ``stats`` reply (see docs/PROTOCOL.md)."""
+    store, sessions = f.store, f.sessions
+    open_in: dict[str, int] = {}
+    for p in f.connections:
+        for op, n in p.conn.bytes_in.items():
+            open_in[op] = open_in.get(op, 0) + n
+    queued = f.queued_bytes()
+    report = f.stats.report()
+    return {
+        "server": f"tensorshare/{__version__}",
+        "server_id": f.server_id,
+        "time": f.clock(),
+        "uptime": max(f.clock() - f.started_at, 0.0),
+        "connections": len(f.connections),
+        "listeners": f.listener_count(),
+        "sessions": len(sessions),
+        "bins": len(store.list()),
+        "memory": {
+            "stored": store.nbytes,
+            "sessions": sessions.nbytes,
+            "output": queued,
+            "total": store.nbytes + sessions.nbytes + queued,
+            "max_memory": f.config.max_memory,
+        },
+        "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
+        "counters": report["counters"],
+        "errors": report["errors"],
+        "requests": report["requests"],
+        "bytes_in": f.stats.bytes_in(open_in),
+        "bytes_out": report["bytes_out"],
+        "latency": report["latency"],
+    }
+
+
+def bin_stats(f: ServerFactory, glob: str | None = None) -> dict[str, dict[str, Any]]:
+    """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
+    out: dict[str, dict[str, Any]] = {}
+    names = set(f.store.names(glob))
+    # Bins someone listens to are worth showing even while empty (a drained queue).
+    names.update(n for n in f.listened_bins() if glob is None or fnmatch.fnmatchcase(n, glob))
+    for name in sorted(names):
+        d = f.store.describe(name)
+        cfg = d.pop("config")
+        first, last = d.pop("first"), d.pop("last")
+        d["listeners"] = f.listener_count(name)
+        d["limits"] = {"max_items": cfg.max_items, "max_bytes": cfg.max_bytes,
+                       "overflow": cfg.overflow}
+        d["first"] = _describe(first)
+        d["last"] = _describe(last) if d["n_items"] > 1 else None
+        out[name] = d
+    return out
+
+
+def _describe(item: Item | None) -> str | None:
+    return None if item is None else codec.describe(item.value.value)
