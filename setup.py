@@ -31,7 +31,7 @@ setup(
         # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
         "rl": ["gymnasium>=1.0"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy",
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter",
                  "mypy-zope", "gymnasium>=1.0"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},

@@ -811,10 +811,17 @@ ClientEvent = Union[Reply, Changed, Orphan, ProtocolViolation]
 
 
 class _Side:
-    """What both sides share: the frame decoder and its two ways of being fed."""
+    """What both sides share: the frame decoder and its two ways of being fed, and the
+    descriptors a peer passed on a Unix socket."""
+
+    fds: _Fds
 
     def __init__(self, max_frame_bytes: int, max_header_bytes: int) -> None:
         self._decoder = FrameDecoder(max_frame_bytes, max_header_bytes)
+
+    def add_fds(self, fds: list[int]) -> None:
+        """Descriptors the peer passed (Unix socket): for the ``memfd`` buffers to come."""
+        self.fds.queue.extend(fds)
 
     @property
     def receiving(self) -> bool:
@@ -824,6 +831,23 @@ class _Side:
     def get_buffer(self) -> memoryview | None:
         """A writable view to ``recv_into`` directly, when a large frame part is expected."""
         return self._decoder.get_buffer()
+
+    def _each(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
+              parse: Callable[[Frame | OversizedFrame, list[Any]], None]) -> list[Any]:
+        """Parse each frame (``parse`` appends its events); a :class:`ProtocolViolation`
+        ends the list if the peer broke the format, after what was complete before it."""
+        out: list[Any] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        try:
+            for frame in frames:
+                parse(frame, out)
+        except ProtocolError as exc:
+            error = exc
+        finally:
+            _PARSING_FDS.reset(token)
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
 
     def _frames(self, data: BytesLike | None, nbytes: int
                 ) -> tuple[list[Frame | OversizedFrame], ProtocolError | None]:
@@ -854,10 +878,6 @@ class ServerConnection(_Side):
         # What the server stores, nobody may change; as large as a frame may be.
         self.fds = _Fds(writable=False, limit=self.limits.max_frame_bytes)
 
-    def add_fds(self, fds: list[int]) -> None:
-        """Descriptors the peer passed (Unix socket): for the ``memfd`` buffers to come."""
-        self.fds.queue.extend(fds)
-
     def handshake_done(self) -> None:
         """Lift the small pre-hello cap to the configured limits."""
         self.greeted = True
@@ -882,18 +902,7 @@ class ServerConnection(_Side):
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
                ) -> list[ServerEvent]:
-        out: list[ServerEvent] = []
-        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
-        try:
-            for frame in frames:
-                self._parse_frame(frame, out)
-        except ProtocolError as exc:
-            error = exc
-        finally:
-            _PARSING_FDS.reset(token)
-        if error is not None:
-            out.append(ProtocolViolation(str(error)))
-        return out
+        return self._each(frames, error, self._parse_frame)
 
     def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
         h = _header_map(frame)
@@ -951,10 +960,6 @@ class ClientConnection(_Side):
                          self.limits.max_frame_bytes + REPLY_SLACK)
         self.fds = _Fds(writable=True)  # received tensors are the caller's to change
         self.shm = False  # the handshake allowed memfd buffers, both ways
-
-    def add_fds(self, fds: list[int]) -> None:
-        """Descriptors the server passed (Unix socket): for the ``memfd`` buffers to come."""
-        self.fds.queue.extend(fds)
 
     def set_limits(self, limits: Limits) -> None:
         """Adopt the server's limits (from the handshake).
@@ -1020,21 +1025,13 @@ class ClientConnection(_Side):
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:
-        out: list[ClientEvent] = []
-        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
-        try:
-            for frame in frames:
-                if isinstance(frame, OversizedFrame):
-                    raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
-                                        f"the server exceeds {frame.limit} bytes")
-                out.append(self._parse_frame(frame, op_of))
-        except ProtocolError as exc:
-            error = exc
-        finally:
-            _PARSING_FDS.reset(token)
-        if error is not None:
-            out.append(ProtocolViolation(str(error)))
-        return out
+        def one(frame: Frame | OversizedFrame, out: list[Any]) -> None:
+            if isinstance(frame, OversizedFrame):
+                raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
+                                    f"the server exceeds {frame.limit} bytes")
+            out.append(self._parse_frame(frame, op_of))
+
+        return self._each(frames, error, one)
 
     def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
         h = _header_map(frame)

@@ -675,3 +675,43 @@ def test_loopback_connection_refused(client_reactor: EPollReactor) -> None:
         with pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
             in_reactor(client_reactor, lambda: connect(client_reactor, "127.0.0.1", port,
                                                        timeout=WAIT, reconnect=False))
+
+
+def test_loopback_pipeline_sends_many_requests_and_fires_with_every_result(
+        client_reactor: EPollReactor, server: EmbeddedServer) -> None:
+    @defer.inlineCallbacks
+    def scenario() -> Any:
+        client = yield connect(client_reactor, "127.0.0.1", server.port, timeout=WAIT)
+        p = client.pipeline(raise_on_error=False)
+        for i in range(100):
+            p.append("q", torch.tensor([i]))  # consecutive appends: one request
+        p.put("w", {"x": 1})
+        p.get("missing")
+        p.peek("w")
+        results = yield p.execute()
+        assert results is p.results
+        p2 = client.pipeline(raise_on_error=True)
+        p2.get("missing")
+        try:
+            yield p2.execute()
+        except BinNotFound as exc:
+            raised = exc
+        items = yield client.get("q")
+        stats = yield client.stats()
+        yield client.close()
+        return results, raised, items, stats
+
+    results, raised, items, stats = in_reactor(client_reactor, scenario)
+    assert results[:100] == [1] * 100  # one append of 100 items: one version
+    assert results[100] == 1
+    assert isinstance(results[101], BinNotFound) and results[102] == {"x": 1}
+    assert isinstance(raised, BinNotFound)
+    assert [int(t) for t in items] == list(range(100))
+    assert stats["server"]["requests"]["append"] == 1
+
+
+def test_listen_and_pipeline_refuse_to_mix(mem: Memory) -> None:
+    client, _ = mem.client()
+    p = client.pipeline()
+    with pytest.raises(TypeError, match="listen cannot be pipelined"):
+        p.listen("b", lambda ev: None)

@@ -1188,7 +1188,8 @@ LAYERING_PROBE = textwrap.dedent(
     """
     import sys
     before = set(sys.modules)
-    import tensorshare.wire.protocol
+    import tensorshare.wire.address, tensorshare.wire.codec, tensorshare.wire.frames
+    import tensorshare.wire.messages, tensorshare.wire.protocol
     added = sorted(set(sys.modules) - before)
     print(repr((sorted(before), added)))
     """
