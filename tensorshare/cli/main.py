@@ -36,6 +36,13 @@ def _size(text: str) -> int:
     return value
 
 
+def _memory(text: str) -> int | None | str:
+    """``--max-memory``: a size, ``auto`` or ``none``."""
+    if text.strip().lower() in ("auto", "none"):
+        return text.strip().lower()
+    return _size(text)
+
+
 def _seconds(text: str) -> float:
     """Parse a positive, finite number of seconds."""
     try:
@@ -71,8 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--unix", default=None, metavar="PATH",
                    help="also listen on this Unix socket (same-host clients connect to "
                         "unix://PATH; large tensors then travel through shared memory)")
-    s.add_argument("--max-memory", type=_size, default=None, metavar="BYTES",
-                   help="refuse put/append that would take stored data above this")
+    s.add_argument("--max-memory", type=_memory, default="auto", metavar="BYTES",
+                   help="the most the server holds for clients (bins, unacknowledged gets, "
+                        "queued output, frames still arriving); a put/append or a large frame "
+                        "that would go above is refused. 'auto' (the default): half of this "
+                        "machine's (or container's) memory; 'none': no limit")
     s.add_argument("--max-frame-bytes", type=_size, default=None, metavar="BYTES",
                    help="largest request or reply frame (default 1G)")
     s.add_argument("--max-header-bytes", type=_size, default=None, metavar="BYTES",
@@ -104,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--truncate-corrupt-log", action="store_true",
                    help="start even if the data log is corrupt in the middle, dropping it "
                         "from the bad record on (the start-up error tells you when)")
+    s.add_argument("--frame-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="close a connection that leaves a large frame half sent for this "
+                        "long, releasing the memory it reserved (default 60)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
 
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
@@ -235,11 +248,13 @@ def _serve(args: argparse.Namespace) -> int:
         if exporter is not None:
             exporter.collector.server = server
             print(f"metrics at {exporter.url}", flush=True)
+        print(_memory_line(server.factory.config.max_memory), flush=True)
         if host not in ("127.0.0.1", "localhost", "::1"):
             print("warning: this server accepts connections from other machines and has no "
                   "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
 
-    config = ServerConfig(limits=limits, max_memory=args.max_memory,
+    config = ServerConfig(limits=limits, max_memory=_max_memory(args.max_memory),
+                          frame_timeout=args.frame_timeout,
                           session_ttl=args.session_ttl, max_connections=args.max_connections,
                           max_client_buffer=args.max_client_buffer,
                           max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
@@ -251,6 +266,28 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if exporter is not None:
             exporter.stop()
+
+
+def _max_memory(value: int | str | None) -> int | None:
+    from ..server.config import default_max_memory
+
+    if isinstance(value, int):
+        return value
+    return default_max_memory() if value == "auto" else None
+
+
+def _memory_line(limit: int | None) -> str:
+    from ..server.config import machine_memory
+
+    if limit is None:
+        return "memory limit: none (--max-memory); clients can make this server hold any amount"
+    total = machine_memory()
+    of = f" of this machine's {_gib(total)}" if total else ""
+    return f"memory limit: {_gib(limit)}{of} (--max-memory)"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list[Any]) -> int:

@@ -714,7 +714,8 @@ def run_stats(args: argparse.Namespace) -> int:
                      f"{counters.get('sessions_expired', 0)} expired)"),
         ("bins", f"{s['bins']} holding {sum(b['n_items'] for b in bins.values())} items"),
         ("memory", f"{fmt_bytes(mem['total'])}{limit}: stored {fmt_bytes(mem['stored'])}, "
-                   f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}"),
+                   f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}, "
+                   f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
         ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
     ]
     for key, value in rows:

@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..wire.messages import Limits
 from ..wire.protocol import PRE_HELLO_MAX_BYTES
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "default_max_memory", "machine_memory"]
+
+
+def machine_memory() -> int | None:
+    """The memory this process may use: the machine's, or its container's limit (cgroup v2
+    ``memory.max`` or v1 ``memory.limit_in_bytes``) if smaller; ``None`` if unknown."""
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+def default_max_memory() -> int | None:
+    """Half of :func:`machine_memory`: what a server holds for clients by default."""
+    total = machine_memory()
+    return total // 2 if total else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,8 +43,9 @@ class ServerConfig:
     Attributes:
         limits: hard limits of every connection (frame, header, depth, name).
         max_memory: bytes the server may hold for clients (bins, items taken by gets whose
-            replies are not yet acknowledged, queued output); a put/append that would go
-            above is refused. ``None``: no limit.
+            replies are not yet acknowledged, queued output, frames still being received); a
+            put/append (or a large frame) that would go above is refused. Default: half of
+            the machine's (or the container's) memory; ``None``: no limit.
         session_ttl: seconds a disconnected client's session is kept for it to resume.
         max_sessions: sessions kept at once (connected or waiting to be resumed).
         max_session_bytes: bytes of unacknowledged get items one session may hold.
@@ -34,10 +61,14 @@ class ServerConfig:
         snapshot_log_bytes: take a snapshot once the data log has grown this much.
         truncate_corrupt_log: start even if a log segment is corrupt in the middle,
             dropping it from there (only after reading the error that says so).
+        frame_timeout: seconds a connection may leave a frame half received without sending
+            more of it before it is closed (what the frame reserved is released).
+        pool_bytes: the most idle memory kept for reuse by received frames (see
+            :mod:`tensorshare.memory.pool`); at most an eighth of ``max_memory``.
     """
 
     limits: Limits = field(default_factory=Limits)
-    max_memory: int | None = None
+    max_memory: int | None = field(default_factory=default_max_memory)
     session_ttl: float = 60.0
     max_sessions: int = 10_000
     max_session_bytes: int = 1 << 30
@@ -50,3 +81,5 @@ class ServerConfig:
     snapshot_every: float | None = 300.0
     snapshot_log_bytes: int = 1 << 30
     truncate_corrupt_log: bool = False
+    frame_timeout: float = 60.0
+    pool_bytes: int = 256 << 20

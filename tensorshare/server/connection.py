@@ -81,7 +81,9 @@ class ServerProtocol(Protocol):
     def __init__(self, factory: ServerFactory) -> None:
         self.factory = factory
         self.conn = ServerConnection(factory.config.limits,
-                                     pre_hello_max_bytes=factory.config.pre_hello_bytes)
+                                     pre_hello_max_bytes=factory.config.pre_hello_bytes,
+                                     allocate=factory.pool.take, budget=factory.budget)
+        self.last_rx = time.monotonic()  # when bytes last arrived (see frame_timeout)
         self.version: int | None = None  # protocol version agreed in the handshake
         self.client_name = ""
         self.peer = "?"
@@ -95,6 +97,7 @@ class ServerProtocol(Protocol):
         self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
         self._paused = False  # the transport says our output backs up: see the class doc
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
+        self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
 
     @property
     def _t(self) -> _ZeroCopy:
@@ -121,14 +124,35 @@ class ServerProtocol(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         if not self._closed:
+            self.last_rx = time.monotonic()
             self._handle(self.conn.receive_data(data))
+            if self.conn.reserved and self._stall is None:
+                self._watch_stall()
 
     def get_read_buffer(self) -> memoryview | None:
         return None if self._closed else self.conn.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         if not self._closed:
+            self.last_rx = time.monotonic()
             self._handle(self.conn.buffer_updated(nbytes))
+            if self.conn.reserved and self._stall is None:
+                self._watch_stall()
+
+    def _watch_stall(self) -> None:
+        """While a large frame holds memory it reserved, it must keep arriving: one with no
+        new bytes for ``frame_timeout`` closes the connection (releasing the memory)."""
+        self._stall = None
+        if self._closed or not self.conn.reserved:
+            return
+        limit = self.factory.config.frame_timeout
+        idle = time.monotonic() - self.last_rx
+        if idle >= limit:
+            self.factory.stats.counters["stalled_frames"] += 1
+            self.fail(ProtocolError(f"no bytes of a {self.conn.reserved}-byte frame part for "
+                                    f"{limit:g} s (frame_timeout); the connection is closed"))
+            return
+        self._stall = self.factory.reactor.callLater(limit - idle, self._watch_stall)
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self._release()
@@ -308,9 +332,12 @@ class ServerProtocol(Protocol):
         if self._closed:
             return
         self._closed = True
+        if self._stall is not None and self._stall.active():
+            self._stall.cancel()
+        self._stall = None
         self._folded.clear()
         self.started.clear()
-        self.conn.fds.close()
+        self.conn.close()
         f = self.factory
         f.stats.add_bytes_in(self.conn.bytes_in)
         for name in self.listening:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
+from ..memory.pool import BufferPool
 from ..wire.frames import BytesLike
 from ..wire.messages import Changed, Fetched, Limits
 from ..wire.protocol import (
@@ -40,6 +41,37 @@ if TYPE_CHECKING:
 __all__ = ["ServerFactory"]
 
 log = Logger(namespace="tensorshare.server")
+
+
+class ReceiveBudget:
+    """What frames still being received may reserve of ``max_memory`` (the frame decoders'
+    :class:`~tensorshare.wire.frames.Budget`): counted like stored data, so that a peer that
+    announces large frames cannot make the server commit memory it never receives.
+
+    Attributes:
+        receiving: bytes reserved by frames being received now.
+    """
+
+    def __init__(self, server: ServerFactory) -> None:
+        self.server = server
+        self.receiving = 0
+
+    def reserve(self, nbytes: int) -> str | None:
+        f = self.server
+        limit = f.config.max_memory
+        if limit is not None:
+            used = f.store.nbytes + f.held_bytes()
+            if used + nbytes > limit:
+                f.stats.counters["frames_refused_memory"] += 1
+                return (f"receiving it would take the server to {used + nbytes} bytes, over "
+                        f"its max_memory={limit}")
+            if used + nbytes + f.pool.idle > limit:  # idle memory kept for reuse goes first
+                f.pool.trim(keep=limit - used - nbytes)
+        self.receiving += nbytes
+        return None
+
+    def release(self, nbytes: int) -> None:
+        self.receiving -= nbytes
 
 
 class ServerFactory(Factory):
@@ -74,6 +106,12 @@ class ServerFactory(Factory):
         self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
         self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock,
                            outside=self.held_bytes)
+        # Large parts of received frames: reused memory, reserved against max_memory.
+        pool_bytes = config.pool_bytes
+        if config.max_memory is not None:
+            pool_bytes = min(pool_bytes, config.max_memory // 8)
+        self.pool = BufferPool(pool_bytes)
+        self.budget = ReceiveBudget(self)
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
         self.responder = Responder(self)
         self.connections: set[ServerProtocol] = set()
@@ -333,8 +371,9 @@ class ServerFactory(Factory):
 
     def held_bytes(self) -> int:
         """What the server holds for clients outside the bins: items taken by gets whose
-        replies are not yet acknowledged, remembered replies, and queued output."""
-        return self.sessions.nbytes + self.queued_bytes()
+        replies are not yet acknowledged, remembered replies, queued output, and frames
+        still being received."""
+        return self.sessions.nbytes + self.queued_bytes() + self.budget.receiving
 
     # -- statistics -------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:

@@ -22,14 +22,22 @@ after those the byte stream cannot be trusted.
 The decoder supports two ways of being fed: ``feed(chunk)`` (copying what it needs) and
 ``get_buffer()`` / ``buffer_updated(n)``, which lets the I/O layer ``recv_into`` a large
 header or payload straight into its final buffer, with no copy at all.
+
+Memory a peer can make the receiver hold: a header or payload of at least
+:data:`LARGE_PART` bytes is asked of an ``allocate`` function (which may hand out lazily
+mapped memory, so a peer that announces much and sends little costs what it sent) and, with a
+:class:`Budget`, reserved against it first: a payload that does not fit is refused like an
+oversized one (the header is read, the request gets an error, the payload is skipped); a
+header that does not fit is fatal. What a frame reserved is released when it is complete (the
+receiver then owns the bytes) or when the decoder is closed.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Protocol, Union
 
 from ..errors import ProtocolError
 
@@ -40,7 +48,10 @@ __all__ = [
     "FORMAT_VERSION",
     "Frame",
     "FrameDecoder",
+    "Budget",
+    "LARGE_PART",
     "OversizedFrame",
+    "Payload",
     "aligned",
     "encode_frame",
     "payload_layout",
@@ -57,7 +68,25 @@ _ZEROS = bytes(ALIGN)
 # also bring in the next small frames; above it, recv_into the destination saves a copy.
 DIRECT_READ_MIN = 64 * 1024
 
+# Headers and payloads at least this large come from ``allocate`` and are reserved against
+# the ``budget`` (smaller ones arrive within one read of the I/O layer anyway).
+LARGE_PART = 64 * 1024
+
 BytesLike = Union[bytes, bytearray, memoryview]
+#: A received payload: a bytearray, or writable memory from the decoder's ``allocate``.
+Payload = Union[bytearray, memoryview]
+
+
+class Budget(Protocol):
+    """Memory a receiver may still commit to frames being received (see the module doc)."""
+
+    def reserve(self, nbytes: int) -> str | None:
+        """Reserve ``nbytes``; ``None`` if granted, else why not (for the peer's error)."""
+        ...
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` granted."""
+        ...
 
 
 def aligned(n: int) -> int:
@@ -70,16 +99,18 @@ class Frame:
     """One complete frame: the header bytes and the payload section (empty if none)."""
 
     header: bytes
-    payload: bytearray
+    payload: Payload
 
 
 @dataclass(frozen=True, slots=True)
 class OversizedFrame:
-    """A frame whose payload exceeded the limit; the payload was skipped, not stored."""
+    """A frame whose payload was refused and skipped, never stored: over the frame limit
+    (``limit``), or, with ``reason`` set, over the receiver's memory budget."""
 
     header: bytes
     payload_len: int
     limit: int
+    reason: str = ""
 
 
 def payload_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -141,19 +172,32 @@ class FrameDecoder:
     Args:
         max_frame_bytes: largest whole frame accepted (prefix + header + padding + payload).
         max_header_bytes: largest header accepted; a larger one is a fatal ProtocolError.
+        allocate: returns ``n`` writable bytes for a header or payload of at least
+            :data:`LARGE_PART` bytes (default: a ``bytearray``).
+        budget: reserves memory for such parts before they are allocated (see the module doc).
     """
 
-    def __init__(self, max_frame_bytes: int, max_header_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, max_header_bytes: int, *,
+                 allocate: Callable[[int], Payload] | None = None,
+                 budget: Budget | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.max_header_bytes = max_header_bytes
+        self._allocate = allocate or bytearray
+        self.budget = budget
+        self._reserved = 0  # what the frame being received holds of the budget
         self._state = _PREFIX_STATE
         self._prefix = bytearray()
-        self._target = bytearray()  # header or payload being filled
+        self._target: Payload = bytearray()  # header or payload being filled
         self._pos = 0
         self._remaining_skip = 0  # padding or skipped payload bytes still to drop
         self._header = b""
         self._payload_len = 0
         self._oversized = False
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the frame being received holds of the budget (0 when none)."""
+        return self._reserved
 
     @property
     def in_frame(self) -> bool:
@@ -277,9 +321,31 @@ class FrameDecoder:
         self._payload_len = payload_len
         total = aligned(PREFIX + header_len) + payload_len if payload_len else PREFIX + header_len
         self._oversized = total > self.max_frame_bytes
+        if header_len >= LARGE_PART:
+            why = self._reserve(header_len)
+            if why is not None:
+                raise ProtocolError(f"a frame header of {header_len} bytes was refused: {why}")
         self._state = _HEADER
-        self._target = bytearray(header_len)
+        self._target = self._part(header_len)
         self._pos = 0
+
+    def _part(self, n: int) -> Payload:
+        return self._allocate(n) if n >= LARGE_PART else bytearray(n)
+
+    def _reserve(self, n: int) -> str | None:
+        if self.budget is None:
+            return None
+        why = self.budget.reserve(n)
+        if why is None:
+            self._reserved += n
+        return why
+
+    def close(self) -> None:
+        """The connection ended: give back what a frame still being received reserved."""
+        if self._reserved and self.budget is not None:
+            self.budget.release(self._reserved)
+        self._reserved = 0
+        self._target = bytearray()
 
     def _target_done(self, out: list[Frame | OversizedFrame]) -> None:
         if self._state == _HEADER:
@@ -296,6 +362,12 @@ class FrameDecoder:
                 # Report it now, so the peer gets its error at once rather than after
                 # streaming a payload we will drop anyway.
                 out.append(OversizedFrame(self._header, self._payload_len, self.max_frame_bytes))
+            elif self._payload_len >= LARGE_PART:
+                why = self._reserve(self._payload_len)
+                if why is not None:  # refused like an oversized payload: skipped, not stored
+                    self._oversized = True
+                    out.append(OversizedFrame(self._header, self._payload_len,
+                                              self.max_frame_bytes, why))
             head_len = PREFIX + len(self._header)
             self._remaining_skip = aligned(head_len) - head_len
             self._state = _PAD
@@ -313,16 +385,20 @@ class FrameDecoder:
                 self._remaining_skip = self._payload_len
             else:
                 self._state = _PAYLOAD
-                self._target = bytearray(self._payload_len)
+                self._target = self._part(self._payload_len)
                 self._pos = 0
         else:  # skipped an oversized payload (already reported)
             self._reset()
 
-    def _emit(self, out: list[Frame | OversizedFrame], payload: bytearray) -> None:
+    def _emit(self, out: list[Frame | OversizedFrame], payload: Payload) -> None:
         out.append(Frame(self._header, payload))
         self._reset()
 
     def _reset(self) -> None:
+        if self._reserved:  # the frame is complete (or skipped): its bytes are the caller's
+            assert self.budget is not None
+            self.budget.release(self._reserved)
+            self._reserved = 0
         self._state = _PREFIX_STATE
         self._header = b""
         self._payload_len = 0

@@ -31,9 +31,25 @@ from typing import Any, TypeGuard, Union
 
 import msgpack
 
-from ..errors import CodecError, InvalidRequest, LimitExceeded, NestingTooDeep, ProtocolError
+from ..errors import (
+    CodecError,
+    InvalidRequest,
+    LimitExceeded,
+    MemoryLimitExceeded,
+    NestingTooDeep,
+    ProtocolError,
+)
 from .codec import Buffer, Encoded, validate
-from .frames import BytesLike, Frame, FrameDecoder, OversizedFrame, encode_frame, payload_layout
+from .frames import (
+    Budget,
+    BytesLike,
+    Frame,
+    FrameDecoder,
+    OversizedFrame,
+    Payload,
+    encode_frame,
+    payload_layout,
+)
 from .messages import (
     Acked,
     Append,
@@ -242,8 +258,8 @@ def _name(h: dict[str, Any], limits: Limits) -> str:
 
 
 # -- the op table -----------------------------------------------------------------------------
-_Parse = Callable[[int, dict[str, Any], bytearray, Limits], Request]
-_ParseReply = Callable[[int, dict[str, Any], bytearray, Limits], Reply]
+_Parse = Callable[[int, dict[str, Any], Payload, Limits], Request]
+_ParseReply = Callable[[int, dict[str, Any], Payload, Limits], Reply]
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +303,7 @@ def _timeout(h: dict[str, Any]) -> float | None:
 
 
 def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
-    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
         name = _name(h, limits)
         raw = h.get("items")
         if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
@@ -322,7 +338,7 @@ def _fetch_header(m: Fetch) -> dict[str, Any]:
 
 
 def _parse_fetch(remove: bool) -> _Parse:
-    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
         name = _name(h, limits)
         spec = FetchSpec(remove, _opt_int(h, "max_items", minimum=1), _bool(h, "wait"),
                          _timeout(h),
@@ -332,18 +348,18 @@ def _parse_fetch(remove: bool) -> _Parse:
     return parse
 
 
-def _reply_fetched(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_fetched(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     unchanged = bool(h.get("unchanged", False))
     items = () if unchanged else tuple(_parse_items(h, payload, limits.max_depth, client=True))
     return Fetched(rid, _str(h, "kind"), items, _int(h, "version"), _int(h, "n_items"),
                    _int(h, "dropped"), unchanged)
 
 
-def _reply_stored(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_stored(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     return Stored(rid, _int(h, "version"), _int(h, "n_items"), _opt_int(h, "dropped") or 0)
 
 
-def _reply_acked(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_acked(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     return Acked(rid, _bool(h, "flag", True))
 
 
@@ -352,7 +368,7 @@ def _bin_header(m: Delete | Listen | Unlisten) -> dict[str, Any]:
 
 
 def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> _Parse:
-    def parse(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+    def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
         return cls(rid, _name(h, limits))
     return parse
 
@@ -370,7 +386,7 @@ def _hello_header(m: Hello) -> dict[str, Any]:
     return h
 
 
-def _parse_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+def _parse_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     versions = h.get("versions")
     if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
         raise _Invalid("hello needs 'versions', a list of integers")
@@ -383,7 +399,7 @@ def _parse_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits
                  _bool(h, "resume") and session is not None, _bool(h, "shm"))
 
 
-def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     lim = h.get("limits")
     if not isinstance(lim, dict):
         raise _Invalid("'limits' must be a map")
@@ -398,29 +414,29 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits
                       _bool(h, "shm"))
 
 
-def _reply_listing(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_listing(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     bins = h.get("bins")
     if not isinstance(bins, dict) or not all(_is_int(v) for v in bins.values()):
         raise _Invalid("'bins' must be a map of str to int")
     return Listing(rid, bins)
 
 
-def _reply_deleted(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_deleted(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     return Deleted(rid, _bool(h, "existed"), _int(h, "version"))
 
 
-def _reply_listening(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_listening(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     return Listening(rid, _int(h, "version"), _int(h, "n_items"))
 
 
-def _parse_cancel(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+def _parse_cancel(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     target = _opt_int(h, "target")
     if target is None:
         raise _Invalid("cancel needs an integer 'target'")
     return Cancel(rid, target)
 
 
-def _parse_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+def _parse_stats(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     glob = h.get("glob")
     if glob is not None and not isinstance(glob, str):
         raise _Invalid("'glob' must be a string or nil")
@@ -431,7 +447,7 @@ def _stats_header(m: Stats) -> dict[str, Any]:
     return {} if m.glob is None else {"glob": m.glob}
 
 
-def _reply_stats(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_stats(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     server, bins = h.get("stats"), h.get("bins")
     if not isinstance(server, dict) or not isinstance(bins, dict):
         raise _Invalid("'stats' and 'bins' must be maps")
@@ -443,7 +459,7 @@ def _configure_header(m: Configure) -> dict[str, Any]:
             "overflow": m.overflow}
 
 
-def _parse_configure(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Request:
+def _parse_configure(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     name = _name(h, limits)
     overflow = h.get("overflow", "reject")
     if overflow not in OVERFLOW_POLICIES:
@@ -452,7 +468,7 @@ def _parse_configure(rid: int, h: dict[str, Any], payload: bytearray, limits: Li
                      _opt_int(h, "max_bytes", minimum=1), overflow)
 
 
-def _reply_configured(rid: int, h: dict[str, Any], payload: bytearray, limits: Limits) -> Reply:
+def _reply_configured(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     overflow = _str(h, "overflow")
     return Configured(rid, _opt_int(h, "max_items"), _opt_int(h, "max_bytes"), overflow)
 
@@ -674,7 +690,7 @@ def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[A
     return _items_header(items, buffers, None)
 
 
-def parse_items(h: dict[str, Any], payload: bytearray, max_depth: int) -> list[Item]:
+def parse_items(h: dict[str, Any], payload: Payload, max_depth: int) -> list[Item]:
     """Parse and check the ``items`` of a header against its payload, as the server does.
 
     Raises:
@@ -735,7 +751,7 @@ class _Fds:
 _PARSING_FDS: ContextVar[_Fds | None] = ContextVar("tensorshare_fds", default=None)
 
 
-def _parse_items(h: dict[str, Any], payload: bytearray, max_depth: int, *,
+def _parse_items(h: dict[str, Any], payload: Payload, max_depth: int, *,
                  client: bool = False) -> list[Item]:
     raw_items = h.get("items")
     if not isinstance(raw_items, list):
@@ -816,8 +832,16 @@ class _Side:
 
     fds: _Fds
 
-    def __init__(self, max_frame_bytes: int, max_header_bytes: int) -> None:
-        self._decoder = FrameDecoder(max_frame_bytes, max_header_bytes)
+    def __init__(self, max_frame_bytes: int, max_header_bytes: int, *,
+                 allocate: Callable[[int], Payload] | None = None,
+                 budget: Budget | None = None) -> None:
+        self._decoder = FrameDecoder(max_frame_bytes, max_header_bytes, allocate=allocate,
+                                     budget=budget)
+
+    def close(self) -> None:
+        """The connection ended: release a frame's reservation and unused descriptors."""
+        self._decoder.close()
+        self.fds.close()
 
     def add_fds(self, fds: list[int]) -> None:
         """Descriptors the peer passed (Unix socket): for the ``memfd`` buffers to come."""
@@ -827,6 +851,11 @@ class _Side:
     def receiving(self) -> bool:
         """Whether a frame is partly received (its rest is still to come)."""
         return self._decoder.in_frame
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the frame being received holds of the receiver's budget."""
+        return self._decoder.reserved
 
     def get_buffer(self) -> memoryview | None:
         """A writable view to ``recv_into`` directly, when a large frame part is expected."""
@@ -865,13 +894,18 @@ class ServerConnection(_Side):
     Args:
         limits: the limits applied to received frames and values once the handshake is done.
         pre_hello_max_bytes: the largest frame accepted before :meth:`handshake_done`.
+        allocate, budget: where large parts of received frames come from, and the memory
+            they may take (see :class:`~.frames.FrameDecoder`).
     """
 
     def __init__(self, limits: Limits | None = None, *,
-                 pre_hello_max_bytes: int = PRE_HELLO_MAX_BYTES) -> None:
+                 pre_hello_max_bytes: int = PRE_HELLO_MAX_BYTES,
+                 allocate: Callable[[int], Payload] | None = None,
+                 budget: Budget | None = None) -> None:
         self.limits = limits or Limits()
         small = min(pre_hello_max_bytes, self.limits.max_frame_bytes)
-        super().__init__(small, min(small, self.limits.max_header_bytes))
+        super().__init__(small, min(small, self.limits.max_header_bytes), allocate=allocate,
+                         budget=budget)
         self.greeted = False
         # Bytes of each complete request frame, by op (statistics), as they are parsed.
         self.bytes_in: dict[str, int] = {}
@@ -910,6 +944,11 @@ class ServerConnection(_Side):
         if not _is_int(rid) or rid < 1:
             raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
                                 f"op {h.get('op')!r})")
+        if isinstance(frame, OversizedFrame) and frame.reason:
+            out.append(BadRequest(rid, MemoryLimitExceeded.code,
+                                  f"a request of {frame.payload_len} payload bytes was refused: "
+                                  f"{frame.reason}; nothing was stored"))
+            return
         if isinstance(frame, OversizedFrame):
             if not self.greeted:
                 raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
@@ -952,12 +991,15 @@ class ClientConnection(_Side):
 
     Args:
         limits: the limits to respect (the server's, once known from the handshake).
+        allocate: where large parts of received frames come from (see
+            :class:`~.frames.FrameDecoder`).
     """
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, *,
+                 allocate: Callable[[int], Payload] | None = None) -> None:
         self.limits = limits or Limits()
         super().__init__(self.limits.max_frame_bytes + REPLY_SLACK,
-                         self.limits.max_frame_bytes + REPLY_SLACK)
+                         self.limits.max_frame_bytes + REPLY_SLACK, allocate=allocate)
         self.fds = _Fds(writable=True)  # received tensors are the caller's to change
         self.shm = False  # the handshake allowed memfd buffers, both ways
 

@@ -235,8 +235,10 @@ def test_stats_shows_uptime_connections_memory_and_counters(
     stored = c.stats()["server"]["memory"]["stored"]
     size = r"\d+(?:\.\d)? k?B"
     # The total counts what the fixture's session holds too (its remembered replies).
-    assert re.fullmatch(rf"{size} \(no limit\): stored {re.escape(fmt_bytes(stored))}, "
-                        rf"sessions {size}, output {size}", info["memory"]), info["memory"]
+    limit = re.escape(fmt_bytes(c.stats()["server"]["memory"]["max_memory"]))
+    assert re.fullmatch(rf"{size} of max_memory {limit}: stored {re.escape(fmt_bytes(stored))}, "
+                        rf"sessions {size}, output {size}, receiving 0 B", info["memory"]), \
+        info["memory"]
     ops = {ln.split()[0]: ln.split() for ln in out.split("\n\n")[1].splitlines()[2:]}
     assert ops["put"][1] == "3" and ops["append"][1] == "3" and ops["get"][1] == "1"
     assert ops["listen"][1] == "1"

@@ -15,6 +15,7 @@ from tensorshare.wire.frames import (
     ALIGN,
     DIRECT_READ_MIN,
     FORMAT_VERSION,
+    LARGE_PART,
     MAGIC,
     PREFIX,
     Frame,
@@ -527,3 +528,81 @@ def test_direct_read_frame_is_not_affected_by_later_feeds():
     (frame,) = dec.buffer_updated(MiB)
     dec.feed(frame_bytes(b"x", [b"\x00" * 10]))
     assert bytes(frame.payload) == payload
+
+
+# ------------------------------------------------------------------------ memory budget
+
+
+class _Budget:
+    def __init__(self, room: int) -> None:
+        self.room, self.held, self.asked = room, 0, []
+
+    def reserve(self, n: int) -> str | None:
+        self.asked.append(n)
+        if self.held + n > self.room:
+            return f"no room for {n}"
+        self.held += n
+        return None
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+def _big_frame(payload_len: int, header: bytes = b"\x81\xa2id\x07") -> bytes:
+    return b"".join(bytes(c) for c in encode_frame(header, [bytes(payload_len)]))
+
+
+def test_a_large_payload_is_reserved_taken_from_allocate_and_released_when_complete() -> None:
+    budget, taken = _Budget(1 << 20), []
+
+    def allocate(n: int) -> bytearray:
+        taken.append(n)
+        return bytearray(n)
+
+    dec = FrameDecoder(1 << 30, 1 << 20, allocate=allocate, budget=budget)
+    data = _big_frame(LARGE_PART)
+    assert dec.feed(data[:1000]) == []
+    assert budget.held == LARGE_PART and dec.reserved == LARGE_PART and taken == [LARGE_PART]
+    (frame,) = dec.feed(data[1000:])
+    assert isinstance(frame, Frame) and len(frame.payload) == LARGE_PART
+    assert budget.held == 0 and dec.reserved == 0
+
+
+def test_small_parts_are_neither_reserved_nor_allocated() -> None:
+    budget = _Budget(0)
+    def allocate(n: int) -> bytearray:
+        raise AssertionError("a small part is a bytearray")
+
+    dec = FrameDecoder(1 << 30, 1 << 20, allocate=allocate, budget=budget)
+    data = _big_frame(LARGE_PART - 1)
+    (frame,) = dec.feed(data[:10]) + dec.feed(data[10:])
+    assert isinstance(frame, Frame) and budget.asked == []
+
+
+def test_a_payload_over_the_budget_is_refused_and_skipped_and_the_stream_goes_on() -> None:
+    budget = _Budget(LARGE_PART - 1)
+    dec = FrameDecoder(1 << 30, 1 << 20, budget=budget)
+    data = _big_frame(1 << 20) + _big_frame(0, b"\x81\xa2id\x08")
+    out = []
+    for i in range(0, len(data), 4096):  # arrives in pieces
+        out += dec.feed(data[i:i + 4096])
+    refused, nxt = out
+    assert isinstance(refused, OversizedFrame) and refused.reason == f"no room for {1 << 20}"
+    assert isinstance(nxt, Frame) and nxt.header == b"\x81\xa2id\x08"
+    assert budget.held == 0
+
+
+def test_closing_mid_frame_releases_its_reservation() -> None:
+    budget = _Budget(1 << 30)
+    dec = FrameDecoder(1 << 30, 1 << 20, budget=budget)
+    dec.feed(_big_frame(1 << 20)[:5000])
+    assert budget.held == 1 << 20
+    dec.close()
+    assert budget.held == 0 and dec.reserved == 0
+
+
+def test_a_large_header_over_the_budget_is_fatal() -> None:
+    dec = FrameDecoder(1 << 30, 1 << 30, budget=_Budget(0))
+    header = b"\xc6" + (LARGE_PART).to_bytes(4, "big") + bytes(LARGE_PART)
+    with pytest.raises(ProtocolError, match="header of .* refused: no room"):
+        dec.feed(_big_frame(0, header)[:100])
