@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--session-ttl", type=_seconds, default=60.0, metavar="SECONDS",
                    help="keep a disconnected client's session this long for it to resume "
                         "(default 60)")
+    s.add_argument("--max-sessions", type=_count, default=10_000, metavar="N",
+                   help="client sessions kept at once (default 10000); a full table ends the "
+                        "session that has waited longest for its client")
     s.add_argument("--max-connections", type=int, default=1024,
                    help="connections served at once; more are refused (default 1024)")
     s.add_argument("--max-client-buffer", type=_size, default=64 << 20, metavar="BYTES",
@@ -254,7 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
                   "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
 
     config = ServerConfig(limits=limits, max_memory=_max_memory(args.max_memory),
-                          frame_timeout=args.frame_timeout,
+                          frame_timeout=args.frame_timeout, max_sessions=args.max_sessions,
                           session_ttl=args.session_ttl, max_connections=args.max_connections,
                           max_client_buffer=args.max_client_buffer,
                           max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,

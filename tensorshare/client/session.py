@@ -46,6 +46,7 @@ from ..errors import (
 )
 from ..wire.frames import BytesLike
 from ..wire.messages import (
+    Bye,
     Cancel,
     Changed,
     ErrorReply,
@@ -87,6 +88,8 @@ SENT = "sent"  # sent on the current connection, no reply yet
 ABANDONED = "abandoned"  # the caller gave up; kept until the server confirmed a cancel
 FINISHED = "finished"
 
+# How long a closing client waits for the server to answer its bye.
+BYE_WAIT = 1.0
 # Backoff between reconnect attempts: BASE * 2**attempt, at most CAP, times a random factor
 # in [0.5, 1] so that dozens of workers that lost the same server do not return in lockstep.
 BACKOFF_BASE = 0.05
@@ -375,6 +378,18 @@ class ClientSession:
         self._last_ack = ack
         return ack
 
+    def goodbye(self, now: float) -> Call | None:
+        """End the session on the server (a ``bye``, sent with the current acknowledgements):
+        its detached session would otherwise wait ``session_ttl`` for us. The shell sends it,
+        waits a moment for the answer, then closes.
+
+        Returns:
+            The call, or ``None`` when there is nothing to end (not connected, no session).
+        """
+        if self.closed is not None or not self.connected or self.session_id is None:
+            return None
+        return self.call(Bye(0), "goodbye", now, timeout=min(self.timeout, BYE_WAIT))
+
     # -- listeners ----------------------------------------------------------------------------
     def add_listener(self, name: str, callback: Any) -> bool:
         """Register a callback; return whether it is the bin's first (a Listen must be sent)."""
@@ -465,15 +480,24 @@ class ClientSession:
         """Seconds to wait before reconnect attempt ``attempt`` (0, 1, ...), with jitter."""
         return min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 16)) * self.rng.uniform(0.5, 1)
 
-    def close(self, error: TransportError) -> list[Event]:
-        """Fail every call with ``error`` and refuse new ones. Idempotent."""
+    def close(self, error: TransportError, keep: Call | None = None) -> list[Event]:
+        """Fail every call with ``error`` and refuse new ones. Idempotent.
+
+        Args:
+            keep: a call already sent whose answer is still awaited (a closing client's
+                ``bye``): it stays, so its reply can be read.
+        """
         if self.closed is None:
             self.closed = error
         calls, self.calls = self.calls, {}
         self._deadlines.clear()
         out: list[Event] = []
         for c in calls.values():
-            if c.token is not None and c.state != ABANDONED:
+            if c is keep:
+                self.calls[c.id] = c
+                if c.deadline is not None:
+                    heapq.heappush(self._deadlines, (c.deadline, c.id))
+            elif c.token is not None and c.state != ABANDONED:
                 out.append(Done(c, error=type(error)(f"{c.what} failed: {error}")))
         self.connected = False
         return out

@@ -206,11 +206,38 @@ class TxClient(Ops):
         return gatherResults(deferreds).addCallback(pipeline.finish, counts)
 
     def close(self) -> Deferred[None]:
-        """Close the connection; pending requests errback with ConnectionLost at once.
+        """End the session on the server (``bye``: within a second) and close the connection;
+        requests still pending then errback with ConnectionLost.
 
         Returns a Deferred that fires once the connection is gone. Idempotent.
         """
+        if self._closing:
+            return self._close_now()
         self._closing = True
+        call = self.session.goodbye(self.reactor.seconds())
+        bye: Deferred[Any] = Deferred()
+        if call is not None:
+            call.token = bye
+            self._flush()
+        self._process(self.session.close(ConnectionLost(f"client for {self.address} was closed"),
+                                         keep=call))
+        if call is None or self.protocol is None:
+            return self._close_now()
+        # The session is closed now, so no tick will expire the bye: wait for it ourselves.
+        def no_answer() -> None:
+            if not bye.called:
+                bye.callback(None)
+
+        give_up = self.reactor.callLater(call.timeout, no_answer)
+
+        def done(_: Any) -> Deferred[None]:
+            if give_up.active():
+                give_up.cancel()
+            return self._close_now()
+
+        return bye.addBoth(done)
+
+    def _close_now(self) -> Deferred[None]:
         self._process(self.session.close(ConnectionLost(f"client for {self.address} was closed")))
         for t in (self._timer, self._retry):
             if t is not None and t.active():

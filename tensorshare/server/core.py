@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
@@ -114,6 +115,7 @@ class ServerFactory(Factory):
         self.budget = ReceiveBudget(self)
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
         self.responder = Responder(self)
+        self._expiry: IDelayedCall | None = None  # the next detached session's expiry
         self.connections: set[ServerProtocol] = set()
         self._listeners: dict[str, set[ServerProtocol]] = {}
         self.stats = ServerStats()
@@ -143,8 +145,10 @@ class ServerFactory(Factory):
         if loaded.warning:
             log.warn("{warning}", warning=loaded.warning)
         # Sessions come back detached: their clients have session_ttl to resume them.
+        expires = self.reactor.seconds() + config.session_ttl
         for s in self.sessions:
-            s.timer = self.reactor.callLater(config.session_ttl, self.expire, s)
+            self.sessions.detach(s, expires)
+        self._schedule_expiry()
         log.info("loaded {dir}: {bins} bins, {sessions} sessions ({records} log records "
                  "replayed{snap})", dir=p.dir, bins=len(self.store.list()),
                  sessions=len(self.sessions), records=loaded.records,
@@ -212,10 +216,12 @@ class ServerFactory(Factory):
         """Give ``proto`` the session ``sid``: the known one (resumed) or a new one.
 
         A session still attached to another connection is taken over: the old connection
-        is told so (``session_taken_over``) and closed first.
+        is told so (``session_taken_over``) and closed first. A full table makes room by
+        ending the session that has waited longest for its client.
 
         Raises:
-            OverflowError: a new session would exceed ``max_sessions``.
+            OverflowError: a new session would exceed ``max_sessions`` and every session
+                has a connection.
         """
         s = self.sessions.get(sid)
         if s is not None and not resume:
@@ -223,23 +229,31 @@ class ServerFactory(Factory):
             # numbers its requests from scratch: the old session's replies must not answer
             # them. It ends as if it had expired.
             self._take_over(s, proto)
-            s.attached = None
-            self.expire(s)
+            self.end_session(s)
             s = None
         if s is None:
+            self._make_room()
             s = self.sessions.open(sid)
             s.attached = proto
             if self.persist is not None:
                 self.persist.session_record("session", sid)
             return s, False
         self._take_over(s, proto)
-        if s.timer is not None and s.timer.active():
-            s.timer.cancel()
-        s.timer = None
+        self.sessions.reattach(s)
         s.attached = proto
         if resume:
             self.stats.counters["sessions_resumed"] += 1
         return s, True
+
+    def _make_room(self) -> None:
+        if not self.sessions.full:
+            return
+        victim = self.sessions.longest_detached()
+        if victim is not None:
+            self.stats.counters["sessions_evicted"] += 1
+            log.info("the session table is full (max_sessions={n}): ending the session that "
+                     "waited longest for its client", n=self.sessions.max_sessions)
+            self.expire(victim)
 
     def _take_over(self, s: ServerSession, proto: ServerProtocol) -> None:
         old = s.attached
@@ -255,11 +269,43 @@ class ServerFactory(Factory):
         if s.attached is not proto:
             return
         s.attached = None
-        s.timer = self.reactor.callLater(self.config.session_ttl, self.expire, s)
+        self.sessions.detach(s, self.reactor.seconds() + self.config.session_ttl)
+        self._schedule_expiry()
+
+    def end_session(self, s: ServerSession) -> None:
+        """End ``s`` now, as if it had expired (its client said goodbye, or starts anew)."""
+        s.attached = None
+        self.expire(s)
+
+    def _schedule_expiry(self) -> None:
+        """Keep one timer, at the earliest detached session's deadline."""
+        due = self.sessions.next_expiry()
+        timer = self._expiry
+        if due is None:
+            if timer is not None and timer.active():
+                timer.cancel()
+            self._expiry = None
+            return
+        if timer is not None and timer.active():
+            if timer.getTime() <= due:
+                return  # fires first; it reschedules for the rest
+            timer.cancel()
+        self._expiry = self.reactor.callLater(max(due - self.reactor.seconds(), 0.0),
+                                              self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._expiry = None
+        now = self.reactor.seconds()
+        while True:
+            due = self.sessions.next_expiry()
+            s = self.sessions.longest_detached()
+            if due is None or s is None or due > now:
+                break
+            self.expire(s)
+        self._schedule_expiry()
 
     def expire(self, s: ServerSession) -> None:
         """Drop a session whose client did not come back; its unacknowledged gets go back."""
-        s.timer = None
         if s.attached is not None or self.sessions.get(s.id) is not s:
             return
         if self.persist is not None:
@@ -272,7 +318,7 @@ class ServerFactory(Factory):
             self.restore(name, reply, logged=True)
             n += len(reply.items)
         if n:
-            log.info("a session expired; {n} item(s) it had taken but not acknowledged went "
+            log.info("a session ended; {n} item(s) it had taken but not acknowledged went "
                      "back to their bins", n=n)
         self.commit()
 

@@ -29,6 +29,7 @@ from ..errors import (
 from ..wire.messages import (
     Acked,
     Append,
+    Bye,
     Cancel,
     Configure,
     Configured,
@@ -121,7 +122,7 @@ class Responder:
             Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
             Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
             Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
-            Configure: self._configure, Hello: self._hello_again,
+            Configure: self._configure, Hello: self._hello_again, Bye: self._bye,
         }
 
     def handle(self, conn: ServerProtocol, msg: Request) -> None:
@@ -243,6 +244,13 @@ class Responder:
 
     def _hello_again(self, conn: ServerProtocol, msg: Hello) -> None:
         conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code, "handshake already done"))
+
+    def _bye(self, conn: ServerProtocol, msg: Bye) -> None:
+        s, conn.session = conn.session, None
+        if s is not None:
+            self.server.end_session(s)
+        conn.reply(msg, Acked(msg.id, s is not None))
+        conn.close()
 
     def _ping(self, conn: ServerProtocol, msg: Ping) -> None:
         conn.reply(msg, Acked(msg.id, True))

@@ -44,7 +44,18 @@ _COUNTERS: dict[str, tuple[str, str]] = {
                  "remembered replies sent again to a client that reconnected"),
     "sessions_resumed": ("sessions_resumed", "client sessions resumed after a reconnect"),
     "sessions_expired": ("sessions_expired",
-                         "client sessions that expired (their client never came back)"),
+                         "client sessions that ended without their client: expired, ended "
+                         "by a bye, or ended early to make room"),
+    "sessions_evicted": ("sessions_evicted",
+                         "detached client sessions ended early because the session table "
+                         "was full (max_sessions)"),
+    "sessions_taken_over": ("sessions_taken_over",
+                            "sessions taken over by another connection while attached"),
+    "frames_refused_memory": ("frames_refused_memory",
+                              "large frames refused before they arrived: they did not fit "
+                              "in max_memory"),
+    "stalled_frames": ("stalled_frames",
+                       "connections closed for leaving a large frame half sent"),
     "hello_timeouts": ("hello_timeouts", "connections closed for not saying hello in time"),
     "notifications": ("notifications", "change notifications sent to listeners"),
     "notifications_folded": ("notifications_coalesced",
@@ -121,6 +132,8 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
                 stats["listeners"])
     yield gauge("sessions", "client sessions kept now, attached or waiting to be resumed",
                 stats["sessions"])
+    yield gauge("sessions_detached", "client sessions waiting for their client to come back",
+                stats.get("sessions_detached", 0))
     yield gauge("bins", "bins that hold data", stats["bins"])
     yield gauge("items", "items in all bins together",
                 sum(b["n_items"] for b in bins.values()))
@@ -128,10 +141,12 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     yield gauge("stored_bytes", "bytes of the items stored in bins", memory["stored"])
     held = GaugeMetricFamily("tensorshare_held_bytes",
                              "bytes held for clients outside the bins: items of "
-                             "unacknowledged gets and remembered replies (sessions), and "
-                             "output not yet sent (output)", labels=["kind"])
+                             "unacknowledged gets, remembered replies and the sessions "
+                             "themselves (sessions), output not yet sent (output), and frames "
+                             "still being received (receiving)", labels=["kind"])
     held.add_metric(["sessions"], memory["sessions"])
     held.add_metric(["output"], memory["output"])
+    held.add_metric(["receiving"], memory.get("receiving", 0))
     yield held
     yield gauge("memory_bytes", "bytes counted against max_memory: stored + held",
                 memory["total"])

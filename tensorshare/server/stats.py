@@ -107,6 +107,7 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
         "connections": len(f.connections),
         "listeners": f.listener_count(),
         "sessions": len(sessions),
+        "sessions_detached": len(sessions.detached),
         "bins": len(store.list()),
         "memory": {
             "stored": store.nbytes,

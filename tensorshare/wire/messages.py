@@ -19,6 +19,7 @@ T = TypeVar("T")
 __all__ = [
     "Acked",
     "Append",
+    "Bye",
     "Cancel",
     "Changed",
     "Configure",
@@ -199,6 +200,17 @@ class Ping:
 
 
 @dataclass(frozen=True, slots=True)
+class Bye:
+    """The client is done: end its session now (as if it had expired) and close.
+
+    The items of gets it has not acknowledged go back to their bins; acknowledgements that
+    ride on this request are applied first, so a client that got its replies loses nothing.
+    """
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """Give up on a request: a waiting get/peek stops waiting; the items a get already took
     for this session (its reply was not acknowledged) go back to the front of their bin."""
@@ -227,7 +239,7 @@ class Configure:
 
 
 Request = Union[Hello, Put, Append, Fetch, ListBins, Delete, Listen, Unlisten, Ping, Cancel,
-                Stats, Configure]
+                Stats, Configure, Bye]
 
 
 # -- replies and notifications (server -> client) ---------------------------------------------

@@ -53,6 +53,7 @@ from .frames import (
 from .messages import (
     Acked,
     Append,
+    Bye,
     Cancel,
     Changed,
     Configure,
@@ -506,6 +507,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     _op("stats", Stats, _stats_header, _parse_stats, _reply_stats, False, "glob"),
     _op("configure", Configure, _configure_header, _parse_configure, _reply_configured, True,
         "bin", "max_items", "max_bytes", "overflow"),
+    _op("bye", Bye, _no_fields, lambda rid, h, p, lim: Bye(rid), _reply_acked, False),
 )}
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")

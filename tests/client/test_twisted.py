@@ -38,6 +38,7 @@ from tensorshare.errors import (
 from tensorshare.server import EmbeddedServer
 from tensorshare.server.core import ServerFactory
 from tensorshare.wire.messages import (
+    Bye,
     Cancel,
     ErrorReply,
     Fetch,
@@ -715,3 +716,25 @@ def test_listen_and_pipeline_refuse_to_mix(mem: Memory) -> None:
     p = client.pipeline()
     with pytest.raises(TypeError, match="listen cannot be pipelined"):
         p.listen("b", lambda ev: None)
+
+
+def test_close_says_bye_so_the_server_ends_the_session_at_once(mem: Memory) -> None:
+    client, _ = mem.client()
+    assert len(mem.factory.sessions) == 1
+    closing = client.close()
+    mem.flush()
+    assert success(closing) is None
+    assert len(mem.factory.sessions) == 0  # not kept for session_ttl
+
+
+def test_close_does_not_wait_more_than_a_second_for_a_silent_server() -> None:
+    client, transport, clock = string_client(timeout=10)
+    client.protocol.dataReceived(hello_reply())
+    assert success(client.ready) is client
+    pending = client.get("y", timeout=None)
+    closing = client.close()
+    failure(pending, ConnectionLost)  # at once
+    assert isinstance(sent_requests(transport)[-1], Bye)
+    assert not fired(closing) and not transport.disconnecting
+    clock.advance(1.0)  # no answer to the bye: close anyway
+    assert transport.disconnecting

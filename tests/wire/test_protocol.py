@@ -28,6 +28,7 @@ from tensorshare.wire.frames import DIRECT_READ_MIN, BytesLike, encode_frame
 from tensorshare.wire.messages import (
     Acked,
     Append,
+    Bye,
     Cancel,
     Changed,
     Configure,
@@ -251,6 +252,7 @@ SAMPLE_REQUESTS: dict[str, Any] = {
     "cancel": Cancel(11, 4),
     "stats": Stats(12, "w*"),
     "configure": Configure(13, "w", 5, 1 << 20, "drop_oldest"),
+    "bye": Bye(14),
 }
 
 REQUESTS: list[Any] = [
