@@ -25,6 +25,8 @@
         ├── LimitExceeded                  a frame, header, depth or name limit was hit
         │   ├── MemoryLimitExceeded        storing the value would exceed the server's memory limit
         │   └── BinFull                    the bin is at its configured max_items / max_bytes
+        ├── StorageUnavailable             the server cannot write its data log (a full disk):
+        │                                  writes are refused until it can, reads go on
         └── UnsupportedVersion             no protocol version in common with the server
 
 Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError`` /
@@ -55,6 +57,7 @@ __all__ = [
     "ServerError",
     "SessionLost",
     "SessionTakenOver",
+    "StorageUnavailable",
     "TensorShareError",
     "Timeout",
     "TransportError",
@@ -201,6 +204,15 @@ class ReplyTimeout(Timeout, TransportError):
     """
 
 
+class StorageUnavailable(ServerError):
+    """The server cannot write its data log (a full disk, an I/O error), so it refuses writes
+    until it can; nothing was changed. Reads, listens and stats still work, and the server
+    accepts writes again by itself once the log can be written. The message names the data
+    directory and the cause."""
+
+    code = "storage_unavailable"
+
+
 class UnsupportedVersion(ServerError):
     """The client and the server share no protocol version."""
 
@@ -211,7 +223,7 @@ class UnsupportedVersion(ServerError):
 ERROR_CODES: dict[str, type[TensorShareError]] = {
     cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
                               MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
-                              ProtocolError, SessionTakenOver)
+                              ProtocolError, SessionTakenOver, StorageUnavailable)
     if cls.code is not None
 }
 

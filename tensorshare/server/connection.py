@@ -192,14 +192,18 @@ class ServerProtocol(Protocol):
         return int(getattr(self.transport, "queued_bytes", 0))
 
     # -- output -----------------------------------------------------------------------------
-    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None) -> None:
-        """Queue a frame; ``shared``: shared memory whose descriptors go with it."""
+    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
+                     hold: bool = False) -> None:
+        """Queue a frame; ``shared``: shared memory whose descriptors go with it.
+
+        ``hold``: the reply of a write: with a data directory it leaves only once the write
+        is in the data log (on disk with fsync "always"): held until the batch is committed
+        (see :meth:`ServerFactory.commit`).
+        """
         if self._closed:
             return
         f = self.factory
-        if f.holding:
-            # With fsync "always" nothing that depends on a write leaves before the write is
-            # on disk: held until the batch is committed (see ServerFactory.commit).
+        if hold and f.holding:
             f.held.append((self, chunks, shared))
             return
         queued = self.queued_bytes
@@ -256,7 +260,7 @@ class ServerProtocol(Protocol):
         started = self.started.pop(msg.id, None)
         if started is not None:
             f.stats.observe(op, sum(len(c) for c in chunks), time.perf_counter() - started)
-        self.write_chunks(chunks, shared)
+        self.write_chunks(chunks, shared, hold=OPS[op].mutating)
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:
         """What ties a store effect to ``msg`` (for the data log's remembered replies)."""

@@ -43,6 +43,9 @@ __all__ = ["ServerFactory"]
 
 log = Logger(namespace="tensorshare.server")
 
+# Free space (beyond the data log's margin) that counts as "writes work again".
+RECOVERED_ROOM = 1 << 20
+
 
 class ReceiveBudget:
     """What frames still being received may reserve of ``max_memory`` (the frame decoders'
@@ -122,7 +125,8 @@ class ServerFactory(Factory):
         self.held: list[tuple[ServerProtocol, Sequence[BytesLike], list[Any] | None]] = []
         # bin -> the last peek reply's encoding (see encode_peek); dropped on any change.
         self._peek_cache: dict[str, tuple[Any, ...]] = {}
-        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._retry_log: IDelayedCall | None = None  # a retry of an unwritable data log
+        self.refusing: str | None = None  # why writes are refused now (a full disk)
         self.persist: Persistence | None = None
         self.loaded: Loaded | None = None
         if config.data_dir is not None:
@@ -346,27 +350,90 @@ class ServerFactory(Factory):
     # -- persistence ------------------------------------------------------------------------
     @property
     def holding(self) -> bool:
-        """Whether output must wait for the data log (fsync "always", records pending)."""
+        """Whether replies to writes must wait for the data log (records are pending)."""
         p = self.persist
-        return p is not None and p.fsync == "always" and p.dirty
+        return p is not None and p.dirty
 
     def commit(self) -> None:
-        """End of a batch of work: write the data log, then release held output."""
+        """End of a batch of work: write the data log, then release held output.
+
+        When the log cannot be written (a full disk), the records and the replies that wait
+        for them are kept, writes are refused (:meth:`storage_refuses`), and the log is
+        tried again every second: the first write that succeeds accepts writes again.
+        """
         p = self.persist
         if p is None:
             return
         if p.dirty:
+            was_failing = p.failed is not None
             try:
                 p.flush()
             except OSError as exc:
-                self._log_failed(exc)
+                self._storage_failed(exc, was_failing)
                 return
+            if was_failing:
+                self._storage_recovered()
         if self.held:
             held, self.held = self.held, []
             for proto, chunks, shared in held:
-                proto.write_chunks(chunks, shared)
+                proto.write_chunks(chunks, shared, hold=True)
         if p.snapshot_due():
             self.snapshot()
+
+    def storage_refuses(self, nbytes: int) -> str | None:
+        """Why a write of about ``nbytes`` cannot be accepted now (``None``: it can)."""
+        p = self.persist
+        if p is None:
+            return None
+        # Once refusing, every write is refused until there is room for an ordinary one
+        # again (not only for a small one): a client sees one state, not a flicker.
+        why = p.room(nbytes if self.refusing is None else max(nbytes, RECOVERED_ROOM))
+        if why is None:
+            if self.refusing is not None:
+                self.refusing = None
+                self._storage_recovered()
+            return None
+        if self._retry_log is None:  # look again by itself once there may be room
+            self._retry_log = self.reactor.callLater(1.0, self._retry_storage)
+        self.refusing = (f"the server cannot write its data log in {p.dir} ({why}): writes are "
+                         f"refused until there is room again; reads, listens and stats go on")
+        return self.refusing
+
+    def _storage_failed(self, exc: OSError, already: bool) -> None:
+        if not already:
+            self.stats.counters["storage_failures"] += 1
+            log.critical("cannot write the data log in {dir}: {error}; refusing writes until "
+                         "that works again (what was acknowledged is safe; the replies to "
+                         "what was not written yet wait for it)",
+                         dir=self.persist.dir if self.persist else "?", error=exc)
+        if self._retry_log is None:
+            self._retry_log = self.reactor.callLater(1.0, self._retry_storage)
+
+    def storage_state(self) -> str | None:
+        """Why writes are being refused now (``None``: they are accepted)."""
+        p = self.persist
+        if p is not None and p.failed is not None:
+            return self.refusing or f"the data log in {p.dir} cannot be written: {p.failed}"
+        return self.refusing
+
+    def _storage_recovered(self) -> None:
+        log.warn("the data log in {dir} can be written again: accepting writes",
+                 dir=self.persist.dir if self.persist else "?")
+
+    def _retry_storage(self) -> None:
+        self._retry_log = None
+        p = self.persist
+        if p is None:
+            return
+        if p.dirty or p.failed is not None:
+            if not p.dirty:  # nothing pending: see whether a write would succeed now
+                p.failed = None
+            self.commit()
+        if self.refusing is not None and p.room(RECOVERED_ROOM) is None:
+            self.refusing = None  # room again for an ordinary write
+            self._storage_recovered()
+        if (self.refusing is not None or p.failed is not None) and self._retry_log is None:
+            self._retry_log = self.reactor.callLater(1.0, self._retry_storage)
 
     def snapshot(self, wait: bool = False) -> None:
         """Write a snapshot of the state now (in a background thread unless ``wait``)."""
@@ -383,18 +450,7 @@ class ServerFactory(Factory):
         try:
             p.snapshot(self.store, self.sessions, wait=wait, done=done)
         except OSError as exc:
-            self._log_failed(exc)
-
-    def _log_failed(self, exc: OSError) -> None:
-        # What the server holds is now ahead of its disk: acknowledging anything more would
-        # be a lie. Stop, so that a restart recovers what was acknowledged.
-        log.critical("cannot write the data log in {dir}: {error}; stopping the server",
-                     dir=self.persist.dir if self.persist else "?", error=exc)
-        self.held.clear()
-        for proto in list(self.connections):
-            proto.abort()
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
+            self._storage_failed(exc, p.failed is not None)
 
     def close_persistence(self) -> None:
         """Flush, write a final snapshot and release the data directory (at shutdown)."""

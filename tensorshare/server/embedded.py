@@ -55,12 +55,10 @@ class EmbeddedServer:
         self.unix = unix
         self._ports: list[Any] = []
         self.reactor = EPollReactor()
-        self.error: BaseException | None = None  # why the server stopped by itself, if it did
         self._stopping = False
         self._reactor_closed = False
         try:
             self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
-            self.factory.on_fatal = self._fatal
             if port is not None:
                 self._ports.append(listen_fast_tcp(self.reactor, port, self.factory,
                                                    interface=host))
@@ -116,10 +114,6 @@ class EmbeddedServer:
             self.reactor.run(installSignalHandlers=False)
         finally:
             self._done.set()
-
-    def _fatal(self, error: BaseException) -> None:
-        self.error = error
-        self.reactor.callLater(0, self._shutdown)
 
     def _shutdown(self) -> None:
         if self._stopping or not self.reactor.running:
@@ -217,5 +211,3 @@ def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
             import signal
 
             signal.signal(signal.SIGTERM, previous)
-    if server.error is not None:
-        raise RuntimeError(f"the server stopped: {server.error}")

@@ -23,6 +23,7 @@ from ..errors import (
     InvalidRequest,
     LimitExceeded,
     ServerError,
+    StorageUnavailable,
     WaitTimeout,
     code_for,
 )
@@ -99,6 +100,15 @@ def configure_effect(store: Store, msg: Configure, ctx: Ctx = None) -> Configure
     return Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow)
 
 
+def _log_size(msg: Request) -> int:
+    """About what a write adds to the data log."""
+    if type(msg) is Put:
+        return item_wire_size(msg.item) + 256
+    if type(msg) is Append:
+        return sum(item_wire_size(it) for it in msg.items) + 256
+    return 256
+
+
 def _stored(rid: int, w: Written) -> Stored:
     return Stored(rid, w.version, w.n_items, w.dropped)
 
@@ -129,7 +139,8 @@ class Responder:
         """Serve one request of ``conn`` (after its handshake). Never raises: a failure
         costs this request an error reply, never the connection or the server."""
         s = conn.session
-        if s is not None and OPS[op_name(msg)].mutating:
+        mutating = OPS[op_name(msg)].mutating
+        if s is not None and mutating:
             old = s.lookup(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
@@ -137,6 +148,10 @@ class Responder:
                 conn.send(old)
                 return
         try:
+            if mutating and self.server.persist is not None:
+                why = self.server.storage_refuses(_log_size(msg))
+                if why is not None:
+                    raise StorageUnavailable(why)
             self._handlers[type(msg)](conn, msg)
         except ServerError as exc:
             conn.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))

@@ -68,6 +68,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
                              "waiting for them (their queued replies and notifications "
                              "were dropped)"),
     "snapshots_started": ("snapshots", "snapshots of the data directory started"),
+    "storage_failures": ("storage_failures", "times the data log could not be written (a "
+                         "full disk, an I/O error) and writes were refused until it could"),
 }
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -152,6 +154,10 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
                 memory["total"])
     if memory.get("max_memory") is not None:
         yield gauge("max_memory_bytes", "the server's max_memory", memory["max_memory"])
+    persistence = stats.get("persistence")
+    if persistence is not None:
+        yield gauge("storage_writable", "1 while the data log can be written; 0 while writes "
+                    "are refused (a full disk)", 1 if persistence["writable"] else 0)
     waiting = stats["waiting"]
     yield gauge("waiting_fetches", "get/peek requests waiting for data now",
                 waiting["fetches"])

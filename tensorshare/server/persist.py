@@ -237,7 +237,12 @@ class Persistence:
         self._sync_stop = threading.Event()
         self._sync_thread: threading.Thread | None = None
         self._snapshot_thread: threading.Thread | None = None
-        self.failed: BaseException | None = None  # a write failed: the data set is not safe
+        # Why the log cannot be written now (a full disk, an I/O error): writes are refused
+        # until a retry succeeds; what was not written is kept and written then.
+        self.failed: OSError | None = None
+        self._free = 0  # bytes free on the data directory's filesystem, at _free_at
+        self._free_at = -1.0
+        self._margin = 1 << 20  # kept free beyond a record (see room)
         self.server_id = ""
 
     # -- opening and loading ------------------------------------------------------------------
@@ -298,7 +303,10 @@ class Persistence:
             store.max_memory = max_memory
             store.journal = journal
         self._segment = (replay[-1] if replay else base) + 1
-        self._open_segment()
+        try:
+            self._open_segment()
+        except OSError as exc:  # a full disk: start anyway, refusing writes until it has room
+            self.failed = exc
         self.last_snapshot = time.monotonic()
         if self.fsync == "everysec":
             self._sync_thread = threading.Thread(target=self._sync_loop, daemon=True,
@@ -484,25 +492,59 @@ class Persistence:
         """Write the pending records (and fsync them, with ``fsync="always"``).
 
         Raises:
-            OSError: the log could not be written (the server must stop: what it holds in
-                memory is ahead of the disk).
+            OSError: the log could not be written (a full disk, an I/O error). What was
+                partly written is cut off again and every pending record is kept: the next
+                ``flush`` writes them. Until one succeeds, :attr:`failed` says why.
         """
         if not self._pending:
             return
-        chunks, self._pending = self._pending, []
-        n, self._pending_bytes = self._pending_bytes, 0
-        assert self._fd is not None
         try:
-            _writev_all(self._fd, chunks)
+            if self._fd is None:
+                self._open_segment()
+            assert self._fd is not None
+            _writev_all(self._fd, self._pending)
             if self.fsync == "always":
                 os.fsync(self._fd)
             else:
                 self._unsynced = True
         except OSError as exc:
             self.failed = exc
+            self._free_at = -1.0
+            if self._fd is not None:
+                try:  # no half record may stay in the middle of the log
+                    os.ftruncate(self._fd, self.log_bytes)
+                except OSError:
+                    pass
             raise
+        n = self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+        self.failed = None
         self.log_bytes += n
         self.written += n
+        self._free -= n
+
+    def room(self, nbytes: int) -> str | None:
+        """Whether a write of about ``nbytes`` may be accepted now: ``None``, or why not.
+
+        Refused while the log cannot be written (:attr:`failed`), and when the filesystem's
+        free space (looked up at most every 100 ms) would fall below a small margin.
+        """
+        if self.failed is not None:
+            return f"{self.failed.strerror or self.failed}"
+        now = time.monotonic()
+        if now - self._free_at > 0.1 or self._free - self._pending_bytes < nbytes + self._margin:
+            try:
+                st = os.statvfs(self.dir)
+            except OSError as exc:
+                return str(exc)
+            self._free, self._free_at = st.f_bavail * st.f_frsize, now
+            # Keep 1% of the filesystem (at least 1 MiB, at most 64 MiB) for what cannot be
+            # refused: session records, and the records of writes already accepted.
+            self._margin = min(max(st.f_blocks * st.f_frsize // 100, 1 << 20), 64 << 20)
+        if self._free - self._pending_bytes < nbytes + self._margin:
+            return (f"No space left on device for {nbytes} more bytes ("
+                    f"{max(self._free, 0)} free)")
+        return None
 
     def _sync_loop(self) -> None:
         while not self._sync_stop.wait(1.0):
@@ -515,7 +557,7 @@ class Persistence:
                 self._unsynced = False
                 try:
                     os.fsync(self._fd)
-                except OSError as exc:
+                except OSError as exc:  # what is written but not on disk: write it again
                     self.failed = exc
 
     def _open_segment(self) -> None:
@@ -593,6 +635,19 @@ class Persistence:
     def _write_snapshot(self, number: int, state: _State) -> None:
         path = self._path("snapshot", number)
         tmp = path + ".tmp"
+        try:
+            self._write_snapshot_file(tmp, state)
+        except BaseException:
+            try:  # a snapshot that could not be written must not take the space it got
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        os.replace(tmp, path)
+        _fsync_dir(self.dir)
+        self._drop_covered(number)
+
+    def _write_snapshot_file(self, tmp: str, state: _State) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             batch: list[BytesLike] = [SNAP_MAGIC]
@@ -608,9 +663,9 @@ class Persistence:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(self.dir)
-        # The snapshot is durable: everything it covers can go.
+
+    def _drop_covered(self, number: int) -> None:
+        """The snapshot ``number`` is durable: everything it covers can go."""
         for name in os.listdir(self.dir):
             m = _LOG_RE.match(name) or _SNAP_RE.match(name)
             if m is None:
@@ -624,6 +679,11 @@ class Persistence:
         self._sync_stop.set()
         if self._sync_thread is not None:
             self._sync_thread.join(10)
+        if self.failed is not None:
+            try:  # a last try: space may have come back
+                self.flush()
+            except OSError:
+                pass
         if self.failed is None:
             try:
                 if store is not None and sessions is not None:

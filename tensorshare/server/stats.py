@@ -119,6 +119,7 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
             "pool_idle": f.pool.idle,
         },
         "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
+        "persistence": _persistence(f),
         "counters": report["counters"],
         "errors": report["errors"],
         "requests": report["requests"],
@@ -126,6 +127,14 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
         "bytes_out": report["bytes_out"],
         "latency": report["latency"],
     }
+
+
+def _persistence(f: ServerFactory) -> dict[str, Any] | None:
+    p = f.persist
+    if p is None:
+        return None
+    why = f.storage_state()
+    return {"dir": p.dir, "fsync": p.fsync, "writable": why is None, "error": why}
 
 
 def bin_stats(f: ServerFactory, glob: str | None = None) -> dict[str, dict[str, Any]]:
