@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
+    AuthenticationError,
     BinFull,
     BinNotFound,
     CodecError,
@@ -21,6 +22,7 @@ from .errors import (
     InvalidRequest,
     LimitExceeded,
     MemoryLimitExceeded,
+    PermissionDenied,
     ProtocolError,
     ReplyTimeout,
     ServerError,
@@ -37,6 +39,7 @@ from .errors import (
 
 __all__ = [
     "NOWAIT",
+    "AuthenticationError",
     "BinFull",
     "BinNotFound",
     "Client",
@@ -49,6 +52,7 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "MemoryLimitExceeded",
+    "PermissionDenied",
     "ProtocolError",
     "RLTrainer",
     "RLWorker",

@@ -25,6 +25,8 @@
         ├── LimitExceeded                  a frame, header, depth or name limit was hit
         │   ├── MemoryLimitExceeded        storing the value would exceed the server's memory limit
         │   └── BinFull                    the bin is at its configured max_items / max_bytes
+        ├── AuthenticationError            no token, a wrong token, or a server without it
+        ├── PermissionDenied               the read-only token may not do this
         ├── StorageUnavailable             the server cannot write its data log (a full disk):
         │                                  writes are refused until it can, reads go on
         └── UnsupportedVersion             no protocol version in common with the server
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 __all__ = [
     "ERROR_CODES",
+    "AuthenticationError",
     "BinNotFound",
     "CodecError",
     "ConnectError",
@@ -52,6 +55,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "BinFull",
     "NestingTooDeep",
+    "PermissionDenied",
     "ProtocolError",
     "ReplyTimeout",
     "ServerError",
@@ -204,6 +208,20 @@ class ReplyTimeout(Timeout, TransportError):
     """
 
 
+class AuthenticationError(ServerError):
+    """The handshake failed: no token, a wrong token, or a server that cannot prove it knows
+    the token. The message names the server. Never retried as if it were a network blip."""
+
+    code = "authentication_failed"
+
+
+class PermissionDenied(ServerError):
+    """The connection's token may not do this (the read-only token may only peek, list, stat
+    and listen). The message names the operation; the connection stays usable."""
+
+    code = "permission_denied"
+
+
 class StorageUnavailable(ServerError):
     """The server cannot write its data log (a full disk, an I/O error), so it refuses writes
     until it can; nothing was changed. Reads, listens and stats still work, and the server
@@ -223,7 +241,8 @@ class UnsupportedVersion(ServerError):
 ERROR_CODES: dict[str, type[TensorShareError]] = {
     cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
                               MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
-                              ProtocolError, SessionTakenOver, StorageUnavailable)
+                              ProtocolError, SessionTakenOver, StorageUnavailable,
+                              AuthenticationError, PermissionDenied)
     if cls.code is not None
 }
 

@@ -144,9 +144,14 @@ class ChaosProxy:
         target: ``(host, port)`` to forward to (changeable with :meth:`set_target`).
         seed: seeds every random choice (default: :func:`chaos_seed`).
         faults: the faults of new connections (default: none; see :meth:`set_faults`).
+        first: faults for the first connections only, in order (then ``faults``).
+        tap: keep every byte forwarded (:attr:`captured`), for tests that check what a
+            listener on the network sees.
 
     Attributes:
         port: the first listening port. seed: the seed in use.
+        captured: with ``tap``, ``{"up": bytes client to server, "down": ...}`` of every
+            connection, in the order forwarded.
 
     Example::
 
@@ -158,8 +163,12 @@ class ChaosProxy:
     """
 
     def __init__(self, target: tuple[str, int], *, seed: int | None = None,
-                 faults: Faults = NO_FAULTS) -> None:
+                 faults: Faults = NO_FAULTS, first: tuple[Faults, ...] = (),
+                 tap: bool = False) -> None:
         self.seed = chaos_seed() if seed is None else seed
+        self._first = collections.deque(first)
+        self._tap = tap
+        self.captured: dict[str, bytearray] = {"up": bytearray(), "down": bytearray()}
         self.error: str | None = None  # the traceback, if the proxy thread failed
         self._target = target
         self._faults = faults
@@ -426,11 +435,12 @@ class ChaosProxy:
             server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._count += 1
             rng = random.Random(f"{self.seed}/{self._count}")
-            conn = _Conn(self._count, port, client, server, rng, self._faults)
+            faults = self._first.popleft() if self._first else self._faults
+            conn = _Conn(self._count, port, client, server, rng, faults)
             self._owner[client] = conn
             self._owner[server] = conn
             self._conns.append(conn)
-            self._draw(conn, self._faults)
+            self._draw(conn, faults)
             err = server.connect_ex(self._target)
             if err not in (0, errno.EINPROGRESS):
                 counter["backend_errors"] += 1
@@ -469,6 +479,8 @@ class ChaosProxy:
             pipe.eof = True
             self._pump(conn, pipe)
             return
+        if self._tap:
+            self.captured[pipe.name] += data
         faults, rng = conn.faults, conn.rng
         now = time.monotonic()
         view = memoryview(data)

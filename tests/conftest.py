@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -38,3 +39,36 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         tick.wait(0.005)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a test CA and a server certificate it signed (for localhost and
+    127.0.0.1), another CA that signed nothing here, and a certificate for ``localhost``
+    only (to reach by another name)."""
+
+    ca: str
+    cert: str
+    key: str
+    other_ca: str
+    localhost_cert: str
+    localhost_key: str
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    import trustme  # a well-kept library makes the certificates, not the test by hand
+
+    where = tmp_path_factory.mktemp("tls")
+    ca, other = trustme.CA(), trustme.CA()
+    both = ca.issue_cert("localhost", "127.0.0.1")
+    local = ca.issue_cert("localhost")
+    paths = {name: str(where / f"{name}.pem") for name in
+             ("ca", "cert", "key", "other_ca", "localhost_cert", "localhost_key")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    other.cert_pem.write_to_path(paths["other_ca"])
+    for cert, c, k in ((both, "cert", "key"), (local, "localhost_cert", "localhost_key")):
+        for i, blob in enumerate(cert.cert_chain_pems):
+            blob.write_to_path(paths[c], append=i > 0)
+        cert.private_key_pem.write_to_path(paths[k])
+    return TlsFiles(**paths)

@@ -121,6 +121,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="close a connection that leaves a large frame half sent for this "
                         "long, releasing the memory it reserved (default 60)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sec = s.add_argument_group("security (see the README's Security section)")
+    sec.add_argument("--token-file", default=None, metavar="PATH",
+                     help="clients must prove they know the token in this file (it never "
+                          "crosses the wire); default: TENSORSHARE_TOKEN or the file "
+                          "TENSORSHARE_TOKEN_FILE names")
+    sec.add_argument("--read-token-file", default=None, metavar="PATH",
+                     help="a second token that may only peek, list, stats and listen "
+                          "(dashboards, monitors, evaluation jobs)")
+    sec.add_argument("--tls-cert", default=None, metavar="PEM",
+                     help="serve TLS with this certificate (its chain after it); clients use "
+                          "tensorshare+tls://HOST:PORT. Default: TENSORSHARE_TLS_CERT")
+    sec.add_argument("--tls-key", default=None, metavar="PEM",
+                     help="the certificate's private key (default: TENSORSHARE_TLS_KEY)")
+    sec.add_argument("--insecure", action="store_true",
+                     help="listen on an address other machines can reach without a token "
+                          "(refused otherwise): only on a network you trust")
 
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (0 picks a free "
@@ -133,12 +149,21 @@ def _parser() -> argparse.ArgumentParser:
 
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--host", default="127.0.0.1",
-                      help="server address (default 127.0.0.1), or a URL: "
-                           "tensorshare://HOST:PORT, unix://PATH")
-    conn.add_argument("--port", type=int, default=8000, help="server port (default 8000)")
+    conn.add_argument("--host", default=None,
+                      help="server address, or a URL: tensorshare://HOST:PORT, "
+                           "tensorshare+tls://HOST:PORT, unix://PATH (default: TENSORSHARE_URL, "
+                           "else 127.0.0.1)")
+    conn.add_argument("--port", type=int, default=None, help="server port (default 8000)")
     conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
                       help="seconds the server has to answer (default 5)")
+    conn.add_argument("--tls", action="store_true", default=None,
+                      help="connect with TLS (as a tensorshare+tls:// URL does)")
+    conn.add_argument("--tls-ca", default=None, metavar="PEM",
+                      help="the CA that signed the server's certificate (default: "
+                           "TENSORSHARE_TLS_CA, else the system's)")
+    conn.add_argument("--token-file", default=None, metavar="PATH",
+                      help="the server's token (default: TENSORSHARE_TOKEN or the file "
+                           "TENSORSHARE_TOKEN_FILE names)")
 
     ls = sub.add_parser("ls", parents=[conn], help="the bins: kind, items, bytes, what they "
                         "hold, version, listeners, last change")
@@ -252,11 +277,25 @@ def _serve(args: argparse.Namespace) -> int:
             exporter.collector.server = server
             print(f"metrics at {exporter.url}", flush=True)
         print(_memory_line(server.factory.config.max_memory), flush=True)
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            print("warning: this server accepts connections from other machines and has no "
-                  "authentication; only use it on a trusted network", file=sys.stderr, flush=True)
+        print(_security_line(server), flush=True)
+        if server.factory.config.insecure and not server.factory.keys:
+            print("warning: --insecure: this server accepts connections from other machines "
+                  "and has no token; only use it on a trusted network", file=sys.stderr,
+                  flush=True)
 
-    config = ServerConfig(limits=limits, max_memory=_max_memory(args.max_memory),
+    security: dict[str, Any] = {"insecure": args.insecure}
+    try:
+        if args.token_file is not None:
+            security["token"] = _read(args.token_file)
+        if args.read_token_file is not None:
+            security["read_token"] = _read(args.read_token_file)
+    except OSError as exc:
+        print(f"tensorshare serve: cannot read a token file: {exc}", file=sys.stderr)
+        return 2
+    for name in ("tls_cert", "tls_key"):
+        if getattr(args, name) is not None:
+            security[name] = getattr(args, name)
+    config = ServerConfig(**security, limits=limits, max_memory=_max_memory(args.max_memory),
                           frame_timeout=args.frame_timeout, max_sessions=args.max_sessions,
                           session_ttl=args.session_ttl, max_connections=args.max_connections,
                           max_client_buffer=args.max_client_buffer,
@@ -269,6 +308,20 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if exporter is not None:
             exporter.stop()
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _security_line(server: Any) -> str:
+    config = server.factory.config
+    keys = server.factory.keys
+    auth = "off (no token)" if not keys else (
+        "token required" + (", read-only token too" if "read" in keys else ""))
+    tls = "on" if config.tls_cert else "off"
+    return f"authentication: {auth}; TLS: {tls}"
 
 
 def _max_memory(value: int | str | None) -> int | None:
@@ -309,6 +362,9 @@ def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list
     except DataError as exc:
         print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # protected mode, a bad token, TLS files that do not load
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         where = f"{args.host}:{args.port}" + (f" or unix://{args.unix}" if args.unix else "")
         print(f"tensorshare serve: cannot listen on {where}: {exc}", file=sys.stderr)

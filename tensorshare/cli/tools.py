@@ -135,9 +135,20 @@ def _client(args: argparse.Namespace, *, reconnect: bool = False) -> Client:
 
     try:
         return Client(args.host, args.port, timeout=args.timeout, reconnect=reconnect,
-                      session=False, name=f"tensorshare-{args.command}")
-    except ValueError as exc:  # an address the client cannot use
+                      session=False, name=f"tensorshare-{args.command}", tls=args.tls,
+                      tls_ca=args.tls_ca, token_file=args.token_file)
+    except (ValueError, OSError) as exc:  # an address or a token file the client cannot use
         raise ToolError(str(exc)) from None
+
+
+def _where(args: argparse.Namespace) -> str:
+    """The server's address as the command was told it (or the environment says)."""
+    from ..client.endpoint import resolve
+
+    try:
+        return str(resolve(args.host, args.port, tls=args.tls))
+    except ValueError:
+        return f"{args.host}:{args.port}"
 
 
 class _Interrupt:
@@ -627,7 +638,7 @@ def run_monitor(args: argparse.Namespace) -> int:
     """
     rates = _Rates(args.history)
     console = _console()
-    address = f"{args.host}:{args.port}"
+    address = _where(args)
     snap: dict[str, Any] | None = None
     problem: str | None = None
 
@@ -705,7 +716,7 @@ def run_stats(args: argparse.Namespace) -> int:
     limit = " (no limit)" if mem["max_memory"] is None else \
         f" of max_memory {fmt_bytes(mem['max_memory'])}"
     rows = [
-        ("server", f"{s['server']} at {args.host}:{args.port} (id {s['server_id']})"),
+        ("server", f"{s['server']} at {_where(args)} (id {s['server_id']})"),
         ("uptime", fmt_age(s["uptime"])),
         ("connections", f"{s['connections']} open, {counters.get('connections_total', 0)} "
                         f"since start, {counters.get('connections_refused', 0)} refused"),

@@ -27,16 +27,24 @@ import os
 import queue
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
-from ..wire.address import parse_address
+from ..errors import (
+    ConnectError,
+    ConnectionLost,
+    ServerError,
+    TensorShareError,
+    error_from_code,
+)
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Item, Limits
+from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
+from .endpoint import Endpoint, resolve
 from .ops import (
     NOWAIT,
     BinLimits,
@@ -49,7 +57,7 @@ from .ops import (
     make_item,
 )
 from .pipeline import Pipeline
-from .session import Call, ClientSession, Done, Drop, Notify, Ready
+from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
 
 __all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
@@ -145,10 +153,12 @@ class Client(Ops):
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
-        host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT`` or
-            ``unix://PATH`` for a server on this machine's Unix socket (faster, and large
-            tensors may travel through shared memory, see ``shm``).
-        port: server port (ignored for a URL).
+        host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT``,
+            ``tensorshare+tls://HOST:PORT``, or ``unix://PATH`` for a server on this
+            machine's Unix socket (faster, and large tensors may travel through shared
+            memory, see ``shm``). Neither host nor port: ``TENSORSHARE_URL``, else
+            ``127.0.0.1:8000`` (see :mod:`tensorshare.client.endpoint`).
+        port: server port (ignored for a URL; default 8000).
         timeout: seconds the server has to answer a request (a get/peek that waits for data
             gets its wait on top); also how long the first connection may take.
         reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
@@ -169,11 +179,19 @@ class Client(Ops):
             ``shm_min_bytes`` through shared memory instead of the socket: a put writes them
             once into a sealed memfd, a get maps the server's with no copy at all.
         shm_min_bytes: the smallest buffer worth sharing (below, the socket is faster).
+        tls: connect with TLS (default: as the URL or ``TENSORSHARE_URL`` says).
+        tls_ca: the CA that signed the server's certificate (default ``TENSORSHARE_TLS_CA``,
+            else the system's); the server's host name is checked too.
+        token, token_file: the server's token (default ``TENSORSHARE_TOKEN`` or the file
+            ``TENSORSHARE_TOKEN_FILE`` names); it never crosses the wire.
 
     Raises:
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
-            keeps trying until then: workers may start before their server), or the
-            handshake failed.
+            keeps trying until then, through connections dropped mid-handshake: workers may
+            start before their server), or TLS failed (a wrong CA or host name, a server
+            that does not speak TLS or one that only does).
+        AuthenticationError, UnsupportedVersion, LimitExceeded: the server refused the
+            handshake (a missing or wrong token, no common version, no room); never retried.
 
     Example::
 
@@ -181,20 +199,25 @@ class Client(Ops):
             c.put("weights", {"w": torch.randn(3, 3)})
             print(c.peek("weights"))
     """
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
-                 reconnect: bool | float = True, compress: str | None = None,
-                 compress_min_bytes: int = 64 * 1024, name: str = "tensorshare-python",
-                 session: bool = True, heartbeat: float | None = None,
+    def __init__(self, host: str | None = None, port: int | None = None,
+                 timeout: float = 30.0, *, reconnect: bool | float = True,
+                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
+                 name: str = "tensorshare-python", session: bool = True,
+                 heartbeat: float | None = None,
                  connector: Callable[[], socket.socket] | None = None, shm: bool = True,
-                 shm_min_bytes: int = 1 << 20) -> None:
+                 shm_min_bytes: int = 1 << 20, tls: bool | None = None,
+                 tls_ca: str | None = None, token: str | bytes | None = None,
+                 token_file: str | None = None) -> None:
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
-        where = parse_address(host, port)
+        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
+                                token_file=token_file)
+        where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
-        self.address = str(where)
+        self.address = str(self.endpoint)
         self._connector = connector
         self._options = (name, session, heartbeat, shm)
         self.shm_min_bytes = shm_min_bytes
@@ -204,7 +227,7 @@ class Client(Ops):
         if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
             error = self._session.closed
             self.close()
-            if isinstance(error, ConnectError):
+            if isinstance(error, (ConnectError, ServerError)):  # a typed refusal keeps its type
                 raise error
             raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
                                f"{error or 'no answer'}")
@@ -217,7 +240,7 @@ class Client(Ops):
         self._pid = os.getpid()
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
-                                      heartbeat=heartbeat)
+                                      heartbeat=heartbeat, token=self.endpoint.token)
         if shm and self.path is not None and self._connector is None:
             from ..memory import shm as _shm
 
@@ -225,17 +248,10 @@ class Client(Ops):
         self._lock = threading.Lock()  # the session, and who reads (below)
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
-        # Reading (see _serve): who reads the socket now (None, _READER or a caller), how
-        # many callers wait for replies, whether a lone caller asked the reader thread to
-        # step aside (set until that caller leads or is done), whether the reader thread is
-        # in poll(), when a caller last stopped reading.
-        self._leader: object | None = None
-        self._waiting = 0
-        self._yield = False
-        self._polling = False
-        self._last_exit = 0.0
-        self._lead_start = 0.0  # when the current leading caller took the lead
-        self._broken: str | None = None  # a leading caller saw the connection end
+        # Who reads the socket (the reader thread or a lone caller): see .election. Every
+        # call to it is made holding _lock; its decisions are carried out by _await, _lead
+        # and _serve.
+        self._election = ReadElection()
         self._reader: _Reader | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -338,7 +354,10 @@ class Client(Ops):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
-        """Close the connection. Pending calls fail with ConnectionLost. Idempotent."""
+        """End the session on the server (``bye``, waiting at most a second for its answer)
+        and close the connection. Pending calls fail with ConnectionLost. Idempotent."""
+        if self._pid == os.getpid():
+            self._goodbye()
         with self._lock:
             self._closing = True
             events = self._session.close(ConnectionLost(f"client for {self.address} was closed"))
@@ -364,6 +383,24 @@ class Client(Ops):
                 except OSError:
                     pass
             self._wake_r = self._wake_w = -1
+
+    def _goodbye(self) -> None:
+        """Send ``bye`` and wait (briefly) for its answer: the server then ends our session at
+        once instead of keeping it for its session_ttl (pending calls fail meanwhile)."""
+        with self._lock:
+            if self._closing:
+                return
+            call = self._session.goodbye(time.monotonic())
+            if call is None:
+                return
+            slot = _Slot()
+            call.token = slot
+        self._flush()
+        with self._lock:  # (a closed session reconnects no more)
+            events = self._session.close(
+                ConnectionLost(f"client for {self.address} was closed"), keep=call)
+        self._process(events)
+        PendingCall(self, call, slot)._wait()
 
     def _wake(self) -> None:
         """Interrupt the reader thread's poll() (it then checks what changed)."""
@@ -467,55 +504,47 @@ class Client(Ops):
 
     def _await(self, call: Call, slot: _Slot) -> None:
         """Wait until ``slot`` is resolved: read the reply ourselves when we are the only
-        caller waiting (no thread handoff), else let the reading thread hand it over."""
-        cv = self._cv
+        caller waiting (no thread handoff), else let the reading thread hand it over. Who
+        reads is the election's call (see :mod:`.election`); this does what it says."""
+        cv, election, session = self._cv, self._election, self._session
         me = threading.get_ident()
-        asked = False  # this caller asked the reader thread to step aside
         with cv:
-            self._waiting += 1
+            election.caller_waits()
         try:
             while not slot.done:
-                lead = False
                 with cv:
                     if slot.done:
                         break
-                    if (self._waiting == 1 and self._reader is not None
-                            and self._broken is None and self._session.connected):
-                        if self._leader is None:
-                            self._leader = me
-                            self._yield = False
-                            self._lead_start = time.monotonic()
-                            lead = True
-                        elif self._leader is _READER:
-                            # The reader thread is in poll(): ask it to step aside (it
-                            # leaves _yield set, so it does not take the lead back first).
-                            self._yield = True
-                            if self._polling:
-                                self._wake()
-                            asked = True
-                            cv.wait(0.05)
-                            continue
-                if lead:
-                    asked = False
+                    turn = election.caller_turn(me, time.monotonic(), session.connected)
+                    if turn is Caller.WAKE_AND_WAIT or turn is Caller.WAIT:
+                        # We asked the reader thread to step aside: we lead next.
+                        if turn is Caller.WAKE_AND_WAIT:
+                            self._wake()
+                        cv.wait(CHECK_BACK)
+                        continue
+                if turn is Caller.LEAD:
                     self._lead(call, slot)
-                    continue
-                deadline = call.deadline
-                wait = None if deadline is None else deadline - time.monotonic() + 0.002
-                # Check back now and then: we may be able to read for ourselves later (say,
-                # once a reconnect completes, or when the other waiting callers are done).
-                wait = 0.05 if wait is None else min(wait, 0.05)
-                if slot.wait(wait):
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    # Our deadline passed and nobody expired us yet: ask the session
-                    # ourselves. Exactly one of us finishes the call.
-                    self._expire(call)
+                else:
+                    self._wait_slot(call, slot)
         finally:
             with cv:
-                self._waiting -= 1
-                if asked and self._yield and self._leader is not me:
-                    self._yield = False  # done without leading: the reader may read again
-                    cv.notify_all()
+                if election.caller_done(me):
+                    cv.notify_all()  # we had asked the reader to step aside: it may read
+
+    def _wait_slot(self, call: Call, slot: _Slot) -> None:
+        """Wait on ``slot`` for a while (another thread reads); expire the call when its
+        deadline passed and nobody did yet."""
+        deadline = call.deadline
+        # Check back now and then: we may be able to read for ourselves later (say, once a
+        # reconnect completes, or when the other waiting callers are done).
+        wait = CHECK_BACK if deadline is None else \
+            min(deadline - time.monotonic() + 0.002, CHECK_BACK)
+        if slot.wait(wait):
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            # Our deadline passed and nobody expired us yet: ask the session ourselves.
+            # Exactly one of us finishes the call.
+            self._expire(call)
 
     def _expire(self, call: Call) -> None:
         with self._lock:
@@ -552,6 +581,11 @@ class Client(Ops):
             while not self._closing and session.closed is None:
                 try:
                     sock = self._connect()
+                except _Refused as refused:  # TLS says no: retrying would not help
+                    with self._lock:
+                        events = session.close(refused.error)
+                    self._process(events)
+                    break
                 except OSError as exc:
                     now = time.monotonic()
                     if session.server is None:  # never connected yet
@@ -571,17 +605,22 @@ class Client(Ops):
                     continue
                 reason = self._serve(sock)
                 with self._cv:
-                    while self._leader not in (None, _READER):  # a caller still reads it
+                    while not self._election.end_connection():  # a caller still reads it
                         self._cv.wait(1.0)
-                    self._leader = None
-                    self._yield = False  # a request to step aside is about this connection
-                    self._broken = None
                     self._sock = None
                     self._reader = None
                     events = session.connection_lost(reason, time.monotonic())
                 _close_socket(sock)
                 self._process(events)
                 if self._closing or session.closed is not None:
+                    break
+                if session.server is None and time.monotonic() - start >= self.timeout:
+                    # The first connection kept dropping mid-handshake until the timeout.
+                    with self._lock:
+                        events = session.close(ConnectError(
+                            f"cannot connect to tensorshare server at {self.address}: no "
+                            f"handshake within {self.timeout:g} s (last: {reason})"))
+                    self._process(events)
                     break
                 if self._lost_at is None:
                     self._lost_at = time.monotonic()
@@ -639,6 +678,8 @@ class Client(Ops):
         else:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.endpoint.tls:
+                sock = _tls(sock, self.endpoint, self.address)
         # Non-blocking from here on: reads already wait in poll (Python's own poll before every
         # recv and send on a socket with a timeout would be one more system call each), and
         # _sendall waits for room itself, up to the timeout (a server that stops reading).
@@ -649,93 +690,89 @@ class Client(Ops):
         """Handshake, then read (or let a caller read) until the connection ends; return why.
 
         Who reads the socket: normally this thread. But a caller that is the only one waiting
-        for a reply reads it itself (see :meth:`PendingCall._wait`), which saves a thread
-        handoff per request; this thread then stays parked until no caller has read for
-        ``LINGER`` seconds, so that back-to-back calls never wake it.
+        for a reply reads it itself (see :meth:`_await`), which saves a thread handoff per
+        request; this thread then stays parked (see :mod:`.election`).
         """
-        session = self._session
         with self._send_lock:
             with self._lock:
                 if self._closing:
                     return "closed"
                 self._sock = sock
-                self._reader = _Reader(sock)
-                hello = session.connection_made(time.monotonic())
+                self._reader = reader = _Reader(sock)
+                self._election.connection_made()
+                hello = self._session.connection_made(time.monotonic())
             try:
                 _sendall(sock, hello, None, self.timeout)
             except OSError as exc:
                 return f"handshake failed: {exc}"
-        reader = self._reader
-        assert reader is not None
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        cv = self._cv
         while True:
-            # Wait for our turn to read (a caller may be reading its own reply).
-            with cv:
-                while True:
-                    if self._broken is not None:
-                        return self._broken
-                    if self._closing:
-                        return "closed"
-                    now = time.monotonic()
-                    tick = session.tick(now)
-                    if session.has_sendable:  # a heartbeat, or a cancel for a call given up
-                        self._flush_soon()
-                    if tick:
-                        cv.release()
-                        try:
-                            if self._handle(tick):
-                                return self._drop_reason(tick)
-                        finally:
-                            cv.acquire()
-                        continue
-                    nxt = session.next_deadline()
-                    beat = session.heartbeat_due(now) if session.connected else None
-                    due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
-                    if self._leader is None and not (self._yield and self._waiting == 1
-                                                     and session.connected):
-                        # A caller waiting alone reads for itself; with more waiting, or
-                        # none for a while, or during the handshake, this thread reads. So
-                        # it does when a lone caller did not take the lead within LINGER
-                        # (it waits on its slot, say, having called while we reconnected).
-                        resume = self._last_exit + LINGER
-                        if self._waiting > 1 or now >= resume or not session.connected:
-                            self._leader = _READER
-                            break
-                        due = min(due, resume)
-                    elif self._leader is not None and now - self._lead_start > LINGER:
-                        # A caller has led for a while (a long wait): it wakes us when it
-                        # is done (see _lead), so sleep until then.
-                        pass
-                    else:
-                        # A caller leads (or is about to): look again after LINGER rather
-                        # than be woken at the end of every call; a thread wake-up per
-                        # short request costs more than the request.
-                        due = min(due, now + LINGER)
-                    cv.wait(min(max(due - now, 0.0), 60.0))
-                self._polling = True
-            try:
-                ready = poller.poll(min(max((due - time.monotonic()) * 1000.0, 1.0), 60e3))
-            finally:
-                with cv:
-                    self._polling = False
-            if any(fd == self._wake_r for fd, _ in ready):
-                _drain(self._wake_r)
-            reason: str | None = None
-            if any(fd != self._wake_r for fd, _ in ready):
-                reason = self._read_once(reader)
-            with cv:
-                self._leader = None  # _yield stays set: the caller that asked leads next
-                cv.notify_all()
+            with self._cv:
+                due = self._reader_turn()
+            if isinstance(due, str):
+                return due
+            reason = self._reader_read(poller, reader, due)
             if reason is not None:
                 return reason
+
+    def _reader_turn(self) -> float | str:
+        """In the reader thread, holding ``_cv``: keep the session's timers, and wait until
+        the election says to read. Returns until when to poll, or why the connection ends."""
+        session, election, cv = self._session, self._election, self._cv
+        while True:
+            if self._closing:
+                return "closed"
+            now = time.monotonic()
+            tick = session.tick(now)
+            if session.has_sendable:  # a heartbeat, or a cancel for a call given up
+                self._flush_soon()
+            if tick:
+                cv.release()
+                try:
+                    if self._handle(tick):
+                        return self._drop_reason(tick)
+                finally:
+                    cv.acquire()
+                continue
+            nxt = session.next_deadline()
+            beat = session.heartbeat_due(now) if session.connected else None
+            due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
+            turn = election.reader_turn(now, session.connected)
+            if turn.do is ReaderDo.READ:
+                return due
+            if turn.do is ReaderDo.STOP:
+                return turn.reason
+            if turn.until is not None:
+                due = min(due, turn.until)
+            cv.wait(min(max(due - now, 0.0), 60.0))
+
+    def _reader_read(self, poller: select.poll, reader: _Reader, due: float) -> str | None:
+        """In the reader thread, leading: wait in poll() until ``due`` (or data, or a caller
+        that wants the lead), read what came, and give the lead back. Returns why the
+        connection must end, or ``None``."""
+        try:
+            ready = poller.poll(min(max((due - time.monotonic()) * 1000.0, 1.0), 60e3))
+        finally:
+            with self._cv:
+                self._election.poll_returned()
+        reason: str | None = None
+        try:
+            if any(fd == self._wake_r for fd, _ in ready):
+                _drain(self._wake_r)
+            if any(fd != self._wake_r for fd, _ in ready):
+                reason = self._read_once(reader)
+        finally:
+            with self._cv:
+                self._election.reader_done()  # a caller that asked us to step aside leads next
+                self._cv.notify_all()
+        return reason
 
     def _read_once(self, reader: _Reader) -> str | None:
         """One ``recv`` from the current socket and everything it completes, handled.
 
-        Called by whoever leads (holds ``_leader``). Returns why the connection must end, or
+        Called by whoever leads (see :mod:`.election`). Returns why the connection must end, or
         ``None``.
         """
         session = self._session
@@ -749,7 +786,8 @@ class Client(Ops):
                     fds = _fds_of(ancdata)
             else:
                 n = reader.sock.recv_into(target)
-        except (BlockingIOError, InterruptedError, TimeoutError):
+        except (BlockingIOError, InterruptedError, TimeoutError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError):
             return None
         except OSError as exc:
             return str(exc) or type(exc).__name__
@@ -780,42 +818,44 @@ class Client(Ops):
             return self._drop_reason(events)
         if ticked:
             self._flush_soon()
+        sock = reader.sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # bytes poll() cannot see
+            return self._read_once(reader)
         return None
 
     def _lead(self, call: Call, slot: _Slot) -> None:
         """Read the socket in this (calling) thread until ``slot`` is resolved or the call's
-        deadline passes; then give the lead back."""
-        reader = self._reader
+        deadline passes; then give the lead back (and wake the reader thread if the
+        election says so)."""
         reason: str | None = None
         try:
-            if reader is None:
-                return
-            poll = reader.poll
-            while not slot.done:
-                deadline = call.deadline
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    self._expire(call)
-                    if slot.done:
-                        return
-                    deadline = call.deadline
-                wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
-                if not poll.poll(wait * 1000.0):
-                    continue
-                reason = self._read_once(reader)
-                if reason is not None:
-                    return
+            reader = self._reader
+            if reader is not None:
+                reason = self._lead_read(reader, call, slot)
         finally:
             with self._cv:
-                self._leader = None
-                now = time.monotonic()
-                self._last_exit = now
-                if reason is not None and self._broken is None:
-                    self._broken = reason
-                # The reader thread sleeps through a long lead (see _serve): wake it. After
-                # a short one it looks again by itself within LINGER.
-                if reason is not None or self._waiting > 1 or now - self._lead_start > LINGER:
+                if self._election.lead_ended(time.monotonic(), reason):
                     self._cv.notify_all()
+
+    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot) -> str | None:
+        """Leading: read until ``slot`` is resolved or the call's deadline passes. Returns
+        why the connection must end, or ``None``."""
+        poll = reader.poll
+        while not slot.done:
+            deadline = call.deadline
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self._expire(call)
+                if slot.done:
+                    return None
+                deadline = call.deadline
+            wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
+            if not poll.poll(wait * 1000.0):
+                continue
+            reason = self._read_once(reader)
+            if reason is not None:
+                return reason
+        return None
 
     def _handle(self, events: builtins.list[Any]) -> bool:
         """Act on events from the reader thread; return whether the connection must go."""
@@ -826,6 +866,14 @@ class Client(Ops):
                 self._ready_event(ev)
             elif cls is Drop:
                 drop = True
+            elif cls is Send:  # the next step of the handshake (only the reader reads then)
+                with self._send_lock:
+                    sock = self._sock
+                    if sock is not None:
+                        try:
+                            _sendall(sock, ev.chunks, None, self.timeout)
+                        except OSError:
+                            drop = True
         self._process(events)
         return drop
 
@@ -925,13 +973,6 @@ class _Reader:
         self.view = memoryview(self.scratch)
 
 
-_READER = object()  # the reader thread, as the leader of reading
-# How long the reader thread stays parked after a caller read its own reply: calls made
-# back to back never wake it; a change notification arriving between two calls waits at most
-# this long (a caller that is reading handles them at once).
-LINGER = 0.005
-
-
 _ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
 
 
@@ -966,16 +1007,20 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
     i = 0
     pending = list(fds) if fds else []
     poller = None
+    tls = isinstance(sock, ssl.SSLSocket)
     while i < len(views):
         try:
-            if pending:
+            if tls:  # no scatter/gather through TLS: one chunk at a time
+                sent = sock.send(views[i])
+            elif pending:
                 sent = sock.sendmsg(views[i : i + _MAX_IOV], [(
                     socket.SOL_SOCKET, socket.SCM_RIGHTS,
                     array.array("i", pending[:200]).tobytes())])
                 pending = pending[200:]
             else:
                 sent = sock.sendmsg(views[i : i + _MAX_IOV])
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
+                ssl.SSLWantReadError):
             if poller is None:
                 poller = select.poll()
                 poller.register(sock, select.POLLOUT)
@@ -992,6 +1037,44 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
                 sent = 0
         while i < len(views) and views[i].nbytes == 0:
             i += 1
+
+
+class _Refused(Exception):
+    """A connection attempt that retrying would not fix (TLS refused it)."""
+
+    def __init__(self, error: TensorShareError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _tls(sock: socket.socket, endpoint: Endpoint, address: str) -> socket.socket:
+    """Wrap a connected socket in TLS (the handshake within the socket's timeout), checking
+    the server's certificate against the endpoint's CA and its host name.
+
+    Raises:
+        _Refused: the certificate check failed, or the server does not speak TLS.
+        OSError: the connection dropped or timed out (a blip: retried).
+    """
+    ctx = ssl.create_default_context(cafile=endpoint.tls_ca)
+    try:
+        return ctx.wrap_socket(sock, server_hostname=endpoint.address.host)
+    except ssl.SSLCertVerificationError as exc:
+        sock.close()
+        ca = endpoint.tls_ca or "the system's"
+        raise _Refused(ConnectError(
+            f"TLS with tensorshare server at {address} failed: its certificate does not "
+            f"check out ({exc.verify_message}; CA: {ca}): give the CA that signed it with "
+            f"tls_ca= or TENSORSHARE_TLS_CA, and connect by a name the certificate holds")) \
+            from None
+    except ssl.SSLError as exc:
+        sock.close()
+        raise _Refused(ConnectError(
+            f"TLS with tensorshare server at {address} failed ({exc.reason or exc}): is the "
+            f"server started with --tls-cert? (a plain server: connect with "
+            f"tensorshare://)")) from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -46,6 +46,8 @@ from ..wire.messages import (
     Unlisten,
 )
 from ..wire.protocol import check_bin_name
+from .services import ServiceOps
+from .streams import StreamOps
 
 __all__ = [
     "BLOCK_SHARE",
@@ -260,7 +262,7 @@ class _Decode:
         return res.value if self.value_only else res
 
 
-class Ops:
+class Ops(StreamOps, ServiceOps):
     """The ops of a tensorshare client, for any face (see the module docstring).
 
     A face provides ``limits`` (the server's), ``timeout``, ``compress`` and

@@ -36,18 +36,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import (
+    AuthenticationError,
     ConnectError,
     ConnectionLost,
     ReplyTimeout,
+    ServerError,
     SessionLost,
     SessionTakenOver,
     TensorShareError,
-    TransportError,
+    error_from_code,
 )
+from ..wire.auth import client_proof, new_nonce, server_proof, verify
 from ..wire.frames import BytesLike
 from ..wire.messages import (
+    Auth,
     Bye,
     Cancel,
+    Challenge,
     Changed,
     ErrorReply,
     Fetch,
@@ -79,6 +84,7 @@ __all__ = [
     "Drop",
     "Notify",
     "Ready",
+    "Send",
     "event_dict",
 ]
 
@@ -175,7 +181,14 @@ class Drop:
     reason: str
 
 
-Event = Done | Notify | Ready | Drop
+@dataclass(slots=True)
+class Send:
+    """The shell must write ``chunks`` now (the next step of a handshake)."""
+
+    chunks: list[BytesLike]
+
+
+Event = Done | Notify | Ready | Drop | Send
 
 
 def event_dict(msg: Changed) -> dict[str, Any]:
@@ -214,8 +227,12 @@ class ClientSession:
 
     def __init__(self, *, address: str, timeout: float = 30.0, reconnect: bool | float = True,
                  name: str = "tensorshare-python", session: bool | bytes = True,
-                 heartbeat: float | None = None, rng: random.Random | None = None) -> None:
+                 heartbeat: float | None = None, rng: random.Random | None = None,
+                 token: bytes | None = None) -> None:
         self.address = address
+        self.token = token  # the key of the token to prove (see tensorshare.wire.auth)
+        self._nonce: bytes | None = None  # this connection's hello nonce
+        self._server_nonce = b""  # the server's challenge on this connection
         self.timeout = timeout
         self.reconnect = reconnect
         self.name = name
@@ -232,7 +249,7 @@ class ClientSession:
         self.conn: ClientConnection | None = None
         self.generation = 0  # connections made so far
         self.connected = False  # the current connection completed its handshake
-        self.closed: TransportError | None = None  # set once no call can succeed any more
+        self.closed: TensorShareError | None = None  # set once no call can succeed any more
         self.disconnected_since: float | None = None
         self.server_said: str | None = None
         self.calls: dict[int, Call] = {}  # id order: ids are given out in increasing order
@@ -430,8 +447,10 @@ class ClientSession:
             if c.state == SENT:
                 c.state = QUEUED  # sent on a dead connection: the resume decides
         self._queue = [c for c in self.calls.values() if c.state == QUEUED]
-        hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, None, self.session_id,
-                      self.generation > 1 and self.session_id is not None, self.shm)
+        self._nonce = new_nonce() if self.token is not None else None
+        hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, self._nonce,
+                      self.session_id, self.generation > 1 and self.session_id is not None,
+                      self.shm)
         self._out_shared = []
         c = Call(hello.id, hello, "hello", "handshake", None, None, self.timeout, None, False,
                  now, now + self.timeout, state=SENT, sent_on=self.generation)
@@ -450,7 +469,6 @@ class ClientSession:
         """
         if self.server_said:
             reason = f"{reason}; the server said: {self.server_said}"
-        was_connected = self.connected
         if self.conn is not None:
             self.conn.fds.close()
         self.conn = None
@@ -461,9 +479,10 @@ class ClientSession:
             self.disconnected_since = now
         if self.closed is not None:
             return []
-        if not self.reconnect or (self.generation == 1 and not was_connected
-                                  and self.server is None):
-            # No reconnect, or the very first handshake failed: nothing to ride out.
+        if not self.reconnect:
+            # A drop, even during the first handshake, is a blip the shell retries (within
+            # its first connection's timeout, or the reconnect budget); without reconnect,
+            # there is nothing to ride out.
             return self.close(ConnectionLost(
                 f"connection to tensorshare server at {self.address} lost: {reason}"))
         self.last_loss = reason
@@ -480,7 +499,7 @@ class ClientSession:
         """Seconds to wait before reconnect attempt ``attempt`` (0, 1, ...), with jitter."""
         return min(BACKOFF_CAP, BACKOFF_BASE * 2 ** min(attempt, 16)) * self.rng.uniform(0.5, 1)
 
-    def close(self, error: TransportError, keep: Call | None = None) -> list[Event]:
+    def close(self, error: TensorShareError, keep: Call | None = None) -> list[Event]:
         """Fail every call with ``error`` and refuse new ones. Idempotent.
 
         Args:
@@ -537,6 +556,15 @@ class ClientSession:
                 self._orphan(msg)
             elif cls is ErrorReply and msg.id == 0:
                 self.server_said = f"{msg.message} ({msg.code})"
+                if self._hello is not None and not self.connected:
+                    # Refused before the handshake completed (no room for a connection, a
+                    # TLS server reached without TLS): not a blip, so not retried.
+                    error = error_from_code(
+                        msg.code, f"tensorshare server at {self.address}: {msg.message}")
+                    if not isinstance(error, ServerError):
+                        error = ConnectError(str(error))
+                    self._refused(error, out)
+                    break
                 if msg.code == SessionTakenOver.code:
                     # Another live connection uses our session id: reconnecting would only
                     # take it back (and be taken again). Stop, and say why.
@@ -616,14 +644,24 @@ class ClientSession:
 
     # -- handshake ----------------------------------------------------------------------------
     def _handshake(self, msg: Reply, out: list[Event], now: float) -> None:
+        hello = self._hello
         self._hello = None
+        if type(msg) is Challenge and self.token is not None and hello is not None \
+                and hello.op == "hello":
+            self._answer_challenge(msg, hello, out, now)
+            return
         if type(msg) is not HelloReply:
-            reason = (f"{msg.message} ({msg.code})" if type(msg) is ErrorReply
-                      else f"unexpected reply {type(msg).__name__}")
-            if self.server is None:
-                out.extend(self.close(ConnectError(
-                    f"handshake with tensorshare server at {self.address} failed: {reason}")))
-            out.append(Drop(f"handshake failed: {reason}"))
+            # A typed refusal (a wrong token, no common version, a full server) is not a
+            # network blip: it fails at once, with its own error, and is never retried.
+            error = (error_from_code(msg.code, f"tensorshare server at {self.address}: "
+                                               f"{msg.message}") if type(msg) is ErrorReply
+                     else ConnectError(f"handshake with tensorshare server at {self.address} "
+                                       f"failed: unexpected reply {type(msg).__name__}"))
+            self._refused(error, out)
+            return
+        why = self._unproven(msg)
+        if why is not None:
+            self._refused(AuthenticationError(why), out)
             return
         first = self.server is None
         restarted = not first and self.server is not None and \
@@ -639,6 +677,40 @@ class ClientSession:
         if not first:
             self._after_reconnect(resumed, restarted, out, now)
         out.append(Ready(msg, first, resumed))
+
+    def _answer_challenge(self, msg: Challenge, hello: Call, out: list[Event],
+                          now: float) -> None:
+        """Prove we know the token (the next step of the handshake)."""
+        assert self.token is not None and self.conn is not None
+        self._server_nonce = msg.nonce
+        proof = client_proof(self.token, self._nonce or b"", msg.nonce, self.session_id,
+                             self.name)
+        auth = Auth(self._new_id(), proof)
+        c = Call(auth.id, auth, "auth", "authentication", None, None, self.timeout, None,
+                 False, now, hello.deadline, state=SENT, sent_on=self.generation)
+        self._hello = c
+        if c.deadline is not None:
+            heapq.heappush(self._deadlines, (c.deadline, c.id))
+        out.append(Send(self.conn.send(auth, None)))
+
+    def _unproven(self, msg: HelloReply) -> str | None:
+        """Why the server did not prove it knows our token (``None``: it did, or no token)."""
+        if self.token is None:
+            return None
+        if msg.proof is None:
+            return (f"the tensorshare server at {self.address} did not ask for a token, so it "
+                    f"cannot prove that it knows this client's token: is it the server you "
+                    f"meant? (start it with --token-file, or connect without a token)")
+        expected = server_proof(self.token, self._nonce or b"", self._server_nonce,
+                                self.session_id, self.name)
+        if not verify(expected, msg.proof):
+            return (f"the tensorshare server at {self.address} does not know this client's "
+                    f"token (its proof does not match)")
+        return None
+
+    def _refused(self, error: TensorShareError, out: list[Event]) -> None:
+        out.extend(self.close(error))
+        out.append(Drop(f"handshake refused: {error}"))
 
     def _after_reconnect(self, resumed: bool, restarted: bool, out: list[Event],
                          now: float) -> None:

@@ -44,12 +44,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
-from ..wire.address import parse_address
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Limits
+from .endpoint import Endpoint, resolve
 from .ops import NOWAIT, Command, FetchResult, Ops, check_reconnect, check_timeout
 from .pipeline import Pipeline
-from .session import Call, ClientSession, Done, Drop, Notify, Ready
+from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -101,23 +101,29 @@ class TxClient(Ops):
     ``twisted.internet.threads.blockingCallFromThread``).
 
     Args:
-        reactor: provides ``connectTCP`` and ``callLater``.
-        host, port: the server's address (``host`` may be a ``tensorshare://`` or ``unix://``
-            URL, as for :class:`tensorshare.Client`).
+        reactor: provides ``connectTCP``/``connectSSL``/``connectUNIX`` and ``callLater``.
+        host, port: the server's address (``host`` may be a ``tensorshare://``,
+            ``tensorshare+tls://`` or ``unix://`` URL; neither: ``TENSORSHARE_URL``), as for
+            :class:`tensorshare.Client`.
         timeout: seconds the server has to answer (and the first connection may take).
         reconnect: as for :class:`tensorshare.Client`.
+        tls, tls_ca, token, token_file: as for :class:`tensorshare.Client` (see
+            :mod:`tensorshare.client.endpoint`).
         compress, compress_min_bytes, name, session, heartbeat: as for
             :class:`tensorshare.Client`.
         connector: ``connector(client)`` starts a connection attempt instead of
             ``reactor.connectTCP`` (tests attach in-memory transports this way).
 
     Attributes:
-        ready: fires with this client once the first handshake completed (or errbacks with
-            :class:`~tensorshare.errors.ConnectError`).
+        ready: fires with this client once the first handshake completed, or errbacks with
+            :class:`~tensorshare.errors.ConnectError` (no server in time) or the server's
+            typed refusal (:class:`~tensorshare.errors.AuthenticationError`, ...).
     """
 
-    def __init__(self, reactor: Any, host: str = "127.0.0.1", port: int = 8000, *,
+    def __init__(self, reactor: Any, host: str | None = None, port: int | None = None, *,
                  timeout: float = 30.0, reconnect: bool | float = True,
+                 tls: bool | None = None, tls_ca: str | None = None,
+                 token: str | bytes | None = None, token_file: str | None = None,
                  compress: str | None = None, compress_min_bytes: int = 64 * 1024,
                  name: str = "tensorshare-twisted", session: bool = True,
                  heartbeat: float | None = None,
@@ -125,15 +131,17 @@ class TxClient(Ops):
         if compress not in (None, "lz4"):
             raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
         self.reactor = reactor
-        where = parse_address(host, port)
+        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
+                                token_file=token_file)
+        where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
-        self.address = str(where)
+        self.address = str(self.endpoint)
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.session = ClientSession(address=self.address, timeout=self.timeout,
                                      reconnect=self.reconnect, name=name, session=session,
-                                     heartbeat=heartbeat)
+                                     heartbeat=heartbeat, token=self.endpoint.token)
         self.protocol: TxProtocol | None = None
         self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
         self._connector = connector
@@ -303,6 +311,9 @@ class TxClient(Ops):
                 self._ready(ev)
             elif cls is Drop:
                 self._drop(ev.reason)
+            elif cls is Send:
+                if self.protocol is not None and not self.protocol.lost:
+                    _write(self.protocol, ev.chunks)
 
     @staticmethod
     def _finish(ev: Done) -> None:
@@ -402,6 +413,14 @@ class TxClient(Ops):
             if self.path is not None:
                 self._connecting = self.reactor.connectUNIX(self.path, _Factory(self),
                                                             timeout=self.timeout)
+            elif self.endpoint.tls:
+                from twisted.protocols.tls import TLSMemoryBIOFactory
+
+                # (Not reactor.connectSSL: its TLS layer flushes on the global reactor.)
+                tls = TLSMemoryBIOFactory(_tls_options(self.endpoint), True, _Factory(self),
+                                          clock=self.reactor)
+                self._connecting = self.reactor.connectTCP(self.host, self.port, tls,
+                                                           timeout=self.timeout)
             else:
                 self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
                                                            timeout=self.timeout)
@@ -430,7 +449,7 @@ class TxClient(Ops):
         self._retry = self.reactor.callLater(delay, self._connect)
         self._reschedule()
 
-    def _fail_start(self, error: ConnectError) -> None:
+    def _fail_start(self, error: TensorShareError) -> None:
         self._process(self.session.close(error))
         if not self.ready.called:
             self.ready.errback(error)
@@ -475,6 +494,9 @@ class TxClient(Ops):
                                         if reason.check(ConnectionDone)
                                         else reason.getErrorMessage())
             self._drop_reason = None
+            refused = self._tls_refused(reason)
+            if refused is not None:  # retrying would not help: fail at once
+                self._process(self.session.close(refused))
             self._process(self.session.connection_lost(why, self.reactor.seconds()))
             if not self._closing and self.session.closed is None:
                 if self._lost_at is None:
@@ -483,11 +505,31 @@ class TxClient(Ops):
                              "reconnecting", address=self.address, why=why)
                 self._retry_later()
             elif self.session.server is None and not self.ready.called:
-                error = self.session.closed
-                self.ready.errback(error if isinstance(error, ConnectError) else ConnectError(
-                    f"handshake with {self.address} failed: {error}"))
+                error = self.session.closed  # a typed refusal keeps its type
+                self.ready.errback(error if error is not None else ConnectError(
+                    f"handshake with {self.address} failed"))
         for d in waiters:
             d.callback(None)
+
+    def _tls_refused(self, reason: Failure) -> ConnectError | None:
+        """The TLS handshake failed (a certificate that does not check out, a server that
+        does not speak TLS): the error to fail with, or ``None`` for an ordinary loss."""
+        if not self.endpoint.tls or self.session.connected or self.session.closed:
+            return None
+        from OpenSSL.SSL import Error as TLSError
+
+        if not reason.check(TLSError):
+            return None
+        text = reason.getErrorMessage()
+        if "certificate verify failed" in text:
+            ca = self.endpoint.tls_ca or "the system's"
+            return ConnectError(
+                f"TLS with tensorshare server at {self.address} failed: its certificate does "
+                f"not check out ({text}; CA: {ca}): give the CA that signed it with tls_ca= "
+                f"or TENSORSHARE_TLS_CA, and connect by a name the certificate holds")
+        return ConnectError(f"TLS with tensorshare server at {self.address} failed ({text}): "
+                            f"is the server started with --tls-cert? (a plain server: "
+                            f"connect with tensorshare://)")
 
     def _ready(self, ev: Ready) -> None:
         self._attempt = 0
@@ -511,7 +553,7 @@ class TxClient(Ops):
             proto.transport.abortConnection()  # type: ignore[attr-defined]
         if self.session.server is None and self.session.closed is not None \
                 and not self.ready.called:
-            self._fail_start(ConnectError(str(self.session.closed)))
+            self._fail_start(self.session.closed)
 
     def _cancel_connect(self) -> None:
         """Canceller of :attr:`ready`: give up on the connection."""
@@ -539,6 +581,19 @@ def _outcome(failure: Failure) -> Any:
     return failure
 
 
+def _tls_options(endpoint: Endpoint) -> Any:
+    """The TLS client options: the server's certificate checked against ``tls_ca`` (or the
+    platform's CAs), and its host name (service_identity)."""
+    from twisted.internet import ssl
+
+    if endpoint.tls_ca is not None:
+        with open(endpoint.tls_ca, "rb") as f:
+            trust: Any = ssl.Certificate.loadPEM(f.read())
+    else:
+        trust = ssl.platformTrust()
+    return ssl.optionsForClientTLS(endpoint.address.host, trustRoot=trust)
+
+
 def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
     # The stock Twisted transports only accept bytes, so the frame (header and every tensor
     # buffer) is joined into one bytes object here: one copy of the data. The server avoids
@@ -546,10 +601,12 @@ def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
     proto.transport.write(b"".join(chunks))  # type: ignore[union-attr]
 
 
-def connect(reactor: Any, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
-            reconnect: bool | float = True, compress: str | None = None,
+def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
+            timeout: float = 30.0, reconnect: bool | float = True, compress: str | None = None,
             name: str = "tensorshare-twisted", compress_min_bytes: int = 64 * 1024,
-            session: bool = True, heartbeat: float | None = None) -> Deferred[TxClient]:
+            session: bool = True, heartbeat: float | None = None, tls: bool | None = None,
+            tls_ca: str | None = None, token: str | bytes | None = None,
+            token_file: str | None = None) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
@@ -564,15 +621,18 @@ def connect(reactor: Any, host: str = "127.0.0.1", port: int = 8000, *, timeout:
         session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).
         heartbeat: seconds of silence before a ping checks the connection (see
             :class:`tensorshare.Client`).
+        tls, tls_ca, token, token_file: see :mod:`tensorshare.client.endpoint`.
 
     Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when no
-    server answered within ``timeout`` or the handshake failed. Cancelling the Deferred gives
-    up on the connection.
+    server answered within ``timeout``, or with the server's typed refusal of the handshake
+    (:class:`~tensorshare.errors.AuthenticationError`, ...). Cancelling the Deferred gives up
+    on the connection.
 
     Raises:
         ValueError: a bad ``compress``, ``timeout`` or ``reconnect`` (synchronously).
     """
     client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
                       compress=compress, compress_min_bytes=compress_min_bytes, name=name,
-                      session=session, heartbeat=heartbeat)
+                      session=session, heartbeat=heartbeat, tls=tls, tls_ca=tls_ca,
+                      token=token, token_file=token_file)
     return client.start()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..wire.messages import Limits
 from ..wire.protocol import PRE_HELLO_MAX_BYTES
 
-__all__ = ["ServerConfig", "default_max_memory", "machine_memory"]
+__all__ = ["ServerConfig", "default_max_memory", "env_token", "machine_memory"]
 
 
 def machine_memory() -> int | None:
@@ -28,6 +28,18 @@ def machine_memory() -> int | None:
         if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
             sizes.append(int(text))
     return min(sizes) if sizes else None
+
+
+def env_token(name: str = "TENSORSHARE_TOKEN") -> str | None:
+    """A token from the environment: ``NAME`` itself, or the file ``NAME_FILE`` names."""
+    value = os.environ.get(name)
+    if value:
+        return value
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return None
 
 
 def default_max_memory() -> int | None:
@@ -65,6 +77,14 @@ class ServerConfig:
             more of it before it is closed (what the frame reserved is released).
         pool_bytes: the most idle memory kept for reuse by received frames (see
             :mod:`tensorshare.memory.pool`); at most an eighth of ``max_memory``.
+        token: the read-write token every client must prove it knows (the handshake never
+            sends it); default: ``TENSORSHARE_TOKEN`` or the file ``TENSORSHARE_TOKEN_FILE``
+            names. ``None``: no authentication.
+        read_token: a second token that may only peek, list, stat and listen.
+        insecure: listen beyond loopback without a token (protected mode refuses otherwise).
+        tls_cert, tls_key: PEM files of the server's certificate (its chain after it) and
+            private key: the TCP port speaks TLS (clients use ``tensorshare+tls://``).
+            Default: ``TENSORSHARE_TLS_CERT`` and ``TENSORSHARE_TLS_KEY``.
     """
 
     limits: Limits = field(default_factory=Limits)
@@ -83,3 +103,8 @@ class ServerConfig:
     truncate_corrupt_log: bool = False
     frame_timeout: float = 60.0
     pool_bytes: int = 256 << 20
+    token: str | None = field(default_factory=env_token, repr=False)
+    read_token: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    tls_cert: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_CERT"))
+    tls_key: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_KEY"))

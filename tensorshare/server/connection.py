@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 
 from .._version import __version__
 from ..errors import (
+    AuthenticationError,
     InvalidRequest,
     LimitExceeded,
     ProtocolError,
@@ -30,8 +31,11 @@ from ..errors import (
     UnsupportedVersion,
 )
 from ..memory import shm
+from ..wire.auth import client_proof, new_nonce, server_proof, verify
 from ..wire.frames import BytesLike
 from ..wire.messages import (
+    Auth,
+    Challenge,
     Changed,
     ErrorReply,
     Fetch,
@@ -98,11 +102,23 @@ class ServerProtocol(Protocol):
         self._paused = False  # the transport says our output backs up: see the class doc
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
+        self._greeting: tuple[Hello, bytes] | None = None  # a hello and our challenge's nonce
+        self.role = "write"  # what the handshake allowed: "write", or "read" (read-only token)
 
     @property
     def _t(self) -> _ZeroCopy:
-        """Our transport: a zero-copy one (see :mod:`.transports`)."""
+        """Our transport: a zero-copy one (see :mod:`.transports`), or TLS over one."""
         return cast("_ZeroCopy", self.transport)
+
+    @property
+    def _socket(self) -> _ZeroCopy:
+        """The transport on the socket itself (under TLS, the one TLS writes to)."""
+        t: Any = self.transport
+        # (On the class: a TLS wrapper forwards unknown attributes to the protocol it wraps.)
+        while getattr(type(t), "queued_bytes", None) is None and \
+                getattr(t, "transport", None) is not None:
+            t = t.transport
+        return cast("_ZeroCopy", t)
 
     # -- Twisted hooks ----------------------------------------------------------------------
     def connectionMade(self) -> None:
@@ -171,7 +187,7 @@ class ServerProtocol(Protocol):
         if not self._paused and not self._closed:
             self._paused = True
             self.factory.stats.counters["client_paused"] += 1
-            self._t.pauseProducing()  # stop reading
+            self._socket.pauseProducing()  # stop reading
 
     def resumeProducing(self) -> None:
         if not self._paused or self._closed:
@@ -181,7 +197,7 @@ class ServerProtocol(Protocol):
         for msg in folded.values():
             self.write_chunks(encode_message(msg)[0])
         if not self._paused:
-            self._t.resumeProducing()
+            self._socket.resumeProducing()
 
     def stopProducing(self) -> None:
         pass
@@ -189,7 +205,7 @@ class ServerProtocol(Protocol):
     @property
     def queued_bytes(self) -> int:
         """Bytes written to this connection and not yet sent."""
-        return int(getattr(self.transport, "queued_bytes", 0))
+        return int(getattr(self._socket, "queued_bytes", 0))
 
     # -- output -----------------------------------------------------------------------------
     def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
@@ -352,6 +368,8 @@ class ServerProtocol(Protocol):
             if timer is not None and timer.active():
                 timer.cancel()
         self._waiting.clear()
+        for kind in f.kinds:
+            kind.connection_lost(self)
         if self.session is not None:
             f.detach(self.session, self)
 
@@ -422,11 +440,15 @@ class ServerProtocol(Protocol):
                 continue
             counters["requests"] += 1
             if self.version is None:
-                if cls is not Hello:
-                    self.fail(ProtocolError("handshake failed: the first request must be "
-                                            "'hello'"))
+                if cls is Hello and self._greeting is None:
+                    self._hello(ev)
+                elif cls is Auth and self._greeting is not None:
+                    self._auth(ev)
+                else:
+                    self.fail(ProtocolError(
+                        "handshake failed: the first request must be 'hello'"
+                        + ("" if self._greeting is None else ", then 'auth'")))
                     return
-                self._hello(ev)
                 continue
             self.started[ev.id] = time.perf_counter()
             handle(self, ev)
@@ -434,39 +456,75 @@ class ServerProtocol(Protocol):
     # -- handshake --------------------------------------------------------------------------
     def _hello(self, msg: Hello) -> None:
         f = self.factory
-        common = set(msg.versions) & set(PROTOCOL_VERSIONS)
-        if not common:
-            self._refuse(msg, UnsupportedVersion(
+        if not set(msg.versions) & set(PROTOCOL_VERSIONS):
+            self._refuse(msg.id, UnsupportedVersion(
                 f"client speaks protocol versions {list(msg.versions)}, this server speaks "
                 f"{list(PROTOCOL_VERSIONS)}"))
             return
+        if not f.keys:
+            self._greeted(msg, msg.id, "write", None)
+            return
+        if msg.nonce is None:
+            self._auth_failed(msg.id, "this server requires a token: give the client the "
+                                      "server's token (token=, token_file= or TENSORSHARE_TOKEN)")
+            return
+        # A challenge: the client proves it knows a token over both fresh nonces (the token
+        # never crosses the wire; a captured handshake cannot be replayed).
+        self._greeting = (msg, new_nonce())
+        self.send(Challenge(msg.id, self._greeting[1]))
+
+    def _auth(self, msg: Auth) -> None:
+        assert self._greeting is not None
+        hello, nonce = self._greeting
+        for role, key in self.factory.keys.items():
+            args = (key, hello.nonce or b"", nonce, hello.session, hello.client)
+            if verify(client_proof(*args), msg.proof):
+                self._greeted(hello, msg.id, role, server_proof(*args))
+                return
+        self._auth_failed(msg.id, "wrong token: the client's proof does not match this "
+                                  "server's token")
+
+    def _auth_failed(self, rid: int, why: str) -> None:
+        f = self.factory
+        f.stats.counters["auth_failures"] += 1
+        delay = f.auth_failures.failed(self.peer.rsplit(":", 1)[0])
+        log.warn("authentication failed for {peer}: {why}", peer=self.peer, why=why)
+        error = AuthenticationError(why)
+        if delay:  # repeated failures from one address are slowed down
+            self._stop_timer()
+            self._timer = f.reactor.callLater(delay, self._refuse, rid, error)
+        else:
+            self._refuse(rid, error)
+
+    def _greeted(self, msg: Hello, rid: int, role: str, proof: bytes | None) -> None:
+        """The handshake succeeded: attach the session and answer with the server's terms."""
+        f = self.factory
         resumed = False
         if msg.session is not None:
             try:
                 self.session, resumed = f.attach(msg.session, self, msg.resume)
             except OverflowError as exc:
-                self._refuse(msg, LimitExceeded(str(exc)))
+                self._refuse(rid, LimitExceeded(str(exc)))
                 return
             if self._ack is not None:
                 f.ack(self.session, self._ack)
                 self._ack = None
-        self.version = max(common)
-        self.client_name = msg.client
+        self.version = max(set(msg.versions) & set(PROTOCOL_VERSIONS))
+        self.client_name, self.role, self._greeting = msg.client, role, None
         self.shm = msg.shm and bool(getattr(self.transport, "_passes_fds", False)) and \
             shm.available()
         self.conn.handshake_done()
         self._stop_timer()
         how = "resumed its session" if resumed else (
             "new session" if msg.session is not None else "no session")
-        log.info("{client!r} at {peer} connected ({how})", client=msg.client, peer=self.peer,
-                 how=how)
-        self.send(HelloReply(msg.id, self.version, f"tensorshare/{__version__}",
-                             f.config.limits, resumed, f.server_id, self.shm))
+        log.info("{client!r} at {peer} connected ({how}{ro})", client=msg.client,
+                 peer=self.peer, how=how, ro=", read-only" if role == "read" else "")
+        self.send(HelloReply(rid, self.version, f"tensorshare/{__version__}", f.config.limits,
+                             resumed, f.server_id, self.shm, proof, role))
 
-    def _refuse(self, msg: Hello, error: TensorShareError) -> None:
-        """Answer the hello with ``error`` and close: the handshake failed."""
+    def _refuse(self, rid: int, error: TensorShareError) -> None:
+        """Answer the handshake with ``error`` and close: it failed."""
         code = error.code or ProtocolError.code
         self.factory.stats.count_error(code)
-        self.send(ErrorReply(msg.id, code, str(error)))
+        self.send(ErrorReply(rid, code, str(error)))
         self.close()
-

@@ -29,8 +29,10 @@ from ..wire.protocol import (
     encode_message,
     item_wire_size,
 )
+from .auth import FailedAttempts, keys_of
 from .config import ServerConfig
 from .handlers import Responder
+from .kinds import kinds_for
 from .persist import Loaded, Persistence
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats, bin_stats, server_stats
@@ -117,6 +119,9 @@ class ServerFactory(Factory):
         self.pool = BufferPool(pool_bytes)
         self.budget = ReceiveBudget(self)
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
+        self.keys = keys_of(config)  # the tokens' keys by role; empty: no authentication
+        self.auth_failures = FailedAttempts()
+        self.kinds = kinds_for(self)  # streams, services: the bins beside the store's
         self.responder = Responder(self)
         self._expiry: IDelayedCall | None = None  # the next detached session's expiry
         self.connections: set[ServerProtocol] = set()
@@ -316,6 +321,8 @@ class ServerFactory(Factory):
             self.persist.session_record("expire", s.id)  # replayed with its restores
         restore = self.sessions.close(s)
         self.stats.counters["sessions_expired"] += 1
+        for kind in self.kinds:
+            kind.session_ended(s.id)
         n = 0
         # Latest get first: each goes in front, so the earliest ends up first, as taken.
         for name, reply, _ in reversed(restore):
@@ -475,7 +482,8 @@ class ServerFactory(Factory):
         """What the server holds for clients outside the bins: items taken by gets whose
         replies are not yet acknowledged, remembered replies, queued output, and frames
         still being received."""
-        return self.sessions.nbytes + self.queued_bytes() + self.budget.receiving
+        return self.sessions.nbytes + self.queued_bytes() + self.budget.receiving + \
+            sum(kind.nbytes for kind in self.kinds)
 
     # -- statistics -------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:

@@ -12,9 +12,10 @@ from typing import Any
 from twisted.logger import Logger
 
 from ..wire.messages import Limits
+from .auth import check_exposure
 from .config import ServerConfig
 from .core import ServerFactory
-from .transports import listen_fast_tcp, listen_fast_unix
+from .transports import listen_fast_tcp, listen_fast_unix, tls_wrapped
 
 __all__ = ["EmbeddedServer", "run_server"]
 
@@ -51,6 +52,8 @@ class EmbeddedServer:
 
         if port is None and unix is None:
             raise ValueError("give a TCP port, a Unix socket path, or both")
+        if port is not None:
+            check_exposure(host, config or ServerConfig())
         self.host = host
         self.unix = unix
         self._ports: list[Any] = []
@@ -60,8 +63,8 @@ class EmbeddedServer:
         try:
             self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
             if port is not None:
-                self._ports.append(listen_fast_tcp(self.reactor, port, self.factory,
-                                                   interface=host))
+                self._ports.append(listen_fast_tcp(self.reactor, port, tls_wrapped(
+                    self.factory, self.factory.config, self.reactor), interface=host))
             if unix is not None:
                 self._ports.append(listen_fast_unix(self.reactor, unix, self.factory))
         except BaseException:

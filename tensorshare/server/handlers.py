@@ -22,6 +22,7 @@ from ..errors import (
     BinFull,
     InvalidRequest,
     LimitExceeded,
+    PermissionDenied,
     ServerError,
     StorageUnavailable,
     WaitTimeout,
@@ -134,12 +135,20 @@ class Responder:
             Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
             Configure: self._configure, Hello: self._hello_again, Bye: self._bye,
         }
+        for kind in server.kinds:
+            self._handlers.update(kind.handlers())
 
     def handle(self, conn: ServerProtocol, msg: Request) -> None:
         """Serve one request of ``conn`` (after its handshake). Never raises: a failure
         costs this request an error reply, never the connection or the server."""
         s = conn.session
-        mutating = OPS[op_name(msg)].mutating
+        op = OPS[op_name(msg)]
+        if conn.role == "read" and not op.read:
+            conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
+                f"{op.name} is not allowed with the read-only token (it may peek, list, "
+                f"stats and listen); use the read-write token")))
+            return
+        mutating = op.mutating
         if s is not None and mutating:
             old = s.lookup(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again

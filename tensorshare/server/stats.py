@@ -143,7 +143,9 @@ def bin_stats(f: ServerFactory, glob: str | None = None) -> dict[str, dict[str, 
     names = set(f.store.names(glob))
     # Bins someone listens to are worth showing even while empty (a drained queue).
     names.update(n for n in f.listened_bins() if glob is None or fnmatch.fnmatchcase(n, glob))
-    for name in sorted(names):
+    for kind in f.kinds:
+        out.update(kind.describe(glob))
+    for name in sorted(names - set(out)):
         d = f.store.describe(name)
         cfg = d.pop("config")
         first, last = d.pop("first"), d.pop("last")
@@ -153,7 +155,7 @@ def bin_stats(f: ServerFactory, glob: str | None = None) -> dict[str, dict[str, 
         d["first"] = _describe(first)
         d["last"] = _describe(last) if d["n_items"] > 1 else None
         out[name] = d
-    return out
+    return dict(sorted(out.items()))
 
 
 def _describe(item: Item | None) -> str | None:

@@ -64,6 +64,7 @@ __all__ = [
     "FastUnixServer",
     "listen_fast_tcp",
     "listen_fast_unix",
+    "tls_wrapped",
 ]
 
 # recv/send errors meaning "nothing can be transferred right now", not failures.
@@ -199,9 +200,11 @@ class _ZeroCopy(_Transport):
         ``main.CONNECTION_DONE`` on orderly EOF, ``main.CONNECTION_LOST`` on a
         socket error.
         """
-        get_read_buffer = getattr(self.protocol, "get_read_buffer", None)
-        if get_read_buffer is None:
+        # Looked up on the protocol's class: a wrapper (TLS) that forwards unknown attributes
+        # to the protocol it wraps must not have its bytes read past it.
+        if getattr(type(self.protocol), "get_read_buffer", None) is None:
             return super().doRead()
+        get_read_buffer = self.protocol.get_read_buffer  # type: ignore[attr-defined]
         view = get_read_buffer()
         # recv_into() on an empty view returns 0, indistinguishable from EOF;
         # treat "no room" like "no buffer" instead of killing the connection.
@@ -432,7 +435,8 @@ class FastUnixServer(_ZeroCopy, unix.Server):
         if ancdata:
             fds = _fds_of(ancdata)
             if fds:
-                take = getattr(self.protocol, "fds_received", None)
+                take = getattr(self.protocol, "fds_received", None) \
+                    if getattr(type(self.protocol), "fds_received", None) else None
                 if take is None:
                     for fd in fds:
                         os.close(fd)
@@ -515,3 +519,77 @@ def listen_fast_unix(reactor: Any, path: str, factory: IProtocolFactory, *,
     port = FastUnixPort(path, factory, backlog, mode, reactor)  # type: ignore[arg-type]
     port.startListening()
     return port
+
+
+def tls_wrapped(factory: IProtocolFactory, config: Any, reactor: Any) -> IProtocolFactory:
+    """``factory`` itself, or wrapped in TLS when ``config`` names a certificate and key.
+
+    ``reactor`` is the one that runs the server (TLS flushes small writes on its next turn:
+    never on the global reactor, which a private server's thread does not run).
+
+    TLS is Twisted's own (pyOpenSSL, a memory BIO between the socket and the protocol): the
+    zero-copy read path does not apply through it (the protocol is wrapped), and each write is
+    joined once before it is encrypted.
+
+    Raises:
+        ValueError: only one of the two files is given, or they cannot be loaded.
+    """
+    cert, key = config.tls_cert, config.tls_key
+    if cert is None and key is None:
+        return factory
+    if cert is None or key is None:
+        raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+    from twisted.internet import ssl
+    from twisted.protocols.tls import TLSMemoryBIOFactory
+
+    try:
+        with open(cert, "rb") as f:
+            cert_pem = f.read()
+        with open(key, "rb") as f:
+            key_pem = f.read()
+        chain = [ssl.Certificate.loadPEM(c).original for c in _pem_blocks(cert_pem)[1:]]
+        options = ssl.PrivateCertificate.loadPEM(cert_pem + b"\n" + key_pem).options()
+        if chain:
+            options.extraCertChain = chain
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the TLS certificate {cert} and key {key}: {exc}") \
+            from None
+    except Exception as exc:  # OpenSSL's errors
+        raise ValueError(f"cannot load the TLS certificate {cert} and key {key}: {exc}") \
+            from None
+    tls = TLSMemoryBIOFactory(options, False, factory, clock=reactor)
+    tls.protocol = _tls_protocol()
+    return tls
+
+
+def _tls_protocol() -> type:
+    """TLS that first looks at what arrives: a plain tensorshare client (its first bytes are
+    a frame, ``TS``, not a TLS record) is told, in plain frames, to use TLS, and closed."""
+    from twisted.protocols.tls import BufferingTLSTransport
+
+    from ..errors import ProtocolError
+    from ..wire.messages import ErrorReply
+    from ..wire.protocol import encode_message
+
+    class SniffingTLS(BufferingTLSTransport):
+        _sniffed = False
+
+        def dataReceived(self, data: bytes) -> None:
+            if not self._sniffed:
+                self._sniffed = True
+                transport = self.transport
+                if data[:2] == b"TS" and transport is not None:
+                    chunks, _ = encode_message(ErrorReply(0, ProtocolError.code, (
+                        "this server speaks TLS: connect with tensorshare+tls://HOST:PORT "
+                        "(and the server's CA as tls_ca)")))
+                    transport.write(b"".join(bytes(c) for c in chunks))
+                    transport.loseConnection()
+                    return
+            super().dataReceived(data)
+
+    return SniffingTLS
+
+
+def _pem_blocks(pem: bytes) -> list[bytes]:
+    end = b"-----END CERTIFICATE-----"
+    return [block + end for block in pem.split(end)[:-1] if b"-----BEGIN" in block]

@@ -19,8 +19,10 @@ T = TypeVar("T")
 __all__ = [
     "Acked",
     "Append",
+    "Auth",
     "Bye",
     "Cancel",
+    "Challenge",
     "Changed",
     "Configure",
     "Configured",
@@ -120,6 +122,9 @@ class Hello:
     """The first request of every connection.
 
     Attributes:
+        nonce: a client with a token sends a fresh random nonce (32 bytes): a server that
+            requires a token answers with a :class:`Challenge` (see
+            :mod:`tensorshare.wire.auth`); ``None``: no token.
         session: the client's session id (16 random bytes), or ``None`` for a connection
             without a session (no exactly-once replay; e.g. a one-shot command-line tool).
         resume: the client has used this session before (on an earlier connection) and
@@ -129,10 +134,19 @@ class Hello:
     id: int
     versions: tuple[int, ...]
     client: str = ""
-    auth: str | None = None  # reserved for token auth; servers today ignore it
+    nonce: bytes | None = None
     session: bytes | None = None
     resume: bool = False
     shm: bool = False  # the client can pass large buffers as sealed memfds (Unix socket)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The second step of a handshake with a token: the client's proof (see
+    :mod:`tensorshare.wire.auth`). Answered by the :class:`HelloReply`."""
+
+    id: int
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +253,7 @@ class Configure:
 
 
 Request = Union[Hello, Put, Append, Fetch, ListBins, Delete, Listen, Unlisten, Ping, Cancel,
-                Stats, Configure, Bye]
+                Stats, Configure, Bye, Auth]
 
 
 # -- replies and notifications (server -> client) ---------------------------------------------
@@ -248,10 +262,14 @@ class HelloReply:
     """The server's answer to hello.
 
     Attributes:
-        resumed: the server knew the session and carries it on (replies it remembered will
-            be replayed); ``False`` for a new session.
+        resumed: the server knew the session and carries it on (it answers resent requests
+            from the replies it remembered); ``False`` for a new session.
         server_id: random per server data set: it changes when a server restarts without
             persistence, so a client can tell that versions started again.
+        shm: buffers may travel as sealed memfds on this connection, both ways.
+        proof: after a challenge, the server's proof that it knows the token too.
+        role: what the connection may do: ``"write"`` (everything) or ``"read"`` (the
+            read-only token: peek, list, stats, listen).
     """
 
     id: int
@@ -260,7 +278,18 @@ class HelloReply:
     limits: Limits
     resumed: bool = False
     server_id: str = ""
-    shm: bool = False  # buffers may travel as sealed memfds on this connection, both ways
+    shm: bool = False
+    proof: bytes | None = None
+    role: str = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The server requires a token: the answer to a ``hello`` that carried a nonce, with the
+    server's own fresh nonce. The client answers with :class:`Auth`."""
+
+    id: int
+    nonce: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,6 +418,6 @@ class Changed:
     dropped: int = 0
 
 
-Reply = Union[HelloReply, Stored, Fetched, Listing, Deleted, Listening, Acked, StatsReply,
+Reply = Union[HelloReply, Challenge, Stored, Fetched, Listing, Deleted, Listening, Acked, StatsReply,
               Configured, ErrorReply]
 Message = Union[Request, Reply, Changed]

@@ -39,6 +39,7 @@ from ..errors import (
     NestingTooDeep,
     ProtocolError,
 )
+from .auth import MECH, NONCE_BYTES
 from .codec import Buffer, Encoded, validate
 from .frames import (
     Budget,
@@ -53,8 +54,10 @@ from .frames import (
 from .messages import (
     Acked,
     Append,
+    Auth,
     Bye,
     Cancel,
+    Challenge,
     Changed,
     Configure,
     Configured,
@@ -108,6 +111,8 @@ __all__ = [
     "items_header",
     "op_name",
     "parse_items",
+    "register",
+    "register_reply",
 ]
 
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
@@ -276,6 +281,8 @@ class Op:
         mutating: the server remembers the reply for exactly-once replay after a reconnect
             (re-running the request would change something twice).
         fields: every header key the request may carry (docs/PROTOCOL.md lists these).
+        read: a connection with the read-only token may send it (it changes nothing others
+            can see).
     """
 
     name: str
@@ -285,6 +292,7 @@ class Op:
     parse_reply: _ParseReply
     mutating: bool
     fields: tuple[str, ...]
+    read: bool = False
 
 
 def _store_header(m: Put | Append) -> dict[str, Any]:
@@ -376,8 +384,8 @@ def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> _Parse
 
 def _hello_header(m: Hello) -> dict[str, Any]:
     h: dict[str, Any] = {"versions": list(m.versions), "client": m.client}
-    if m.auth is not None:
-        h["auth"] = m.auth
+    if m.nonce is not None:
+        h["auth"] = {"mech": MECH, "nonce": m.nonce}
     if m.session is not None:
         h["session"] = m.session
         if m.resume:
@@ -391,16 +399,33 @@ def _parse_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     versions = h.get("versions")
     if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
         raise _Invalid("hello needs 'versions', a list of integers")
-    client, auth, session = h.get("client", ""), h.get("auth"), h.get("session")
+    client, session = h.get("client", ""), h.get("session")
     if session is not None and (not isinstance(session, bytes)
                                 or len(session) != SESSION_ID_BYTES):
         raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
     return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
-                 auth if isinstance(auth, str) else None, session,
+                 _hello_nonce(h.get("auth")), session,
                  _bool(h, "resume") and session is not None, _bool(h, "shm"))
 
 
+def _hello_nonce(auth: Any) -> bytes | None:
+    if auth is None:
+        return None
+    if not isinstance(auth, dict) or auth.get("mech") != MECH:
+        raise _Invalid(f"'auth' must be a map with 'mech': {MECH!r} and a 'nonce'")
+    nonce = auth.get("nonce")
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        raise _Invalid(f"the auth 'nonce' must be {NONCE_BYTES} bytes (msgpack bin)")
+    return nonce
+
+
 def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
+    challenge = h.get("challenge")
+    if challenge is not None:
+        if not isinstance(challenge, dict) or challenge.get("mech") != MECH or \
+                not isinstance(challenge.get("nonce"), bytes):
+            raise _Invalid(f"'challenge' must be a map with 'mech': {MECH!r} and a 'nonce'")
+        return Challenge(rid, challenge["nonce"])
     lim = h.get("limits")
     if not isinstance(lim, dict):
         raise _Invalid("'limits' must be a map")
@@ -409,10 +434,18 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
                                _int(lim, "max_depth"), _int(lim, "max_name_bytes"))
     except ValueError as exc:
         raise _Invalid(f"impossible limits in the handshake: {exc}") from None
-    server_id = h.get("server_id", "")
+    server_id, proof, role = h.get("server_id", ""), h.get("proof"), h.get("role", "write")
     return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
                       _bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
-                      _bool(h, "shm"))
+                      _bool(h, "shm"), proof if isinstance(proof, bytes) else None,
+                      role if role in ("read", "write") else "write")
+
+
+def _parse_auth(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
+    proof = h.get("proof")
+    if not isinstance(proof, bytes):
+        raise _Invalid("auth needs a 'proof' (msgpack bin)")
+    return Auth(rid, proof)
 
 
 def _reply_listing(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
@@ -480,7 +513,13 @@ def _no_fields(m: Any) -> dict[str, Any]:
 
 def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: _Parse,
         parse_reply: _ParseReply, mutating: bool, *fields: str) -> Op:
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
+              name in _READ_OPS)
+
+
+# What a connection with the read-only token may send: nothing that changes what others see.
+_READ_OPS = frozenset({"hello", "auth", "peek", "list", "listen", "unlisten", "ping", "cancel",
+                       "stats", "bye"})
 
 
 _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", "newer_than")
@@ -508,6 +547,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     _op("configure", Configure, _configure_header, _parse_configure, _reply_configured, True,
         "bin", "max_items", "max_bytes", "overflow"),
     _op("bye", Bye, _no_fields, lambda rid, h, p, lim: Bye(rid), _reply_acked, False),
+    _op("auth", Auth, lambda m: {"proof": m.proof}, _parse_auth, _reply_hello, False, "proof"),
 )}
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")
@@ -527,7 +567,9 @@ def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
     return {"version": m.version, "server": m.server, "limits": {
         "max_frame_bytes": lim.max_frame_bytes, "max_header_bytes": lim.max_header_bytes,
         "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes},
-        "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {})}
+        "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {}),
+        **({"proof": m.proof} if m.proof is not None else {}),
+        **({"role": m.role} if m.role != "write" else {})}
 
 
 def _fetched_header(f: Fetched) -> dict[str, Any]:
@@ -548,6 +590,7 @@ def _stored_header(m: Stored) -> dict[str, Any]:
 #: Reply class -> its ``ok`` header fields (besides ``op``, ``id``, ``ok`` and ``items``).
 REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     HelloReply: _hello_reply_header,
+    Challenge: lambda m: {"challenge": {"mech": MECH, "nonce": m.nonce}},
     Stored: _stored_header,
     Fetched: _fetched_header,
     Listing: lambda m: {"bins": m.bins},
@@ -578,17 +621,45 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
             return {"op": "error", "code": e.code, "message": e.message}, ()
         return {"op": "reply", "id": e.id, "ok": False, "code": e.code,
                 "message": e.message}, ()
+    items = _ITEMS_OF.get(cls)
     reply = REPLY_HEADERS.get(cls)
     if reply is not None:
         h = {"op": "reply", "id": msg.id, "ok": True}  # type: ignore[union-attr]
         h.update(reply(msg))
-        return h, (msg.items if cls is Fetched else ())  # type: ignore[union-attr]
+        return h, (items(msg) if items is not None else ())
     name = op_name(msg)  # type: ignore[arg-type]
     h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
     h.update(OPS[name].header(msg))
-    if cls is Append:
-        return h, msg.items  # type: ignore[union-attr]
-    return h, ((msg.item,) if cls is Put else ())  # type: ignore[union-attr]
+    return h, (items(msg) if items is not None else ())
+
+
+#: Message class -> the items it carries in the payload (in order).
+_ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
+    Put: lambda m: (m.item,), Append: lambda m: m.items, Fetched: lambda m: m.items,
+}
+
+
+def register(op: Op, *, items: Callable[[Any], Sequence[Item]] | None = None) -> None:
+    """Add an op to the table: what the wire modules of other bin kinds do at import
+    (:mod:`.streams`, :mod:`.services`). ``items``: the request's items, if it has any.
+
+    Raises:
+        ValueError: an op of that name exists.
+    """
+    if op.name in OPS:
+        raise ValueError(f"op {op.name!r} is in the table already")
+    OPS[op.name] = op
+    _OP_OF_CLASS[op.request] = op.name
+    if items is not None:
+        _ITEMS_OF[op.request] = items
+
+
+def register_reply(cls: type, header: Callable[[Any], dict[str, Any]], *,
+                   items: Callable[[Any], Sequence[Item]] | None = None) -> None:
+    """Add a reply class: its ``ok`` header fields, and its items, if it has any."""
+    REPLY_HEADERS[cls] = header
+    if items is not None:
+        _ITEMS_OF[cls] = items
 
 
 _PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
@@ -1099,3 +1170,7 @@ class ClientConnection(_Side):
         except _Invalid as exc:
             raise ProtocolError(f"malformed message from server: {exc}") from None
         raise ProtocolError(f"unexpected message op {op!r} from server")
+
+
+# The other kinds of bins register their ops and replies here (each imports this module).
+from . import services, streams  # noqa: E402, F401

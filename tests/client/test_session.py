@@ -11,7 +11,12 @@ from typing import Any
 import pytest
 
 from tensorshare.client.session import ClientSession, Done, Drop, Notify, Ready
-from tensorshare.errors import ConnectError, ConnectionLost, ReplyTimeout, SessionLost
+from tensorshare.errors import (
+    ConnectionLost,
+    ReplyTimeout,
+    SessionLost,
+    UnsupportedVersion,
+)
 from tensorshare.wire import codec
 from tensorshare.wire.messages import (
     Acked,
@@ -107,14 +112,26 @@ def test_without_a_session_hello_carries_none() -> None:
     assert hello.session is None
 
 
-def test_a_refused_first_handshake_closes_with_connect_error() -> None:
+@pytest.mark.parametrize("first", [True, False])
+def test_a_refused_handshake_closes_with_its_typed_error_never_retried(first: bool) -> None:
     s = new_session()
     server = Server()
-    (hello,) = server.requests(s.connection_made(0.0))
+    if not first:  # a reconnect refused (say, the server restarted with another token)
+        server, _, _ = connect(s)
+        s.connection_lost("reset", 1.0)
+    (hello,) = server.requests(s.connection_made(2.0))
     events = s.receive_data(Server.frames(ErrorReply(hello.id, "unsupported_version", "no")),
-                            0.0)
+                            2.0)
     assert any(type(e) is Drop for e in events)
-    assert isinstance(s.closed, ConnectError) and "no (unsupported_version)" in str(s.closed)
+    assert isinstance(s.closed, UnsupportedVersion) and "server at" in str(s.closed)
+    assert s.connection_lost("closed", 2.0) == []  # closed: nothing to ride out
+
+
+def test_a_drop_during_the_first_handshake_is_a_blip() -> None:
+    s = new_session()
+    s.connection_made(0.0)
+    assert s.connection_lost("reset by peer", 0.1) == [] and s.closed is None
+    s.connection_made(0.2)  # the shell tries again, within its first connection's timeout
 
 
 def test_a_handshake_that_is_never_answered_is_dropped() -> None:

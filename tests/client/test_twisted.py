@@ -33,6 +33,7 @@ from tensorshare.errors import (
     ReplyTimeout,
     SessionLost,
     UnsupportedType,
+    UnsupportedVersion,
     WaitTimeout,
 )
 from tensorshare.server import EmbeddedServer
@@ -418,11 +419,11 @@ def test_handshake_timeout_is_a_connect_error() -> None:
     assert transport.disconnecting
 
 
-def test_handshake_refused_is_a_connect_error() -> None:
+def test_a_refused_handshake_fails_with_its_typed_error() -> None:
     client, transport, _ = string_client()
     client.protocol.dataReceived(server_bytes(ErrorReply(1, "unsupported_version",
                                                          "no common version")))
-    exc = failure(client.ready, ConnectError)
+    exc = failure(client.ready, UnsupportedVersion)
     assert "no common version" in str(exc)
     assert transport.disconnecting
 

@@ -18,10 +18,13 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tensorshare import Client, ConnectError, EmbeddedServer
+from tensorshare.server import ServerConfig
+from tests.conftest import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -81,9 +84,30 @@ def server() -> Iterator[EmbeddedServer]:
         yield s
 
 
+SECRET = "the-deployment-token"
+
+
+def _secure_env(port: int, tls: TlsFiles) -> dict[str, str]:
+    """What a cluster's environment says: the server's URL (TLS), its token and CA, and,
+    for a script that hosts its server, the server's certificate and key."""
+    return {"TENSORSHARE_PORT": str(port), "TENSORSHARE_URL": f"tensorshare+tls://localhost:{port}",
+            "TENSORSHARE_TOKEN": SECRET, "TENSORSHARE_TLS_CA": tls.ca,
+            "TENSORSHARE_TLS_CERT": tls.cert, "TENSORSHARE_TLS_KEY": tls.key}
+
+
 @pytest.mark.timeout(60)
-def test_basic_example(server: EmbeddedServer) -> None:
-    res = _run([str(EXAMPLES / "basic.py")], timeout=50, TENSORSHARE_PORT=str(server.port))
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "token and TLS from the env"])
+def test_basic_example(server: EmbeddedServer, tls_files: TlsFiles, secure: bool) -> None:
+    env = {"TENSORSHARE_PORT": str(server.port)}
+    if secure:  # the seed's example, unchanged, against a server with a token and TLS
+        config = ServerConfig(token=SECRET, tls_cert=tls_files.cert, tls_key=tls_files.key)
+        server = EmbeddedServer(port=0, config=config)
+        env = _secure_env(server.port, tls_files)
+    try:
+        res = _run([str(EXAMPLES / "basic.py")], timeout=50, **env)
+    finally:
+        if secure:
+            server.stop()
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "peek data_bin {'status': 'OK', 'data': {'a': tensor(" in out, out
@@ -99,11 +123,12 @@ def test_basic_example(server: EmbeddedServer) -> None:
     assert updates[:2] == ["2", "3"][: len(updates)], out
 
 
-def _wait_until_serving(port: int, proc: subprocess.Popen[str], timeout: float) -> None:
+def _wait_until_serving(port: int, proc: subprocess.Popen[str], timeout: float,
+                        **client: Any) -> None:
     """Connect to ``port`` until it answers, pacing retries on ``proc`` (which must live)."""
     for _ in range(int(timeout / 0.1)):
         try:
-            Client("127.0.0.1", port, timeout=5.0).close()
+            Client(client.pop("host", "127.0.0.1"), port, timeout=5.0, **client).close()
             return
         except ConnectError:
             pass
@@ -117,14 +142,17 @@ def _wait_until_serving(port: int, proc: subprocess.Popen[str], timeout: float) 
 
 
 @pytest.mark.timeout(120)
-def test_rl_trainer_and_workers() -> None:
+def test_rl_trainer_and_workers(tls_files: TlsFiles) -> None:
+    """The seed's trainer (hosting its server) and workers, unchanged, on a cluster whose
+    environment gives the URL (TLS), the token, the CA and the server's certificate."""
     port = _free_port()
-    env = _env(TENSORSHARE_PORT=str(port))
+    env = _env(**_secure_env(port, tls_files))
     popen = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     trainer = subprocess.Popen([sys.executable, str(EXAMPLES / "rl_trainer.py")], **popen)
     workers: list[subprocess.Popen[str]] = []
     try:
-        _wait_until_serving(port, trainer, timeout=30)
+        _wait_until_serving(port, trainer, timeout=30, host="localhost", tls=True,
+                            tls_ca=tls_files.ca, token=SECRET)
         workers = [subprocess.Popen([sys.executable, str(EXAMPLES / "rl_worker.py")], **popen)
                    for _ in range(3)]
         out, err = trainer.communicate(timeout=90)

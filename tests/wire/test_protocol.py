@@ -28,8 +28,10 @@ from tensorshare.wire.frames import DIRECT_READ_MIN, BytesLike, encode_frame
 from tensorshare.wire.messages import (
     Acked,
     Append,
+    Auth,
     Bye,
     Cancel,
+    Challenge,
     Changed,
     Configure,
     Configured,
@@ -237,9 +239,10 @@ def test_check_bin_name_counts_utf8_bytes() -> None:
 # ------------------------------------------------------------------------------- requests
 
 ITEM = Item(codec.encode([1, "a", b"b"]), tag=5)
+NONCE = bytes(range(32))
 # One request per op, with every optional field set where the op has any.
 SAMPLE_REQUESTS: dict[str, Any] = {
-    "hello": Hello(1, (1, 2), "me", "token", SESSION, True),
+    "hello": Hello(1, (1, 2), "me", NONCE, SESSION, True),
     "put": Put(2, "w", ITEM),
     "append": Append(3, "w", ITEM, 2.5),
     "get": Get(4, "w", 2, True, 1.5, 1, 4, 2),
@@ -253,11 +256,12 @@ SAMPLE_REQUESTS: dict[str, Any] = {
     "stats": Stats(12, "w*"),
     "configure": Configure(13, "w", 5, 1 << 20, "drop_oldest"),
     "bye": Bye(14),
+    "auth": Auth(15, b"p" * 32),
 }
 
 REQUESTS: list[Any] = [
     Hello(1, (1,)),
-    Hello(1, (1, 2, 7), "my-client", "token"),
+    Hello(1, (1, 2, 7), "my-client", NONCE),
     Hello(1, (1,), "c", None, SESSION),
     Hello(1, (1,), "c", None, SESSION, True),
     ListBins(1),
@@ -500,6 +504,8 @@ REPLIES: list[tuple[Any, Any]] = [
     (Hello(1, (1,)), HelloReply(1, 1, "tensorshare/9.9", LIMITS)),
     (Hello(1, (1,), "c", None, SESSION, True),
      HelloReply(1, 1, "tensorshare/9.9", LIMITS, True, "0123456789abcdef")),
+    (Hello(1, (1,), "c", NONCE), Challenge(1, b"n" * 32)),
+    (Auth(2, b"p" * 32), HelloReply(2, 1, "t/1", LIMITS, False, "ab", False, b"q" * 32, "read")),
     (Put(2, "b", item_of(1)), Stored(2, 5, 1)),
     (Append(3, "b", item_of(1)), Stored(3, 6, 2)),
     (Append(3, "b", item_of(1), 1.0), Stored(3, 9, 4, dropped=3)),
@@ -943,9 +949,17 @@ def test_hello_resume_must_be_a_bool(sconn: ServerConnection) -> None:
 
 def test_hello_tolerates_odd_optional_fields(sconn: ServerConnection) -> None:
     got = one(sconn.receive_data(raw_frame(
-        {"op": "hello", "id": 1, "versions": [1, 2], "client": 5, "auth": 7, "session": None,
-         "resume": None})))
+        {"op": "hello", "id": 1, "versions": [1, 2], "client": 5, "auth": None,
+         "session": None, "resume": None})))
     assert got == Hello(1, (1, 2), "", None, None, False)
+
+
+@pytest.mark.parametrize("auth", [7, "token", {"mech": "md5", "nonce": b"x" * 32},
+                                  {"mech": "hmac-sha256", "nonce": b"short"}])
+def test_hello_refuses_a_malformed_auth(sconn: ServerConnection, auth: Any) -> None:
+    got = one(sconn.receive_data(raw_frame({"op": "hello", "id": 1, "versions": [1],
+                                            "auth": auth})))
+    assert isinstance(got, BadRequest) and "auth" in got.message
 
 
 # ------------------------------------------------------------------------------- fatal errors

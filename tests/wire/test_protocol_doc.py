@@ -42,8 +42,10 @@ from tensorshare.wire.frames import PREFIX, aligned, encode_frame
 from tensorshare.wire.messages import (
     Acked,
     Append,
+    Auth,
     Bye,
     Cancel,
+    Challenge,
     Changed,
     Configure,
     Configured,
@@ -104,6 +106,7 @@ GOLDEN_SERVER_ID = "0123456789abcdef"
 # Reply class -> the marker of its header table.
 REPLY_TABLES: dict[type, str] = {
     HelloReply: "reply-hello",
+    Challenge: "reply-challenge",
     Stored: "reply-put",
     Fetched: "reply-get",
     Listing: "reply-list",
@@ -413,7 +416,7 @@ def test_ack_fields_are_documented_once_for_every_request() -> None:
 def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "hello": [Hello(1, (1,), "me", "token", GOLDEN_SESSION, True, True)],
+        "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True)],
         "put": [Put(2, "w", item)],
         "append": [Append(2, "w", item, 1.5)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
@@ -427,6 +430,7 @@ def _full_requests() -> dict[str, list[Message]]:
         "stats": [Stats(10, "w*")],
         "configure": [Configure(11, "w", 5, 1024, "block")],
         "bye": [Bye(12)],
+        "auth": [Auth(13, b"p" * 32)],
     }
 
 
@@ -462,7 +466,9 @@ def test_server_refuses_an_undocumented_op() -> None:
 def _reply_cases() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True)],
+        "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True,
+                                                  b"p" * 32, "read")],
+        "reply-challenge": [Challenge(1, b"n" * 32)],
         "reply-put": [Stored(2, 1, 1), Stored(2, 3, 2, dropped=1)],
         "reply-get": [Fetched(3, "list", (item, item), 5, 1, 2),
                       Fetched(3, "value", (), 5, 1, 0, True)],
@@ -795,3 +801,13 @@ def test_fetch_spec_is_what_get_and_peek_carry() -> None:
     """The doc's get/peek tables are one FetchSpec; the helpers of tests/wire.py build it."""
     assert Get(1, "w") == Fetch(1, "w", FetchSpec(True))
     assert Peek(1, "w") == Fetch(1, "w", FetchSpec(False))
+
+
+def test_the_authentication_example_is_what_the_code_computes() -> None:
+    from tensorshare.wire.auth import client_proof, server_proof
+
+    args = (b"s3cret", b"\1" * 32, b"\2" * 32, None, "ex")
+    assert f"`{client_proof(*args).hex()}`" in DOC
+    assert f"`{server_proof(*args).hex()}`" in DOC
+    assert "`74656e736f7273686172652d617574682d763100` `01`×32 `02`×32 `00` `00000002` " \
+        "`6578`" in DOC

@@ -1,0 +1,86 @@
+"""How a client reaches a server: the address, TLS, and the token, from the arguments or the
+environment, resolved once for every client API and command.
+
+* The address: ``host`` and ``port`` as given (``host`` may be a URL, see
+  :mod:`tensorshare.wire.address`); with neither, ``TENSORSHARE_URL``; else
+  ``127.0.0.1:8000``.
+* TLS: ``tls=True``, or a ``tensorshare+tls://`` URL, or ``TENSORSHARE_URL`` naming the same
+  host and port with ``tensorshare+tls://`` (so a script that says ``localhost, 8000`` reaches
+  a TLS server when the environment says that server speaks TLS). The CA that signed the
+  server's certificate: ``tls_ca=`` or ``TENSORSHARE_TLS_CA`` (else the system's).
+* The token: ``token=``, ``token_file=``, ``TENSORSHARE_TOKEN`` or the file
+  ``TENSORSHARE_TOKEN_FILE`` names, in that order. Never from a URL.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..wire.address import Address, parse_address
+from ..wire.auth import token_bytes
+
+__all__ = ["Endpoint", "resolve"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A server and how to reach it.
+
+    Attributes:
+        address: where it listens (``address.tls``: TLS on).
+        tls_ca: a CA file to check the server's certificate against (``None``: the system's).
+        token: the key of the token to prove in the handshake (``None``: no token).
+    """
+
+    address: Address
+    tls_ca: str | None = None
+    token: bytes | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.address.tls
+
+    def __str__(self) -> str:
+        return self.address.url if self.address.tls else str(self.address)
+
+
+def resolve(host: str | None = None, port: int | None = None, *, tls: bool | None = None,
+            tls_ca: str | None = None, token: str | bytes | None = None,
+            token_file: str | None = None) -> Endpoint:
+    """Resolve a client's connection arguments (see the module docstring).
+
+    Raises:
+        ValueError: a malformed URL, an empty token, TLS asked for a Unix socket.
+        OSError: ``token_file`` (or ``TENSORSHARE_TOKEN_FILE``) cannot be read.
+    """
+    env_url = os.environ.get("TENSORSHARE_URL") or None
+    if host is None and port is None and env_url:
+        address = parse_address(env_url, DEFAULT_PORT)
+    else:
+        address = parse_address(DEFAULT_HOST if host is None else host,
+                                DEFAULT_PORT if port is None else port)
+    if tls is None and not address.tls and env_url and address.path is None:
+        named = parse_address(env_url, DEFAULT_PORT)
+        tls = named.tls and (named.host, named.port) == (address.host, address.port)
+    if tls:
+        if address.path is not None:
+            raise ValueError("TLS is for TCP; a Unix socket is already private to this machine")
+        address = Address(address.host, address.port, tls=True)
+    return Endpoint(address, tls_ca or os.environ.get("TENSORSHARE_TLS_CA") or None,
+                    _token(token, token_file))
+
+
+def _token(token: str | bytes | None, token_file: str | None) -> bytes | None:
+    if token is not None:
+        return token_bytes(token)
+    path = token_file or os.environ.get("TENSORSHARE_TOKEN_FILE") or None
+    if token_file is None and os.environ.get("TENSORSHARE_TOKEN"):
+        return token_bytes(os.environ["TENSORSHARE_TOKEN"])
+    if path:
+        with open(path, "rb") as f:
+            return token_bytes(f.read())
+    return None

@@ -1,0 +1,86 @@
+"""What the server needs to authenticate clients: its keys (the read-write token and the
+read-only one), the check that refuses to listen beyond loopback without a token (protected
+mode), and a bounded memory of failed attempts per address, which slows a guesser down.
+
+The handshake itself is in :mod:`.connection`; the proofs in :mod:`tensorshare.wire.auth`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import OrderedDict
+
+from ..wire.auth import token_bytes
+from .config import ServerConfig
+
+__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of"]
+
+
+def keys_of(config: ServerConfig) -> dict[str, bytes]:
+    """``{"write": key, "read": key}`` for the tokens the server has (empty: no tokens)."""
+    keys: dict[str, bytes] = {}
+    if config.token:
+        keys["write"] = token_bytes(config.token)
+    if config.read_token:
+        if "write" not in keys:
+            raise ValueError("a read-only token needs a read-write token too (--token-file)")
+        keys["read"] = token_bytes(config.read_token)
+        if keys["read"] == keys["write"]:
+            raise ValueError("the read-only token must differ from the read-write token")
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` accepts connections from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def check_exposure(host: str, config: ServerConfig) -> None:
+    """Protected mode: refuse to listen beyond loopback without a token.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address, the server has no token, and
+            ``config.insecure`` was not given; the message says what to do.
+    """
+    if is_loopback(host) or config.token or config.insecure:
+        return
+    raise ValueError(
+        f"refusing to listen on {host} without a token: anyone who can reach it could read, "
+        f"overwrite or delete every bin. Give the server a token (tensorshare serve "
+        f"--token-file PATH, or TENSORSHARE_TOKEN; clients then need the same token), or "
+        f"pass --insecure (insecure=True) if this network is trusted")
+
+
+class FailedAttempts:
+    """Failed authentications per peer address, to slow a guesser down.
+
+    Keeps at most ``max_peers`` addresses (the oldest forgotten first) and forgets failures
+    older than ``window`` seconds. After ``free`` failures in the window, each refusal is
+    delayed: 0.25 s, doubling with each failure, at most ``max_delay``.
+    """
+
+    def __init__(self, max_peers: int = 4096, window: float = 60.0, free: int = 3,
+                 max_delay: float = 8.0) -> None:
+        self.max_peers, self.window, self.free, self.max_delay = max_peers, window, free, \
+            max_delay
+        self._peers: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def failed(self, peer: str, now: float | None = None) -> float:
+        """Count a failure from ``peer``; return how long to delay its refusal (seconds)."""
+        now = time.monotonic() if now is None else now
+        count, since = self._peers.pop(peer, (0, now))
+        if now - since > self.window:
+            count, since = 0, now
+        count += 1
+        self._peers[peer] = (count, since)
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+        if count <= self.free:
+            return 0.0
+        return min(0.25 * 2 ** (count - self.free - 1), self.max_delay)

@@ -1,0 +1,143 @@
+"""The server's side of authentication: the challenge, the proofs, roles, slowing guessers down,
+and protected mode (issue "Safe on a shared network")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock
+
+from tensorshare.server import EmbeddedServer, ServerConfig
+from tensorshare.server.auth import FailedAttempts, check_exposure, is_loopback
+from tensorshare.server.core import ServerFactory
+from tensorshare.wire import codec
+from tensorshare.wire.auth import client_proof, server_proof, token_bytes
+from tensorshare.wire.messages import (
+    Auth,
+    Challenge,
+    ErrorReply,
+    Fetched,
+    Hello,
+    HelloReply,
+    Item,
+    Put,
+    Stored,
+)
+from tensorshare.wire.protocol import PROTOCOL_VERSIONS
+from tests.rawwire import Peek
+from tests.server.test_connection import Peer
+
+TOKEN, READ = "write-token", "read-token"
+NONCE = os.urandom(32)
+
+
+@pytest.fixture
+def clock() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+@pytest.fixture
+def factory(clock: MemoryReactorClock) -> ServerFactory:
+    return ServerFactory(clock, config=ServerConfig(token=TOKEN, read_token=READ))
+
+
+def _handshake(f: ServerFactory, token: str, *, session: bytes | None = None
+               ) -> tuple[Peer, HelloReply | ErrorReply, bytes]:
+    p = Peer(f, hello=False)
+    hello = Hello(p.rid(), PROTOCOL_VERSIONS, "t", NONCE, session)
+    challenge = p.request(hello)
+    assert isinstance(challenge, Challenge) and challenge.id == hello.id
+    proof = client_proof(token_bytes(token), NONCE, challenge.nonce, session, "t")
+    reply = p.request(Auth(p.rid(), proof))
+    return p, reply, challenge.nonce
+
+
+def test_the_right_token_gets_in_and_the_server_proves_it_knows_it(
+        factory: ServerFactory) -> None:
+    sid = os.urandom(16)
+    p, reply, nonce = _handshake(factory, TOKEN, session=sid)
+    assert isinstance(reply, HelloReply) and reply.role == "write"
+    assert reply.proof == server_proof(token_bytes(TOKEN), NONCE, nonce, sid, "t")
+    rid = p.rid()
+    assert p.request(Put(rid, "w", Item(codec.encode(1)))) == Stored(rid, 1, 1)
+    _, again, nonce2 = _handshake(factory, TOKEN)
+    assert nonce2 != nonce  # every challenge is fresh
+
+
+def test_no_token_and_a_wrong_token_are_refused_and_closed(factory: ServerFactory) -> None:
+    p = Peer(factory, hello=False)
+    reply = p.request(Hello(p.rid(), PROTOCOL_VERSIONS, "t"))
+    assert isinstance(reply, ErrorReply) and reply.code == "authentication_failed"
+    assert "requires a token" in reply.message and p.transport.disconnecting
+    p, reply, _ = _handshake(factory, "guess")
+    assert isinstance(reply, ErrorReply) and reply.code == "authentication_failed"
+    assert "wrong token" in reply.message and p.transport.disconnecting
+    assert factory.stats.counters["auth_failures"] == 2
+
+
+def test_a_replayed_handshake_is_refused(factory: ServerFactory) -> None:
+    _, _, nonce = _handshake(factory, TOKEN)
+    captured = client_proof(token_bytes(TOKEN), NONCE, nonce, None, "t")  # what a tap saw
+    p = Peer(factory, hello=False)
+    p.request(Hello(p.rid(), PROTOCOL_VERSIONS, "t", NONCE))  # a new challenge
+    reply = p.request(Auth(p.rid(), captured))
+    assert isinstance(reply, ErrorReply) and reply.code == "authentication_failed"
+
+
+def test_the_read_only_token_may_read_but_not_write(factory: ServerFactory) -> None:
+    writer, _, _ = _handshake(factory, TOKEN)
+    writer.put("w", 5)
+    p, reply, _ = _handshake(factory, READ)
+    assert isinstance(reply, HelloReply) and reply.role == "read"
+    got = p.request(Peek(p.rid(), "w"))
+    assert isinstance(got, Fetched)
+    for rid in (p.rid(), p.rid()):
+        denied = p.request(Put(rid, "w", Item(codec.encode(1))))
+        assert isinstance(denied, ErrorReply) and denied.code == "permission_denied"
+        assert "put is not allowed with the read-only token" in denied.message
+    p.ping()  # the connection stays usable
+
+
+def test_nothing_but_auth_may_follow_a_challenge(factory: ServerFactory) -> None:
+    p = Peer(factory, hello=False)
+    p.request(Hello(p.rid(), PROTOCOL_VERSIONS, "t", NONCE))
+    reply = p.request(Put(p.rid(), "w", Item(codec.encode(1))))
+    assert isinstance(reply, ErrorReply) and reply.id == 0 and "then 'auth'" in reply.message
+    assert factory.store.n_items("w") == 0
+
+
+def test_repeated_failures_from_one_address_are_slowed_down(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    for _ in range(3):  # the first few are answered at once
+        _, reply, _ = _handshake(factory, "guess")
+        assert isinstance(reply, ErrorReply)
+    p = Peer(factory, hello=False)
+    challenge = p.request(Hello(p.rid(), PROTOCOL_VERSIONS, "t", NONCE))
+    p.send(Auth(p.rid(), b"x" * 32))
+    assert p.received() == [] and not p.transport.disconnecting  # held back...
+    clock.advance(0.25)
+    (reply,) = p.received()  # ...then refused
+    assert isinstance(reply, ErrorReply) and reply.code == "authentication_failed"
+    assert isinstance(challenge, Challenge)
+    attempts = FailedAttempts(free=1, max_delay=2.0)
+    assert [attempts.failed("a", now=0) for _ in range(6)] == [0, 0.25, 0.5, 1.0, 2.0, 2.0]
+    assert attempts.failed("a", now=100) == 0  # the window passed
+
+
+def test_a_read_only_token_needs_a_different_read_write_token() -> None:
+    with pytest.raises(ValueError, match="must differ"):
+        ServerFactory(MemoryReactorClock(), config=ServerConfig(token="a", read_token="a"))
+    with pytest.raises(ValueError, match="needs a read-write token"):
+        ServerFactory(MemoryReactorClock(), config=ServerConfig(token=None, read_token="a"))
+
+
+def test_protected_mode_refuses_an_open_address_without_a_token() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0 without a token"):
+        EmbeddedServer(port=0, host="0.0.0.0", config=ServerConfig(token=None))
+    check_exposure("0.0.0.0", ServerConfig(token=None, insecure=True))
+    check_exposure("0.0.0.0", ServerConfig(token="t"))
+    with EmbeddedServer(port=0, host="0.0.0.0", config=ServerConfig(token="t")) as srv:
+        assert srv.port
