@@ -14,7 +14,8 @@ setup(
     packages=find_packages(include=["tensorshare", "tensorshare.*"]),
     package_data={"tensorshare": ["py.typed"]},
     install_requires=[
-        "twisted>=23.10",
+        # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity.
+        "twisted[tls]>=23.10",
         "msgpack>=1.0",
         "lz4>=4.0",
         # torch is needed to send and receive tensors; the server itself never imports it.
@@ -32,6 +33,7 @@ setup(
         "rl": ["gymnasium>=1.0"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter",
+                 "trustme",
                  "mypy-zope", "gymnasium>=1.0"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
