@@ -1264,6 +1264,38 @@ def section_unix_socket(b: Bench) -> list[Row]:
         unix.close()
 
 
+def section_tls(b: Bench) -> list[Row]:
+    """put / get of 1 and 64 MiB over TLS (a second server, ``--tls-cert``, certificates made
+    with trustme) vs plain TCP, interleaved."""
+    try:
+        import trustme
+    except ImportError:
+        b.info.append("tls: skipped (pip install trustme, to make the certificates)")
+        return []
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    paths = {n: os.path.join(b.workdir, f"{n}.pem") for n in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    cert.private_key_pem.write_to_path(paths["key"])
+    server = launch_tensorshare(b.children, "tensorshare-tls", extra=[
+        "--tls-cert", paths["cert"], "--tls-key", paths["key"]])()
+    tls = TensorShareSide(server.port, "tls", f"tensorshare+tls://localhost:{server.port}",
+                          tls_ca=paths["ca"])
+    try:
+        rows: list[Row] = []
+        for size in (1 << 20, 64 << 20):
+            res = measure_transfer([tls, b.ts], size, b.cfg)
+            for i, direction in enumerate(("put", "get")):
+                s, t = res[tls.name][i], res[b.ts.name][i]
+                rows.append(Row(f"{direction} {_label(size)} tls", f"{_fmt(s.median)} MB/s",
+                                f"{_fmt(t.median)} MB/s", s.median / t.median,
+                                s.total / t.total, group="tls"))
+        return rows
+    finally:
+        tls.close()
+
+
 def section_shared_memory(b: Bench) -> list[Row]:
     """put / get of 16 and 64 MiB through sealed memfds (Unix socket, ``shm=True``) vs TCP,
     and vs an in-process copy of the same tensor (``torch.Tensor.copy_``)."""
@@ -1312,6 +1344,7 @@ SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
     "persist": section_persist,
     "appends": section_batched_appends,
     "unix": section_unix_socket,
+    "tls": section_tls,
     "shm": section_shared_memory,
 }
 
@@ -1390,7 +1423,9 @@ def run(cfg: Config) -> None:
                             "unix": "the same server over its Unix socket (no shared memory) vs "
                                     "TCP; columns: unix | tcp",
                             "shm": "large tensors through shared memory (sealed memfds over the "
-                                   "Unix socket) vs TCP; columns: shm | tcp"},
+                                   "Unix socket) vs TCP; columns: shm | tcp",
+                            "tls": "the same transfers over TLS (a second server with "
+                                   "--tls-cert) vs plain TCP; columns: tls | tcp"},
                   unix_path=unix_path)
         rows: list[Row] = []
         t_start = time.monotonic()

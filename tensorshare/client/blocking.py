@@ -784,6 +784,8 @@ class Client(Ops):
                 n, ancdata, _, _ = reader.sock.recvmsg_into([target], _ANC_SPACE)
                 if ancdata:
                     fds = _fds_of(ancdata)
+            elif reader.tls:
+                n = _tls_recv_into(reader.sock, target)
             else:
                 n = reader.sock.recv_into(target)
         except (BlockingIOError, InterruptedError, TimeoutError, ssl.SSLWantReadError,
@@ -962,11 +964,12 @@ class _Reader:
     Only the thread that leads (see ``Client._serve``) uses it, so one is enough.
     """
 
-    __slots__ = ("sock", "poll", "scratch", "view", "unix")
+    __slots__ = ("sock", "poll", "scratch", "view", "unix", "tls")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.unix = sock.family == socket.AF_UNIX
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self.poll = select.poll()
         self.poll.register(sock, select.POLLIN)
         self.scratch = bytearray(_READ_CHUNK)
@@ -1037,6 +1040,28 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
                 sent = 0
         while i < len(views) and views[i].nbytes == 0:
             i += 1
+
+
+def _tls_recv_into(sock: socket.socket, target: memoryview | bytearray) -> int:
+    """Decrypt into ``target`` until it is full or nothing more has arrived: one TLS record
+    per ``recv_into`` otherwise (16 KiB), each a trip through Python.
+
+    Raises:
+        ssl.SSLWantReadError: nothing at all had arrived.
+    """
+    view = memoryview(target)
+    n = 0
+    while n < len(view):
+        try:
+            got = sock.recv_into(view[n:])
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            if n:
+                break
+            raise
+        if not got:
+            break
+        n += got
+    return n
 
 
 class _Refused(Exception):

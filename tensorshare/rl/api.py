@@ -94,6 +94,20 @@ def _local(host: str) -> str:
     return "127.0.0.1" if host == "localhost" else host
 
 
+def _host(port: int, host: str, client_options: dict[str, Any]) -> Any:
+    """A server in this process for :class:`RLTrainer` (``host_server=True``): the token the
+    trainer's client is given is the server's too (else ``TENSORSHARE_TOKEN``, as for any
+    server), and so is ``TENSORSHARE_TLS_CERT``/``_KEY``'s TLS."""
+    from ..server import EmbeddedServer, ServerConfig
+
+    token = client_options.get("token")
+    if token is None and client_options.get("token_file"):
+        with open(client_options["token_file"], encoding="utf-8") as f:
+            token = f.read()
+    config = ServerConfig(token=token) if token is not None else None
+    return EmbeddedServer(port, host=host, config=config)
+
+
 class _Base:
     def __init__(self, host: str, port: int, timeout: float, params_bin: str, data_bin: str,
                  client_options: dict[str, Any]) -> None:
@@ -150,9 +164,7 @@ class RLTrainer(_Base):
                  **client_options: Any) -> None:
         server = None
         if host_server:
-            from ..server import EmbeddedServer
-
-            server = EmbeddedServer(port, host=_local(host))
+            server = _host(port, _local(host), client_options)
             port = server.port
         try:
             super().__init__(host, port, timeout, params_bin, data_bin, client_options)

@@ -307,3 +307,17 @@ def test_a_seed_style_worker_loop_and_a_tensorshare_client_ride_out_a_server_res
         srv.stop()
     assert not errors, errors
     assert not loop.is_alive()
+
+
+def test_a_trainer_that_hosts_its_server_gives_it_its_token() -> None:
+    from tensorshare import AuthenticationError
+
+    trainer = RLTrainer("127.0.0.1", 0, host_server=True, token="rl-token", timeout=10)
+    try:
+        trainer.publish_parameters({"w": torch.ones(2)})
+        with RLWorker("127.0.0.1", trainer.port, token="rl-token", timeout=10) as worker:
+            assert torch.equal(worker.get_parameters()["w"], torch.ones(2))
+        with pytest.raises(AuthenticationError):
+            RLWorker("127.0.0.1", trainer.port, timeout=10)
+    finally:
+        trainer.stop()
