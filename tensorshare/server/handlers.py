@@ -101,6 +101,12 @@ def configure_effect(store: Store, msg: Configure, ctx: Ctx = None) -> Configure
     return Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow)
 
 
+def _logged(msg: Request) -> bool:
+    """Whether a request writes to the data log (the store's changes; the other kinds of
+    bins live in memory)."""
+    return type(msg) in EFFECTS or (type(msg) is Fetch and msg.spec.remove)
+
+
 def _log_size(msg: Request) -> int:
     """About what a write adds to the data log."""
     if type(msg) is Put:
@@ -157,7 +163,7 @@ class Responder:
                 conn.send(old)
                 return
         try:
-            if mutating and self.server.persist is not None:
+            if mutating and self.server.persist is not None and _logged(msg):
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
                     raise StorageUnavailable(why)

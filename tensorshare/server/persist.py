@@ -872,6 +872,8 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
     for sid, replies in state.sessions:
         yield _frame({"op": "session", "s": sid})
         for _rid, reply, bin_name, held in replies:
+            if type(reply) is not ErrorReply and type(reply) not in _REPLY_OP:
+                continue  # a reply of a bin kind that lives in memory only (streams, services)
             extra: dict[str, Any] = {"rec": "reply", "s": sid, "held": held}
             if type(reply) is not ErrorReply:
                 extra["req_op"] = _REPLY_OP[type(reply)]
