@@ -120,6 +120,9 @@ def _stored(rid: int, w: Written) -> Stored:
     return Stored(rid, w.version, w.n_items, w.dropped)
 
 
+# The requests on a value or list bin (a bin of another kind refuses them).
+_STORE_OPS = frozenset({Put, Append, Fetch, Delete, Configure})
+
 #: Request type -> its effect on the store (see the module docstring).
 EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {
     Put: put_effect, Append: append_effect, Delete: delete_effect, Configure: configure_effect,
@@ -163,6 +166,8 @@ class Responder:
                 conn.send(old)
                 return
         try:
+            if type(msg) in _STORE_OPS:
+                self._check_kind(msg)
             if mutating and self.server.persist is not None and _logged(msg):
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
@@ -175,6 +180,14 @@ class Responder:
                         peer=conn.peer)
             conn.reply(msg, ErrorReply(msg.id, ServerError.code,
                                        "internal server error; see the server log"))
+
+    def _check_kind(self, msg: Any) -> None:
+        """A value or list request on a bin of another kind (a stream, a service) is refused."""
+        for kind in self.server.kinds:
+            if kind.owns(msg.bin):
+                raise InvalidRequest(f"bin {msg.bin!r} is a {kind.name} bin: {op_name(msg)} is "
+                                     f"for value and list bins (use the {kind.name}'s own "
+                                     f"operations)")
 
     # -- writes -----------------------------------------------------------------------------
     def _put(self, conn: ServerProtocol, msg: Put) -> None:
