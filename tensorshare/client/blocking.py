@@ -41,6 +41,7 @@ from ..errors import (
     TensorShareError,
     error_from_code,
 )
+from ..memory.fdpass import ANC_SPACE, fds_of
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Item, Limits
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
@@ -781,9 +782,9 @@ class Client(Ops):
             direct = session.get_buffer()
             target = direct if direct is not None else reader.scratch
             if reader.unix:
-                n, ancdata, _, _ = reader.sock.recvmsg_into([target], _ANC_SPACE)
+                n, ancdata, _, _ = reader.sock.recvmsg_into([target], ANC_SPACE)
                 if ancdata:
-                    fds = _fds_of(ancdata)
+                    fds = fds_of(ancdata)
             elif reader.tls:
                 n = _tls_recv_into(reader.sock, target)
             else:
@@ -975,18 +976,6 @@ class _Reader:
         self.scratch = bytearray(_READ_CHUNK)
         self.view = memoryview(self.scratch)
 
-
-_ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
-
-
-def _fds_of(ancdata: Any) -> builtins.list[int]:
-    fds: builtins.list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-            fds.extend(arr)
-    return fds
 
 
 def _drain(fd: int) -> None:

@@ -113,3 +113,4 @@ def receive(fd: int, size: int, *, writable: bool) -> SharedMemory:
     except BaseException:
         os.close(fd)
         raise
+

@@ -15,7 +15,7 @@ from ..wire.messages import Limits
 from .auth import check_exposure
 from .config import ServerConfig
 from .core import ServerFactory
-from .transports import listen_fast_tcp, listen_fast_unix, tls_wrapped
+from .transports import listen_fast_tcp, listen_fast_unix
 
 __all__ = ["EmbeddedServer", "run_server"]
 
@@ -63,8 +63,11 @@ class EmbeddedServer:
         try:
             self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
             if port is not None:
-                self._ports.append(listen_fast_tcp(self.reactor, port, tls_wrapped(
-                    self.factory, self.factory.config, self.reactor), interface=host))
+                served: Any = self.factory
+                if {self.factory.config.tls_cert, self.factory.config.tls_key} != {None}:
+                    from .tls import tls_wrapped  # (OpenSSL only for a server that uses it)
+                    served = tls_wrapped(self.factory, self.factory.config, self.reactor)
+                self._ports.append(listen_fast_tcp(self.reactor, port, served, interface=host))
             if unix is not None:
                 self._ports.append(listen_fast_unix(self.reactor, unix, self.factory))
         except BaseException:

@@ -56,6 +56,8 @@ from twisted.internet import main, tcp, unix
 from twisted.internet.interfaces import IProtocolFactory, IReactorFDSet, IReactorTCP
 from twisted.python import failure
 
+from ..memory.fdpass import ANC_SPACE, fds_of
+
 __all__ = [
     "BufferedProtocol",
     "FastPort",
@@ -64,7 +66,6 @@ __all__ = [
     "FastUnixServer",
     "listen_fast_tcp",
     "listen_fast_unix",
-    "tls_wrapped",
 ]
 
 # recv/send errors meaning "nothing can be transferred right now", not failures.
@@ -431,9 +432,9 @@ class FastUnixServer(_ZeroCopy, unix.Server):
         unix.Server.__init__(self, sock, protocol, client, server, sessionno, reactor)
 
     def _recv_into(self, target: memoryview | bytearray) -> int:
-        nbytes, ancdata, _flags, _addr = self.socket.recvmsg_into([target], _ANC_SPACE)
+        nbytes, ancdata, _flags, _addr = self.socket.recvmsg_into([target], ANC_SPACE)
         if ancdata:
-            fds = _fds_of(ancdata)
+            fds = fds_of(ancdata)
             if fds:
                 take = getattr(self.protocol, "fds_received", None) \
                     if getattr(type(self.protocol), "fds_received", None) else None
@@ -445,19 +446,9 @@ class FastUnixServer(_ZeroCopy, unix.Server):
         return nbytes
 
 
-def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-            fds.extend(arr)
-    return fds
-
 
 # Linux passes at most 253 descriptors per message (SCM_MAX_FD).
 _MAX_FDS_PER_SEND = 200
-_ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
 
 
 class FastPort(tcp.Port):
@@ -520,163 +511,3 @@ def listen_fast_unix(reactor: Any, path: str, factory: IProtocolFactory, *,
     port.startListening()
     return port
 
-
-def tls_wrapped(factory: IProtocolFactory, config: Any, reactor: Any) -> IProtocolFactory:
-    """``factory`` itself, or wrapped in TLS when ``config`` names a certificate and key.
-
-    ``reactor`` is the one that runs the server (TLS flushes small writes on its next turn:
-    never on the global reactor, which a private server's thread does not run).
-
-    TLS is Twisted's own (pyOpenSSL, a memory BIO between the socket and the protocol): the
-    zero-copy read path does not apply through it (the protocol is wrapped), and each write is
-    joined once before it is encrypted.
-
-    Raises:
-        ValueError: only one of the two files is given, or they cannot be loaded.
-    """
-    cert, key = config.tls_cert, config.tls_key
-    if cert is None and key is None:
-        return factory
-    if cert is None or key is None:
-        raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
-    from twisted.internet import ssl
-    from twisted.protocols.tls import TLSMemoryBIOFactory
-
-    try:
-        with open(cert, "rb") as f:
-            cert_pem = f.read()
-        with open(key, "rb") as f:
-            key_pem = f.read()
-        chain = [ssl.Certificate.loadPEM(c).original for c in _pem_blocks(cert_pem)[1:]]
-        options = ssl.PrivateCertificate.loadPEM(cert_pem + b"\n" + key_pem).options()
-        if chain:
-            options.extraCertChain = chain
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot load the TLS certificate {cert} and key {key}: {exc}") \
-            from None
-    except Exception as exc:  # OpenSSL's errors
-        raise ValueError(f"cannot load the TLS certificate {cert} and key {key}: {exc}") \
-            from None
-    tls = TLSMemoryBIOFactory(options, False, factory, clock=reactor)
-    tls.protocol = _tls_protocol()
-    return tls
-
-
-def _tls_protocol() -> type:
-    """Twisted's TLS with the copies taken out of the bulk path, and a plain-client check.
-
-    * Reads: the socket reads up to 1 MiB at a time into one reused buffer (the zero-copy
-      read hooks, on the TLS layer itself), and the decrypted bytes go straight into the
-      frame the server protocol is filling (``recv_into`` its ``get_read_buffer``), not
-      through 32 KiB ``bytes`` objects.
-    * Writes: a large frame's chunks are encrypted as they are (no join) and 1 MiB at a time
-      (not 16 KiB), and the encrypted bytes are taken out of the memory BIO in one piece.
-    * A plain tensorshare client (its first bytes are a frame, ``TS``, not a TLS record) is
-      told, in plain frames, to use TLS, and closed.
-    """
-    from OpenSSL.SSL import Error, WantReadError, ZeroReturnError
-    from twisted.protocols.policies import ProtocolWrapper
-    from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOProtocol
-    from twisted.python.failure import Failure
-
-    from ..errors import ProtocolError
-    from ..wire.messages import ErrorReply
-    from ..wire.protocol import encode_message
-
-    chunk = 1 << 20
-
-    class ServerTLS(BufferingTLSTransport):
-        _sniffed = False
-        _scratch: bytearray | None = None
-
-        def get_read_buffer(self) -> memoryview:
-            if self._scratch is None:
-                self._scratch = bytearray(chunk)
-            return memoryview(self._scratch)
-
-        def buffer_updated(self, nbytes: int) -> None:
-            assert self._scratch is not None
-            self.dataReceived(memoryview(self._scratch)[:nbytes])  # type: ignore[arg-type]
-
-        def dataReceived(self, data: bytes) -> None:
-            if not self._sniffed:
-                self._sniffed = True
-                transport = self.transport
-                if bytes(data[:2]) == b"TS" and transport is not None:
-                    chunks, _ = encode_message(ErrorReply(0, ProtocolError.code, (
-                        "this server speaks TLS: connect with tensorshare+tls://HOST:PORT "
-                        "(and the server's CA as tls_ca)")))
-                    transport.write(b"".join(bytes(c) for c in chunks))
-                    transport.loseConnection()
-                    return
-            super().dataReceived(data)
-
-        def _flushReceiveBIO(self) -> None:
-            app = self.wrappedProtocol
-            direct = getattr(type(app), "get_read_buffer", None) is not None
-            plain: bytearray | None = None
-            while not self._lostTLSConnection:
-                try:
-                    view = app.get_read_buffer() if direct else None  # type: ignore[attr-defined]
-                    if view is not None and view.nbytes:
-                        # (At most a few records: pyOpenSSL allocates as much as it is asked
-                        # for on every call, and one call yields one record, 16 KiB.)
-                        n = self._tlsConnection.recv_into(view, 65536)
-                        if not self._aborted:
-                            app.buffer_updated(n)  # type: ignore[attr-defined]
-                        continue
-                    if plain is None:
-                        plain = bytearray(65536)
-                    n = self._tlsConnection.recv_into(plain)
-                except WantReadError:
-                    break
-                except ZeroReturnError:
-                    self._shutdownTLS()
-                    self._tlsShutdownFinished(None)
-                    continue
-                except Error:
-                    self._tlsShutdownFinished(Failure())
-                    continue
-                if not self._aborted:  # the protocol copies what it keeps
-                    ProtocolWrapper.dataReceived(self, memoryview(plain)[:n])
-            self._flushSendBIO()
-
-        def _flushSendBIO(self) -> None:
-            while True:
-                try:
-                    data = self._tlsConnection.bio_read(chunk + 65536)
-                except WantReadError:
-                    return
-                self.transport.write(data)  # type: ignore[union-attr]
-
-        def writeSequence(self, sequence: Any) -> None:
-            parts = list(sequence)
-            if sum(len(p) for p in parts) < 65536:
-                super().writeSequence(parts)
-                return
-            self._aggregator.flush()  # what small writes wait in, first
-            for part in parts:
-                TLSMemoryBIOProtocol.write(self, memoryview(part).cast("B"))  # type: ignore[arg-type]
-
-        def _write(self, data: bytes) -> None:
-            if self._lostTLSConnection:
-                return
-            sent_total = 0
-            while sent_total < len(data):
-                try:
-                    sent = self._tlsConnection.send(data[sent_total:sent_total + chunk])
-                except WantReadError:
-                    self._bufferedWrite(data[sent_total:])
-                    break
-                except Error:
-                    self._tlsShutdownFinished(Failure())
-                    break
-                sent_total += sent
-                self._flushSendBIO()
-
-    return ServerTLS
-
-
-def _pem_blocks(pem: bytes) -> list[bytes]:
-    end = b"-----END CERTIFICATE-----"
-    return [block + end for block in pem.split(end)[:-1] if b"-----BEGIN" in block]
