@@ -583,45 +583,21 @@ class Client(Ops):
                 try:
                     sock = self._connect()
                 except _Refused as refused:  # TLS says no: retrying would not help
-                    with self._lock:
-                        events = session.close(refused.error)
-                    self._process(events)
+                    self._end(refused.error)
                     break
                 except OSError as exc:
-                    now = time.monotonic()
-                    if session.server is None:  # never connected yet
-                        if not self.reconnect or now - start >= self.timeout:
-                            with self._lock:
-                                events = session.close(ConnectError(
-                                    f"cannot connect to tensorshare server at {self.address}"
-                                    f": {exc}"))
-                            self._process(events)
-                            break
-                    elif session.give_up_due(now):
-                        self._give_up(now)
+                    if not self._connect_failed(exc, start):
                         break
-                    session.last_loss = f"cannot connect: {exc}"
-                    self._sleep(session.backoff(self._attempt))
-                    self._attempt += 1
                     continue
                 reason = self._serve(sock)
-                with self._cv:
-                    while not self._election.end_connection():  # a caller still reads it
-                        self._cv.wait(1.0)
-                    self._sock = None
-                    self._reader = None
-                    events = session.connection_lost(reason, time.monotonic())
-                _close_socket(sock)
-                self._process(events)
+                self._connection_ended(sock, reason)
                 if self._closing or session.closed is not None:
                     break
                 if session.server is None and time.monotonic() - start >= self.timeout:
                     # The first connection kept dropping mid-handshake until the timeout.
-                    with self._lock:
-                        events = session.close(ConnectError(
-                            f"cannot connect to tensorshare server at {self.address}: no "
-                            f"handshake within {self.timeout:g} s (last: {reason})"))
-                    self._process(events)
+                    self._end(ConnectError(
+                        f"cannot connect to tensorshare server at {self.address}: no "
+                        f"handshake within {self.timeout:g} s (last: {reason})"))
                     break
                 if self._lost_at is None:
                     self._lost_at = time.monotonic()
@@ -631,14 +607,45 @@ class Client(Ops):
                 self._attempt += 1
         except BaseException:  # never leave callers waiting
             log.exception("tensorshare reader thread for %s failed", self.address)
-            with self._lock:
-                events = session.close(ConnectionLost(
-                    f"the reader thread of the client for {self.address} failed"))
-            self._process(events)
+            self._end(ConnectionLost(f"the reader thread of the client for {self.address} failed"))
         finally:
             self._ready.set()
             if self._events is not None:
                 self._events.put(None)
+
+    def _end(self, error: TensorShareError) -> None:
+        """Close the session with ``error``: every waiting call gets it."""
+        with self._lock:
+            events = self._session.close(error)
+        self._process(events)
+
+    def _connect_failed(self, exc: OSError, start: float) -> bool:
+        """A connection attempt failed: wait before the next one and say True, or end the
+        session (never connected within the timeout, or the give-up time passed) and say
+        False."""
+        session, now = self._session, time.monotonic()
+        if session.server is None:  # never connected yet
+            if not self.reconnect or now - start >= self.timeout:
+                self._end(ConnectError(
+                    f"cannot connect to tensorshare server at {self.address}: {exc}"))
+                return False
+        elif session.give_up_due(now):
+            self._give_up(now)
+            return False
+        session.last_loss = f"cannot connect: {exc}"
+        self._sleep(session.backoff(self._attempt))
+        self._attempt += 1
+        return True
+
+    def _connection_ended(self, sock: socket.socket, reason: str) -> None:
+        with self._cv:
+            while not self._election.end_connection():  # a caller still reads it
+                self._cv.wait(1.0)
+            self._sock = None
+            self._reader = None
+            events = self._session.connection_lost(reason, time.monotonic())
+        _close_socket(sock)
+        self._process(events)
 
     def _give_up(self, now: float) -> None:
         session = self._session

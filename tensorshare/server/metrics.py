@@ -124,23 +124,52 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     info = InfoMetricFamily("tensorshare_server", "the server's software and data set id")
     info.add_metric([], {"version": str(stats["server"]), "server_id": str(stats["server_id"])})
     yield info
+    yield from _state_gauges(stats, bins)
+    yield from _memory_gauges(stats)
+    yield _by_label("requests", "requests answered, by operation", "op", stats["requests"])
+    yield _by_label("request_bytes", "bytes of request frames received, by operation", "op",
+                    stats["bytes_in"])
+    yield _by_label("reply_bytes", "bytes of reply frames sent, by operation", "op",
+                    stats["bytes_out"])
+    yield _by_label("errors", "error replies sent, by error code", "code", stats["errors"])
+    yield from _counters(stats["counters"])
+    yield _latency(stats["latency"])
+    if per_bin:
+        yield from _bin_families(bins)
 
-    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"tensorshare_{name}", doc, value=value)
 
-    yield gauge("uptime_seconds", "seconds since the server started", stats["uptime"])
-    yield gauge("connections_open", "connections open now", stats["connections"])
-    yield gauge("listeners", "listens registered now, all connections and bins together",
-                stats["listeners"])
-    yield gauge("sessions", "client sessions kept now, attached or waiting to be resumed",
-                stats["sessions"])
-    yield gauge("sessions_detached", "client sessions waiting for their client to come back",
-                stats.get("sessions_detached", 0))
-    yield gauge("bins", "bins that hold data", stats["bins"])
-    yield gauge("items", "items in all bins together",
-                sum(b["n_items"] for b in bins.values()))
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"tensorshare_{name}", doc, value=value)
+
+
+def _state_gauges(stats: dict[str, Any], bins: dict[str, dict[str, Any]]
+                  ) -> Iterator[Metric]:
+    """Connections, sessions, bins and what waits now."""
+    yield _gauge("uptime_seconds", "seconds since the server started", stats["uptime"])
+    yield _gauge("connections_open", "connections open now", stats["connections"])
+    yield _gauge("listeners", "listens registered now, all connections and bins together",
+                 stats["listeners"])
+    yield _gauge("sessions", "client sessions kept now, attached or waiting to be resumed",
+                 stats["sessions"])
+    yield _gauge("sessions_detached", "client sessions waiting for their client to come back",
+                 stats.get("sessions_detached", 0))
+    yield _gauge("bins", "bins that hold data", stats["bins"])
+    yield _gauge("items", "items in all bins together",
+                 sum(b["n_items"] for b in bins.values()))
+    persistence = stats.get("persistence")
+    if persistence is not None:
+        yield _gauge("storage_writable", "1 while the data log can be written; 0 while writes "
+                     "are refused (a full disk)", 1 if persistence["writable"] else 0)
+    waiting = stats["waiting"]
+    yield _gauge("waiting_fetches", "get/peek requests waiting for data now",
+                 waiting["fetches"])
+    yield _gauge("blocked_appends", "appends waiting for room in a full 'block' bin now",
+                 waiting["appends"])
+
+
+def _memory_gauges(stats: dict[str, Any]) -> Iterator[Metric]:
     memory = stats["memory"]
-    yield gauge("stored_bytes", "bytes of the items stored in bins", memory["stored"])
+    yield _gauge("stored_bytes", "bytes of the items stored in bins", memory["stored"])
     held = GaugeMetricFamily("tensorshare_held_bytes",
                              "bytes held for clients outside the bins: items of "
                              "unacknowledged gets, remembered replies and the sessions "
@@ -150,28 +179,13 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     held.add_metric(["output"], memory["output"])
     held.add_metric(["receiving"], memory.get("receiving", 0))
     yield held
-    yield gauge("memory_bytes", "bytes counted against max_memory: stored + held",
-                memory["total"])
+    yield _gauge("memory_bytes", "bytes counted against max_memory: stored + held",
+                 memory["total"])
     if memory.get("max_memory") is not None:
-        yield gauge("max_memory_bytes", "the server's max_memory", memory["max_memory"])
-    persistence = stats.get("persistence")
-    if persistence is not None:
-        yield gauge("storage_writable", "1 while the data log can be written; 0 while writes "
-                    "are refused (a full disk)", 1 if persistence["writable"] else 0)
-    waiting = stats["waiting"]
-    yield gauge("waiting_fetches", "get/peek requests waiting for data now",
-                waiting["fetches"])
-    yield gauge("blocked_appends", "appends waiting for room in a full 'block' bin now",
-                waiting["appends"])
+        yield _gauge("max_memory_bytes", "the server's max_memory", memory["max_memory"])
 
-    yield _by_label("requests", "requests answered, by operation", "op", stats["requests"])
-    yield _by_label("request_bytes", "bytes of request frames received, by operation", "op",
-                    stats["bytes_in"])
-    yield _by_label("reply_bytes", "bytes of reply frames sent, by operation", "op",
-                    stats["bytes_out"])
-    yield _by_label("errors", "error replies sent, by error code", "code", stats["errors"])
 
-    counters = stats["counters"]
+def _counters(counters: dict[str, int]) -> Iterator[Metric]:
     for key, (name, doc) in _COUNTERS.items():
         # Counters still at 0 may be absent from the stats; export them as 0 all the same,
         # so that rate() and alerts work from the first scrape.
@@ -181,11 +195,6 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
             name = _NAME_RE.sub("_", key)
             yield CounterMetricFamily(f"tensorshare_event_{name}",
                                       f"the server's {key!r} counter", value=value)
-
-    yield _latency(stats["latency"])
-
-    if per_bin:
-        yield from _bin_families(bins)
 
 
 def _by_label(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
