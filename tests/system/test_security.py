@@ -329,3 +329,25 @@ def test_a_burst_of_short_lived_clients_never_locks_the_next_one_out() -> None:
         keeper.put("still", 1)  # its reconnect resumed its session (or a new one): never refused
         assert keeper.get("still") == 1
         keeper.close()
+
+
+def test_the_readme_lab_tls_recipe_works(tmp_path: Any) -> None:
+    """The README's one-command lab CA (trustme's CLI, names changed to this machine's):
+    its server.pem and server.key serve TLS, and its client.pem is the CA a client checks."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("python3 -m trustme "))
+    args = line.split("#")[0].split()[3:]
+    assert args[0] == "-i" and "-d" in args, line  # the recipe as the README writes it
+    args = ["-i", "localhost", "127.0.0.1", "-d", str(tmp_path)]
+    out = subprocess.run([sys.executable, "-m", "trustme", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"server.pem", "server.key", "client.pem"} <= files, files
+    config = ServerConfig(token=TOKEN, tls_cert=str(tmp_path / "server.pem"),
+                          tls_key=str(tmp_path / "server.key"))
+    with EmbeddedServer(port=0, config=config) as srv, \
+            Client(f"tensorshare+tls://localhost:{srv.port}", timeout=10,
+                   tls_ca=str(tmp_path / "client.pem"), token=TOKEN) as c:
+        c.put("w", torch.arange(3))
+        assert torch.equal(c.peek("w"), torch.arange(3))
