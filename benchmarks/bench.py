@@ -28,7 +28,9 @@ Sections (``--only``), for tensorshare and the baseline unless said otherwise:
 * ``notify``: put-to-listener notification latency (listener in a separate process);
 * ``fanout``: one 16 MiB put read once by each of 32 listening reader processes;
 * ``persist``: put throughput of 4 KiB and 1 MiB with ``--data-dir`` and ``--fsync
-  everysec`` / ``always``, as a ratio to the in-memory tensorshare server.
+  everysec`` / ``always``, as a ratio to the in-memory tensorshare server;
+* ``streams``: 16 MiB batches through a stream bin to 1 consumer process (vs the baseline)
+  and to 3 at once (each vs 1 alone).
 
 Every operation is timed on its own and rates come from the median operation time; the same
 ratios from total time are printed below the table. Every repeat runs every system, in
@@ -1336,6 +1338,143 @@ def section_shared_memory(b: Bench) -> list[Row]:
         shm.close()
 
 
+STREAM_SIZE = 16 << 20
+STREAM_BATCHES = 8  # batches per round and consumer
+STREAM_CONSUMERS = 3
+
+
+def _stream_reader_main(ts_port: int, base_port: int, unix_path: str, bin_name: str, n: int,
+                        pipe: Connection) -> None:
+    """Stream consumer process: per round receive ``(system, round)``. tensorshare (or
+    ``shm``: over the Unix socket, batches as shared memory): join
+    stream ``BIN_NAME-ROUND`` as consumer ``reader-PID`` (at ``"now"``), send ``"armed"``,
+    read ``STREAM_BATCHES`` batches; baseline: send ``"armed"``, wait for ``"go"`` (every
+    batch was put), then get ``base-ROUND-I`` for each. Stamp ``perf_counter_ns()`` after the
+    last batch, check every batch (its first element is its index, its last ``n - 1``) and
+    send ``(stamp, error or None)``; exit on None/EOF."""
+    _ignore_sigint()
+    import torch
+
+    from tensorshare.data import StreamConsumer
+
+    base = BaselineClient(base_port)
+    like = torch.empty(n, dtype=torch.float32, device="meta")
+    pipe.send("ready")
+    try:
+        while (cmd := pipe.recv()) is not None:
+            system, rnd = cmd
+            values: list[Any] = []
+            if system != "baseline":
+                where = (f"unix://{unix_path}", None) if system == "shm" else \
+                    ("127.0.0.1", ts_port)
+                with StreamConsumer(f"{bin_name}-{rnd}", f"reader-{os.getpid()}", *where,
+                                    timeout=REPLY_TIMEOUT, prefetch=True) as c:
+                    pipe.send("armed")
+                    while len(values) < STREAM_BATCHES:
+                        values += c.read().items
+                    stamp = time.perf_counter_ns()
+                    c.leave()
+            else:
+                pipe.send("armed")
+                _expect(pipe, "go", REPLY_TIMEOUT, "benchmark")
+                values = [base.get(f"base-{rnd}-{i}", like) for i in range(STREAM_BATCHES)]
+                stamp = time.perf_counter_ns()
+            bad = [i for i, v in enumerate(values)
+                   if v.shape != (n,) or int(v[0]) != i or int(v[-1]) != n - 1]
+            pipe.send((stamp, f"batches {bad} came back wrong" if bad else None))
+            del values
+    except EOFError:
+        pass
+    finally:
+        base.close()
+
+
+def _stream_round(b: Bench, pipes: list[Connection], system: str, rnd: int,
+                  data: torch.Tensor) -> list[int]:
+    """One round: every reader armed, then the batches sent; each reader's time (ns) from
+    the first batch sent to its last batch in hand."""
+    from tensorshare.data import StreamProducer
+
+    for conn in pipes:
+        conn.send((system, rnd))
+    producer = None
+    if system != "baseline":
+        where = (f"unix://{b.unix_path}", None) if system == "shm" else \
+            ("127.0.0.1", b.servers["tensorshare"].port)
+        producer = StreamProducer(f"stream-{rnd}", *where, window=4, timeout=REPLY_TIMEOUT)
+    try:
+        for conn in pipes:
+            _expect(conn, "armed", REPLY_TIMEOUT, "stream reader")
+        t0 = time.perf_counter_ns()
+        for i in range(STREAM_BATCHES):
+            data[0] = i
+            if producer is not None:
+                producer.append(data)
+            else:
+                b.base.put(f"base-{rnd}-{i}", data)
+        if producer is None:
+            for conn in pipes:
+                conn.send("go")
+        results = [_receive(conn, REPLY_TIMEOUT, "stream reader") for conn in pipes]
+    finally:
+        if producer is not None:
+            producer.close()
+    errors = [err for _, err in results if err]
+    if errors:
+        raise AssertionError(f"{system} stream round {rnd}: {errors[0]}")
+    return [stamp - t0 for stamp, _ in results]
+
+
+def section_streams(b: Bench) -> list[Row]:
+    """A stream bin of 16 MiB batches: one consumer vs the baseline (put every batch, then
+    a reader process gets them), and each of 3 consumers vs one consumer alone."""
+    import torch
+
+    n = STREAM_SIZE // 4
+    data = torch.arange(n, dtype=torch.float32)
+    args = [(b.servers["tensorshare"].port, b.servers["baseline"].port, b.unix_path, "stream",
+             n)]
+    ns: dict[str, list[int]] = {"one": [], "base": [], "each": [], "one_shm": [],
+                                "each_shm": []}
+    rnd = 0
+    with helper_processes(b.ctx, _stream_reader_main, args * STREAM_CONSUMERS,
+                          "stream reader") as pipes:
+        for rep in range(b.cfg.fanout_rounds + 1):  # the first round of each is a warm-up
+            plan = [("one", "tensorshare", pipes[:1]), ("base", "baseline", pipes[:1]),
+                    ("each", "tensorshare", pipes), ("one_shm", "shm", pipes[:1]),
+                    ("each_shm", "shm", pipes)]
+            for key, system, readers in (plan if rep % 2 == 0 else plan[::-1]):
+                rnd += 1
+                times = _stream_round(b, readers, system, rnd, data)
+                if rep:
+                    ns[key].append(max(times))  # the slowest consumer of the round
+    mb = STREAM_BATCHES * STREAM_SIZE / 1e6
+    one, base, each, one_shm, each_shm = (Rate.of(mb, ns[k]) for k in ns)
+    ratio = one.median / base.median
+    rows = [Row(f"stream {_label(STREAM_SIZE)} x 1", f"{_fmt(one.median)} MB/s",
+                f"{_fmt(base.median)} MB/s", ratio, one.total / base.total)]
+    ratio = each.median / one.median
+    rows.append(Row(f"stream {_label(STREAM_SIZE)} x {STREAM_CONSUMERS} each",
+                    f"{_fmt(each.median)} MB/s", f"{_fmt(one.median)} MB/s", ratio,
+                    each.total / one.total, ">= 0.8", _meets(ratio, 0.8), group="streams"))
+    ratio = each_shm.median / one_shm.median
+    rows.append(Row(f"stream {_label(STREAM_SIZE)} x {STREAM_CONSUMERS} each shm",
+                    f"{_fmt(each_shm.median)} MB/s", f"{_fmt(one_shm.median)} MB/s", ratio,
+                    each_shm.total / one_shm.total, ">= 0.8", _meets(ratio, 0.8),
+                    group="streams"))
+    rows.append(Row(f"stream {_label(STREAM_SIZE)} x 1 shm", f"{_fmt(one_shm.median)} MB/s",
+                    f"{_fmt(one.median)} MB/s", one_shm.median / one.median,
+                    one_shm.total / one.total, group="shm"))
+    b.info.append(f"streams: {STREAM_BATCHES} batches of {_label(STREAM_SIZE)} per round, "
+                  f"window 4, consumer processes on the client core; MB/s per consumer = "
+                  f"batches x size / (first batch sent to its last batch in hand, the slowest "
+                  f"consumer's); baseline: the batches put to the baseline server, then one "
+                  f"reader process gets each; shm: the same over the Unix socket with shared "
+                  f"memory (every consumer maps the one copy); median of "
+                  f"{b.cfg.fanout_rounds} rounds")
+    return rows
+
+
 SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
     "transfer": section_transfer,
     "tiny": section_tiny,  # includes the Redis row
@@ -1346,6 +1485,7 @@ SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
     "unix": section_unix_socket,
     "tls": section_tls,
     "shm": section_shared_memory,
+    "streams": section_streams,
 }
 
 
@@ -1425,7 +1565,9 @@ def run(cfg: Config) -> None:
                             "shm": "large tensors through shared memory (sealed memfds over the "
                                    "Unix socket) vs TCP; columns: shm | tcp",
                             "tls": "the same transfers over TLS (a second server with "
-                                   "--tls-cert) vs plain TCP; columns: tls | tcp"},
+                                   "--tls-cert) vs plain TCP; columns: tls | tcp",
+                            "streams": "a stream bin read by 3 consumers at once vs by 1 "
+                                       "consumer alone; columns: each of 3 | 1 alone"},
                   unix_path=unix_path)
         rows: list[Row] = []
         t_start = time.monotonic()

@@ -29,6 +29,9 @@
         ├── PermissionDenied               the read-only token may not do this
         ├── StorageUnavailable             the server cannot write its data log (a full disk):
         │                                  writes are refused until it can, reads go on
+        ├── Lagged                         a stream consumer fell behind and items it had not
+        │                                  read were freed (``missed`` says how many)
+        ├── ProducerGone                   a stream's producer died before ending its epoch
         └── UnsupportedVersion             no protocol version in common with the server
 
 Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError`` /
@@ -51,11 +54,13 @@ __all__ = [
     "ConnectError",
     "ConnectionLost",
     "InvalidRequest",
+    "Lagged",
     "LimitExceeded",
     "MemoryLimitExceeded",
     "BinFull",
     "NestingTooDeep",
     "PermissionDenied",
+    "ProducerGone",
     "ProtocolError",
     "ReplyTimeout",
     "ServerError",
@@ -231,6 +236,43 @@ class StorageUnavailable(ServerError):
     code = "storage_unavailable"
 
 
+class Lagged(ServerError):
+    """A stream consumer missed items: it fell behind (it was detached under
+    ``on_lag="detach"``, or it was away longer than its lease) and the items it had not read
+    were freed. ``missed`` says how many.
+
+    The consumer continues from the oldest item still kept: nothing else is lost. What to do:
+    carry on (the items missed are gone), or join again at ``"next_epoch"`` to restart at a
+    clean epoch boundary; a consumer that must never miss anything belongs on a stream with
+    ``on_lag="wait"`` and a lease long enough for its restarts.
+
+    Attributes:
+        missed: how many items were missed (``None`` when not known).
+    """
+
+    code = "lagged"
+
+    def __init__(self, message: str = "", code: str | None = None, *,
+                 missed: int | None = None) -> None:
+        super().__init__(message, code)
+        self.missed = missed
+
+
+class ProducerGone(ServerError):
+    """A producer of the stream died (its connection was gone for longer than its lease, or
+    its client closed) before it ended the epoch: that epoch can never be complete.
+
+    Consumers get it instead of waiting forever; producers that are still alive get it for
+    appends to that epoch. What to do: a consumer joins again at ``"next_epoch"`` (the
+    Python ``SharedLoader`` does so on its next iteration) and waits for a producer to come
+    back; a producer opens the stream again and restarts its epoch. A producer that comes
+    back (opens with the same ``producer`` index) ends the broken epoch as aborted and starts
+    a new one that every consumer sees.
+    """
+
+    code = "producer_gone"
+
+
 class UnsupportedVersion(ServerError):
     """The client and the server share no protocol version."""
 
@@ -242,7 +284,7 @@ ERROR_CODES: dict[str, type[TensorShareError]] = {
     cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
                               MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
                               ProtocolError, SessionTakenOver, StorageUnavailable,
-                              AuthenticationError, PermissionDenied)
+                              AuthenticationError, PermissionDenied, Lagged, ProducerGone)
     if cls.code is not None
 }
 

@@ -199,6 +199,43 @@ def _totals(bins: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "listeners": sum(b["listeners"] for b in bins.values())}
 
 
+# --------------------------------------------------------------------------- other kinds
+
+
+def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
+    """The tables of the bins of other kinds (streams: their consumers), after the main one."""
+    from rich import box
+    from rich.table import Table
+
+    streams = {n: b["stream"] for n, b in bins.items() if b.get("kind") == "stream"}
+    if not streams:
+        return []
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  title="streams", title_justify="left")
+    for col, justify in (("stream", "left"), ("head", "right"), ("epoch", "right"),
+                         ("member", "left"), ("state", "left"), ("position", "right"),
+                         ("lag", "right"), ("stalled", "right"), ("stall total", "right"),
+                         ("missed", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for name, st in streams.items():
+        epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
+        table.add_row(name, str(st["head"]), epoch, f"{st['window']} window, "
+                      f"on_lag={st['on_lag']}", "finished" if st["finished"] else
+                      ("broken" if st["broken"] else ""), "", "", "", "", "")
+        for idx, p in st["producers"].items():
+            table.add_row("", "", str(p["epoch"]), f"producer {idx}", p["state"],
+                          str(p["sent"]), "", "", "", "")
+        for cname, c in st["consumers"].items():
+            table.add_row("", "", "", cname, c["state"], _dash(c["position"]), _dash(c["lag"]),
+                          f"{c['stalled_s']:.1f}s", f"{c['stall_total_s']:.1f}s",
+                          str(c["missed"]))
+    return [table]
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 # --------------------------------------------------------------------------- ls
 
 
@@ -237,7 +274,9 @@ def run_ls(args: argparse.Namespace) -> int:
                       # Most lists hold items of one shape: say so rather than repeat it.
                       "same as first" if b["last"] and b["last"] == b["first"] else
                       b["last"] or "")
-    _print(_console(), table)
+    from rich.console import Group
+
+    _print(_console(), Group(table, *kind_tables(bins)))
     return 0
 
 
@@ -627,7 +666,7 @@ def _monitor_view(snap: dict[str, Any] | None, rates: _Rates, address: str,
         else:
             row = [str(b["n_items"]), fmt_bytes(b["nbytes"]), str(b["listeners"])]
         table.add_row(name, *row, *(rates.cell(name, r) for r in _RATES))
-    return Group(Text(head), table, Text(foot))
+    return Group(Text(head), table, *kind_tables(bins), Text(foot))
 
 
 def run_monitor(args: argparse.Namespace) -> int:
@@ -755,7 +794,7 @@ def run_stats(args: argparse.Namespace) -> int:
         events.add_row(key, str(counters[key]))
     for code in sorted(s["errors"]):
         events.add_row(f"errors: {code}", str(s["errors"][code]))
-    _print(_console(), Group(info, "", ops, "", events))
+    _print(_console(), Group(info, "", ops, "", events, *kind_tables(bins)))
     return 0
 
 

@@ -136,6 +136,7 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     yield _latency(stats["latency"])
     if per_bin:
         yield from _bin_families(bins)
+        yield from _stream_families(bins)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -248,6 +249,35 @@ def _bin_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         bytes_in.add_metric([name], b["bytes_in"])
         bytes_out.add_metric([name], b["bytes_out"])
     yield from (items, nbytes, listeners, version, ops, bytes_in, bytes_out)
+
+
+def _stream_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per stream bin: its head, and each consumer's lag, stall time and items missed."""
+    streams = {n: b["stream"] for n, b in bins.items() if b.get("kind") == "stream"}
+    if not streams:
+        return
+    head = GaugeMetricFamily("tensorshare_stream_head", "the stream's next position",
+                             labels=["bin"])
+    lag = GaugeMetricFamily("tensorshare_stream_consumer_lag",
+                            "positions the consumer is behind the head", labels=["bin", "consumer"])
+    stalled = GaugeMetricFamily("tensorshare_stream_consumer_stalled_seconds",
+                                "how long the consumer has held the window full now",
+                                labels=["bin", "consumer"])
+    stall = CounterMetricFamily("tensorshare_stream_consumer_stall_seconds",
+                                "seconds the consumer held the window full, in total",
+                                labels=["bin", "consumer"])
+    missed = CounterMetricFamily("tensorshare_stream_consumer_missed",
+                                 "items freed before the consumer read them",
+                                 labels=["bin", "consumer"])
+    for name, st in streams.items():
+        head.add_metric([name], st["head"])
+        for consumer, c in st["consumers"].items():
+            if c["lag"] is not None:
+                lag.add_metric([name, consumer], c["lag"])
+            stalled.add_metric([name, consumer], c["stalled_s"])
+            stall.add_metric([name, consumer], c["stall_total_s"])
+            missed.add_metric([name, consumer], c["missed"])
+    yield from (head, lag, stalled, stall, missed)
 
 
 class MetricsServer:

@@ -99,6 +99,9 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
             open_in[op] = open_in.get(op, 0) + n
     queued = f.queued_bytes()
     report = f.stats.report()
+    # The bins of every kind: the store's, and the streams' and services' (memory only).
+    stored = store.nbytes + sum(kind.nbytes for kind in f.kinds)
+    n_bins = len(store.list()) + sum(len(kind.describe(None)) for kind in f.kinds)
     return {
         "server": f"tensorshare/{__version__}",
         "server_id": f.server_id,
@@ -108,13 +111,13 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
         "listeners": f.listener_count(),
         "sessions": len(sessions),
         "sessions_detached": len(sessions.detached),
-        "bins": len(store.list()),
+        "bins": n_bins,
         "memory": {
-            "stored": store.nbytes,
+            "stored": stored,
             "sessions": sessions.nbytes,
             "output": queued,
             "receiving": f.budget.receiving,
-            "total": store.nbytes + sessions.nbytes + queued + f.budget.receiving,
+            "total": stored + sessions.nbytes + queued + f.budget.receiving,
             "max_memory": f.config.max_memory,
             "pool_idle": f.pool.idle,
         },

@@ -1,40 +1,1153 @@
-"""Stream bins (filled in by its issue): a placeholder kind with no bins and no requests."""
+"""Stream bins: one sequence of items that every consumer of the stream receives.
+
+A stream has positions the server assigns (0, 1, 2, ...). Producers append items to their
+current epoch and mark its end with the samples they sent; once every producer marked an
+epoch the server puts an *epoch mark* in the sequence (it takes a position). Each consumer
+has a name and a cursor kept here: a read names the position it wants (which acknowledges
+everything before it) and gets the items of one epoch from there, never across a mark.
+
+* **Bounded memory.** An item is freed once every live consumer acknowledged it (and, with
+  ``replay="epoch"``, once its epoch is over). A producer's append is held while the stream
+  holds more than ``window`` positions its slowest live consumer has not acknowledged.
+* **Leases.** A producer or consumer whose connection is gone (or silent) for longer than
+  its lease is dropped: a consumer stops holding anyone back (one that comes back later
+  learns how many items it missed); a producer that had not ended its epoch is *gone*, and
+  that epoch can never complete: consumers reading it get ``ProducerGone`` instead of
+  waiting, until a producer opens the stream again, which ends the broken epoch as
+  *aborted* and starts a new one.
+* **Lag.** Under ``on_lag="detach"`` a consumer that held the window full for longer than
+  ``max_stall`` seconds is detached: it no longer holds anyone back until it catches up.
+
+:class:`Stream` is the bookkeeping of one stream, a pure data structure (the time is passed
+in; no connections, no timers) tested on its own; :class:`StreamKind` is the server's kind of
+bin over it: handlers, waiting requests, the one timer for leases and stalls, statistics.
+Streams live in memory only (they are not in the data log).
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from twisted.internet.interfaces import IDelayedCall
+
+from ..errors import (
+    BinFull,
+    BinNotFound,
+    InvalidRequest,
+    LimitExceeded,
+    MemoryLimitExceeded,
+    ServerError,
+    WaitTimeout,
+    code_for,
+)
+from ..wire import codec
+from ..wire.messages import Acked, ErrorReply
+from ..wire.protocol import item_wire_size
+from ..wire.streams import (
+    ProducerGone,
+    StreamAppend,
+    StreamAppended,
+    StreamEnd,
+    StreamEnded,
+    StreamItems,
+    StreamJoin,
+    StreamJoined,
+    StreamLeave,
+    StreamOpen,
+    StreamOpened,
+    StreamRead,
+)
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
     from .core import ServerFactory
     from .kinds import Handler
 
-__all__ = ["StreamKind"]
+__all__ = ["CONSUMER_COST", "MAX_CONSUMERS", "STREAM_COST", "Settings", "Stream",
+           "StreamKind"]
+
+#: The most consumers one stream keeps (dropped ones included, the oldest dropped go first).
+MAX_CONSUMERS = 1024
+#: What one stream is counted as against ``max_memory`` (its tables), besides its items.
+STREAM_COST = 4096
+#: What one consumer or producer record is counted as.
+CONSUMER_COST = 512
+#: Epochs whose bounds a stream remembers (to count the items a lagging consumer missed).
+EPOCHS_KEPT = 64
+#: ``max_stall`` of an ``on_lag="detach"`` stream that did not say.
+DEFAULT_MAX_STALL = 10.0
+
+Event = tuple[str, int]  # (notification op, count it reports in ``dropped``)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A stream's settings, as its producers opened it (see ``StreamOpen``)."""
+
+    producers: int = 1
+    window: int = 32
+    on_lag: str = "wait"
+    max_stall: float | None = None
+    replay: str = "none"
+
+    @property
+    def stall_limit(self) -> float:
+        """Seconds a consumer may hold the window full before it is detached."""
+        return DEFAULT_MAX_STALL if self.max_stall is None else self.max_stall
+
+
+@dataclass(slots=True)
+class _Entry:
+    item: Any  # the Item; None for an epoch mark
+    nbytes: int
+    epoch: int
+    offset: int  # samples of its epoch before it (a mark: the epoch's total)
+    n: int = 0  # samples it holds
+    aborted: bool = False  # (a mark) the epoch was cut short: a producer died
+
+
+@dataclass(slots=True)
+class _Epoch:
+    start: int
+    end: int | None = None  # the position of its mark
+    samples: int | None = None
+    aborted: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Producer:
+    """A producer of a stream: ``state`` is live, away (its connection is gone, its lease
+    runs), gone (dead before ending its epoch) or done (it ended its last epoch)."""
+
+    index: int
+    owner: Any
+    lease: float
+    seen: float
+    epoch: int
+    sent: int = 0  # samples it appended to ``epoch``
+    hint: int | None = None  # samples it expects to send per epoch
+    state: str = "live"
+
+
+@dataclass(eq=False, slots=True)
+class Consumer:
+    """A consumer of a stream, by name: ``state`` is live, away or dropped; ``cursor`` is
+    ``None`` while it waits for the next epoch to begin."""
+
+    name: str
+    owner: Any
+    lease: float
+    seen: float
+    acked: int | None
+    cursor: int | None
+    state: str = "live"
+    detached: bool = False
+    stall_since: float | None = None
+    stall_total: float = 0.0
+    missed: int = 0
+    reads: int = 0
+
+    @property
+    def holds(self) -> bool:
+        """Whether it holds the producers back (items it has not acknowledged are kept)."""
+        return self.state != "dropped" and not self.detached and self.acked is not None
+
+
+@dataclass(slots=True)
+class Position:
+    """Where a consumer is: the epoch at that position, the samples of the epoch before
+    it, and how many samples the epoch has (``None``: unknown yet)."""
+
+    epoch: int
+    offset: int
+    epoch_samples: int | None
+
+
+class Stream:
+    """The bookkeeping of one stream (pure: time is passed in as ``now``).
+
+    Args:
+        name: the stream's bin name (for messages).
+        now: the time it is created.
+    """
+
+    def __init__(self, name: str, now: float) -> None:
+        self.name = name
+        self.settings: Settings | None = None  # set by the first producer that opens it
+        self.entries: deque[_Entry] = deque()
+        self.base = 0  # the position of entries[0]
+        self.head = 0  # the next position
+        self.epoch = 0  # the epoch producers append to now
+        self.epoch_start = 0
+        self.epoch_sent = 0  # samples appended to it so far
+        self.marked: dict[int, int] = {}  # producer -> samples it marked for ``epoch``
+        self.epochs: dict[int, _Epoch] = {0: _Epoch(0)}
+        self.aborted: set[int] = set()
+        self.producers: dict[int, Producer] = {}
+        self.consumers: dict[str, Consumer] = {}
+        self.finished = False
+        self.nbytes = 0  # bytes of the items kept
+        self.n_items = 0  # items kept (epoch marks not counted)
+        self.version = 0
+        self.changed_at = 0.0
+        self.ops: dict[str, int] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # -- settings and queries ---------------------------------------------------------------
+    @property
+    def cfg(self) -> Settings:
+        """The settings (the defaults until a producer opened the stream)."""
+        return self.settings or Settings()
+
+    @property
+    def broken(self) -> bool:
+        """Whether a producer is gone (some epoch can never complete)."""
+        return any(p.state == "gone" for p in self.producers.values())
+
+    @property
+    def idle(self) -> bool:
+        """Whether nobody is in it any more (no live or away producer or consumer)."""
+        return not any(c.state != "dropped" for c in self.consumers.values()) and \
+            not any(p.state in ("live", "away") for p in self.producers.values())
+
+    def expected(self) -> int | None:
+        """The samples of the current epoch, as the producers announced them."""
+        hints = [p.hint for p in self.producers.values()]
+        if len(hints) < self.cfg.producers or any(h is None for h in hints):
+            return None
+        return sum(h for h in hints if h is not None)
+
+    def epoch_samples(self, epoch: int) -> int | None:
+        """The samples of ``epoch``: exact once it ended, else as announced (current)."""
+        info = self.epochs.get(epoch)
+        if info is not None and info.samples is not None:
+            return info.samples
+        return self.expected() if epoch >= self.epoch else None
+
+    def position(self, pos: int | None) -> Position:
+        """The epoch at position ``pos`` (``None``: the next epoch's start) and the samples
+        of that epoch before it."""
+        if pos is None:
+            return Position(self.epoch + 1, 0, self.expected())
+        pos = max(pos, self.base)
+        if pos >= self.head:
+            return Position(self.epoch, self.epoch_sent, self.epoch_samples(self.epoch))
+        e = self.entries[pos - self.base]
+        return Position(e.epoch, e.offset, self.epoch_samples(e.epoch))
+
+    def live_consumers(self) -> int:
+        return sum(1 for c in self.consumers.values() if c.state != "dropped")
+
+    def _count(self, op: str) -> None:
+        self.ops[op] = self.ops.get(op, 0) + 1
+
+    # -- producers --------------------------------------------------------------------------
+    def open(self, index: int, owner: Any, settings: Settings, lease: float,
+             hint: int | None, now: float) -> tuple[StreamOpened, list[Event]]:
+        """A producer opens the stream (a reopen by the same owner carries on; one by another
+        owner takes the slot over, and any epoch broken by a gone producer ends as aborted).
+
+        Raises:
+            InvalidRequest: the settings differ from those of the live producers.
+        """
+        others = [p for p in self.producers.values()
+                  if p.index != index and p.state in ("live", "away")]
+        if self.settings is not None and settings != self.settings and others:
+            raise InvalidRequest(f"stream {self.name!r} is open with other settings "
+                                 f"({self.settings}); its producers must agree")
+        self._count("open")
+        p = self.producers.get(index)
+        if p is not None and p.owner == owner and p.state in ("live", "away"):
+            p.state, p.seen, p.lease, p.hint = "live", now, lease, hint
+            return self._opened(p), []
+        if self.finished:  # a new run after the last one: every producer opens again
+            self.finished = False
+            self.producers = {i: q for i, q in self.producers.items() if q.state != "done"}
+        if p is not None and p.state in ("live", "away"):
+            p.state = "gone"  # taken over: the old instance's epoch cannot be trusted
+        self.settings = settings
+        events: list[Event] = [("open", 0)]
+        repair = any(q.state == "gone" for q in self.producers.values())
+        self.producers[index] = Producer(index, owner, lease, now, self.epoch, hint=hint)
+        if repair:
+            events += self._repair(now)
+        return self._opened(self.producers[index]), events
+
+    def _opened(self, p: Producer) -> StreamOpened:
+        return StreamOpened(0, p.epoch, self.head, p.sent, self.live_consumers(), self.broken)
+
+    def _repair(self, now: float) -> list[Event]:
+        """A producer came back: the epoch a gone producer broke ends as aborted (if anything
+        of it was sent) and every producer starts the next one."""
+        events: list[Event] = []
+        if self.epoch_start < self.head or self.marked:
+            self._close_epoch(now, aborted=True)
+            events.append(("epoch", 0))
+        for p in self.producers.values():
+            if p.state != "done":
+                p.epoch, p.sent = self.epoch, 0
+        return events
+
+    def _producer(self, index: int, owner: Any, epoch: int) -> Producer:
+        """The producer ``index`` of ``owner``, checked to be appending to ``epoch``.
+
+        Raises:
+            InvalidRequest: not opened by this owner, done, or another epoch.
+            ProducerGone: it was gone, or its epoch was aborted or cannot complete.
+        """
+        p = self.producers.get(index)
+        if p is None or p.owner != owner:
+            raise InvalidRequest(f"producer {index} of stream {self.name!r} is not open by "
+                                 f"this client (stream_open first)")
+        if p.state == "gone":
+            raise ProducerGone(f"producer {index} of stream {self.name!r} counted as gone "
+                               f"(unreachable longer than its lease): open the stream again")
+        if p.state == "done":
+            raise InvalidRequest(f"producer {index} of stream {self.name!r} ended its last "
+                                 f"epoch")
+        if epoch != p.epoch:
+            if epoch in self.aborted:
+                raise ProducerGone(f"epoch {epoch} of stream {self.name!r} was aborted (a "
+                                   f"producer died); it now produces epoch {p.epoch}")
+            raise InvalidRequest(f"producer {index} of stream {self.name!r} is in epoch "
+                                 f"{p.epoch}, not {epoch}")
+        g = self._gone_for(p.epoch)
+        if g is not None:
+            raise ProducerGone(f"producer {g.index} of stream {self.name!r} is gone: epoch "
+                               f"{p.epoch} cannot complete until it opens the stream again")
+        p.state = "live"  # (one that was away is back)
+        return p
+
+    def check_append(self, index: int, owner: Any, epoch: int, k: int, now: float) -> None:
+        """Whether an append of ``k`` items may wait to be stored (else it raises).
+
+        Raises:
+            as :meth:`_producer`; InvalidRequest: more items than the window.
+        """
+        p = self._producer(index, owner, epoch)
+        p.seen = now
+        if k > self.cfg.window:
+            raise InvalidRequest(f"an append of {k} items to stream {self.name!r} can never "
+                                 f"fit its window={self.cfg.window}")
+
+    def append_ready(self, index: int, k: int) -> bool:
+        """Whether ``k`` items of producer ``index`` can be stored now (its epoch is the
+        stream's and the window has room)."""
+        p = self.producers[index]
+        return p.epoch == self.epoch and self.head + k - self._floor(False) <= self.cfg.window
+
+    def why_held(self, index: int) -> str:
+        """Why an append of producer ``index`` waits (for messages)."""
+        p = self.producers.get(index)
+        if p is not None and p.epoch > self.epoch:
+            return (f"it waits for the other producers to end epoch {self.epoch}")
+        slow = min((c for c in self.consumers.values() if c.holds),
+                   key=lambda c: c.acked or 0, default=None)
+        if slow is None:
+            return "its window is full"
+        return (f"consumer {slow.name!r} is {self.head - (slow.acked or 0)} positions behind "
+                f"(window={self.cfg.window})")
+
+    def append(self, index: int, entries: list[tuple[Any, int, int]], now: float) -> int:
+        """Store items of producer ``index`` (checked and ready): ``(item, nbytes, samples)``
+        each. Returns the position of the first."""
+        p = self.producers[index]
+        pos = self.head
+        for item, nbytes, n in entries:
+            self.entries.append(_Entry(item, nbytes, self.epoch, self.epoch_sent, n))
+            self.epoch_sent += n
+            p.sent += n
+            self.nbytes += nbytes
+            self.bytes_in += nbytes
+        self.head += len(entries)
+        self.n_items += len(entries)
+        self.changed_at = now
+        self._count("append")
+        self._settle(now)
+        return pos
+
+    def end_ready(self, index: int) -> bool:
+        """Whether producer ``index`` may mark its epoch now (the earlier one ended)."""
+        return self.producers[index].epoch == self.epoch
+
+    def end(self, index: int, owner: Any, epoch: int, samples: int, last: bool, now: float,
+            check_only: bool = False) -> tuple[StreamEnded, list[Event]]:
+        """Producer ``index`` marks the end of ``epoch`` with the samples it sent; the epoch
+        ends once every producer marked it (``last`` from all: the stream is finished).
+
+        Raises:
+            as :meth:`_producer`; InvalidRequest: ``samples`` is not what it appended.
+        """
+        p = self._producer(index, owner, epoch)
+        p.seen = now
+        if samples != p.sent:
+            raise InvalidRequest(f"producer {index} says it sent {samples} samples in epoch "
+                                 f"{epoch} of stream {self.name!r}; the stream received "
+                                 f"{p.sent}")
+        if check_only:
+            return StreamEnded(0, p.epoch), []
+        self._count("end")
+        self.marked[index] = samples
+        p.epoch, p.sent = epoch + 1, 0
+        if last:
+            p.state = "done"
+        done = [q for q in self.producers.values() if q.index in self.marked]
+        if len(done) < self.cfg.producers:
+            return StreamEnded(0, p.epoch), []
+        final = all(q.state == "done" for q in done)
+        self._close_epoch(now, aborted=False)
+        self.finished = final
+        return StreamEnded(0, p.epoch, True, final), [("epoch", 0)]
+
+    def _close_epoch(self, now: float, *, aborted: bool) -> None:
+        e, total = self.epoch, self.epoch_sent
+        self.entries.append(_Entry(None, 0, e, total, 0, aborted))
+        info = self.epochs.setdefault(e, _Epoch(self.epoch_start))
+        info.end, info.samples, info.aborted = self.head, total, aborted
+        if aborted:
+            self.aborted.add(e)
+        self.head += 1
+        self.epoch, self.epoch_start, self.epoch_sent, self.marked = e + 1, self.head, 0, {}
+        self.epochs[e + 1] = _Epoch(self.head)
+        while len(self.epochs) > EPOCHS_KEPT:
+            old = next(iter(self.epochs))
+            del self.epochs[old]
+            self.aborted.discard(old)
+        for c in self.consumers.values():  # those waiting for the next epoch start here
+            if c.cursor is None and c.state != "dropped":
+                c.cursor = c.acked = self.head
+        self.changed_at = now
+        self._settle(now)
+
+    def _gone_for(self, epoch: int) -> Producer | None:
+        """A gone producer that has not marked ``epoch`` (so it can never complete)."""
+        for p in self.producers.values():
+            if p.state == "gone" and p.epoch <= epoch:
+                return p
+        return None
+
+    # -- consumers --------------------------------------------------------------------------
+    def join(self, name: str, owner: Any, start: str, lease: float, resume: bool,
+             now: float) -> tuple[StreamJoined, list[Event]]:
+        """A consumer joins (a known one resumes at what it acknowledged, with ``resume``).
+
+        Raises:
+            InvalidRequest: ``"epoch_start"`` but the current epoch's first items are freed.
+            LimitExceeded: the stream has :data:`MAX_CONSUMERS` consumers.
+        """
+        self._count("join")
+        c = self.consumers.get(name)
+        events: list[Event] = []
+        if c is not None and resume:
+            if c.state == "dropped":
+                events.append(("join", 0))
+            c.owner, c.lease, c.seen, c.state = owner, lease, now, "live"
+            c.cursor = c.acked
+            where = self.position(c.cursor)
+            return StreamJoined(0, c.cursor, where.epoch, where.offset, where.epoch_samples,
+                                self.head, True), events
+        pos = self._start(start)
+        if c is None:
+            self._make_room()
+        self.consumers[name] = Consumer(name, owner, lease, now, pos, pos)
+        self._settle(now)
+        where = self.position(pos)
+        return StreamJoined(0, pos, where.epoch, where.offset, where.epoch_samples, self.head,
+                            False), [("join", 0)]
+
+    def _start(self, start: str) -> int | None:
+        if start == "now":
+            return self.head
+        if start == "next_epoch":
+            return self.head if self.epoch_start == self.head else None
+        if self.epoch_start < self.base:
+            raise InvalidRequest(
+                f"the start of epoch {self.epoch} of stream {self.name!r} is no longer kept "
+                f"(its producer opened it with replay={self.cfg.replay!r}; replay='epoch' "
+                f"keeps it): join at 'now' or 'next_epoch'")
+        return self.epoch_start
+
+    def _make_room(self) -> None:
+        if len(self.consumers) < MAX_CONSUMERS:
+            return
+        dropped = next((n for n, c in self.consumers.items() if c.state == "dropped"), None)
+        if dropped is None:
+            raise LimitExceeded(f"stream {self.name!r} has {MAX_CONSUMERS} consumers, its "
+                                f"limit (MAX_CONSUMERS)")
+        del self.consumers[dropped]
+
+    def consumer(self, name: str, owner: Any, now: float) -> tuple[Consumer, list[Event]]:
+        """The consumer ``name``, now served for ``owner`` (one that was dropped comes back).
+
+        Raises:
+            BinNotFound: no such consumer (it must join first).
+        """
+        c = self.consumers.get(name)
+        if c is None:
+            raise BinNotFound(f"consumer {name!r} is not in stream {self.name!r}: "
+                              f"stream_join first")
+        events: list[Event] = [("join", 0)] if c.state == "dropped" else []
+        c.owner, c.seen, c.state = owner, now, "live"
+        return c, events
+
+    def ack(self, c: Consumer, at: int | None, now: float) -> None:
+        """Consumer ``c`` will read from ``at`` next: everything before it is acknowledged.
+
+        Raises:
+            InvalidRequest: ``at`` is beyond the stream's head.
+        """
+        if at is not None:
+            if at > self.head:
+                raise InvalidRequest(f"position {at} of stream {self.name!r} does not exist "
+                                     f"yet (head {self.head})")
+            c.cursor = at
+            if c.acked is None or at > c.acked:
+                c.acked = at
+        self._reattach(c)
+        self._settle(now)
+
+    def _reattach(self, c: Consumer) -> None:
+        if c.detached and c.acked is not None and self.head - c.acked < self.cfg.window:
+            c.detached = False  # caught up: it counts again
+
+    def read(self, name: str, pos: int | None, max_items: int | None, max_bytes: int,
+             now: float) -> StreamItems | None:
+        """Items of one epoch for consumer ``name`` from ``pos`` (``None``: its cursor), at
+        most ``max_items`` and ``max_bytes`` (at least one item); ``None`` if there is
+        nothing yet (the caller waits). Moves the consumer's cursor past them.
+
+        Raises:
+            ProducerGone: the epoch at that position can never complete.
+        """
+        c = self.consumers[name]
+        pos = c.cursor if pos is None else pos
+        if pos is None:
+            return None  # it waits for the next epoch to begin
+        missed = 0
+        if pos < self.base:  # freed before it read them: it lagged
+            missed = self._items_between(pos, self.base)
+            pos = self.base
+            c.missed += missed
+            c.acked = max(c.acked or 0, pos)
+            self._reattach(c)
+        g = self._gone_for(self.position(pos).epoch)
+        if g is not None:
+            raise ProducerGone(f"producer {g.index} of stream {self.name!r} is gone (its "
+                               f"connection was lost for longer than its lease) before ending "
+                               f"epoch {g.epoch}; join again at 'next_epoch' to go on once a "
+                               f"producer opens the stream again")
+        taken, nxt, mark = self._take(pos, max_items, max_bytes)
+        if not taken and mark is None and not missed and not (self.finished and pos == self.head):
+            return None
+        c.cursor = nxt
+        c.reads += 1
+        self._count("read")
+        size = sum(e.nbytes for e in taken)
+        self.bytes_out += size
+        where = self.position(pos)
+        return StreamItems(0, tuple(e.item for e in taken), pos, nxt, where.epoch, where.offset,
+                           where.epoch_samples, None if mark is None else mark.offset,
+                           mark is not None and mark.aborted, missed,
+                           self.finished and nxt == self.head,
+                           tuple(e.item.tag for e in taken), size)
+
+    def _take(self, pos: int, max_items: int | None, max_bytes: int
+              ) -> tuple[list[_Entry], int, _Entry | None]:
+        """The items from ``pos`` to the next epoch mark (the mark included, if reached)."""
+        entries = self.entries
+        i, n = pos - self.base, len(entries)
+        taken: list[_Entry] = []
+        size = 0
+        while i < n:
+            e = entries[i]
+            if e.item is None:
+                return taken, self.base + i + 1, e
+            if taken and ((max_items is not None and len(taken) >= max_items)
+                          or size + e.nbytes > max_bytes):
+                break
+            taken.append(e)
+            size += e.nbytes
+            i += 1
+        return taken, self.base + i, None
+
+    def _items_between(self, a: int, b: int) -> int:
+        marks = sum(1 for info in self.epochs.values()
+                    if info.end is not None and a <= info.end < b)
+        return max(b - a - marks, 0)
+
+    def leave(self, name: str, now: float) -> bool:
+        """Consumer ``name`` leaves. Returns whether it was in the stream."""
+        c = self.consumers.pop(name, None)
+        if c is None:
+            return False
+        self._count("leave")
+        self._settle(now)
+        return True
+
+    # -- liveness ---------------------------------------------------------------------------
+    def members(self) -> Iterator[Producer | Consumer]:
+        yield from self.producers.values()
+        yield from self.consumers.values()
+
+    def lost(self, owned: Callable[[Any], bool], now: float) -> None:
+        """The connection of the members ``owned`` says they have is gone: their lease runs
+        from now."""
+        for m in self.members():
+            if m.state == "live" and owned(m.owner):
+                m.state, m.seen = "away", now
+
+    def ended(self, owner: Any, now: float) -> list[Event]:
+        """The session ``owner`` ended (its client said goodbye, or it expired): its
+        consumers are dropped, its producers that had not ended their last epoch are gone."""
+        events: list[Event] = []
+        for m in self.members():
+            if m.owner == owner and m.state in ("live", "away"):
+                events.append(self._drop(m))
+        self._settle(now)
+        return events
+
+    def _drop(self, m: Producer | Consumer) -> Event:
+        if isinstance(m, Consumer):
+            m.state = "dropped"
+            return "leave", 0
+        m.state = "gone"
+        return "gone", 0
+
+    def check(self, now: float, alive: Callable[[Any, float], bool]) -> list[Event]:
+        """Leases and stalls at time ``now``: a member whose lease ran out is dropped unless
+        ``alive(owner, lease)`` says its connection is there; a stalled consumer of an
+        ``on_lag="detach"`` stream is detached."""
+        events: list[Event] = []
+        for m in list(self.members()):
+            if m.state in ("live", "away") and now >= m.seen + m.lease:
+                if alive(m.owner, m.lease):
+                    m.state, m.seen = "live", now
+                else:
+                    events.append(self._drop(m))
+        cfg = self.cfg
+        if cfg.on_lag == "detach":
+            for c in self.consumers.values():
+                if c.holds and c.stall_since is not None and \
+                        now - c.stall_since >= cfg.stall_limit:
+                    c.detached = True
+                    events.append(("lag", self.head - (c.acked or 0)))
+        self._settle(now)
+        return events
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`check` has something to do next (``None``: never)."""
+        due = [m.seen + m.lease for m in self.members() if m.state in ("live", "away")]
+        if self.cfg.on_lag == "detach":
+            due += [c.stall_since + self.cfg.stall_limit for c in self.consumers.values()
+                    if c.holds and c.stall_since is not None]
+        return min(due, default=None)
+
+    # -- memory -----------------------------------------------------------------------------
+    def _floor(self, replay: bool = True) -> int:
+        """The oldest position someone still needs (``replay``: the current epoch's start
+        too, with ``replay="epoch"``)."""
+        f = self.head
+        for c in self.consumers.values():
+            if c.holds and c.acked is not None and c.acked < f:
+                f = c.acked
+        if replay and self.cfg.replay == "epoch" and self.epoch_start < f:
+            f = self.epoch_start
+        return f
+
+    def _settle(self, now: float) -> None:
+        """Free what nobody needs; start or stop the stall clock of each consumer."""
+        floor = self._floor()
+        entries = self.entries
+        while self.base < floor and entries:
+            e = entries.popleft()
+            self.nbytes -= e.nbytes
+            if e.item is not None:
+                self.n_items -= 1
+            self.base += 1
+        window = self.cfg.window
+        for c in self.consumers.values():
+            holding = c.holds and self.head - (c.acked or 0) >= window
+            if holding and c.stall_since is None:
+                c.stall_since = now
+            elif not holding and c.stall_since is not None:
+                c.stall_total += now - c.stall_since
+                c.stall_since = None
+
+    @property
+    def cost(self) -> int:
+        """Bytes counted against ``max_memory``: the items kept and the records."""
+        return self.nbytes + STREAM_COST + CONSUMER_COST * (len(self.consumers)
+                                                            + len(self.producers))
+
+    # -- statistics -------------------------------------------------------------------------
+    def describe(self, now: float) -> dict[str, Any]:
+        """A summary for the stats (see :meth:`StreamKind.describe`)."""
+        first = next((e for e in self.entries if e.item is not None), None)
+        last = next((e for e in reversed(self.entries) if e.item is not None), None)
+        return {
+            "kind": "stream", "n_items": self.n_items, "nbytes": self.nbytes,
+            "version": self.version, "changed_at": self.changed_at, "ops": dict(self.ops),
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "limits": {"max_items": None, "max_bytes": None, "overflow": "block"},
+            "first": None if first is None else codec.describe(first.item.value.value),
+            "last": None if last is None or last is first
+            else codec.describe(last.item.value.value),
+            "stream": self._describe_stream(now),
+        }
+
+    def _describe_stream(self, now: float) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "head": self.head, "base": self.base, "epoch": self.epoch,
+            "epoch_start": self.epoch_start, "epoch_sent": self.epoch_sent,
+            "epoch_samples": self.expected(), "window": cfg.window, "on_lag": cfg.on_lag,
+            "max_stall": cfg.stall_limit if cfg.on_lag == "detach" else None,
+            "replay": cfg.replay, "producers_expected": cfg.producers,
+            "finished": self.finished, "broken": self.broken,
+            "producers": {str(p.index): {
+                "state": p.state, "epoch": p.epoch, "sent": p.sent, "samples": p.hint,
+                "silent_s": round(max(now - p.seen, 0.0), 3), "lease": p.lease}
+                for p in self.producers.values()},
+            "consumers": {c.name: self._describe_consumer(c, now)
+                          for c in self.consumers.values()},
+        }
+
+    def _describe_consumer(self, c: Consumer, now: float) -> dict[str, Any]:
+        state = c.state
+        if state != "dropped":
+            state = "pending" if c.cursor is None else ("detached" if c.detached else state)
+        stalled = now - c.stall_since if c.stall_since is not None else 0.0
+        return {"state": state, "position": c.acked, "cursor": c.cursor,
+                "lag": None if c.acked is None else self.head - c.acked,
+                "stalled_s": round(stalled, 3),
+                "stall_total_s": round(c.stall_total + stalled, 3), "missed": c.missed,
+                "reads": c.reads, "lease": c.lease}
+
+
+# -- the server's kind ----------------------------------------------------------------------
+def _respond(conn: ServerProtocol, msg: Any, reply: Any) -> None:
+    """``conn.reply`` for the stream messages (the connection's signature names the
+    store's messages; any registered message goes through it alike)."""
+    conn.reply(msg, reply)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A stream request waiting on the server (a held append or end, a waiting read).
+
+    ``name`` is empty, never a bin name: the connection withdraws a waiting request through
+    the store's ``cancel``, which then only marks it inactive (the kind drops inactive ones).
+    """
+
+    conn: ServerProtocol
+    msg: Any
+    entries: list[tuple[Any, int, int]] = field(default_factory=list)
+    pos: int | None = None  # a read's position
+    name: str = ""
+    active: bool = True
 
 
 class StreamKind:
-    """Stream bins."""
+    """Stream bins on a server (see the module docstring).
+
+    Args:
+        server: the server's state (its reactor runs the lease timer).
+    """
 
     name = "stream"
 
     def __init__(self, server: ServerFactory) -> None:
         self.server = server
+        self.streams: dict[str, Stream] = {}
+        self._held: dict[str, list[_Waiting]] = {}
+        self._reads: dict[str, list[_Waiting]] = {}
+        self._timer: IDelayedCall | None = None
+        # The last version of each name whose stream was removed, so that a listener never
+        # sees a version go backwards when a stream of that name comes back.
+        self._versions: dict[str, int] = {}
 
     def handlers(self) -> dict[type, Handler]:
-        return {}
+        return {StreamOpen: self._open, StreamAppend: self._append, StreamEnd: self._end,
+                StreamJoin: self._join, StreamRead: self._read, StreamLeave: self._leave}
 
     def owns(self, name: str) -> bool:
-        return False
-
-    def connection_lost(self, conn: ServerProtocol) -> None:
-        pass
-
-    def session_ended(self, sid: bytes) -> None:
-        pass
-
-    def describe(self, glob: str | None) -> dict[str, dict[str, Any]]:
-        return {}
+        return name in self.streams
 
     @property
     def nbytes(self) -> int:
-        return 0
+        return sum(st.cost for st in self.streams.values())
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _now(self) -> float:
+        return float(self.server.reactor.seconds())
+
+    @staticmethod
+    def _owner(conn: ServerProtocol) -> Any:
+        """Whom a member belongs to: its client's session (so that it survives the
+        client's reconnects), or the connection of a client without one."""
+        return conn.session.id if conn.session is not None else conn
+
+    def _conn_of(self, owner: Any) -> Any:
+        if isinstance(owner, bytes):
+            s = self.server.sessions.get(owner)
+            return None if s is None else s.attached
+        return owner
+
+    def _alive(self, owner: Any, lease: float) -> bool:
+        """Whether the connection of ``owner`` is open and heard from within ``lease``."""
+        conn = self._conn_of(owner)
+        if conn is None or conn not in self.server.connections or getattr(conn, "_closed", True):
+            return False
+        return time.monotonic() - conn.last_rx < lease
+
+    def _stream(self, name: str, create: bool) -> Stream:
+        """The stream ``name`` (made if ``create``).
+
+        Raises:
+            InvalidRequest: the name is a bin of another kind.
+            BinNotFound: no such stream (and not ``create``).
+            MemoryLimitExceeded: a new stream would exceed ``max_memory``.
+        """
+        st = self.streams.get(name)
+        if st is not None:
+            return st
+        store = self.server.store
+        if store.n_items(name) or store.config(name).bounded:
+            raise InvalidRequest(f"bin {name!r} is a value or list bin: stream operations are "
+                                 f"for stream bins")
+        for kind in self.server.kinds:
+            if kind is not self and kind.owns(name):
+                raise InvalidRequest(f"bin {name!r} is a {kind.name} bin: stream operations "
+                                     f"are for stream bins")
+        if not create:
+            raise BinNotFound(f"no stream {name!r}: a producer opens it (stream_open), or a "
+                              f"consumer joins it (stream_join)")
+        self._check_memory(STREAM_COST, f"a new stream {name!r}")
+        st = self.streams[name] = Stream(name, self._now())
+        st.version = self._versions.pop(name, 0)
+        return st
+
+    def _check_memory(self, nbytes: int, what: str) -> None:
+        f = self.server
+        limit = f.config.max_memory
+        if limit is None or nbytes <= 0:
+            return
+        total = f.store.nbytes + f.held_bytes() + nbytes
+        if total > limit:
+            raise MemoryLimitExceeded(f"{what} of {nbytes} bytes would take the server to "
+                                      f"{total} bytes, over its max_memory={limit}; nothing "
+                                      f"was stored")
+
+    def _after(self, st: Stream, events: list[Event]) -> None:
+        """After a change: notify listeners, serve what waits, drop an idle stream, and
+        keep the lease timer right."""
+        for op, n in events:
+            self._notify(st, op, n)
+        self._pump(st)
+        if st.idle and st.name in self.streams:
+            self._remove(st)
+        self._schedule()
+
+    def _notify(self, st: Stream, op: str, n: int = 0) -> None:
+        st.version += 1
+        st.changed_at = self._now()
+        self.server._changed(st.name, op, st.n_items, st.version, n)
+
+    def _remove(self, st: Stream) -> None:
+        del self.streams[st.name]
+        self._versions[st.name] = st.version
+        if len(self._versions) > 100_000:  # a bound: the oldest names are forgotten
+            del self._versions[next(iter(self._versions))]
+        for w in self._held.pop(st.name, []) + self._reads.pop(st.name, []):
+            if w.active:
+                self._answer(w, ErrorReply(w.msg.id, BinNotFound.code,
+                                           f"stream {st.name!r} was removed: nobody is in it"))
+
+    def _answer(self, w: _Waiting, reply: Any) -> None:
+        self._reply(w, reply, True)
+
+    def _waits(self, st: Stream, w: _Waiting) -> bool:
+        """Whether ``w`` waits on its connection (else it is answered in its handler)."""
+        return w in self._held.get(st.name, ()) or w in self._reads.get(st.name, ())
+
+    @staticmethod
+    def _reply(w: _Waiting, reply: Any, waiting: bool) -> None:
+        w.active = False
+        if waiting:
+            w.conn.stop_waiting(w.msg.id)
+        _respond(w.conn, w.msg, reply)
+
+    def _error(self, w: _Waiting, exc: ServerError) -> None:
+        self._answer(w, ErrorReply(w.msg.id, code_for(exc), str(exc)))
+
+    # -- producers --------------------------------------------------------------------------
+    def _open(self, conn: ServerProtocol, msg: StreamOpen) -> None:
+        st = self._stream(msg.bin, True)
+        settings = Settings(msg.producers, msg.window, msg.on_lag, msg.max_stall, msg.replay)
+        if msg.producer not in st.producers:
+            self._check_memory(CONSUMER_COST, f"a producer of stream {msg.bin!r}")
+        try:
+            reply, events = st.open(msg.producer, self._owner(conn), settings, msg.lease,
+                                    msg.samples, self._now())
+        except ServerError:
+            self._after(st, [])
+            raise
+        _respond(conn, msg, StreamOpened(msg.id, reply.epoch, reply.head, reply.sent,
+                                     reply.consumers, reply.broken))
+        self._after(st, events)
+
+    def _append(self, conn: ServerProtocol, msg: StreamAppend) -> None:
+        st = self._stream(msg.bin, False)
+        samples = msg.samples or (1,) * len(msg.items)
+        entries = [(it, item_wire_size(it), n) for it, n in zip(msg.items, samples, strict=True)]
+        st.check_append(msg.producer, self._owner(conn), msg.epoch, len(entries), self._now())
+        w = _Waiting(conn, msg, entries)
+        if self._mine_waiting(st.name, msg.producer) or not st.append_ready(msg.producer,
+                                                                             len(entries)):
+            self._hold(st, w)
+            return
+        self._store(st, w)
+        self._after(st, [("append", 0)])
+
+    def _mine_waiting(self, name: str, producer: int) -> bool:
+        """Whether an earlier request of this producer is held (they keep their order)."""
+        return any(w.active and w.msg.producer == producer for w in self._held.get(name, ()))
+
+    def _store(self, st: Stream, w: _Waiting) -> None:
+        """Store a checked, ready append and answer it (or answer why it cannot be)."""
+        msg: StreamAppend = w.msg
+        self._check_memory(sum(n for _, n, _ in w.entries), f"an append to stream {st.name!r}")
+        pos = st.append(msg.producer, w.entries, self._now())
+        self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
+
+    def _hold(self, st: Stream, w: _Waiting) -> None:
+        """Keep a request that must wait (an append, or an epoch end) until it can go."""
+        msg = w.msg
+        w.conn.wait(msg.id, w, msg.timeout, lambda: self._held_out(st, w))  # type: ignore[arg-type]
+        self._held.setdefault(st.name, []).append(w)
+        self._schedule()
+
+    def _held_out(self, st: Stream, w: _Waiting) -> None:
+        msg = w.msg
+        w.active = False
+        if isinstance(msg, StreamEnd):  # not full: it waits for the other producers
+            _respond(w.conn, msg, ErrorReply(msg.id, WaitTimeout.code, (
+                f"stream {st.name!r} held the end of epoch {msg.epoch} for {msg.timeout:g} s: "
+                f"{st.why_held(msg.producer)}; nothing was marked")))
+            return
+        _respond(w.conn, msg, ErrorReply(msg.id, BinFull.code, (
+            f"stream {st.name!r} held the append for {msg.timeout:g} s: "
+            f"{st.why_held(msg.producer)}; nothing was stored")))
+
+    def _end(self, conn: ServerProtocol, msg: StreamEnd) -> None:
+        st = self._stream(msg.bin, False)
+        owner, now = self._owner(conn), self._now()
+        w = _Waiting(conn, msg)
+        if self._mine_waiting(st.name, msg.producer) or not st.end_ready(msg.producer):
+            st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now, check_only=True)
+            self._hold(st, w)
+            return
+        reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now)
+        _respond(conn, msg, StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished))
+        self._after(st, events)
+
+    # -- consumers --------------------------------------------------------------------------
+    def _join(self, conn: ServerProtocol, msg: StreamJoin) -> None:
+        st = self._stream(msg.bin, True)
+        if msg.consumer not in st.consumers:
+            self._check_memory(CONSUMER_COST, f"a consumer of stream {msg.bin!r}")
+        try:
+            reply, events = st.join(msg.consumer, self._owner(conn), msg.start, msg.lease,
+                                    msg.resume, self._now())
+        except ServerError:
+            self._after(st, [])
+            raise
+        _respond(conn, msg, StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
+                                     reply.epoch_samples, reply.head, reply.resumed))
+        self._after(st, events)
+
+    def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:
+        st = self._stream(msg.bin, False)
+        now = self._now()
+        c, events = st.consumer(msg.consumer, self._owner(conn), now)
+        st.ack(c, msg.at, now)
+        for op, n in events:
+            self._notify(st, op, n)
+        self._pump(st)  # what the acknowledgement made room for comes first
+        w = _Waiting(conn, msg, pos=c.cursor)
+        for other in self._reads.get(st.name, ()):
+            if other.active and other.msg.consumer == msg.consumer and other.conn is not conn:
+                # A read of the same consumer on an older connection (its client reconnected
+                # and resent): the new one takes over.
+                self._error(other, InvalidRequest(f"a newer read of consumer "
+                                                  f"{msg.consumer!r} took over"))
+        if not self._serve_read(st, w):
+            if msg.timeout == 0:
+                _respond(conn, msg, ErrorReply(msg.id, WaitTimeout.code,
+                                           f"nothing to read in stream {st.name!r} yet"))
+            else:
+                conn.wait(msg.id, w, msg.timeout,  # type: ignore[arg-type]
+                          lambda: self._read_out(st, w))
+                self._reads.setdefault(st.name, []).append(w)
+        self._after(st, [])
+
+    def _serve_read(self, st: Stream, w: _Waiting) -> bool:
+        """Answer a read if it has something to return (or an error); whether it did."""
+        msg: StreamRead = w.msg
+        waiting = self._waits(st, w)
+        try:
+            res = st.read(msg.consumer, w.pos, msg.max_items, self.server.max_reply_bytes,
+                          self._now())
+        except ServerError as exc:
+            self._reply(w, ErrorReply(msg.id, code_for(exc), str(exc)), waiting)
+            return True
+        if res is None:
+            return False
+        self._reply(w, StreamItems(msg.id, res.items, res.first, res.next, res.epoch,
+                                   res.offset, res.epoch_samples, res.end, res.aborted,
+                                   res.missed, res.finished), waiting)
+        if res.missed:
+            self._notify(st, "lag", res.missed)
+        return True
+
+    def _read_out(self, st: Stream, w: _Waiting) -> None:
+        msg = w.msg
+        w.active = False
+        _respond(w.conn, msg, ErrorReply(msg.id, WaitTimeout.code,
+                                     f"nothing to read in stream {st.name!r} within "
+                                     f"{msg.timeout:g} s"))
+
+    def _leave(self, conn: ServerProtocol, msg: StreamLeave) -> None:
+        st = self.streams.get(msg.bin)
+        was = st is not None and st.leave(msg.consumer, self._now())
+        if st is not None:
+            for w in self._reads.get(st.name, ()):
+                if w.active and w.msg.consumer == msg.consumer:
+                    self._error(w, InvalidRequest(f"consumer {msg.consumer!r} left"))
+        _respond(conn, msg, Acked(msg.id, was))
+        if st is not None:
+            self._after(st, [("leave", 0)] if was else [])
+
+    # -- what waits -------------------------------------------------------------------------
+    def _pump(self, st: Stream) -> None:
+        """Serve what waits on ``st``: held appends and ends (in order per producer), then
+        waiting reads."""
+        name = st.name
+        served = False
+        blocked: set[int] = set()
+        for w in list(self._held.get(name, ())):
+            if w.active and w.msg.producer not in blocked:
+                if self._try_held(st, w):
+                    w.active = False
+                    served = True
+                else:
+                    blocked.add(w.msg.producer)
+        self._prune(self._held, name)
+        if served:
+            self._notify(st, "append")
+        for w in list(self._reads.get(name, ())):
+            if w.active and self._serve_read(st, w):
+                w.active = False
+        self._prune(self._reads, name)
+
+    @staticmethod
+    def _prune(table: dict[str, list[_Waiting]], name: str) -> None:
+        alive = [w for w in table.get(name, ()) if w.active]
+        if alive:
+            table[name] = alive
+        else:
+            table.pop(name, None)
+
+    def _try_held(self, st: Stream, w: _Waiting) -> bool:
+        """Store a held append (or make a held epoch end) if it can go now; answer it with
+        an error if it never can. Returns whether it is done."""
+        msg = w.msg
+        try:
+            owner = self._owner(w.conn)
+            if isinstance(msg, StreamEnd):
+                st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, self._now(),
+                       check_only=True)
+                if not st.end_ready(msg.producer):
+                    return False
+                reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last,
+                                       self._now())
+                self._answer(w, StreamEnded(msg.id, reply.epoch, reply.complete,
+                                            reply.finished))
+                for op, n in events:
+                    self._notify(st, op, n)
+                return True
+            st.check_append(msg.producer, owner, msg.epoch, len(w.entries), self._now())
+            if not st.append_ready(msg.producer, len(w.entries)):
+                return False
+            self._store(st, w)
+        except ServerError as exc:
+            self._error(w, exc)
+        return True
+
+    # -- leases -----------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Keep one timer, at the earliest lease or stall deadline of any stream."""
+        due = min((d for st in self.streams.values()
+                   if (d := st.next_deadline()) is not None), default=None)
+        timer = self._timer
+        if due is None:
+            if timer is not None and timer.active():
+                timer.cancel()
+            self._timer = None
+            return
+        if timer is not None and timer.active():
+            if timer.getTime() <= due:
+                return  # fires first; it reschedules for the rest
+            timer.cancel()
+        reactor = self.server.reactor
+        # A little late rather than early: a lease runs out at its deadline, not before.
+        self._timer = reactor.callLater(max(due - reactor.seconds(), 0.0) + 0.001, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = self._now()
+        for st in list(self.streams.values()):
+            due = st.next_deadline()
+            if due is not None and due <= now:
+                self._after(st, st.check(now, self._alive))
+        self._schedule()
+
+    def connection_lost(self, conn: ServerProtocol) -> None:
+        now = self._now()
+        for st in self.streams.values():
+            st.lost(lambda owner: self._conn_of(owner) is conn, now)
+        # Its waiting requests were withdrawn by the connection (marked inactive); they are
+        # dropped from the queues the next time those are served.
+        self._schedule()
+
+    def session_ended(self, sid: bytes) -> None:
+        now = self._now()
+        for st in list(self.streams.values()):
+            events = st.ended(sid, now)
+            if events:
+                self._after(st, events)
+
+    # -- statistics -------------------------------------------------------------------------
+    def describe(self, glob: str | None) -> dict[str, dict[str, Any]]:
+        """Each stream (matching ``glob``): the keys of every bin's summary (``kind`` is
+        ``"stream"``, ``n_items`` counts the items kept, ``waiters`` the waiting reads,
+        ``blocked`` the held appends), and ``stream``: its head, epoch, settings, each
+        producer and each consumer with its position, lag and stall time (see
+        docs/PROTOCOL.md, stream bins)."""
+        now = self._now()
+        out: dict[str, dict[str, Any]] = {}
+        for name, st in sorted(self.streams.items()):
+            if glob is not None and not fnmatch.fnmatchcase(name, glob):
+                continue
+            d = st.describe(now)
+            d["waiters"] = sum(1 for w in self._reads.get(name, ()) if w.active)
+            d["blocked"] = sum(1 for w in self._held.get(name, ()) if w.active)
+            d["listeners"] = self.server.listener_count(name)
+            out[name] = d
+        return out

@@ -1,4 +1,514 @@
-"""The wire of streams bins: its messages and ops, registered in the op table of
-:mod:`.protocol` at import (filled in by its issue)."""
+"""The wire of stream bins: their messages and ops, registered in the op table of
+:mod:`.protocol` at import.
+
+A stream bin is an append-only sequence with positions the server assigns (0, 1, 2, ...) that
+every consumer of the stream receives, each reading with its own cursor. Producers append
+items and mark the end of each epoch with the number of samples they sent; the server puts an
+*epoch mark* in the sequence (it takes a position too) once every producer marked the epoch.
+See ``docs/PROTOCOL.md`` (stream bins) for every field and what the server does.
+
+Ops (all carry ``bin``):
+
+* ``stream_open``: a producer opens the stream (creating it) with the stream's settings;
+* ``stream_append``: a producer appends items to its epoch (held on the server while the
+  stream is ``window`` positions ahead of its slowest consumer);
+* ``stream_end``: a producer marks the end of its epoch;
+* ``stream_join``: a consumer joins (or resumes) by name;
+* ``stream_read``: a consumer reads up to ``max_items`` items from a position, which also
+  acknowledges everything before it;
+* ``stream_leave``: a consumer leaves.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import Lagged, LimitExceeded, ProducerGone
+from .frames import Payload
+from .messages import Item, Limits, Reply, Request
+from .protocol import (
+    MAX_APPEND_ITEMS,
+    NameTooLong,
+    Op,
+    _bool,
+    _int,
+    _Invalid,
+    _is_int,
+    _name,
+    _opt_int,
+    _parse_items,
+    _reply_acked,
+    _timeout,
+    check_bin_name,
+    register,
+    register_reply,
+)
+
+__all__ = [
+    "LAG_POLICIES",
+    "MAX_PRODUCERS",
+    "MAX_WINDOW",
+    "REPLAY_POLICIES",
+    "STARTS",
+    "Lagged",
+    "ProducerGone",
+    "StreamAppend",
+    "StreamAppended",
+    "StreamEnd",
+    "StreamEnded",
+    "StreamItems",
+    "StreamJoin",
+    "StreamJoined",
+    "StreamLeave",
+    "StreamOpen",
+    "StreamOpened",
+    "StreamRead",
+]
+
+#: What a stream does about a consumer that holds everyone back (see StreamOpen).
+LAG_POLICIES = ("wait", "detach")
+#: Which items a stream keeps for consumers that join later (see StreamOpen).
+REPLAY_POLICIES = ("none", "epoch")
+#: Where a consumer that joins starts reading (see StreamJoin).
+STARTS = ("now", "next_epoch", "epoch_start")
+#: The largest ``window`` a stream may have (positions a producer may run ahead).
+MAX_WINDOW = 65_536
+#: The most producers one stream may have (``producers``).
+MAX_PRODUCERS = 256
+#: The longest ``lease`` (seconds) a producer or consumer may ask for.
+MAX_LEASE = 3600.0
+
+
+# -- messages -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StreamOpen:
+    """A producer opens a stream (creating it if needed) with the stream's settings.
+
+    Attributes:
+        producer: this producer's index, ``0 <= producer < producers``.
+        producers: how many producers feed the stream (an epoch ends when each marked it).
+        window: a producer's append is held while the stream holds more than this many
+            positions the slowest live consumer has not acknowledged.
+        on_lag: ``"wait"`` (everyone keeps the slowest consumer's pace) or ``"detach"`` (a
+            consumer that held the window full longer than ``max_stall`` stops counting).
+        max_stall: with ``on_lag="detach"``: seconds; ``None``: 10 s.
+        replay: ``"epoch"`` keeps the current epoch's items for consumers that join at
+            ``"epoch_start"``; ``"none"`` frees items once every consumer read them.
+        lease: seconds this producer may be unreachable before it counts as gone.
+        samples: how many samples this producer expects to send per epoch (``None``:
+            unknown); consumers use it to tell their number of batches before the end.
+    """
+
+    id: int
+    bin: str
+    producer: int = 0
+    producers: int = 1
+    window: int = 32
+    on_lag: str = "wait"
+    max_stall: float | None = None
+    replay: str = "none"
+    lease: float = 10.0
+    samples: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAppend:
+    """A producer appends items (``item``, then ``rest``) to its epoch ``epoch``.
+
+    ``samples``: the samples each item holds (one int per item); ``None``: 1 each.
+    ``timeout``: how long the append may be held (window, or an epoch not yet ended by the
+    other producers) before the error ``bin_full``; ``None``: no limit.
+    """
+
+    id: int
+    bin: str
+    producer: int
+    epoch: int
+    item: Item
+    rest: tuple[Item, ...] = ()
+    samples: tuple[int, ...] | None = None
+    timeout: float | None = None
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        """Every item of the append, in order."""
+        return (self.item, *self.rest) if self.rest else (self.item,)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """A producer marks the end of its epoch ``epoch``, in which it sent ``samples`` samples;
+    ``last``: it will send no more epochs (the stream finishes once every producer said so).
+
+    ``timeout``: how long the end may be held (this producer ended the previous epoch and
+    the others have not yet) before the error ``timeout``; ``None``: no limit.
+    """
+
+    id: int
+    bin: str
+    producer: int
+    epoch: int
+    samples: int
+    last: bool = False
+    timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamJoin:
+    """A consumer joins the stream under the name ``consumer`` (creating the stream if needed).
+
+    Attributes:
+        start: ``"now"`` (the next item appended), ``"next_epoch"`` (the start of the next
+            epoch; of the current one if nothing of it was appended yet) or ``"epoch_start"``
+            (the start of the current epoch, if its items are still kept).
+        lease: seconds this consumer may be unreachable before it is dropped (it then no
+            longer holds anyone back).
+        resume: a consumer of that name that the stream knows keeps its position
+            (``False``: it moves to ``start``).
+    """
+
+    id: int
+    bin: str
+    consumer: str
+    start: str = "now"
+    lease: float = 10.0
+    resume: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """A consumer reads up to ``max_items`` items from position ``at`` (``None``: from where
+    its last read ended), which acknowledges every position before ``at``.
+
+    ``timeout``: seconds to wait on the server when nothing is there yet (``0``: do not
+    wait; ``None``: no limit).
+    """
+
+    id: int
+    bin: str
+    consumer: str
+    at: int | None = None
+    max_items: int | None = None
+    timeout: float | None = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLeave:
+    """A consumer leaves the stream (it no longer holds anyone back)."""
+
+    id: int
+    bin: str
+    consumer: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpened:
+    """Reply to stream_open: the epoch this producer appends to, the stream's next position,
+    the samples this producer already sent in that epoch (a reopen by the same session), the
+    live consumers, and whether the stream is broken (a producer is gone)."""
+
+    id: int
+    epoch: int
+    head: int
+    sent: int = 0
+    consumers: int = 0
+    broken: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAppended:
+    """Reply to stream_append: the position of its first item and the stream's next one."""
+
+    id: int
+    position: int
+    head: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """Reply to stream_end: the epoch this producer appends to next, whether the epoch it
+    ended is complete (every producer marked it), and whether the stream is finished."""
+
+    id: int
+    epoch: int
+    complete: bool = False
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamJoined:
+    """Reply to stream_join.
+
+    Attributes:
+        position: where the consumer reads next; ``None`` while it waits for the next
+            epoch to start (its first read waits for it).
+        epoch: the epoch at that position. offset: samples of that epoch before it.
+        epoch_samples: the samples that epoch has (exact once ended, else what the
+            producers announced; ``None``: unknown).
+        head: the stream's next position. resumed: the stream knew the consumer and kept
+            its position.
+    """
+
+    id: int
+    position: int | None
+    epoch: int
+    offset: int = 0
+    epoch_samples: int | None = None
+    head: int = 0
+    resumed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamItems:
+    """Reply to stream_read: items of one epoch, oldest first (never across an epoch mark).
+
+    Attributes:
+        items: the items (``Item`` on the wire, decoded values in a client's hands).
+        first: the position of the first entry returned. next: where to read next.
+        epoch: the epoch of these items. offset: samples of the epoch before the first item.
+        epoch_samples: as in :class:`StreamJoined`.
+        end: the reply reached the end of ``epoch``: its exact number of samples (``None``:
+            not reached).
+        aborted: that end is an abort (a producer died): the epoch has fewer samples.
+        missed: items freed before this consumer read them (it lagged); they are skipped.
+        finished: every producer sent its last epoch and this consumer read them all.
+        tags, nbytes: the items' tags (client side) and bytes (server side; not sent).
+    """
+
+    id: int
+    items: tuple[Any, ...]
+    first: int
+    next: int
+    epoch: int
+    offset: int = 0
+    epoch_samples: int | None = None
+    end: int | None = None
+    aborted: bool = False
+    missed: int = 0
+    finished: bool = False
+    tags: tuple[int | None, ...] = ()
+    nbytes: int = 0
+
+
+# -- field readers --------------------------------------------------------------------------
+def _choice(h: dict[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
+    v = h.get(key)
+    if v is None:
+        return default
+    if v not in choices:
+        raise _Invalid(f"{key!r} must be one of {', '.join(choices)}")
+    return str(v)
+
+
+def _seconds(h: dict[str, Any], key: str, default: float, *, positive: bool = False,
+             maximum: float | None = None) -> float:
+    v = h.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v == v) or v < 0 or \
+            v == float("inf") or (positive and v == 0) or (maximum is not None and v > maximum):
+        bound = f" and at most {maximum:g}" if maximum is not None else ""
+        raise _Invalid(f"{key!r} must be a finite {'positive' if positive else 'non-negative'} "
+                       f"number of seconds{bound}")
+    return float(v)
+
+
+def _consumer(h: dict[str, Any], limits: Limits) -> str:
+    try:
+        return check_bin_name(h.get("consumer"), limits.max_name_bytes)
+    except NameTooLong as exc:
+        raise _Invalid(f"consumer name: {exc}", LimitExceeded.code) from None
+    except (TypeError, ValueError) as exc:
+        raise _Invalid(f"consumer name: {exc}") from None
+
+
+def _range_int(h: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
+    v = _int(h, key)
+    if v < low or (high is not None and v > high):
+        raise _Invalid(f"{key!r} must be between {low} and {high}" if high is not None
+                       else f"{key!r} must be at least {low}")
+    return v
+
+
+# -- stream_open ----------------------------------------------------------------------------
+def _open_header(m: StreamOpen) -> dict[str, Any]:
+    return {"bin": m.bin, "producer": m.producer, "producers": m.producers, "window": m.window,
+            "on_lag": m.on_lag, "max_stall": m.max_stall, "replay": m.replay, "lease": m.lease,
+            "samples": m.samples}
+
+
+def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    name = _name(h, limits)
+    producers = _range_int(h, "producers", 1, MAX_PRODUCERS) if "producers" in h else 1
+    producer = _range_int(h, "producer", 0, producers - 1) if "producer" in h else 0
+    window = _range_int(h, "window", 1, MAX_WINDOW) if h.get("window") is not None else 32
+    max_stall = None if h.get("max_stall") is None else _seconds(h, "max_stall", 0.0)
+    return StreamOpen(rid, name, producer, producers, window,
+                      _choice(h, "on_lag", LAG_POLICIES, "wait"), max_stall,
+                      _choice(h, "replay", REPLAY_POLICIES, "none"),
+                      _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
+                      _opt_int(h, "samples", minimum=0))
+
+
+def _reply_opened(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamOpened(rid, _int(h, "epoch"), _int(h, "head"),
+                        _opt_int(h, "sent") or 0, _opt_int(h, "consumers") or 0,
+                        _bool(h, "broken"))
+
+
+# -- stream_append --------------------------------------------------------------------------
+def _append_header(m: StreamAppend) -> dict[str, Any]:
+    h: dict[str, Any] = {"bin": m.bin, "producer": m.producer, "epoch": m.epoch}
+    if m.samples is not None:
+        h["samples"] = list(m.samples)
+    h["timeout"] = m.timeout
+    return h
+
+
+def _parse_append(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    name = _name(h, limits)
+    raw = h.get("items")
+    if isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
+        raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
+                       f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
+    items = _parse_items(h, payload, limits.max_depth)
+    if not items:
+        raise _Invalid("stream_append carries at least one item")
+    samples = h.get("samples")
+    if samples is not None:
+        if not isinstance(samples, list) or len(samples) != len(items) or \
+                not all(_is_int(n) and n >= 0 for n in samples):
+            raise _Invalid("'samples' must be a list of non-negative integers, one per item")
+        samples = tuple(samples)
+    return StreamAppend(rid, name, _range_int(h, "producer", 0),
+                        _range_int(h, "epoch", 0), items[0], tuple(items[1:]), samples,
+                        _timeout(h))
+
+
+def _reply_appended(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamAppended(rid, _int(h, "position"), _int(h, "head"))
+
+
+# -- stream_end -----------------------------------------------------------------------------
+def _end_header(m: StreamEnd) -> dict[str, Any]:
+    return {"bin": m.bin, "producer": m.producer, "epoch": m.epoch, "samples": m.samples,
+            "last": m.last, "timeout": m.timeout}
+
+
+def _parse_end(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamEnd(rid, _name(h, limits), _range_int(h, "producer", 0),
+                     _range_int(h, "epoch", 0), _range_int(h, "samples", 0), _bool(h, "last"),
+                     _timeout(h))
+
+
+def _reply_ended(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamEnded(rid, _int(h, "epoch"), _bool(h, "complete"),
+                       _bool(h, "finished"))
+
+
+# -- stream_join ----------------------------------------------------------------------------
+def _join_header(m: StreamJoin) -> dict[str, Any]:
+    return {"bin": m.bin, "consumer": m.consumer, "start": m.start, "lease": m.lease,
+            "resume": m.resume}
+
+
+def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamJoin(rid, _name(h, limits), _consumer(h, limits),
+                      _choice(h, "start", STARTS, "now"),
+                      _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
+                      _bool(h, "resume", True))
+
+
+def _reply_joined(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamJoined(rid, _opt_int(h, "position"), _int(h, "epoch"),
+                        _opt_int(h, "offset") or 0, _opt_int(h, "epoch_samples"),
+                        _opt_int(h, "head") or 0, _bool(h, "resumed"))
+
+
+# -- stream_read ----------------------------------------------------------------------------
+def _read_header(m: StreamRead) -> dict[str, Any]:
+    h: dict[str, Any] = {"bin": m.bin, "consumer": m.consumer}
+    if m.at is not None:
+        h["at"] = m.at
+    if m.max_items is not None:
+        h["max_items"] = m.max_items
+    h["timeout"] = m.timeout
+    return h
+
+
+def _parse_read(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamRead(rid, _name(h, limits), _consumer(h, limits),
+                      _opt_int(h, "at", minimum=0), _opt_int(h, "max_items", minimum=1),
+                      _timeout(h))
+
+
+def _items_header(m: StreamItems) -> dict[str, Any]:
+    h: dict[str, Any] = {"first": m.first, "next": m.next, "epoch": m.epoch,
+                         "offset": m.offset, "epoch_samples": m.epoch_samples}
+    if m.end is not None:
+        h["end"] = m.end
+        if m.aborted:
+            h["aborted"] = True
+    if m.missed:
+        h["missed"] = m.missed
+    if m.finished:
+        h["finished"] = True
+    return h
+
+
+def _reply_items(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    # (A reply without items, at an epoch's end, has no "items" key: as every frame.)
+    items = () if h.get("items") is None else \
+        tuple(_parse_items(h, payload, limits.max_depth, client=True))
+    return StreamItems(rid, items, _int(h, "first"), _int(h, "next"),
+                       _int(h, "epoch"), _opt_int(h, "offset") or 0,
+                       _opt_int(h, "epoch_samples"), _opt_int(h, "end"), _bool(h, "aborted"),
+                       _opt_int(h, "missed") or 0, _bool(h, "finished"))
+
+
+# -- stream_leave ---------------------------------------------------------------------------
+def _leave_header(m: StreamLeave) -> dict[str, Any]:
+    return {"bin": m.bin, "consumer": m.consumer}
+
+
+def _parse_leave(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    return StreamLeave(rid, _name(h, limits), _consumer(h, limits))
+
+
+# -- the rows -------------------------------------------------------------------------------
+def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
+         parse: Callable[..., Request], parse_reply: Callable[..., Reply], mutating: bool,
+         *fields: str) -> Op:
+    # No stream op is open to the read-only token: each one moves a cursor or changes
+    # what the other members of the stream see.
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+
+
+# Remembered (mutating): opening (it may end a broken epoch), appending, ending an epoch,
+# joining (it places a cursor) and reading (it moves one). Leaving twice is harmless.
+register(_row("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True,
+              "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay",
+              "lease", "samples"))
+register(_row("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended,
+              True, "bin", "producer", "epoch", "items", "samples", "timeout"),
+         items=lambda m: m.items)
+register(_row("stream_end", StreamEnd, _end_header, _parse_end, _reply_ended, True,
+              "bin", "producer", "epoch", "samples", "last", "timeout"))
+register(_row("stream_join", StreamJoin, _join_header, _parse_join, _reply_joined, True,
+              "bin", "consumer", "start", "lease", "resume"))
+register(_row("stream_read", StreamRead, _read_header, _parse_read, _reply_items, True,
+              "bin", "consumer", "at", "max_items", "timeout"))
+register(_row("stream_leave", StreamLeave, _leave_header, _parse_leave, _reply_acked, False,
+              "bin", "consumer"))
+
+register_reply(StreamOpened, lambda m: {"epoch": m.epoch, "head": m.head, "sent": m.sent,
+                                        "consumers": m.consumers, "broken": m.broken})
+register_reply(StreamAppended, lambda m: {"position": m.position, "head": m.head})
+register_reply(StreamEnded, lambda m: {"epoch": m.epoch, "complete": m.complete,
+                                       "finished": m.finished})
+register_reply(StreamJoined, lambda m: {"position": m.position, "epoch": m.epoch,
+                                        "offset": m.offset, "epoch_samples": m.epoch_samples,
+                                        "head": m.head, "resumed": m.resumed})
+register_reply(StreamItems, _items_header, items=lambda m: m.items)

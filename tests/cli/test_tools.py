@@ -501,3 +501,35 @@ def test_sparkline_scales_to_the_largest_value_and_leaves_zero_blank() -> None:
     assert sparkline([0, 1, 2, 4], 6) == "   ▃▅█"
     assert sparkline([], 3) == "   "
     assert sparkline([5, 5], 2) == "██"
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def test_ls_and_stats_show_each_streams_head_producers_consumers_and_lag(
+        server: EmbeddedServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorshare.data import StreamConsumer, StreamProducer
+
+    with StreamProducer("train", "127.0.0.1", server.port, window=8, samples_per_epoch=40) as p, \
+            StreamConsumer("train", "lr=0.1", "127.0.0.1", server.port, timeout=5) as fast, \
+            StreamConsumer("train", "lr=0.2", "127.0.0.1", server.port, timeout=5):
+        for _ in range(5):
+            p.append(torch.zeros(8, 4))
+        assert len(fast.read(5).items) == 5
+        with Client("127.0.0.1", server.port) as c:
+            stats = c.stats()
+        st = stats["bins"]["train"]["stream"]
+        assert stats["server"]["bins"] == 1
+        assert stats["server"]["memory"]["stored"] >= 5 * 8 * 4 * 4  # the stream's items
+        for command in ("ls", "stats"):
+            status, out, _ = _run(capsys, command, "--port", str(server.port))
+            assert status == 0
+            table = out[out.index("streams\n"):].splitlines()
+            assert table[1].split()[:4] == ["stream", "head", "epoch", "member"]
+            assert table[3].split()[:3] == ["train", "5", "0"]
+            assert table[4].split()[:4] == ["0", "producer", "0", "live"]
+            rows = {ln.split()[0]: ln.split()[1:] for ln in table[5:7]}
+            # The slow job acknowledged nothing yet (its cursor is where it joined).
+            assert rows["lr=0.2"][:3] == ["live", "0", "5"]
+            assert rows["lr=0.1"][0] == "live"
+        assert st["consumers"]["lr=0.2"]["lag"] == 5

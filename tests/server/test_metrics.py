@@ -166,3 +166,25 @@ def test_a_busy_metrics_port_is_one_line_before_anything_starts() -> None:
         assert out.stderr.count("\n") == 1
     finally:
         exporter.stop()
+
+
+def test_streams_export_their_head_and_each_consumers_lag_stall_and_misses(
+        server: EmbeddedServer) -> None:
+    from tensorshare.data import StreamConsumer, StreamProducer
+
+    exporter = start_metrics_server(0, server=server)
+    try:
+        with StreamProducer("train", "127.0.0.1", server.port, window=8) as p, \
+                StreamConsumer("train", "job", "127.0.0.1", server.port, timeout=5) as c:
+            for _ in range(3):
+                p.append(torch.zeros(4))
+            assert len(c.read(1).items) == 1
+            assert len(c.read(1).items) == 1  # acknowledges the first
+            m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_stream_head", bin="train") == 3
+        assert _value(m, "tensorshare_stream_consumer_lag", bin="train", consumer="job") == 2
+        assert _value(m, "tensorshare_stream_consumer_missed", "tensorshare_stream_consumer_missed_total",
+                      bin="train", consumer="job") == 0
+        assert m[("tensorshare_stream_consumer_stall_seconds", "type")] == "counter"
+    finally:
+        exporter.stop()

@@ -85,6 +85,19 @@ from tensorshare.wire.protocol import (
     ServerConnection,
     encode_message,
 )
+from tensorshare.wire.streams import (
+    StreamAppend,
+    StreamAppended,
+    StreamEnd,
+    StreamEnded,
+    StreamItems,
+    StreamJoin,
+    StreamJoined,
+    StreamLeave,
+    StreamOpen,
+    StreamOpened,
+    StreamRead,
+)
 from tests.rawwire import Get, Peek, WireClient
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
@@ -115,6 +128,11 @@ REPLY_TABLES: dict[type, str] = {
     Acked: "reply-ack",
     StatsReply: "reply-stats",
     Configured: "reply-configure",
+    StreamOpened: "reply-stream-open",
+    StreamAppended: "reply-stream-append",
+    StreamEnded: "reply-stream-end",
+    StreamJoined: "reply-stream-join",
+    StreamItems: "reply-stream-read",
 }
 
 
@@ -431,6 +449,12 @@ def _full_requests() -> dict[str, list[Message]]:
         "configure": [Configure(11, "w", 5, 1024, "block")],
         "bye": [Bye(12)],
         "auth": [Auth(13, b"p" * 32)],
+        "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640)],
+        "stream_append": [StreamAppend(15, "s", 1, 0, item, (item,), (64, 64), 1.5)],
+        "stream_end": [StreamEnd(16, "s", 1, 0, 128, True, 1.5)],
+        "stream_join": [StreamJoin(17, "s", "job", "epoch_start", 5.0, False)],
+        "stream_read": [StreamRead(18, "s", "job", 3, 4, 1.5)],
+        "stream_leave": [StreamLeave(19, "s", "job")],
     }
 
 
@@ -481,6 +505,13 @@ def _reply_cases() -> dict[str, list[Message]]:
         "reply-error": [ErrorReply(8, "bin_not_found", "no bin")],
         "error": [ErrorReply(0, "protocol_error", "bad magic")],
         "notify": [Changed("w", "put", 1, 1), Changed("w", "append", 3, 9, 2, 1)],
+        "reply-stream-open": [StreamOpened(1, 0, 5, 3, 2, True)],
+        "reply-stream-append": [StreamAppended(2, 4, 6)],
+        "reply-stream-end": [StreamEnded(3, 1, True, False)],
+        "reply-stream-join": [StreamJoined(4, None, 1, 0, None, 5, False),
+                              StreamJoined(4, 3, 0, 192, 640, 5, True)],
+        "reply-stream-read": [StreamItems(5, (item,), 3, 4, 0, 64, 640),
+                              StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
     }
 
 

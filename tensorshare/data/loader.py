@@ -1,0 +1,307 @@
+"""One DataLoader for several training jobs: :func:`serve_loader` and :class:`SharedLoader`.
+
+::
+
+    # producer: one DataLoader feeds any number of training jobs
+    serve_loader(loader, "cifar/train", host="trainer", port=8000, epochs=30, window=32)
+
+    # each training job: a one-line swap for the DataLoader
+    train = SharedLoader("cifar/train", host="trainer", port=8000, batch_size=128,
+                         name=f"lr={lr}", start="next_epoch", timeout=60)
+    for epoch in range(30):
+        for x, y in train:          # stops exactly at the end of the producer's epoch
+            ...
+
+The batches travel once to the server (a stream bin) and from there to every job; each job
+reads at its own pace within the stream's ``window`` and re-batches to its own batch size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..client import Client
+from ..client.streams import ProducerGone, StreamBatch
+from .batching import Rebatcher, sample_count
+from .stream import StreamConsumer, StreamProducer
+
+__all__ = ["ServeReport", "SharedLoader", "serve_loader"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeReport:
+    """What :func:`serve_loader` did: epochs completed, batches and samples sent, epochs
+    restarted because a producer died, and the seconds it took."""
+
+    epochs: int
+    batches: int
+    samples: int
+    restarts: int
+    seconds: float
+
+
+def loader_samples(loader: Any) -> int | None:
+    """The samples a DataLoader yields per epoch, when it can tell (``None``: it cannot)."""
+    try:
+        batch_size = getattr(loader, "batch_size", None)
+        sampler = getattr(loader, "sampler", None)
+        if batch_size is not None and sampler is not None:
+            n = len(sampler)
+            return n - n % batch_size if getattr(loader, "drop_last", False) else n
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None and getattr(loader, "batch_sampler", None) is None:
+            return len(dataset)
+    except TypeError:  # no len(): an IterableDataset
+        return None
+    return None
+
+
+def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
+                 port: int | None = None, *, epochs: int = 1, window: int = 32,
+                 on_lag: str = "wait", max_stall: float | None = None, replay: str = "none",
+                 producers: int = 1, producer: int = 0, lease: float = 10.0,
+                 timeout: float = 60.0, wait_for: int = 0,
+                 samples_per_epoch: int | None = None, client: Client | None = None,
+                 **client_options: Any) -> ServeReport:
+    """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
+    consumer (:class:`SharedLoader`) of the stream gets every batch.
+
+    Args:
+        loader: a DataLoader, or any iterable of batches (a tensor, or tuples, lists and
+            dicts of tensors); iterated once per epoch.
+        name: the stream's bin name.
+        host, port: the server (as for :class:`~tensorshare.client.Client`).
+        epochs: how many epochs to send (then the stream is finished).
+        window: how far (in batches) this producer may run ahead of the slowest consumer;
+            the server holds its batches beyond that.
+        on_lag: ``"wait"``: everyone keeps the slowest consumer's pace (one DataLoader);
+            ``"detach"``: a consumer that held the window full for ``max_stall`` seconds
+            stops holding the others back (it gets ``Lagged`` when it comes back).
+        replay: ``"epoch"`` keeps the current epoch on the server for consumers that join
+            with ``start="epoch_start"`` (it costs an epoch of memory).
+        producers, producer: ``producers=k`` means k processes each call this with their
+            own ``producer`` index (0 to k-1) and their own part of the data (say, a
+            ``DistributedSampler`` of k replicas): consumers get the union, epoch by epoch.
+        lease: seconds this producer may be unreachable before consumers get
+            ``ProducerGone``.
+        timeout: seconds to connect; also how long to wait for ``wait_for`` consumers and,
+            after ``ProducerGone``, for the stream to be whole again.
+        wait_for: wait until this many consumers joined before the first epoch.
+        samples_per_epoch: the samples this producer sends per epoch (default: from the
+            loader's sampler and batch size, when it has them).
+        client, client_options: a client to use, or more arguments for a new one.
+
+    Returns:
+        A :class:`ServeReport`.
+
+    Raises:
+        ProducerGone: another producer stayed gone for ``timeout`` seconds.
+        WaitTimeout: fewer than ``wait_for`` consumers joined within ``timeout``.
+        ConnectError: no server within ``timeout``.
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive int, not {epochs!r}")
+    hint = samples_per_epoch if samples_per_epoch is not None else loader_samples(loader)
+    started = time.monotonic()
+    batches = samples = restarts = 0
+    with StreamProducer(name, host, port, producer=producer, producers=producers,
+                        window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
+                        lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
+                        **client_options) as prod:
+        if wait_for:
+            prod.wait_for_consumers(wait_for, timeout)
+        done = 0
+        while done < epochs:
+            try:
+                for batch in loader:
+                    prod.append(batch)
+                    batches += 1
+                samples += prod.sent
+                prod.end_epoch(last=done == epochs - 1)
+                done += 1
+            except ProducerGone:
+                # A producer died mid-epoch (this one was away too long, or another): once
+                # the stream is whole again, this epoch starts over; consumers saw it end
+                # as aborted.
+                restarts += 1
+                prod.reopen(timeout)
+    return ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+
+
+class _Pass:
+    """One pass of a :class:`SharedLoader` over (the rest of) an epoch."""
+
+    def __init__(self, batch_size: int | None, drop_last: bool, epoch: int, offset: int,
+                 epoch_samples: int | None) -> None:
+        self.rebatcher = Rebatcher(batch_size, drop_last)
+        self.epoch = epoch  # the epoch it goes through
+        self.offset = offset  # samples of the epoch before this pass
+        self.total = epoch_samples  # samples of the epoch, once known
+        self.items = 0  # producer batches taken in
+        self.done = False  # the epoch's end was read
+
+    def add(self, got: StreamBatch) -> None:
+        if not self.items and got.items:
+            self.offset = got.offset
+        for x in got.items:
+            self.rebatcher.add(x)
+        self.items += len(got.items)
+        if got.end is not None:
+            self.total, self.done = got.end, True
+        elif got.epoch_samples is not None:
+            self.total = got.epoch_samples
+
+
+class SharedLoader:
+    """Batches from a stream bin that a :func:`serve_loader` feeds: a one-line swap for a
+    DataLoader in each training job that shares one.
+
+    Iterating it yields the producer's batches (re-batched to ``batch_size``) and stops
+    exactly at the end of the producer's epoch; the next ``for`` goes on with the next
+    epoch. ``len()`` is the number of batches of the pass being iterated, or between
+    passes of the next one (``samples // batch_size``, plus one for a last partial batch);
+    for a job that joined mid-epoch, its first pass is the rest of that epoch.
+
+    Args:
+        stream: the stream's bin name (what ``serve_loader`` was given).
+        host, port: the server.
+        batch_size: the samples of each batch it yields (the producer's batches are split
+            or concatenated along dimension 0, in sample order); ``None``: the producer's.
+        name: this job's name in the stream: a job that restarts under the same name goes
+            on from where it was. Default: unique to this process.
+        start: where a new job starts: ``"next_epoch"`` (default), ``"now"`` (the rest of
+            the current epoch is its first pass) or ``"epoch_start"`` (the whole current
+            epoch: the producer must keep it, ``replay="epoch"``).
+        timeout: seconds to wait for a batch (then ``WaitTimeout``), and to connect.
+        lease: seconds this job may be unreachable before the stream goes on without it.
+        drop_last: drop a last batch smaller than ``batch_size``.
+        max_items: the most producer batches one read fetches (default: as many as there
+            are, up to the epoch's end and one reply's size).
+        client, client_options: a client to use, or more arguments for a new one.
+
+    Joining never waits for the producer (it may not have started yet). A ``for`` loop
+    raises ``ProducerGone`` when the producer died mid-epoch (the next one starts at the
+    next epoch a producer sends), ``Lagged`` when batches were skipped for this job (the
+    next one goes on after them), ``WaitTimeout`` after ``timeout`` seconds without a batch.
+
+    It works in a forked process too (a DataLoader worker, a job started by fork): the
+    client gives each process its own connection. One process iterates it at a time.
+    """
+
+    def __init__(self, stream: str, host: str | None = None, port: int | None = None, *,
+                 batch_size: int | None = None, name: str | None = None,
+                 start: str = "next_epoch", timeout: float = 60.0, lease: float = 10.0,
+                 drop_last: bool = False, max_items: int | None = None,
+                 client: Client | None = None, **client_options: Any) -> None:
+        if batch_size is not None and (isinstance(batch_size, bool)
+                                       or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or None, not {batch_size!r}")
+        self.stream = stream
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.max_items = max_items
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._consumer = StreamConsumer(stream, self.name, host, port, start=start, lease=lease,
+                                        timeout=timeout, prefetch=True, client=client,
+                                        **client_options)
+        self._pass: _Pass | None = None
+        self._restart = False  # after ProducerGone: the next pass starts at the next epoch
+        self._item_samples: int | None = None  # samples of a producer batch (seen)
+        self.passes = 0  # passes completed
+
+    @property
+    def consumer(self) -> StreamConsumer:
+        """The stream consumer underneath (positions, epochs, the client)."""
+        return self._consumer
+
+    @property
+    def finished(self) -> bool:
+        """Whether the producers sent their last epoch and this job read all of it."""
+        return self._consumer.finished
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        cons = self._consumer
+        if self._restart:
+            self._restart, self._pass = False, None
+            cons.rejoin("next_epoch")
+        if self._pass is not None and self._pass.done and not self._pass.rebatcher.n and \
+                not self._pass.rebatcher.ready:
+            self._end_pass()  # (its last batch was taken by a loop that stopped there)
+        if self._pass is None:
+            if cons.finished:
+                return
+            self._pass = _Pass(self.batch_size, self.drop_last, cons.epoch, cons.offset,
+                               cons.epoch_samples)
+        p = self._pass
+        while True:
+            while p.rebatcher.ready:
+                yield p.rebatcher.pop()
+            if p.done:
+                tail = p.rebatcher.flush()
+                if tail is not None:
+                    yield tail  # (len() still counts this pass's batches here)
+                self._end_pass()
+                return
+            try:
+                got = cons.read(self.max_items)
+            except ProducerGone:
+                self._restart, self._pass = True, None
+                raise
+            if got.items and self._item_samples is None:
+                self._item_samples = sample_count(got.items[0])
+            if got.finished and got.end is None and not got.items:
+                self._pass = None  # nothing more will come
+                return
+            if got.epoch != p.epoch:
+                # This job lagged past the end of its epoch (the items and the mark were
+                # freed): that pass is over; what came belongs to the next one.
+                cons.unread(got)
+                p.done = True
+                continue
+            p.add(got)
+
+    def _end_pass(self) -> None:
+        self._pass = None
+        self.passes += 1
+
+    def __len__(self) -> int:
+        p = self._pass
+        cons = self._consumer
+        total, offset = (p.total, p.offset) if p is not None else \
+            (cons.epoch_samples, cons.offset)
+        if total is None and cons.expected is None:
+            cons.refresh()  # the producer may have said since this job joined
+        for guess in (cons.expected, cons.last_epoch_samples):
+            if total is None:
+                total = guess  # as the producers announced it, or as the last epoch was
+        if total is None:
+            raise TypeError(f"the number of batches of stream {self.stream!r} is not known "
+                            f"yet: its producer did not say how many samples an epoch has "
+                            f"(serve_loader(samples_per_epoch=...)) and no epoch ended yet")
+        n = max(total - offset, 0)
+        size = self.batch_size if self.batch_size is not None else self._item_samples
+        if size is None:
+            raise TypeError("the number of batches is not known before the first batch "
+                            "when batch_size=None (the producer's batches): give batch_size")
+        return n // size if self.drop_last else math.ceil(n / size)
+
+    def close(self, leave: bool = True) -> None:
+        """Leave the stream (unless ``leave=False``: the job may come back under its name
+        and go on) and close the client (if this loader made it)."""
+        self._consumer.close(leave=leave)
+
+    def __enter__(self) -> SharedLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,404 @@
+"""The lower-level pieces of shared data loading: a producer that appends to a stream bin and
+marks its epochs, and a consumer that reads it under its own name.
+
+:func:`~tensorshare.data.serve_loader` and :class:`~tensorshare.data.SharedLoader` are built
+on these two; use them directly for data that does not come from a DataLoader::
+
+    with StreamProducer("frames", "host", 8000, window=16) as p:
+        for epoch in range(3):
+            for batch in make_batches():
+                p.append(batch)              # held while a consumer is 16 items behind
+            p.end_epoch(last=epoch == 2)
+
+    with StreamConsumer("frames", "job-1", "host", 8000, start="next_epoch") as c:
+        while True:
+            got = c.read(8)                  # up to 8 items of one epoch
+            use(got.items)
+            if got.finished:
+                break
+
+Every wait has a timeout: a read raises ``WaitTimeout`` after ``timeout`` seconds without
+an item, a producer's append is retried while the server holds it (see ``hold_timeout``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..client import Client, PendingCall
+from ..client.streams import (
+    Lagged,
+    ProducerGone,
+    StreamBatch,
+    StreamEndResult,
+    StreamJoinResult,
+    StreamOpenResult,
+)
+from ..errors import BinFull, BinNotFound, SessionLost, WaitTimeout
+from .batching import sample_count
+
+__all__ = ["StreamConsumer", "StreamProducer", "connect"]
+
+# Each server-side wait takes this share of the client's timeout (as the client's own ops).
+_WAIT_SHARE = 0.8
+
+
+def connect(host: str | None, port: int | None, timeout: float, lease: float,
+            options: dict[str, Any]) -> Client:
+    """A client for a stream member: its heartbeat well within the member's lease, so that
+    an idle but live member is never taken for dead.
+
+    Args:
+        timeout: the member's patience; the client's own reply timeout is at most 30 s.
+        options: more :class:`~tensorshare.client.Client` arguments.
+    """
+    options = dict(options)
+    options.setdefault("heartbeat", max(min(lease / 3, 5.0), 0.05))
+    options.setdefault("name", "tensorshare-data")
+    return Client(host, port, timeout=max(min(timeout, 30.0), 1.0), **options)
+
+
+def _pause(seconds: float) -> None:
+    threading.Event().wait(seconds)  # (never set: a plain wait that a signal can interrupt)
+
+
+class StreamProducer:
+    """One producer of stream bin ``name`` (opening it creates it).
+
+    Args:
+        name: the stream's bin name.
+        host, port: the server (as for :class:`~tensorshare.client.Client`).
+        producer, producers: this producer's index among the stream's ``producers`` (an
+            epoch ends once each of them ended it).
+        window, on_lag, max_stall, replay, lease: the stream's settings (see
+            :meth:`~tensorshare.client.Client.stream_open`; every producer gives the same).
+        samples_per_epoch: the samples this producer sends per epoch, if known (consumers
+            then know their number of batches before an epoch ends).
+        timeout: seconds to connect, and the client's timeout (at most 30 s).
+        hold_timeout: seconds an append may be held by the stream in all (the slowest
+            consumer is ``window`` behind) before ``BinFull``; ``None``: as long as it takes
+            (under ``on_lag="wait"`` the producer keeps the slowest live consumer's pace).
+        client: a client to use (not closed by :meth:`close`) instead of a new one.
+        client_options: more :class:`~tensorshare.client.Client` arguments.
+
+    Raises:
+        ConnectError: no server within ``timeout``.
+        InvalidRequest: the stream is open with other settings by live producers.
+    """
+
+    def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
+                 producer: int = 0, producers: int = 1, window: int = 32, on_lag: str = "wait",
+                 max_stall: float | None = None, replay: str = "none", lease: float = 10.0,
+                 samples_per_epoch: int | None = None, timeout: float = 60.0,
+                 hold_timeout: float | None = None, client: Client | None = None,
+                 **client_options: Any) -> None:
+        self.name = name
+        self.producer = producer
+        self.hold_timeout = hold_timeout
+        self._settings: dict[str, Any] = dict(
+            producer=producer, producers=producers, window=window, on_lag=on_lag,
+            max_stall=max_stall, replay=replay, lease=lease, samples=samples_per_epoch)
+        self._own = client is None
+        self.client = client if client is not None else connect(host, port, timeout, lease,
+                                                                client_options)
+        self.epoch = 0  # the epoch this producer appends to
+        self.sent = 0  # samples it appended to it
+        try:
+            self.opened = self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> StreamOpenResult:
+        r: StreamOpenResult = self.client.stream_open(self.name, **self._settings)
+        self.epoch, self.sent = r.epoch, r.sent
+        return r
+
+    def reopen(self, timeout: float = 60.0) -> StreamOpenResult:
+        """Open the stream again after ``ProducerGone`` and wait until it is whole (every
+        producer back); then restart the epoch from its first sample.
+
+        Raises:
+            ProducerGone: a producer stayed gone for ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self._open()
+            if not r.broken:
+                return r
+            if time.monotonic() >= deadline:
+                raise ProducerGone(f"a producer of stream {self.name!r} stayed gone for "
+                                   f"{timeout:g} s")
+            _pause(0.1)
+
+    def wait_for_consumers(self, n: int, timeout: float = 60.0) -> int:
+        """Wait until at least ``n`` consumers are in the stream. Returns how many are.
+
+        Raises:
+            WaitTimeout: fewer joined within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            have = self._open().consumers
+            if have >= n:
+                return have
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"{have} of {n} consumers joined stream {self.name!r} "
+                                  f"within {timeout:g} s")
+            _pause(0.05)
+
+    def append(self, value: Any, *, samples: int | None = None) -> int:
+        """Append one item (a batch) to this producer's epoch; returns its position.
+
+        Args:
+            samples: the samples it holds (default: the size of dimension 0 of its first
+                tensor, else 1).
+
+        Raises:
+            ProducerGone: another producer is gone, or this one counted as gone (its
+                connection was lost for longer than its lease): :meth:`reopen`, then
+                restart the epoch.
+            BinFull: held longer than ``hold_timeout``.
+        """
+        return self.extend([value], samples=None if samples is None else [samples])
+
+    def extend(self, values: Sequence[Any], *, samples: Sequence[int] | None = None) -> int:
+        """Append several items at once (all or none); returns the first one's position."""
+        counts = list(samples) if samples is not None else \
+            [sample_count(v) or 1 for v in values]
+        deadline = None if self.hold_timeout is None else time.monotonic() + self.hold_timeout
+        while True:
+            try:
+                r = self.client.stream_append(self.name, values, epoch=self.epoch,
+                                              producer=self.producer, samples=counts)
+                break
+            except BinFull:  # held for the client's share of time: nothing stored, again
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            except SessionLost as exc:
+                # The server lost this client's session (it restarted, or we were away past
+                # the session's life): this epoch is lost on the server either way.
+                raise ProducerGone(f"stream {self.name!r}: {exc}") from None
+        self.sent += sum(counts)
+        return int(r.position)
+
+    def end_epoch(self, *, last: bool = False) -> StreamEndResult:
+        """Mark the end of this producer's epoch (``last``: no more epochs from it).
+
+        Raises:
+            ProducerGone: as for :meth:`append`.
+        """
+        while True:
+            try:
+                r: StreamEndResult = self.client.stream_end(
+                    self.name, epoch=self.epoch, samples=self.sent, producer=self.producer,
+                    last=last)
+                break
+            except WaitTimeout:  # held while the others end the previous epoch: again
+                continue
+            except SessionLost as exc:
+                raise ProducerGone(f"stream {self.name!r}: {exc}") from None
+        self.epoch, self.sent = r.epoch, 0
+        return r
+
+    def close(self) -> None:
+        """Close the client (if this producer made it). A producer closed before it ended
+        its last epoch counts as gone at once: consumers get ``ProducerGone``."""
+        if self._own:
+            self.client.close()
+
+    def __enter__(self) -> StreamProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StreamConsumer:
+    """One consumer of stream bin ``name``, under the name ``consumer`` (joining creates the
+    stream if no producer opened it yet: joining never waits).
+
+    Args:
+        name: the stream's bin name. consumer: this consumer's name in the stream: a
+            consumer that joins again under the same name goes on from where it was.
+        host, port: the server.
+        start: ``"now"``, ``"next_epoch"`` or ``"epoch_start"`` (see
+            :meth:`~tensorshare.client.Client.stream_join`).
+        lease: seconds this consumer may be unreachable before the stream drops it.
+        resume: a consumer of that name the stream knows goes on from where it was.
+        timeout: seconds :meth:`read` waits for an item (and to connect).
+        prefetch: keep one read in flight: the next items travel while the caller works on
+            the last ones.
+        client, client_options: as for :class:`StreamProducer`.
+
+    Raises:
+        ConnectError: no server within ``timeout``.
+    """
+
+    def __init__(self, name: str, consumer: str, host: str | None = None,
+                 port: int | None = None, *, start: str = "now", lease: float = 10.0,
+                 resume: bool = True, timeout: float = 60.0, prefetch: bool = False,
+                 client: Client | None = None, **client_options: Any) -> None:
+        self.name, self.consumer, self.start = name, consumer, start
+        self.lease, self.timeout, self.prefetch = lease, timeout, prefetch
+        self._own = client is None
+        self.client = client if client is not None else connect(host, port, timeout, lease,
+                                                                client_options)
+        self.position: int | None = None  # where the next read starts (None: the server's)
+        self.epoch = 0  # the epoch at that position
+        self.offset = 0  # samples of that epoch before it
+        self.epoch_samples: int | None = None  # samples that epoch has, if known
+        self.expected: int | None = None  # samples of an epoch, as the producers announced
+        self.last_epoch_samples: int | None = None  # samples of the last epoch that ended
+        self.finished = False
+        self._stash: StreamBatch | None = None  # a batch held back to raise Lagged first
+        self._pending: tuple[int, int | None, PendingCall] | None = None  # (pid, at, call)
+        self._pid = os.getpid()
+        try:
+            self.joined = self._join(resume, start)
+        except BaseException:
+            self.close()
+            raise
+
+    def _join(self, resume: bool, start: str) -> StreamJoinResult:
+        r: StreamJoinResult = self.client.stream_join(self.name, self.consumer, start=start,
+                                                      lease=self.lease, resume=resume)
+        self._pending = None
+        self.position, self.epoch, self.offset = r.position, r.epoch, r.offset
+        self.epoch_samples = r.epoch_samples
+        if r.epoch_samples is not None:
+            self.expected = r.epoch_samples
+        self.finished = False
+        return r
+
+    def refresh(self) -> StreamJoinResult:
+        """Ask the stream again what it knows of this consumer's epoch (the samples the
+        producers announced, say, when they opened the stream after this consumer joined).
+        Its position does not change."""
+        r: StreamJoinResult = self.client.stream_join(self.name, self.consumer,
+                                                      start=self.start, lease=self.lease)
+        if r.epoch_samples is not None:
+            self.expected = r.epoch_samples
+            if self.epoch_samples is None and r.epoch == self.epoch:
+                self.epoch_samples = r.epoch_samples
+        return r
+
+    def rejoin(self, start: str = "next_epoch") -> StreamJoinResult:
+        """Move to ``start`` (after ``ProducerGone``: the next epoch a producer starts)."""
+        self._stash = None
+        return self._join(False, start)
+
+    def read(self, max_items: int | None = None, *, timeout: float | None = None
+             ) -> StreamBatch:
+        """Up to ``max_items`` items of one epoch, from where the last read ended (which
+        acknowledges everything before). Waits up to ``timeout`` (default: the consumer's)
+        for at least one item.
+
+        Returns:
+            A :class:`~tensorshare.client.streams.StreamBatch`; it may hold no item when it
+            ends the epoch (``end``) or the stream (``finished``).
+
+        Raises:
+            WaitTimeout: no item within ``timeout``.
+            Lagged: items were freed before this consumer read them (``missed``: how many);
+                the next read returns what comes after them.
+            ProducerGone: the epoch can never complete (a producer died): :meth:`rejoin`.
+        """
+        if self._pid != os.getpid():
+            # A forked process (a DataLoader worker): it goes on from what the stream knows
+            # this consumer acknowledged, not from what the parent (or a previous worker,
+            # whose reads this copy never saw) had read.
+            self._pid, self._pending, self._stash = os.getpid(), None, None
+            self._join(True, self.start)
+        if self._stash is not None:
+            stashed, self._stash = self._stash, None
+            return stashed
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            got = self._one(max_items, deadline)
+            if got is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(f"no item in stream {self.name!r} for consumer "
+                                  f"{self.consumer!r} within {limit:g} s")
+        self._advance(got, max_items)
+        if got.missed:
+            self._stash = dataclasses.replace(got, missed=0)
+            raise Lagged(f"consumer {self.consumer!r} of stream {self.name!r} missed "
+                         f"{got.missed} items (freed before it read them); it goes on from "
+                         f"the oldest item still kept", missed=got.missed)
+        return got
+
+    def _one(self, max_items: int | None, deadline: float) -> StreamBatch | None:
+        """One read (the one in flight, if it is for this position): the batch, or ``None``
+        if the server had nothing within its wait."""
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None and pending[0] == os.getpid() and pending[1] == self.position:
+                return pending[2].result()  # type: ignore[no-any-return]
+            wait = max(min(deadline - time.monotonic(), _WAIT_SHARE * self.client.timeout), 0.0)
+            return self.client.stream_read(  # type: ignore[no-any-return]
+                self.name, self.consumer, at=self.position, max_items=max_items, timeout=wait)
+        except WaitTimeout:
+            return None
+        except SessionLost:
+            return None  # the read's outcome is unknown; reading from our position is safe
+        except BinNotFound:
+            # The stream forgot this consumer (dropped and removed while it was away, or
+            # the server restarted): join again; a position it still keeps goes on.
+            at = self.position
+            r = self._join(True, self.start)
+            if at is not None and at <= r.head:
+                self.position = at
+            return None
+
+    def _advance(self, got: StreamBatch, max_items: int | None) -> None:
+        self.position = got.next
+        if got.end is not None:
+            self.last_epoch_samples = got.end
+            self.epoch, self.offset, self.epoch_samples = got.epoch + 1, 0, self.expected
+        else:
+            if got.epoch_samples is not None:
+                self.expected = got.epoch_samples
+            self.epoch, self.epoch_samples = got.epoch, got.epoch_samples
+            self.offset = got.offset + sum(sample_count(x) or 1 for x in got.items)
+        self.finished = got.finished
+        if self.prefetch and not got.finished:
+            wait = _WAIT_SHARE * self.client.timeout
+            call = self.client.begin.stream_read(self.name, self.consumer, at=got.next,
+                                                 max_items=max_items, timeout=wait)
+            self._pending = (os.getpid(), got.next, call)
+
+    def unread(self, batch: StreamBatch) -> None:
+        """Give a batch back: the next :meth:`read` returns it again."""
+        self._stash = batch
+
+    def leave(self) -> bool:
+        """Leave the stream (it stops holding anyone back). Returns whether it was in it."""
+        self._pending = None
+        return bool(self.client.stream_leave(self.name, self.consumer))
+
+    def close(self, leave: bool = False) -> None:
+        """Close the client (if this consumer made it); ``leave`` first if asked.
+
+        Closing without leaving drops the consumer at once (it holds nobody back) but the
+        stream remembers it: joining again under its name goes on from where it was, as
+        long as the items after that are still kept."""
+        try:
+            if leave and not self.client.closed:
+                self.leave()
+        finally:
+            if self._own:
+                self.client.close()
+
+    def __enter__(self) -> StreamConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(leave=True)

@@ -1,0 +1,620 @@
+"""Stream bins on the server: the pure bookkeeping (:class:`Stream`, time passed in) and the
+kind that serves them (:class:`StreamKind`) on in-memory connections.
+
+The kind's tests drive a ``ServerFactory`` on a ``MemoryReactorClock``: every connection is
+a ``ServerProtocol`` on a ``StringTransport``, requests are frames a ``WireClient`` builds,
+and leases and timeouts run when the test advances the clock. Nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import globalLogPublisher
+from twisted.python.failure import Failure
+
+from tensorshare.errors import BinNotFound, InvalidRequest, LimitExceeded
+from tensorshare.server import ServerConfig
+from tensorshare.server.connection import ServerProtocol
+from tensorshare.server.core import ServerFactory
+from tensorshare.server.streams import MAX_CONSUMERS, Settings, Stream
+from tensorshare.wire import codec
+from tensorshare.wire.messages import (
+    Acked,
+    Append,
+    Changed,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Item,
+    Listen,
+    Listening,
+    Put,
+    Stats,
+    StatsReply,
+)
+from tensorshare.wire.protocol import PROTOCOL_VERSIONS, item_wire_size
+from tensorshare.wire.streams import (
+    ProducerGone,
+    StreamAppend,
+    StreamAppended,
+    StreamEnd,
+    StreamEnded,
+    StreamItems,
+    StreamJoin,
+    StreamJoined,
+    StreamLeave,
+    StreamOpen,
+    StreamOpened,
+    StreamRead,
+)
+from tests.rawwire import WireClient
+
+# ------------------------------------------------------------------------ the pure structure
+
+P, Q = "producer-session", "other-session"  # owners: what the kind passes (session ids)
+
+
+def entries(*values: int, n: int = 1) -> list[tuple[Any, int, int]]:
+    return [(Item(codec.encode(v)), 100, n) for v in values]
+
+
+def values(res: StreamItems | None) -> list[int]:
+    assert res is not None
+    return [codec.decode(it.value) for it in res.items]
+
+
+def opened(window: int = 4, producers: int = 1, **kw: Any) -> Stream:
+    st = Stream("s", 0.0)
+    settings = Settings(producers, window, kw.pop("on_lag", "wait"), kw.pop("max_stall", None),
+                        kw.pop("replay", "none"))
+    for i in range(producers):
+        st.open(i, f"{P}{i}", settings, 2.0, kw.get("samples"), 0.0)
+    return st
+
+
+def append(st: Stream, *vals: int, producer: int = 0, now: float = 0.0) -> int:
+    p = st.producers[producer]
+    st.check_append(producer, p.owner, p.epoch, len(vals), now)
+    assert st.append_ready(producer, len(vals))
+    return st.append(producer, entries(*vals), now)
+
+
+def end(st: Stream, producer: int = 0, last: bool = False, now: float = 0.0) -> Any:
+    p = st.producers[producer]
+    return st.end(producer, p.owner, p.epoch, p.sent, last, now)[0]
+
+
+def read(st: Stream, name: str, at: int | None = None, max_items: int | None = None,
+         now: float = 0.0) -> StreamItems | None:
+    c, _ = st.consumer(name, st.consumers[name].owner, now)
+    st.ack(c, at, now)
+    return st.read(name, None, max_items, 1 << 30, now)
+
+
+def test_every_consumer_gets_every_item_in_order_and_items_go_once_all_have_them() -> None:
+    st = opened(window=8)
+    st.join("a", "A", "now", 5.0, True, 0.0)
+    st.join("b", "B", "now", 5.0, True, 0.0)
+    append(st, 0, 1, 2)
+    assert values(read(st, "a", 0, max_items=2)) == [0, 1]
+    assert values(read(st, "a", 2)) == [2]
+    assert st.n_items == 3  # b has acknowledged nothing
+    assert values(read(st, "b", 0)) == [0, 1, 2]
+    assert st.n_items == 3 and st.base == 0  # reading acknowledges nothing by itself...
+    read(st, "a", 3)
+    assert st.base == 0
+    read(st, "b", 3)  # ...reading from a position acknowledges what is before it
+    assert (st.base, st.n_items, st.nbytes) == (3, 0, 0)
+
+
+def test_the_producer_is_held_once_the_window_is_full_of_unacknowledged_items() -> None:
+    st = opened(window=3)
+    st.join("slow", "S", "now", 5.0, True, 0.0)
+    append(st, 0, 1, 2)
+    assert not st.append_ready(0, 1)
+    assert "consumer 'slow' is 3 positions behind" in st.why_held(0)
+    read(st, "slow", 0)
+    assert not st.append_ready(0, 1)  # read but not acknowledged
+    read(st, "slow", 1)
+    assert st.append_ready(0, 1) and not st.append_ready(0, 2)
+    with pytest.raises(InvalidRequest, match="can never fit its window=3"):
+        st.check_append(0, st.producers[0].owner, 0, 4, 0.0)
+
+
+def test_without_consumers_nothing_is_kept_unless_the_epoch_is_replayed() -> None:
+    st = opened(window=2)
+    append(st, 0, 1)
+    append(st, 2, 3)  # never held: nobody to wait for
+    assert st.n_items == 0
+    kept = opened(window=2, replay="epoch")
+    append(kept, 0, 1)
+    append(kept, 2, 3)
+    assert kept.n_items == 4
+    joined, _ = kept.join("late", "L", "epoch_start", 5.0, True, 0.0)
+    assert (joined.position, joined.offset) == (0, 0)
+    assert values(read(kept, "late")) == [0, 1, 2, 3]
+    end(kept)
+    read(kept, "late", 5)
+    assert kept.n_items == 0  # the epoch is over: nothing is kept for it any more
+    with pytest.raises(InvalidRequest, match="replay='epoch' keeps it"):
+        append(st, 4)
+        st.join("late", "L", "epoch_start", 5.0, True, 0.0)
+
+
+def test_a_read_stops_at_the_epoch_mark_and_says_how_many_samples_the_epoch_had() -> None:
+    st = opened(window=10, samples=8)
+    st.join("a", "A", "now", 5.0, True, 0.0)
+    st.append(0, entries(0, 1, n=4), 0.0)
+    assert end(st).complete
+    st.append(0, entries(2, n=4), 0.0)
+    got = read(st, "a", 0)
+    assert values(got) == [0, 1]
+    assert got is not None and (got.epoch, got.offset, got.end, got.next) == (0, 0, 8, 3)
+    got = read(st, "a", got.next)
+    assert values(got) == [2]
+    assert got is not None and (got.epoch, got.offset, got.end, got.epoch_samples) == \
+        (1, 0, None, 8)
+
+
+def test_an_epoch_ends_when_every_producer_marked_it_and_consumers_get_the_union() -> None:
+    st = opened(window=10, producers=2)
+    st.join("a", "A", "next_epoch", 5.0, True, 0.0)
+    append(st, 10, producer=0)
+    append(st, 20, 21, producer=1)
+    assert not end(st, 0).complete
+    # Producer 0 is ahead: its next epoch waits for producer 1 to end this one.
+    assert not st.append_ready(0, 1) and "other producers to end epoch 0" in st.why_held(0)
+    append(st, 22, producer=1)
+    ended = end(st, 1)
+    assert ended.complete and ended.epoch == 1
+    assert st.append_ready(0, 1)
+    got = read(st, "a")
+    assert sorted(values(got)) == [10, 20, 21, 22] and got is not None and got.end == 4
+
+
+def test_joining_for_the_next_epoch_waits_for_it_without_holding_anyone() -> None:
+    st = opened(window=2, samples=6)
+    append(st, 0)
+    joined, _ = st.join("a", "A", "next_epoch", 5.0, True, 0.0)
+    assert joined.position is None and joined.epoch == 1 and joined.epoch_samples == 6
+    append(st, 1, 2)  # not held: "a" holds nothing yet
+    assert read(st, "a") is None
+    end(st)
+    assert st.consumers["a"].cursor == 4
+    append(st, 3)
+    assert values(read(st, "a")) == [3]
+    now, _ = st.join("b", "B", "now", 5.0, True, 0.0)
+    assert (now.position, now.epoch, now.offset) == (5, 1, 1)  # mid-epoch: 1 sample before
+
+
+def test_a_consumer_whose_connection_is_gone_is_dropped_after_its_lease() -> None:
+    st = opened(window=2)
+    st.join("dead", "D", "now", 3.0, True, 0.0)
+    st.join("live", "L", "now", 3.0, True, 0.0)
+    append(st, 0, 1)
+    assert not st.append_ready(0, 1)
+    st.lost(lambda owner: owner == "D", 1.0)
+    assert st.next_deadline() == 2.0  # the producer's lease (2 s from when it was seen)
+    assert st.check(3.5, lambda owner, lease: owner != "D") == []  # D's lease: until 4.0
+    assert st.consumers["live"].seen == 3.5
+    assert st.check(4.0, lambda owner, lease: owner != "D") == [("leave", 0)]
+    read(st, "live", 2)
+    assert st.append_ready(0, 1) and st.consumers["dead"].state == "dropped"
+    # It comes back: it learns what it missed, and goes on from the oldest item kept.
+    append(st, 2)
+    got = read(st, "dead", 0)
+    assert got is not None and got.missed == 2 and values(got) == [2]
+
+
+def test_a_gone_producer_breaks_its_epoch_until_a_producer_opens_the_stream_again() -> None:
+    st = opened(window=10)
+    st.join("a", "A", "now", 5.0, True, 0.0)
+    append(st, 0)
+    end(st)
+    append(st, 1, 2)
+    st.lost(lambda owner: owner == f"{P}0", 1.0)
+    assert st.check(3.0, lambda owner, lease: False) == [("gone", 0)]
+    assert st.broken
+    assert values(read(st, "a", 0)) == [0]  # a complete epoch is still served
+    with pytest.raises(ProducerGone, match="producer 0 .* is gone"):
+        read(st, "a", 2)
+    # It comes back (a new process): the broken epoch ends as aborted; a new one starts.
+    reply, events = st.open(0, "new-session", st.cfg, 2.0, None, 4.0)
+    assert not reply.broken and reply.epoch == 2 and ("epoch", 0) in events
+    got = read(st, "a", 2)
+    assert got is not None and values(got) == [1, 2] and got.end == 2 and got.aborted
+    with pytest.raises(ProducerGone, match="epoch 1 .* was aborted"):
+        st.check_append(0, "new-session", 1, 1, 4.0)
+
+
+def test_under_detach_a_stalled_consumer_stops_holding_the_others_and_learns_it_lagged() -> None:
+    st = opened(window=2, on_lag="detach", max_stall=5.0)
+    st.join("slow", "S", "now", 60.0, True, 0.0)
+    st.join("fast", "F", "now", 60.0, True, 0.0)
+    append(st, 0, 1, now=1.0)
+    read(st, "fast", 2, now=1.0)
+    assert not st.append_ready(0, 1)
+    assert st.check(5.9, lambda owner, lease: True) == []
+    assert st.check(6.0, lambda owner, lease: True) == [("lag", 2)]
+    assert st.append_ready(0, 2)
+    append(st, 2, 3, now=6.0)
+    read(st, "fast", 4, now=6.0)
+    assert st.base == 4  # what only the detached consumer needed is freed
+    got = read(st, "slow", 0, now=7.0)
+    assert got is not None and got.missed == 4 and got.items == () and got.first == 4
+    assert st.consumers["slow"].detached is False  # caught up: it counts again
+    described = st.describe(7.0)["stream"]["consumers"]["slow"]
+    assert described["missed"] == 4 and described["stall_total_s"] == 5.0
+
+
+def test_under_wait_a_stalled_consumer_holds_everyone_forever() -> None:
+    st = opened(window=1)
+    st.join("slow", "S", "now", 60.0, True, 0.0)
+    append(st, 0)
+    assert st.check(1000.0, lambda owner, lease: True) == []
+    assert not st.append_ready(0, 1)
+    assert st.describe(1000.0)["stream"]["consumers"]["slow"]["stalled_s"] == 1000.0
+
+
+def test_an_end_must_count_the_samples_the_stream_received() -> None:
+    st = opened()
+    st.append(0, entries(0, n=3), 0.0)
+    with pytest.raises(InvalidRequest, match="says it sent 2 samples .* received 3"):
+        st.end(0, st.producers[0].owner, 0, 2, False, 0.0)
+    with pytest.raises(InvalidRequest, match="is in epoch 0, not 1"):
+        st.end(0, st.producers[0].owner, 1, 3, False, 0.0)
+    with pytest.raises(InvalidRequest, match="not open by this client"):
+        st.end(0, "someone else", 0, 3, False, 0.0)
+
+
+def test_the_stream_finishes_when_every_producer_ended_its_last_epoch() -> None:
+    st = opened(producers=2)
+    st.join("a", "A", "now", 5.0, True, 0.0)
+    append(st, 1, producer=1)
+    end(st, 0, last=True)
+    assert not st.finished
+    assert end(st, 1, last=True).finished
+    got = read(st, "a")
+    assert got is not None and values(got) == [1] and got.end == 1 and got.finished
+    again = read(st, "a", got.next)
+    assert again is not None and again.finished and again.items == ()
+    # A producer that opens it again starts a new run that everyone sees.
+    st.open(0, "new", st.cfg, 2.0, None, 1.0)
+    assert not st.finished and read(st, "a", got.next) is None
+
+
+def test_a_stream_keeps_at_most_max_consumers_dropping_the_oldest_dropped_first() -> None:
+    st = opened()
+    for i in range(MAX_CONSUMERS):
+        st.join(f"c{i}", i, "now", 5.0, True, 0.0)
+    with pytest.raises(LimitExceeded, match="MAX_CONSUMERS"):
+        st.join("one more", -1, "now", 5.0, True, 0.0)
+    st.ended(3, 0.0)  # c3's session ended: it is dropped, and may go first
+    st.join("one more", -1, "now", 5.0, True, 0.0)
+    assert "c3" not in st.consumers and len(st.consumers) == MAX_CONSUMERS
+
+
+def test_a_known_consumer_resumes_at_what_it_acknowledged() -> None:
+    st = opened(window=10)
+    st.join("a", "A", "now", 5.0, True, 0.0)
+    append(st, 0, 1, 2)
+    read(st, "a", 1)  # has item 0; was sent 1 and 2
+    again, _ = st.join("a", "A2", "now", 5.0, True, 1.0)
+    assert again.resumed and again.position == 1
+    fresh, _ = st.join("a", "A2", "now", 5.0, False, 1.0)
+    assert not fresh.resumed and fresh.position == 3
+
+
+def test_open_refuses_other_settings_while_other_producers_are_live() -> None:
+    st = opened(producers=2)
+    with pytest.raises(InvalidRequest, match="other settings"):
+        st.open(1, f"{P}1", Settings(2, 99), 2.0, None, 0.0)
+
+
+# ------------------------------------------------------------------------ the kind, on a wire
+
+
+class Peer:
+    """One client connection (with a session) to the factory, over a StringTransport."""
+
+    _ports = iter(range(50000, 60000))
+
+    def __init__(self, factory: ServerFactory, session: bytes | None = None,
+                 resume: bool = False) -> None:
+        self.factory = factory
+        addr = IPv4Address("TCP", "127.0.0.1", next(self._ports))
+        self.proto: ServerProtocol = factory.buildProtocol(addr)
+        self.transport = StringTransport(peerAddress=addr)
+        self.proto.makeConnection(self.transport)
+        self.conn = WireClient()
+        self.session = session or os.urandom(16)
+        reply = self.request(Hello(self.rid(), PROTOCOL_VERSIONS, "t", None, self.session,
+                                   resume))
+        assert type(reply) is HelloReply, reply
+
+    def rid(self) -> int:
+        return self.conn.next_id()
+
+    def send(self, msg: Any) -> None:
+        self.proto.dataReceived(b"".join(self.conn.send(msg)))
+
+    def received(self) -> list[Any]:
+        data = self.transport.value()
+        self.transport.clear()
+        return self.conn.receive_data(data)
+
+    def request(self, msg: Any) -> Any:
+        self.send(msg)
+        out = [m for m in self.received() if type(m) is not Changed]
+        assert len(out) == 1, out
+        return out[0]
+
+    def lose(self) -> None:
+        self.proto.connectionLost(Failure(ConnectionDone()))
+
+
+@pytest.fixture
+def clock() -> MemoryReactorClock:
+    return MemoryReactorClock()
+
+
+@pytest.fixture
+def factory(clock: MemoryReactorClock) -> ServerFactory:
+    return ServerFactory(clock, config=ServerConfig(max_memory=1 << 30))
+
+
+@pytest.fixture(autouse=True)
+def no_logged_failures() -> Iterator[None]:
+    """Every test must finish without the server logging an internal error."""
+    events: list[dict[str, Any]] = []
+
+    def observer(event: dict[str, Any]) -> None:
+        if "log_failure" in event:
+            events.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        yield
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert not events, [e["log_failure"].getTraceback() for e in events]
+
+
+def tensor_item(i: int) -> Item:
+    return Item(codec.encode(torch.full((2,), float(i))))
+
+
+def got_values(reply: Any) -> list[float]:
+    assert type(reply) is StreamItems, reply
+    return [float(codec.decode(it.value)[0]) for it in reply.items]
+
+
+def open_stream(peer: Peer, **kw: Any) -> StreamOpened:
+    reply = peer.request(StreamOpen(peer.rid(), "s", **kw))
+    assert type(reply) is StreamOpened, reply
+    return reply
+
+
+def append_to(peer: Peer, i: int, epoch: int = 0) -> Any:
+    return peer.request(StreamAppend(peer.rid(), "s", 0, epoch, tensor_item(i), timeout=5.0))
+
+
+def test_a_held_append_goes_through_when_the_slow_consumer_acknowledges(
+        factory: ServerFactory) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    assert type(cons.request(StreamJoin(cons.rid(), "s", "slow", "now"))) is StreamJoined
+    open_stream(prod, window=2)
+    reply = append_to(prod, 0)
+    assert type(reply) is StreamAppended and (reply.position, reply.head) == (0, 1)
+    assert type(append_to(prod, 1)) is StreamAppended
+    rid = prod.rid()
+    prod.send(StreamAppend(rid, "s", 0, 0, tensor_item(2), timeout=5.0))
+    assert prod.received() == []  # held: the consumer acknowledged nothing
+    assert factory.bin_stats()["s"]["blocked"] == 1
+    got = cons.request(StreamRead(cons.rid(), "s", "slow", 0, 1))
+    assert got_values(got) == [0.0] and prod.received() == []
+    cons.send(StreamRead(cons.rid(), "s", "slow", 1, 1))  # acknowledges item 0
+    assert got_values([m for m in cons.received() if type(m) is StreamItems][0]) == [1.0]
+    assert prod.received() == [StreamAppended(rid, 2, 3)]
+
+
+def test_a_held_append_times_out_with_bin_full_and_stores_nothing(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "slow", "now", 60.0))
+    open_stream(prod, window=1)
+    append_to(prod, 0)
+    rid = prod.rid()
+    prod.send(StreamAppend(rid, "s", 0, 0, tensor_item(1), timeout=2.0))
+    clock.advance(2.0)
+    [reply] = prod.received()
+    assert type(reply) is ErrorReply and reply.code == "bin_full"
+    assert "consumer 'slow' is 1 positions behind (window=1)" in reply.message
+    assert factory.bin_stats()["s"]["stream"]["head"] == 1
+
+
+def test_a_waiting_read_is_served_by_the_next_append_or_times_out(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    open_stream(prod)
+    cons.request(StreamJoin(cons.rid(), "s", "a"))
+    rid = cons.rid()
+    cons.send(StreamRead(rid, "s", "a", 0, None, 10.0))
+    assert cons.received() == []
+    append_to(prod, 7)
+    [got] = cons.received()
+    assert got.id == rid and got_values(got) == [7.0]
+    rid = cons.rid()
+    cons.send(StreamRead(rid, "s", "a", 1, None, 1.5))
+    clock.advance(1.5)
+    [reply] = cons.received()
+    assert type(reply) is ErrorReply and reply.code == "timeout"
+    reply = cons.request(StreamRead(cons.rid(), "s", "a", 1, None, 0.0))
+    assert type(reply) is ErrorReply and reply.code == "timeout"
+
+
+def test_a_consumer_that_disconnects_holds_the_others_for_its_lease_only(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, dead, live = Peer(factory), Peer(factory), Peer(factory)
+    watcher = Peer(factory)
+    assert type(watcher.request(Listen(watcher.rid(), "s"))) is Listening
+    dead.request(StreamJoin(dead.rid(), "s", "dead", "now", 3.0))
+    live.request(StreamJoin(live.rid(), "s", "live", "now", 3.0))
+    open_stream(prod, window=1)
+    append_to(prod, 0)
+    rid = prod.rid()
+    prod.send(StreamAppend(rid, "s", 0, 0, tensor_item(1), timeout=20.0))
+    live.request(StreamRead(live.rid(), "s", "live", 1))
+    dead.lose()
+    clock.advance(2.9)
+    assert prod.received() == []
+    clock.advance(0.2)  # the lease is over: the others carry on at once
+    assert [type(m) for m in prod.received()] == [StreamAppended]
+    events = [m.op for m in watcher.received() if type(m) is Changed]
+    assert events[:2] == ["join", "join"] and "leave" in events
+    described = factory.bin_stats()["s"]["stream"]["consumers"]
+    assert described["dead"]["state"] == "dropped" and described["live"]["state"] == "live"
+
+
+def test_a_silent_connection_counts_as_gone_after_the_lease(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "mute", "now", 2.0))
+    open_stream(prod, window=1)
+    append_to(prod, 0)
+    clock.advance(2.1)  # the connection was heard from just now: kept
+    assert factory.bin_stats()["s"]["stream"]["consumers"]["mute"]["state"] == "live"
+    cons.proto.last_rx -= 100.0  # ...and now it has been silent for 100 s
+    clock.advance(2.1)
+    assert factory.bin_stats()["s"]["stream"]["consumers"]["mute"]["state"] == "dropped"
+
+
+def test_a_reconnecting_consumer_keeps_its_place_within_its_lease(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod = Peer(factory)
+    session = os.urandom(16)
+    cons = Peer(factory, session)
+    cons.request(StreamJoin(cons.rid(), "s", "a", "now", 3.0))
+    open_stream(prod, window=1)
+    append_to(prod, 0)
+    cons.lose()
+    clock.advance(1.0)
+    back = Peer(factory, session, resume=True)
+    back.conn._next = 10  # a resumed session keeps numbering its requests
+    clock.advance(5.0)  # past the lease: the session is attached again, so it stays
+    assert factory.bin_stats()["s"]["stream"]["consumers"]["a"]["state"] == "live"
+    assert got_values(back.request(StreamRead(back.rid(), "s", "a", 0))) == [0.0]
+
+
+def test_a_producer_that_dies_gives_waiting_consumers_producer_gone_within_its_lease(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "a"))
+    open_stream(prod, lease=2.0)
+    append_to(prod, 0)
+    got_values(cons.request(StreamRead(cons.rid(), "s", "a", 0)))
+    rid = cons.rid()
+    cons.send(StreamRead(rid, "s", "a", 1, None, 30.0))
+    prod.lose()
+    clock.advance(2.01)
+    [reply] = cons.received()
+    assert (type(reply), reply.id, reply.code) == (ErrorReply, rid, "producer_gone")
+    # A producer comes back: the broken epoch ends as aborted, a new one begins.
+    again = Peer(factory)
+    reopened = open_stream(again, lease=2.0)
+    assert reopened.epoch == 1 and not reopened.broken
+    rejoined = cons.request(StreamJoin(cons.rid(), "s", "a", "next_epoch", resume=False))
+    assert rejoined.position == 2 and rejoined.epoch == 1
+
+
+def test_a_replayed_request_is_answered_from_memory_not_run_again(
+        factory: ServerFactory) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "a"))
+    open_stream(prod)
+    msg = StreamAppend(prod.rid(), "s", 0, 0, tensor_item(5))
+    first = prod.request(msg)
+    assert prod.request(msg) == first  # the same id again: the remembered reply
+    read_msg = StreamRead(cons.rid(), "s", "a", 0)
+    assert got_values(cons.request(read_msg)) == [5.0]
+    assert got_values(cons.request(read_msg)) == [5.0]
+    assert factory.bin_stats()["s"]["stream"]["head"] == 1
+    assert factory.stats.counters["replayed"] == 2
+
+
+def test_stream_names_and_value_names_do_not_mix(factory: ServerFactory) -> None:
+    peer = Peer(factory)
+    peer.request(Put(peer.rid(), "v", Item(codec.encode(1))))
+    reply = peer.request(StreamOpen(peer.rid(), "v"))
+    assert type(reply) is ErrorReply and reply.code == InvalidRequest.code
+    open_stream(peer)
+    reply = peer.request(Append(peer.rid(), "s", Item(codec.encode(1))))
+    assert type(reply) is ErrorReply and "is a stream bin" in reply.message
+    reply = peer.request(StreamRead(peer.rid(), "nope", "a"))
+    assert type(reply) is ErrorReply and reply.code == BinNotFound.code
+    reply = peer.request(StreamRead(peer.rid(), "s", "never-joined"))
+    assert type(reply) is ErrorReply and reply.code == BinNotFound.code
+    rid = peer.rid()
+    assert peer.request(StreamLeave(rid, "s", "never-joined")) == Acked(rid, False)
+
+
+def test_appends_count_against_the_memory_limit(clock: MemoryReactorClock) -> None:
+    factory = ServerFactory(clock, config=ServerConfig(max_memory=200_000))
+    peer = Peer(factory)
+    open_stream(peer)
+    big = Item(codec.encode(torch.zeros(60_000)))
+    reply = peer.request(StreamAppend(peer.rid(), "s", 0, 0, big))
+    assert type(reply) is ErrorReply and reply.code == "memory_limit"
+    assert factory.kinds[0].nbytes < 200_000
+
+
+def test_stats_describe_each_stream(factory: ServerFactory) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "a", "now", 4.0))
+    open_stream(prod, window=3, samples=10)
+    append_to(prod, 1)
+    reply = prod.request(Stats(prod.rid(), "s*"))
+    assert type(reply) is StatsReply
+    b = reply.bins["s"]
+    assert b["kind"] == "stream" and b["n_items"] == 1
+    assert b["nbytes"] == item_wire_size(tensor_item(1))
+    for key in ("version", "changed_at", "ops", "bytes_in", "bytes_out", "waiters", "blocked",
+                "listeners", "limits", "first", "last"):
+        assert key in b
+    s = b["stream"]
+    assert (s["head"], s["base"], s["epoch"], s["window"], s["epoch_samples"]) == (1, 0, 0, 3, 10)
+    assert s["producers"]["0"]["state"] == "live" and s["producers"]["0"]["sent"] == 1
+    a = s["consumers"]["a"]
+    assert (a["state"], a["position"], a["lag"], a["lease"]) == ("live", 0, 1, 4.0)
+
+
+def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in_it(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    p0, p1, cons = Peer(factory), Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "a", "now", 3.0))
+    open_stream(p0, producer=0, producers=2)
+    open_stream(p1, producer=1, producers=2)
+    rid = p0.rid()
+    assert p0.request(StreamEnd(rid, "s", 0, 0, 0)) == StreamEnded(rid, 1, False, False)
+    rid = p0.rid()
+    p0.send(StreamEnd(rid, "s", 0, 1, 0, True, 5.0))  # epoch 1 before epoch 0 ended: held
+    assert p0.received() == []
+    assert p1.request(StreamEnd(p1.rid(), "s", 1, 0, 0)).complete
+    assert p0.received() == [StreamEnded(rid, 2, False, False)]
+    assert p1.request(StreamEnd(p1.rid(), "s", 1, 1, 0, True)).finished
+    p0.lose()
+    p1.lose()
+    clock.advance(15.0)
+    assert factory.kinds[0].owns("s")  # a consumer is still in it
+    cons.lose()
+    clock.advance(3.01)
+    assert not factory.kinds[0].owns("s")  # nobody left in it: it is gone
+    assert factory.kinds[0].nbytes == 0
