@@ -64,6 +64,7 @@ __all__ = [
     "ServerError",
     "SessionLost",
     "SessionTakenOver",
+    "ShardedClient",
     "StorageUnavailable",
     "TensorShare",
     "TensorShareError",
@@ -81,6 +82,7 @@ __all__ = [
 _LAZY = {
     "NOWAIT": "client",
     "Client": "client",
+    "ShardedClient": "client",
     "FetchResult": "client",
     "EmbeddedServer": "server",
     "run_server": "server",
@@ -106,7 +108,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .client import NOWAIT, Client, FetchResult
+    from .client import NOWAIT, Client, FetchResult, ShardedClient
     from .client.compat import TensorShare
     from .rl import RLTrainer, RLWorker, TrainerStopped
     from .server import EmbeddedServer, run_server

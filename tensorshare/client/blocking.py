@@ -48,6 +48,7 @@ from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
 from .endpoint import Endpoint, resolve
 from .ops import (
     NOWAIT,
+    BinClient,
     BinLimits,
     Command,
     FetchResult,
@@ -150,7 +151,7 @@ class PendingCall:
 
 
 
-class Client(Ops):
+class Client(BinClient):
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
@@ -464,19 +465,18 @@ class Client(Ops):
 
     def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
                       ) -> builtins.list[Any]:
+        calls = self._submit_many([cmd for cmd, _ in batch])
+        return pipeline.finish(outcomes_of(calls), [n for _, n in batch])
+
+    def _submit_many(self, cmds: Sequence[Command]) -> builtins.list[PendingCall]:
+        """Add many calls to the session and send them in one write (a pipeline's batch)."""
         calls = []
         with self._lock:
-            for cmd, _ in batch:
+            for cmd in cmds:
                 call, slot = self._call(cmd)
                 calls.append(PendingCall(self, call, slot))
         self._flush()
-        outcomes: builtins.list[Any] = []
-        for pending in calls:
-            try:
-                outcomes.append(pending.result())
-            except TensorShareError as exc:
-                outcomes.append(exc)
-        return pipeline.finish(outcomes, [n for _, n in batch])
+        return calls
 
     def _flush(self) -> None:
         """Write every request not yet sent on the current connection, in id order."""
@@ -924,6 +924,17 @@ class Client(Ops):
             for cb, inline in callbacks:
                 if not inline:
                     _call_listener(cb, event, name)
+
+
+def outcomes_of(calls: Sequence[PendingCall]) -> list[Any]:
+    """Each call's result, or the error it raised (a pipeline's outcomes)."""
+    outcomes: list[Any] = []
+    for pending in calls:
+        try:
+            outcomes.append(pending.result())
+        except TensorShareError as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 class _Begin(Ops):

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CodecError, TensorShareError
-from .blocking import Client, PendingCall
+from .blocking import PendingCall
+from .ops import BinClient
+from .sharded import connect
 
 __all__ = ["TensorShare"]
 
@@ -56,10 +58,10 @@ class TensorShare:
                  **client_options: Any) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self._client_options = client_options
-        self._client: Client | None = None
+        self._client: BinClient | None = None
         self._lock = threading.Lock()
         # Requests made before start(): (send it, deliver its outcome), in order.
-        self._before_start: list[tuple[Callable[[Client], PendingCall], _Deliver]] = []
+        self._before_start: list[tuple[Callable[[BinClient], PendingCall], _Deliver]] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = False
         self._finished = threading.Event()
@@ -128,7 +130,7 @@ class TensorShare:
                 raise RuntimeError("TensorShare.start() is already running")
             self._loop_thread = threading.current_thread()
         try:  # connect outside the lock: requests made meanwhile still return at once
-            client = Client(self.host, self.port, self.timeout, **self._client_options)
+            client = connect(self.host, self.port, self.timeout, **self._client_options)
         except BaseException:
             with self._lock:
                 self._loop_thread = None
@@ -165,7 +167,7 @@ class TensorShare:
         self._finished.wait(timeout)
 
     # -- internals --------------------------------------------------------------------------
-    def _request(self, begin: Callable[[Client], PendingCall], callback: Callback | None,
+    def _request(self, begin: Callable[[BinClient], PendingCall], callback: Callback | None,
                  convert: Callable[[Any], Any] | None = None, *, errors_only: bool = False) -> None:
         entry = (begin, _Deliver(callback, convert, errors_only))
         with self._lock:
@@ -176,7 +178,7 @@ class TensorShare:
                 return
             self._enqueue(*entry)
 
-    def _enqueue(self, begin: Callable[[Client], PendingCall], deliver: Any, *,
+    def _enqueue(self, begin: Callable[[BinClient], PendingCall], deliver: Any, *,
                  raise_local: bool = True) -> None:
         """Send now (under the lock, so the queue order is the request order)."""
         assert self._client is not None

@@ -51,6 +51,7 @@ from .streams import StreamOps
 
 __all__ = [
     "BLOCK_SHARE",
+    "BinClient",
     "NOWAIT",
     "BinLimits",
     "Command",
@@ -469,3 +470,36 @@ def lone_cpu_tensor(value: Any, tag: int | None) -> bool:
     torch = sys.modules.get("torch")
     return (torch is not None and type(value) is torch.Tensor and value.is_cpu
             and (tag is None or type(tag) is int))
+
+
+class BinClient(Ops):
+    """A blocking client of one server or of several: what ``rl``, ``compat`` and the wings
+    depend on, so that a :class:`~.sharded.ShardedClient` fits wherever a
+    :class:`~.blocking.Client` does. Both are one; a face that is not (a pipeline, the
+    ``begin`` face) is only an :class:`Ops`."""
+
+    #: The face whose ops send at once and return a ``PendingCall``.
+    begin: Ops
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (every call fails)."""
+        raise NotImplementedError
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now (``False`` while reconnecting)."""
+        raise NotImplementedError
+
+    @property
+    def server_id(self) -> str:
+        """Changes when a server restarted without persistence (its versions began again)."""
+        raise NotImplementedError
+
+    def pipeline(self, *, raise_on_error: bool = True) -> Any:
+        """Queue many requests and send them together (see ``Client.pipeline``)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the connection(s); pending calls fail. Idempotent."""
+        raise NotImplementedError

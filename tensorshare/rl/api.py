@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..client.blocking import NOWAIT, Client
+from ..client.blocking import NOWAIT
+from ..client.ops import BinClient
+from ..client.sharded import ShardedClient, connect
 from ..errors import (
     BinNotFound,
     ConnectionLost,
@@ -59,6 +62,8 @@ log = logging.getLogger("tensorshare.rl")
 # How many times one call is asked again after a server restart caught it in flight (each try
 # has the client's own timeout; a server that restarts this often in one call is broken).
 _RESTART_RETRIES = 3
+# Over several servers, how long get_data waits on one rollout bin before looking at all.
+_SPREAD_WAIT = 0.05
 
 PARAMS_BIN = "rl/parameters"
 DATA_BIN = "rl/rollouts"
@@ -116,7 +121,11 @@ class _Base:
         self.stop_bin = stop_bin_for(data_bin)
         self._stopped = threading.Event()
         self._server: Any = None
-        self.client = Client(host, port, timeout, **client_options)
+        self.client: BinClient = connect(host, port, timeout, **client_options)
+        # Over several servers, rollouts are spread over one bin per server (workers take
+        # turns, the trainer drains them all); the parameters live on one of them.
+        self.data_bins = self.client.spread(data_bin) if isinstance(
+            self.client, ShardedClient) else [data_bin]
 
     def start(self) -> None:
         """Block until :meth:`stop` is called (from any thread), as in the original API."""
@@ -240,31 +249,65 @@ class RLTrainer(_Base):
             The rollouts, oldest first. Stale ones (see ``filter_version`` and
             ``max_version_lag``) were dropped on the server; ``self.last_dropped`` says how many.
         """
-        min_tag = self._min_tag()
+        if len(self.data_bins) > 1:
+            return self._get_spread(return_versions, timeout, min_items, max_items)
         wait: Any = NOWAIT if timeout == 0 else timeout
+        self.last_dropped = 0
         try:
-            res = self.client.fetch(self.data_bin, remove=True, max_items=max_items,
-                                    timeout=wait, min_tag=min_tag, min_items=min_items)
+            got = self._take(self.data_bin, wait, min_items, max_items)
+        except Timeout:
+            # Fewer than min_items arrived in time: return the ones that did.
+            got = self._take(self.data_bin, NOWAIT, 1, max_items) if min_items > 1 else []
+        return got if return_versions else [item for item, _ in got]
+
+    def _take(self, name: str, wait: Any, min_items: int, max_items: int | None
+              ) -> list[tuple[Any, int | None]]:
+        """Take rollouts from bin ``name``: ``(rollout, version)`` pairs (``[]``: none).
+
+        Raises:
+            WaitTimeout: fewer than ``min_items`` (> 1) arrived within ``wait``.
+        """
+        try:
+            res = self.client.fetch(name, remove=True, max_items=max_items, timeout=wait,
+                                    min_tag=self._min_tag(), min_items=min_items)
         except SessionLost:
             # The server restarted (or forgot this client) while the get was in flight: the
             # rollouts it took, if any, went with the old server. Nothing to return this time.
             log.warning("get_data: the server restarted while rollouts were being fetched")
-            self.last_dropped = 0
             return []
         except (BinNotFound, Timeout) as exc:
             if isinstance(exc, Timeout) and not is_server_timeout(exc):
                 raise  # the server did not answer: a failure, not "no data"
-            self.last_dropped = 0
             if isinstance(exc, Timeout) and min_items > 1:
-                # Fewer than min_items arrived in time: return the ones that did.
-                return self.get_data(return_versions, timeout=0, max_items=max_items)
+                raise
             return []
-        self.last_dropped = res.dropped
+        self.last_dropped += res.dropped
         self.dropped += res.dropped
         items = res.value if res.kind == "list" else [res.value]
-        if return_versions:
-            return list(zip(items, res.tags, strict=True))
-        return list(items)
+        return list(zip(items, res.tags, strict=True))
+
+    def _get_spread(self, return_versions: bool, timeout: float | None, min_items: int,
+                    max_items: int | None) -> list[Any]:
+        """get_data over one rollout bin per server: take what each holds; until
+        ``min_items`` arrived (or ``timeout``), wait briefly on each bin in turn."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.last_dropped = 0
+        got: list[tuple[Any, int | None]] = []
+        turn = 0
+        while True:
+            for name in self.data_bins:
+                left = None if max_items is None else max_items - len(got)
+                if left == 0:
+                    break
+                got += self._take(name, NOWAIT, 1, left)
+            now = time.monotonic()
+            if len(got) >= min_items or timeout == 0 or (deadline is not None and now >= deadline):
+                break
+            left = None if max_items is None else max_items - len(got)
+            wait = _SPREAD_WAIT if deadline is None else min(_SPREAD_WAIT, deadline - now)
+            got += self._take(self.data_bins[turn % len(self.data_bins)], wait, 1, left)
+            turn += 1
+        return got if return_versions else [item for item, _ in got]
 
 
 class RLWorker(_Base):
@@ -293,6 +336,7 @@ class RLWorker(_Base):
         self._params: Any = None
         self._server_id = ""  # the server whose versions self.version counts
         self._trainer_stopped = threading.Event()
+        self._turn = random.randrange(len(self.data_bins))  # workers start on different servers
         if watch_stop:
             try:
                 self.client.listen(self.stop_bin, self._on_stop_event)
@@ -423,8 +467,10 @@ class RLWorker(_Base):
             self._call(self.client.ping)
         self._check_server()
         tag = self.version
+        name = self.data_bins[self._turn % len(self.data_bins)]  # one server after another
+        self._turn += 1
         try:
-            return self._call(lambda: self.client.append(self.data_bin, x, tag=tag))
+            return self._call(lambda: self.client.append(name, x, tag=tag))
         except SessionLost:
             # Unknown whether it landed: sending it again could store it twice, and it was
             # made with parameters of a server that is gone. Drop it, loudly.

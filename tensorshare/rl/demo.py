@@ -45,6 +45,7 @@ from typing import Any, TextIO
 import torch
 
 from ..client.blocking import Client
+from ..client.ops import BinClient
 from ..errors import BinNotFound, ConnectError, Timeout, TransportError, is_server_timeout
 from .api import RLTrainer, RLWorker, TrainerStopped, stop_bin_for
 from .envs import BUILTIN_CARTPOLE, DEFAULT_GYM_ENV, EnvSpec, default_env, env_spec, have_gymnasium
@@ -359,7 +360,7 @@ class TrainResult:
         return "\n".join(lines)
 
 
-def _wait_for_ready(client: Client, bins: Bins, n: int, procs: Sequence[subprocess.Popen[bytes]],
+def _wait_for_ready(client: BinClient, bins: Bins, n: int, procs: Sequence[subprocess.Popen[bytes]],
                     deadline: float) -> None:
     """Wait until ``n`` workers said they are connected."""
     got = 0

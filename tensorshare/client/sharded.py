@@ -1,0 +1,310 @@
+"""A client over several servers: each bin lives on one of them.
+
+Which server holds a bin is decided by rendezvous (highest-random-weight) hashing of the
+bin's key over the servers' addresses: every client computes the same owner without asking
+anyone, and adding a server moves only the bins whose highest weight is now the new
+server's, about 1/N of them. A bin's key is its name, or the part between the first ``{``
+and the next ``}`` when that part is not empty (as in Redis Cluster), so that
+``"{run7}params"`` and ``"{run7}rollouts"`` live on the same server.
+
+Every op of :class:`~.ops.Ops` that names a bin (stream ops included) goes to that bin's
+server through an ordinary :class:`~.blocking.Client` (one per server, made on first use,
+each with its own elastic session); ``list``, ``stats`` and ``ping`` ask every server and
+merge the answers. A pipeline sends each server its share of the requests in one write and
+waits for all of them.
+
+The owner is a function of the address *as written*: every client of a job must list the
+same addresses. Stable names (a Kubernetes StatefulSet's pod names behind its headless
+Service, ``shard-0.shards:7000``) keep bins where they are across restarts; addresses that
+change (a pod's IP) move that server's bins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import ConnectionLost, TensorShareError
+from ..wire.address import Address, parse_address
+from ..wire.messages import Item, Limits, ListBins, Ping, Stats
+from .blocking import Client, PendingCall, Pipeline, outcomes_of
+from .ops import BinClient, Command, Ops
+
+__all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
+           "servers_from_env"]
+
+#: Comma-separated server addresses when a ShardedClient is given none.
+SERVERS_ENV = "TENSORSHARE_SERVERS"
+
+Resolver = Callable[[str, int], Sequence[str]]
+
+
+def bin_key(name: str) -> str:
+    """What decides a bin's server: the text of its first non-empty ``{tag}``, else the name."""
+    start = name.find("{")
+    if start >= 0:
+        end = name.find("}", start + 1)
+        if end > start + 1:
+            return name[start + 1:end]
+    return name
+
+
+def _weight(server: str, key: str) -> int:
+    digest = hashlib.blake2b(f"{server}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def owner(name: str, servers: Sequence[str]) -> int:
+    """The index in ``servers`` of the server that holds bin ``name``."""
+    key = bin_key(name)
+    return max(range(len(servers)), key=lambda i: _weight(servers[i], key))
+
+
+def servers_from_env() -> list[str]:
+    """The addresses in ``TENSORSHARE_SERVERS`` (comma-separated), or ``[]``."""
+    return [s.strip() for s in os.environ.get(SERVERS_ENV, "").split(",") if s.strip()]
+
+
+def _dns(host: str, port: int) -> list[str]:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def expand_servers(servers: Sequence[str] | str,
+                   resolver: Resolver = _dns) -> list[str]:
+    """The server addresses of a ShardedClient, as ``tensorshare://`` / ``unix://`` URLs.
+
+    ``servers`` is a list of addresses, or one string of comma-separated ones. A lone TCP
+    address whose host name resolves to several addresses (a Kubernetes headless Service)
+    stands for all of them, sorted, so that every client lists them alike.
+
+    Raises:
+        ValueError: no servers, a malformed address, or the same server twice.
+        OSError: a lone host name that does not resolve.
+    """
+    names = [s.strip() for s in servers.split(",")] if isinstance(servers, str) \
+        else [str(s).strip() for s in servers]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError(f"a ShardedClient needs at least one server (or {SERVERS_ENV})")
+    urls = [n if "://" in n else f"tensorshare://{n}" for n in names]
+    addresses = [parse_address(url, 0) for url in urls]  # raises ValueError if malformed
+    if len(urls) == 1 and addresses[0].path is None:
+        one = addresses[0]
+        found = resolver(one.host, one.port)
+        if len(found) > 1:
+            urls = [Address(ip, one.port, tls=one.tls).url for ip in sorted(found)]
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"a server is named twice in {names}")
+    return urls
+
+
+class ShardedClient(BinClient):
+    """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
+
+    Usage::
+
+        c = ShardedClient(["h1:7000", "h2:7000", "h3:7000"], timeout=30)
+        c.put("params", state_dict)            # on the server rendezvous hashing picks
+        c.append("{run7}rollouts", batch)      # {run7}: on the same server as "{run7}params"
+        c.list()                               # every server's bins, merged
+
+    Args:
+        servers: addresses (``"host:port"`` or URLs), a comma-separated string of them, or
+            one name that resolves to several addresses; default ``TENSORSHARE_SERVERS``.
+        **options: passed to each server's :class:`~.blocking.Client` (``timeout``,
+            ``token``, ``tls_ca``, ``reconnect``, ...).
+
+    Raises:
+        ValueError: no servers, or the same one twice.
+    """
+
+    def __init__(self, servers: Sequence[str] | str | None = None, **options: Any) -> None:
+        self.servers = expand_servers(servers if servers is not None else servers_from_env())
+        self._options = options
+        self._clients: dict[int, Client] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        first = self._client(0)
+        self.timeout = first.timeout
+        self.compress = first.compress
+        self.compress_min_bytes = first.compress_min_bytes
+        self.begin = _ShardedBegin(self)
+
+    def _client(self, index: int) -> Client:
+        with self._lock:
+            if self._closed:
+                raise ConnectionLost("this ShardedClient is closed")
+            client = self._clients.get(index)
+        if client is None:
+            made = Client(self.servers[index], **self._options)
+            with self._lock:
+                client = self._clients.setdefault(index, made)
+            if client is not made:
+                made.close()
+        return client
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or every server's client gave up)."""
+        with self._lock:
+            clients = list(self._clients.values())
+        return self._closed or (bool(clients) and all(c.closed for c in clients))
+
+    @property
+    def connected(self) -> bool:
+        """Whether every server's client that was made is connected right now."""
+        with self._lock:
+            clients = list(self._clients.values())
+        return not self._closed and all(c.connected for c in clients)
+
+    @property
+    def server_id(self) -> str:
+        """The servers' ids, joined: it changes when any of them restarted without
+        persistence (and its bins' versions started again)."""
+        return ",".join(self._client(i).server_id for i in range(len(self.servers)))
+
+    def owner(self, name: str) -> str:
+        """The address of the server that holds bin ``name``."""
+        return self.servers[owner(name, self.servers)]
+
+    def spread(self, name: str) -> list[str]:
+        """One bin name per server, each held by that server: ``NAME#J`` with the smallest
+        ``J`` that lands there. What ``RLWorker`` spreads its rollouts over."""
+        out: list[str | None] = [None] * len(self.servers)
+        j = 0
+        while None in out and j < 1000 * len(self.servers):
+            candidate = f"{name}#{j}"
+            home = owner(candidate, self.servers)
+            if out[home] is None:
+                out[home] = candidate
+            j += 1
+        return [n for n in out if n is not None]
+
+    def client_for(self, name: str) -> Client:
+        """The client of the server that holds bin ``name``."""
+        return self._client(owner(name, self.servers))
+
+    @property
+    def limits(self) -> Limits:
+        return self._client(0).limits
+
+    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        return self.client_for(name)._item(name, value, tag)
+
+    def _execute(self, cmd: Command) -> Any:
+        name = cmd.bin
+        if name is not None:
+            return self.client_for(name)._execute(cmd)
+        calls = [self._client(i).begin._execute(cmd) for i in range(len(self.servers))]
+        return self._merge(cmd, [call.result() for call in calls])
+
+    def _merge(self, cmd: Command, answers: list[Any]) -> Any:
+        request = cmd.request
+        if isinstance(request, ListBins):
+            merged: dict[str, int] = {}
+            for bins in answers:
+                merged.update(bins)
+            return merged
+        if isinstance(request, Stats):
+            return {"servers": dict(zip(self.servers, (a["server"] for a in answers),
+                                        strict=True)),
+                    "bins": {k: v for a in answers for k, v in a["bins"].items()}}
+        if isinstance(request, Ping):
+            return None
+        return answers
+
+    def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
+        """As :meth:`Client.pipeline`: each server gets its share of the requests in one
+        write, and the results come back in the order of the calls."""
+        return Pipeline(self, raise_on_error)
+
+    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+                      ) -> list[Any]:
+        outcomes: list[Any] = [None] * len(batch)
+        shares: dict[int, list[int]] = {}
+        for i, (cmd, _) in enumerate(batch):
+            if cmd.bin is not None:
+                shares.setdefault(owner(cmd.bin, self.servers), []).append(i)
+                continue
+            # list, stats, ping ask every server: after what was queued before them.
+            self._send_shares(batch, shares, outcomes)
+            shares = {}
+            try:
+                outcomes[i] = self._execute(cmd)
+            except TensorShareError as exc:
+                outcomes[i] = exc
+        self._send_shares(batch, shares, outcomes)
+        return pipeline.finish(outcomes, [n for _, n in batch])
+
+    def _send_shares(self, batch: Sequence[tuple[Command, int]], shares: dict[int, list[int]],
+                     outcomes: list[Any]) -> None:
+        """Send each server its share of ``batch`` in one write, then wait for them all."""
+        sent = {index: self._client(index)._submit_many([batch[i][0] for i in share])
+                for index, share in shares.items()}
+        for index, share in shares.items():
+            for i, outcome in zip(share, outcomes_of(sent[index]), strict=True):
+                outcomes[i] = outcome
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("begin_") and name != "begin_":
+            return getattr(self.begin, name[6:])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def close(self) -> None:
+        """Close every server's client (each ends its session). Idempotent."""
+        with self._lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    def __enter__(self) -> ShardedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<tensorshare.ShardedClient over {len(self.servers)} servers>"
+
+
+class _ShardedBegin(Ops):
+    """``sharded.begin.put(...)``: the bin's server's ``begin`` face; ``list``, ``stats`` and
+    ``ping`` ask every server before they return (an already complete PendingCall)."""
+
+    def __init__(self, sharded: ShardedClient) -> None:
+        self._sharded = sharded
+        self.timeout = sharded.timeout
+        self.compress, self.compress_min_bytes = sharded.compress, sharded.compress_min_bytes
+
+    @property
+    def limits(self) -> Limits:
+        return self._sharded.limits
+
+    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        return self._sharded._item(name, value, tag)
+
+    def _execute(self, cmd: Command) -> PendingCall:
+        if cmd.bin is not None:
+            return self._sharded.client_for(cmd.bin).begin._execute(cmd)
+        return PendingCall.done(self._sharded._execute(cmd))
+
+
+def connect(host: str | None = None, port: int | None = None,
+            timeout: float | None = None, **options: Any) -> BinClient:
+    """The client for ``host``: a :class:`ShardedClient` when ``host`` names several servers
+    (``"h1:7000,h2:7000"``), or when neither host nor ``TENSORSHARE_URL`` is given and
+    ``TENSORSHARE_SERVERS`` is; else a :class:`~.blocking.Client`. What ``RLTrainer``,
+    ``RLWorker`` and ``TensorShare`` use, so that each accepts several servers."""
+    if timeout is not None:
+        options["timeout"] = timeout
+    if host is not None and "," in host:
+        return ShardedClient(host, **options)
+    if host is None and not os.environ.get("TENSORSHARE_URL") and servers_from_env():
+        return ShardedClient(None, **options)
+    return Client(host, port, **options)
