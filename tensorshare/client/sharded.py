@@ -250,6 +250,36 @@ class ShardedClient(BinClient):
             for i, outcome in zip(share, outcomes_of(sent[index]), strict=True):
                 outcomes[i] = outcome
 
+    def rebalance(self) -> dict[str, str]:
+        """Move every value and list bin to the server that owns it now (after servers were
+        added or removed: construct this client with the new list). Returns ``{bin: the
+        address it moved to}``.
+
+        A value moves as peek, put on its new server, delete on the old; a list's items as
+        one get of them all and one append (their order and tags kept). Run it while no one
+        writes to the bins that move: a write in between lands on one side or the other. A
+        moved bin's version starts again on its new server. Stream and service bins are not
+        moved (they live as long as their members).
+        """
+        moved: dict[str, str] = {}
+        for index in range(len(self.servers)):
+            here = self._client(index)
+            for name, kind in ((n, b["kind"]) for n, b in here.stats()["bins"].items()):
+                home = owner(name, self.servers)
+                if home == index or kind not in ("value", "list"):
+                    continue
+                there = self._client(home)
+                if kind == "value":
+                    there.put(name, here.peek(name))
+                    here.delete(name)
+                else:
+                    res = here.fetch(name, remove=True, max_items=None)
+                    with there.pipeline() as p:
+                        for item, tag in zip(res.value, res.tags, strict=True):
+                            p.append(name, item, tag=tag)
+                moved[name] = self.servers[home]
+        return moved
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("begin_") and name != "begin_":
             return getattr(self.begin, name[6:])

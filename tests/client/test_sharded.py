@@ -246,3 +246,24 @@ def test_the_callback_api_takes_several_servers(three: list[EmbeddedServer]) -> 
     ts.stop()
     thread.join(TIMEOUT)
     assert got and not thread.is_alive()
+
+
+def test_rebalance_moves_only_the_bins_whose_owner_changed_and_keeps_their_contents(
+        three: list[EmbeddedServer]) -> None:
+    first_two = _addresses(three[:2])
+    with ShardedClient(first_two, timeout=TIMEOUT) as old:
+        for i in range(40):
+            old.put(f"v{i}", torch.tensor([i]))
+        for i in range(3):
+            old.append("{q}log", torch.tensor([i]), tag=i)
+    with ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        moved = new.rebalance()
+        assert moved and all(new.owner(n) == a == new.servers[2] for n, a in moved.items())
+        assert 5 <= len(moved) <= 25  # about a third of 41
+        for i in range(40):
+            assert torch.equal(new.peek(f"v{i}"), torch.tensor([i]))
+        res = new.fetch("{q}log", remove=False, max_items=None)
+        assert [int(t) for t in res.value] == [0, 1, 2] and list(res.tags) == [0, 1, 2]
+        assert new.rebalance() == {}  # nothing left to move
+        for k in range(2):  # the old servers kept only what they still own
+            assert all(new.owner(n) == new.servers[k] for n in new._client(k).list())
