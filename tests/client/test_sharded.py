@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +268,30 @@ def test_rebalance_moves_only_the_bins_whose_owner_changed_and_keeps_their_conte
         assert new.rebalance() == {}  # nothing left to move
         for k in range(2):  # the old servers kept only what they still own
             assert all(new.owner(n) == new.servers[k] for n in new._client(k).list())
+
+
+@pytest.mark.long
+def test_a_shard_killed_and_restarted_with_its_data_dir_loses_nothing_acknowledged(
+        tmp_path: Path) -> None:
+    procs = [ServerProcess(0, "--data-dir", str(tmp_path / f"shard{k}")) for k in range(3)]
+    try:
+        addresses = [f"{HOST}:{p.port}" for p in procs]
+        acked: dict[str, list[int]] = {f"q{k}": [] for k in range(6)}
+        with ShardedClient(addresses, timeout=10.0) as c:
+            for i in range(60):
+                c.put(f"v{i}", torch.tensor([i]))
+            for i in range(120):
+                name = f"q{i % 6}"
+                c.append(name, i)
+                acked[name].append(i)
+            victim = owner("q0", c.servers)
+            procs[victim].kill()
+            procs[victim].restart()  # same port, same data directory
+            for i in range(60):
+                assert torch.equal(c.peek(f"v{i}"), torch.tensor([i]))
+            for name, items in acked.items():
+                res = c.fetch(name, remove=True, max_items=None)
+                assert list(res.value) == items, name
+    finally:
+        for p in procs:
+            p.close()
