@@ -13,7 +13,6 @@ record back into the request it was and runs it through the same table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from twisted.logger import Logger
@@ -253,7 +252,9 @@ class Responder:
             conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
 
     def _fetched(self, conn: ServerProtocol, msg: Fetch, taken: Fetched[Any]) -> None:
-        reply = replace(taken, id=msg.id)
+        # (dataclasses.replace, generic, cost more than the rest of this per fetch)
+        reply = Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,
+                        taken.dropped, taken.unchanged, taken.tags, taken.nbytes)
         if msg.spec.remove and taken.items:
             conn.reply(msg, reply, bin=msg.bin, held=taken.nbytes)
         else:
