@@ -482,8 +482,12 @@ class ServerFactory(Factory):
         """What the server holds for clients outside the bins: items taken by gets whose
         replies are not yet acknowledged, remembered replies, queued output, and frames
         still being received."""
-        return self.sessions.nbytes + self.queued_bytes() + self.budget.receiving + \
-            sum(kind.nbytes for kind in self.kinds)
+        held = self.sessions.nbytes + self.budget.receiving
+        for p in self.connections:  # (asked on every write: loops, not generators)
+            held += p.queued_bytes
+        for kind in self.kinds:
+            held += kind.nbytes
+        return held
 
     # -- statistics -------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:

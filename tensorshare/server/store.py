@@ -172,6 +172,10 @@ class Store:
         m = self._meta.get(name)
         return m.version if m else 0
 
+    def __contains__(self, name: object) -> bool:
+        """Whether a non-empty bin of that name is here."""
+        return name in self._bins
+
     def n_items(self, name: str) -> int:
         """How many items the bin holds (1 for a "value" bin, 0 if missing)."""
         b = self._bins.get(name)
