@@ -248,6 +248,14 @@ def test_triplet_mining_loss_falls() -> None:
     assert "Traceback" not in res.stderr, res.stderr  # miners exit quietly
 
 
+@pytest.mark.timeout(180)
+def test_shared_loader_example_reaches_private_accuracy() -> None:
+    # Two jobs off one served DataLoader learn as well as two jobs with a loader each.
+    res = _run([str(EXAMPLES / "shared_loader.py"), "--quick"], timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "accuracy: the same" in res.stdout, res.stdout
+
+
 @needs_gymnasium
 @pytest.mark.long
 @pytest.mark.timeout(150)
