@@ -32,6 +32,7 @@
         ├── Lagged                         a stream consumer fell behind and items it had not
         │                                  read were freed (``missed`` says how many)
         ├── ProducerGone                   a stream's producer died before ending its epoch
+        ├── ServiceFailed                  a service's host failed the call (its model raised)
         └── UnsupportedVersion             no protocol version in common with the server
 
 Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError`` /
@@ -64,6 +65,7 @@ __all__ = [
     "ProtocolError",
     "ReplyTimeout",
     "ServerError",
+    "ServiceFailed",
     "SessionLost",
     "SessionTakenOver",
     "StorageUnavailable",
@@ -273,6 +275,14 @@ class ProducerGone(ServerError):
     code = "producer_gone"
 
 
+class ServiceFailed(ServerError):
+    """The host of a service bin could not compute this call's answer: its model raised
+    (the message is the host's error), or the host sent no answer for it. The call ran at
+    most once; nothing else is affected (other calls go on)."""
+
+    code = "service_failed"
+
+
 class UnsupportedVersion(ServerError):
     """The client and the server share no protocol version."""
 
@@ -284,7 +294,8 @@ ERROR_CODES: dict[str, type[TensorShareError]] = {
     cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
                               MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
                               ProtocolError, SessionTakenOver, StorageUnavailable,
-                              AuthenticationError, PermissionDenied, Lagged, ProducerGone)
+                              AuthenticationError, PermissionDenied, Lagged, ProducerGone,
+                              ServiceFailed)
     if cls.code is not None
 }
 

@@ -207,9 +207,10 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
     from rich import box
     from rich.table import Table
 
+    tables = _service_table(bins)
     streams = {n: b["stream"] for n, b in bins.items() if b.get("kind") == "stream"}
     if not streams:
-        return []
+        return tables
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   title="streams", title_justify="left")
     for col, justify in (("stream", "left"), ("head", "right"), ("epoch", "right"),
@@ -229,6 +230,26 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
             table.add_row("", "", "", cname, c["state"], _dash(c["position"]), _dash(c["lag"]),
                           f"{c['stalled_s']:.1f}s", f"{c['stall_total_s']:.1f}s",
                           str(c["missed"]))
+    return [table, *tables]
+
+
+def _service_table(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
+    """The service bins: queue, hosts, calls/s, mean batch and latency."""
+    from rich import box
+    from rich.table import Table
+
+    services = {n: b["service"] for n, b in bins.items() if b.get("kind") == "service"}
+    if not services:
+        return []
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  title="services", title_justify="left")
+    for col in ("service", "queue", "hosts", "calls/s", "answered", "failed", "timed out",
+                "mean batch", "latency"):
+        table.add_column(col, justify="left" if col == "service" else "right")
+    for name, sv in services.items():
+        table.add_row(name, str(sv["queue"]), str(sv["hosts"]), f"{sv['calls_per_s']:g}",
+                      str(sv["answered"]), str(sv["failed"]), str(sv["timed_out"]),
+                      f"{sv['mean_batch']:g}", f"{sv['latency_mean_ms']:.2f} ms")
     return [table]
 
 

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from ..errors import (
@@ -97,6 +98,41 @@ class _Slot:
         return ok
 
 
+class _FutureSlot(_Slot):
+    """A slot that also completes a ``concurrent.futures.Future`` with the converted result
+    (in the thread that read the reply: the future's callbacks run there)."""
+
+    __slots__ = ("future", "call")
+
+    def __init__(self, future: Future[Any]) -> None:
+        super().__init__()
+        self.future = future
+        self.call: Call | None = None
+
+    def resolve(self, reply: Any, error: BaseException | None = None) -> None:
+        super().resolve(reply, error)
+        assert self.call is not None
+        ok, value = _outcome(self, self.call)
+        if self.future.set_running_or_notify_cancel():
+            if ok:
+                self.future.set_result(value)
+            else:
+                self.future.set_exception(value)
+
+
+def _outcome(slot: _Slot, call: Call) -> tuple[bool, Any]:
+    """What a resolved call returns: ``(True, result)`` or ``(False, error)``."""
+    if slot.error is not None:
+        return False, slot.error
+    reply = slot.reply
+    if type(reply) is ErrorReply:
+        return False, error_from_code(reply.code, reply.message)
+    try:
+        return True, call.convert(reply) if call.convert is not None else reply
+    except TensorShareError as exc:  # e.g. a malformed value from a peer
+        return False, exc
+
+
 class PendingCall:
     """A request that was sent (or queued while reconnecting) and whose reply may not have
     arrived yet.
@@ -139,15 +175,7 @@ class PendingCall:
         assert slot is not None and client is not None and call is not None
         if not slot.done:
             client._await(call, slot)
-        if slot.error is not None:
-            return False, slot.error
-        reply = slot.reply
-        if type(reply) is ErrorReply:
-            return False, error_from_code(reply.code, reply.message)
-        try:
-            return True, call.convert(reply) if call.convert is not None else reply
-        except TensorShareError as exc:  # e.g. a malformed value from a peer
-            return False, exc
+        return _outcome(slot, call)
 
 
 
@@ -456,6 +484,19 @@ class Client(BinClient):
                 call, slot = self._call(cmd)
         self._flush()
         return PendingCall(self, call, slot)
+
+    def _submit_future(self, cmd: Command) -> Future[Any]:
+        """Send one call and return a future of its result, completed by whichever thread
+        reads the reply (no thread waits for it). The call keeps the client's timeout."""
+        if self._pid != os.getpid():
+            raise ConnectionLost(f"the client for {self.address} was made in another process")
+        future: Future[Any] = Future()
+        slot = _FutureSlot(future)
+        with self._lock:
+            slot.call = self._session.call(cmd.request, cmd.what, time.monotonic(), token=slot,
+                                           convert=cmd.convert)
+        self._flush()
+        return future
 
     def _call(self, cmd: Command) -> tuple[Call, _Slot]:
         slot = _Slot()

@@ -137,6 +137,7 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     if per_bin:
         yield from _bin_families(bins)
         yield from _stream_families(bins)
+        yield from _service_families(bins)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -278,6 +279,35 @@ def _stream_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             stall.add_metric([name, consumer], c["stall_total_s"])
             missed.add_metric([name, consumer], c["missed"])
     yield from (head, lag, stalled, stall, missed)
+
+
+def _service_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per service bin: its queue, hosts, calls answered, failed and timed out, mean batch
+    rows and latency."""
+    services = {n: b["service"] for n, b in bins.items() if b.get("kind") == "service"}
+    if not services:
+        return
+    families = {
+        key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            f"tensorshare_service_{metric}", doc, labels=["bin"])
+        for key, metric, kind, doc in (
+            ("queue", "queue", "gauge", "calls queued, waiting for a host"),
+            ("with_hosts", "leased", "gauge", "calls a host has taken and not yet answered"),
+            ("hosts", "hosts", "gauge", "hosts serving the service"),
+            ("answered", "calls_answered", "counter", "calls answered by a host"),
+            ("failed", "calls_failed", "counter", "calls the host failed (service_failed)"),
+            ("timed_out", "calls_timed_out", "counter", "calls that got no answer in time"),
+            ("requeued", "calls_requeued", "counter",
+             "calls given back by a host that left or ran out of lease"),
+            ("batches", "batches", "counter", "batches answered"),
+            ("mean_batch", "mean_batch_rows", "gauge", "rows per batch, on average"),
+            ("latency_mean_ms", "latency_mean_seconds", "gauge",
+             "from queued to answered, on average"))}
+    for name, sv in services.items():
+        for key, fam in families.items():
+            value = sv[key]
+            fam.add_metric([name], value / 1e3 if key == "latency_mean_ms" else value)
+    yield from families.values()
 
 
 class MetricsServer:

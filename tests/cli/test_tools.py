@@ -533,3 +533,23 @@ def test_ls_and_stats_show_each_streams_head_producers_consumers_and_lag(
             assert rows["lr=0.2"][:3] == ["live", "0", "5"]
             assert rows["lr=0.1"][0] == "live"
         assert st["consumers"]["lr=0.2"]["lag"] == 5
+
+
+# --------------------------------------------------------------------------- services
+
+
+def test_ls_shows_each_services_queue_hosts_and_batches(
+        server: EmbeddedServer, capsys: pytest.CaptureFixture[str]) -> None:
+    with Client("127.0.0.1", server.port) as caller, Client("127.0.0.1", server.port) as host:
+        futs = [caller._submit_future(caller.service_call_command("policy", torch.zeros(1, 4)))
+                for _ in range(3)]
+        b = host.service_take("policy", max_wait_ms=0, max_batch=2, timeout=5)
+        host.service_reply("policy", b.batch, b.values)
+        assert [f.result(5).value.shape for f in futs[:2]] == [(1, 4), (1, 4)]
+        status, out, _ = _run(capsys, "ls", "--port", str(server.port))
+        assert status == 0
+        table = out[out.index("services\n"):].splitlines()
+        assert table[1].split() == ["service", "queue", "hosts", "calls/s", "answered", "failed",
+                                    "timed", "out", "mean", "batch", "latency"]
+        row = table[3].split()
+        assert row[:3] == ["policy", "1", "1"] and row[4:8] == ["2", "0", "0", "2"]

@@ -188,3 +188,24 @@ def test_streams_export_their_head_and_each_consumers_lag_stall_and_misses(
         assert m[("tensorshare_stream_consumer_stall_seconds", "type")] == "counter"
     finally:
         exporter.stop()
+
+
+def test_services_export_their_queue_hosts_calls_and_batches(server: EmbeddedServer) -> None:
+    exporter = start_metrics_server(0, server=server)
+    try:
+        with Client("127.0.0.1", server.port) as caller, \
+                Client("127.0.0.1", server.port) as host:
+            futs = [caller._submit_future(caller.service_call_command("policy", torch.zeros(2)))
+                    for _ in range(3)]
+            b = host.service_take("policy", max_wait_ms=0, max_batch=2, timeout=5)
+            host.service_reply("policy", b.batch, b.values)
+            assert len([f.result(5) for f in futs[:2]]) == 2
+            m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_service_queue", bin="policy") == 1
+        assert _value(m, "tensorshare_service_hosts", bin="policy") == 1
+        assert _value(m, "tensorshare_service_calls_answered",
+                      "tensorshare_service_calls_answered_total", bin="policy") == 2
+        assert _value(m, "tensorshare_service_mean_batch_rows", bin="policy") == 2
+        assert m[("tensorshare_service_batches", "type")] == "counter"
+    finally:
+        exporter.stop()

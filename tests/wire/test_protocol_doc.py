@@ -85,6 +85,13 @@ from tensorshare.wire.protocol import (
     ServerConnection,
     encode_message,
 )
+from tensorshare.wire.services import (
+    ServiceAnswer,
+    ServiceBatch,
+    ServiceCall,
+    ServiceReply,
+    ServiceTake,
+)
 from tensorshare.wire.streams import (
     StreamAppend,
     StreamAppended,
@@ -133,6 +140,8 @@ REPLY_TABLES: dict[type, str] = {
     StreamEnded: "reply-stream-end",
     StreamJoined: "reply-stream-join",
     StreamItems: "reply-stream-read",
+    ServiceAnswer: "reply-service-call",
+    ServiceBatch: "reply-service-take",
 }
 
 
@@ -455,6 +464,10 @@ def _full_requests() -> dict[str, list[Message]]:
         "stream_join": [StreamJoin(17, "s", "job", "epoch_start", 5.0, False)],
         "stream_read": [StreamRead(18, "s", "job", 3, 4, 1.5)],
         "stream_leave": [StreamLeave(19, "s", "job")],
+        "service_call": [ServiceCall(20, "p", item, 1.5, False, 8)],
+        "service_take": [ServiceTake(21, "p", 64, 2.0, 1.5, 10.0, 1024)],
+        "service_reply": [ServiceReply(22, "p", 3, item, (item,), 7, None, ((1, "bad"),)),
+                          ServiceReply(22, "p", 3, None, (), None, "RuntimeError: boom")],
     }
 
 
@@ -512,6 +525,8 @@ def _reply_cases() -> dict[str, list[Message]]:
                               StreamJoined(4, 3, 0, 192, 640, 5, True)],
         "reply-stream-read": [StreamItems(5, (item,), 3, 4, 0, 64, 640),
                               StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
+        "reply-service-call": [ServiceAnswer(6, (item,), 7), ServiceAnswer(6, (item,), None)],
+        "reply-service-take": [ServiceBatch(7, 3, (item, item), (1, 8))],
     }
 
 

@@ -1,0 +1,257 @@
+"""Service bins on a real server (127.0.0.1, port 0) through the blocking client's ops:
+batching rules, leases, exactly one answer per call, the bounded queue, sessions across
+cut connections (the chaos proxy), and what the stats say."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from tensorshare import BinFull, Client, EmbeddedServer, InvalidRequest, ServiceFailed, WaitTimeout
+from tensorshare.server import ServerConfig
+from tests.chaos import ChaosProxy, Faults
+from tests.conftest import wait_until
+
+DEADLINE = 10.0
+
+
+@pytest.fixture
+def clients(server: EmbeddedServer) -> Iterator[tuple[Client, Client]]:
+    """A caller and a host on one server."""
+    with Client("127.0.0.1", server.port, timeout=DEADLINE) as caller, \
+            Client("127.0.0.1", server.port, timeout=DEADLINE) as host:
+        yield caller, host
+
+
+def _calls(c: Client, name: str, values: list[torch.Tensor]) -> list[Future]:
+    return [c._submit_future(c.service_call_command(name, v)) for v in values]
+
+
+def _service(c: Client, name: str) -> dict:
+    return c.stats(name)["bins"][name]
+
+
+@pytest.mark.timeout(30)
+def test_a_call_gets_the_answer_the_host_made_for_it(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    fut = _calls(caller, "svc", [torch.arange(3.0)])[0]
+    b = host.service_take("svc", timeout=5)
+    assert [v.tolist() for v in b.values] == [[0.0, 1.0, 2.0]] and b.rows == (1,)
+    assert host.service_reply("svc", b.batch, [b.values[0] * 10], version=4) is True
+    res = fut.result(DEADLINE)
+    assert res.value.tolist() == [0.0, 10.0, 20.0] and res.version == 4
+    st = _service(caller, "svc")
+    assert st["kind"] == "service" and st["service"]["answered"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_host_that_waited_takes_the_first_call_at_once(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(
+        host.service_take("svc", max_batch=64, max_wait_ms=5000, timeout=8)))
+    t.start()
+    wait_until(lambda: _service(caller, "svc")["waiters"] == 1, DEADLINE, "the take waits")
+    start = time.monotonic()
+    _calls(caller, "svc", [torch.zeros(1)])
+    t.join(DEADLINE)
+    # max_wait_ms is 5 s: a lone call that found a waiting host did not wait for a batch.
+    assert got and len(got[0].values) == 1 and time.monotonic() - start < 4.0
+
+
+@pytest.mark.timeout(30)
+def test_queued_calls_come_in_batches_of_at_most_max_batch_rows(
+        clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(10)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 10, DEADLINE, "10 queued")
+    sizes, seen = [], []
+    while len(seen) < 10:
+        b = host.service_take("svc", max_batch=4, max_wait_ms=0, timeout=5)
+        sizes.append(len(b.values))
+        seen += [int(v.item()) for v in b.values]
+        host.service_reply("svc", b.batch, [v + 100 for v in b.values])
+    assert sizes == [4, 4, 2] and seen == list(range(10))  # oldest first
+    assert [int(f.result(DEADLINE).value.item()) for f in futs] == list(range(100, 110))
+
+
+@pytest.mark.timeout(30)
+def test_a_host_back_from_a_batch_waits_at_most_max_wait_ms_for_more(
+        clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    _calls(caller, "svc", [torch.zeros(1)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 1, DEADLINE, "1 queued")
+    start = time.monotonic()
+    b = host.service_take("svc", max_batch=8, max_wait_ms=300, timeout=5)
+    took = time.monotonic() - start
+    # One call queued before the take (not a waiting host): the take waited for more, but no
+    # longer than 300 ms after the call came.
+    assert len(b.values) == 1 and took < 3.0
+    host.service_reply("svc", b.batch, [b.values[0]])
+
+
+@pytest.mark.timeout(30)
+def test_a_batch_whose_lease_runs_out_goes_to_another_host_and_is_answered_once(
+        server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as caller, Client("127.0.0.1", server.port) as h1, \
+            Client("127.0.0.1", server.port) as h2:
+        fut = _calls(caller, "svc", [torch.ones(2)])[0]
+        b1 = h1.service_take("svc", lease=0.3, timeout=5)
+        b2 = h2.service_take("svc", timeout=5)  # after the lease: the same call again
+        assert [v.tolist() for v in b2.values] == [[1.0, 1.0]] and b2.batch != b1.batch
+        assert h2.service_reply("svc", b2.batch, [torch.full((2,), 2.0)]) is True
+        assert h1.service_reply("svc", b1.batch, [torch.full((2,), 1.0)]) is False  # late
+        assert fut.result(DEADLINE).value.tolist() == [2.0, 2.0]
+        st = _service(caller, "svc")["service"]
+        assert st["answered"] == 1 and st["requeued"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_host_whose_connection_drops_gives_its_calls_back_at_once(
+        server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as caller, Client("127.0.0.1", server.port) as h2:
+        fut = _calls(caller, "svc", [torch.ones(1)])[0]
+        h1 = Client("127.0.0.1", server.port)
+        h1.service_take("svc", lease=600, timeout=5)
+        h1.close()  # before answering: a 600 s lease must not keep the call
+        b = h2.service_take("svc", timeout=5)
+        h2.service_reply("svc", b.batch, [b.values[0] * 3])
+        assert fut.result(DEADLINE).value.tolist() == [3.0]
+
+
+@pytest.mark.timeout(30)
+def test_errors_fail_only_their_calls(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    futs = _calls(caller, "svc", [torch.zeros(1), torch.ones(1), torch.zeros(1)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 3, DEADLINE, "3 queued")
+    b = host.service_take("svc", max_wait_ms=0, timeout=5)
+    assert len(b.values) == 3
+    host.service_reply("svc", b.batch, [b.values[0], None, b.values[2]],
+                       failed={1: "ValueError: bad input"})
+    assert futs[0].result(DEADLINE).value.tolist() == [0.0]
+    with pytest.raises(ServiceFailed, match="bad input"):
+        futs[1].result(DEADLINE)
+    futs = _calls(caller, "svc", [torch.zeros(1)])
+    b = host.service_take("svc", timeout=5)
+    host.service_reply("svc", b.batch, error="RuntimeError: out of memory")
+    with pytest.raises(ServiceFailed, match="out of memory"):
+        futs[0].result(DEADLINE)
+    # A reply with the wrong number of items is refused, and its calls fail (not hang).
+    futs = _calls(caller, "svc", [torch.zeros(1)])
+    b = host.service_take("svc", timeout=5)
+    with pytest.raises(InvalidRequest, match="one item per call"):
+        host.service_reply("svc", b.batch, [b.values[0], b.values[0]])
+    with pytest.raises(ServiceFailed):
+        futs[0].result(DEADLINE)
+
+
+@pytest.mark.timeout(30)
+def test_a_call_nobody_answers_times_out_once(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout, match="no host took it"):
+        caller.service_call("svc", torch.zeros(1), timeout=0.3)
+    assert time.monotonic() - start < 5.0
+    fut = _calls(caller, "svc", [torch.zeros(1)])
+    b = host.service_take("svc", timeout=5)
+    # A call timed out while its host had it: the host's late answer is dropped.
+    caller2 = caller.service_call_command("svc", torch.ones(1), timeout=0.3)
+    f2 = caller._submit_future(caller2)
+    b2 = host.service_take("svc", timeout=5)
+    with pytest.raises(WaitTimeout, match="a host had it"):
+        f2.result(DEADLINE)
+    assert host.service_reply("svc", b2.batch, [b2.values[0]]) is True
+    host.service_reply("svc", b.batch, [b.values[0]])
+    assert fut[0].result(DEADLINE).value.tolist() == [0.0]
+    assert _service(caller, "svc")["service"]["timed_out"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_full_queue_waits_for_room_or_refuses(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    with pytest.raises(WaitTimeout):  # a take with max_queue sets the bound
+        host.service_take("svc", max_queue=2, timeout=0)
+    first = _calls(caller, "svc", [torch.zeros(1), torch.ones(1)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 2, DEADLINE, "2 queued")
+    with pytest.raises(BinFull, match="max_queue=2"):
+        caller.service_call("svc", torch.zeros(1), wait_room=False)
+    waiting = caller._submit_future(caller.service_call_command("svc", torch.full((1,), 2.0)))
+    wait_until(lambda: _service(caller, "svc")["blocked"] == 1, DEADLINE, "one waits for room")
+    got = []
+    while len(got) < 3:
+        b = host.service_take("svc", max_wait_ms=0, timeout=5)
+        got += [v.item() for v in b.values]
+        host.service_reply("svc", b.batch, b.values)
+    assert got == [0.0, 1.0, 2.0]
+    assert [f.result(DEADLINE).value.item() for f in [*first, waiting]] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.timeout(30)
+def test_a_service_name_is_not_a_value_bin(clients: tuple[Client, Client]) -> None:
+    caller, host = clients
+    caller.put("v", 1)
+    with pytest.raises(InvalidRequest, match="value or list bin"):
+        caller.service_call("v", torch.zeros(1), timeout=1)
+    _calls(caller, "svc", [torch.zeros(1)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 1, DEADLINE, "queued")
+    with pytest.raises(InvalidRequest, match="service bin"):
+        caller.put("svc", 1)
+
+
+@pytest.mark.timeout(30)
+def test_calls_of_a_closed_client_without_a_session_are_withdrawn(
+        server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as host:
+        c = Client("127.0.0.1", server.port, session=False)
+        _calls(c, "svc", [torch.zeros(1000)])
+        wait_until(lambda: _service(host, "svc")["n_items"] == 1, DEADLINE, "queued")
+        c.close()
+        wait_until(lambda: _service(host, "svc")["n_items"] == 0, DEADLINE, "withdrawn")
+        with pytest.raises(WaitTimeout):
+            host.service_take("svc", timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_calls_through_cut_connections_are_answered_exactly_once() -> None:
+    # Caller and host both go through a proxy that cuts their connections at random (mid
+    # frame, resets, closes). Each call is answered once with its own value: a call resent
+    # after a reconnect is the same call; a host cut off gives its batch back.
+    with EmbeddedServer(port=0, config=ServerConfig(session_ttl=60.0)) as srv, \
+            ChaosProxy(("127.0.0.1", srv.port), faults=Faults(
+                cut_after_bytes=(2_000, 60_000), reset_probability=0.5)) as proxy:
+        hp, cp = proxy.open_port(), proxy.open_port()
+        stop = threading.Event()
+        computed: list[float] = []
+
+        def serve() -> None:
+            with Client("127.0.0.1", hp, timeout=DEADLINE) as h:
+                while not stop.is_set():
+                    try:
+                        b = h.service_take("svc", max_batch=16, timeout=0.5, lease=2.0)
+                        computed.extend(v[0].item() for v in b.values)
+                        h.service_reply("svc", b.batch, [v * 2 for v in b.values])
+                    except (WaitTimeout, ConnectionError, TimeoutError):
+                        continue
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            with Client("127.0.0.1", cp, timeout=30.0) as c:
+                n = 300
+                futs = _calls(c, "svc", [torch.full((4,), float(i)) for i in range(n)])
+                answers = [f.result(60) for f in futs]
+        finally:
+            stop.set()
+            t.join(DEADLINE)
+        assert [a.value.tolist() for a in answers] == [[2.0 * i] * 4 for i in range(n)]
+        assert proxy.stats(cp)["accepted"] > 1 or proxy.stats(hp)["accepted"] > 1, \
+            "the proxy cut nothing: the test proved nothing"
+        assert set(computed) >= {2.0 * i / 2 for i in range(n)}
+        with Client("127.0.0.1", srv.port) as c:
+            st = _service(c, "svc")["service"]
+        assert st["answered"] == n and st["calls"] == n
