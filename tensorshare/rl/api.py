@@ -449,8 +449,11 @@ class RLWorker(_Base):
             self.downloads += 1
         return self._params
 
-    def add_data(self, x: Any) -> int:
-        """Send a rollout, tagged with the version of the parameters last returned.
+    def add_data(self, x: Any, version: int | None = None) -> int:
+        """Send a rollout, tagged with the version of the parameters last returned, or with
+        ``version``: the version of the parameters that made it (a worker that acts through
+        an ``InferenceClient`` passes the version ``predict(..., return_version=True)``
+        returned; the trainer's staleness filter then applies to it).
 
         Returns:
             The rollout bin's version, once the server holds the rollout; 0 if a server
@@ -466,7 +469,7 @@ class RLWorker(_Base):
             # that means something else on the new one (waits up to the client's timeout).
             self._call(self.client.ping)
         self._check_server()
-        tag = self.version
+        tag = self.version if version is None else int(version)
         name = self.data_bins[self._turn % len(self.data_bins)]  # one server after another
         self._turn += 1
         try:

@@ -1,0 +1,132 @@
+"""InferenceClient: a worker's handle on a model served by an :class:`InferenceHost`."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..client.sharded import connect
+
+__all__ = ["InferenceClient"]
+
+
+def _add_batch_dim(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.unsqueeze(0)
+    if isinstance(x, dict):
+        return {k: _add_batch_dim(v) for k, v in x.items()}
+    raise TypeError(f"predict takes a tensor or a dict of tensors, not {type(x).__name__}")
+
+
+def _drop_batch_dim(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[0]
+    if isinstance(x, dict):
+        return {k: _drop_batch_dim(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_drop_batch_dim(v) for v in x)
+    return x
+
+
+def _rows(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            raise ValueError("a batch needs a batch dimension: a tensor of at least 1 dim")
+        return int(x.shape[0])
+    if isinstance(x, dict) and x:
+        sizes = {_rows(v) for v in x.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"the tensors of one input have different batch sizes: "
+                             f"{sorted(sizes)}")
+        return sizes.pop()
+    raise TypeError(f"predict takes a tensor or a dict of tensors, not {type(x).__name__}")
+
+
+class _Result:
+    """Turns a call's answer into what predict returns."""
+
+    __slots__ = ("batched", "with_version")
+
+    def __init__(self, batched: bool, with_version: bool) -> None:
+        self.batched, self.with_version = batched, with_version
+
+    def __call__(self, res: Any) -> Any:
+        out = res.value if self.batched else _drop_batch_dim(res.value)
+        return (out, res.version) if self.with_version else out
+
+
+class InferenceClient:
+    """Calls the model an :class:`InferenceHost` serves on service bin ``name``.
+
+    Args:
+        name: the service bin.
+        host, port: the server (several servers: ``"h1:7000,h2:7000"``), or ``client``.
+        timeout: seconds a prediction may take (queued and computed) before ``WaitTimeout``
+            (the server answers no later; a server that is unreachable that long gives
+            ``ReplyTimeout`` or ``ConnectionLost``).
+        client: a client to use instead of connecting (not closed by :meth:`close`).
+        client_options: more arguments of the client (``token``, ``tls_ca``, ...).
+
+    ``predict(x)`` sends one input (no batch dimension) and returns the model's output row
+    for it; ``predict(x, batched=True)`` sends a batch (first dimension) and returns the
+    output rows for it. ``predict_async`` returns a ``concurrent.futures.Future`` instead:
+    any number may be in flight. Thread-safe.
+    """
+
+    def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
+                 timeout: float = 5.0, client: Any = None, **client_options: Any) -> None:
+        self.name = name
+        self.timeout = timeout
+        self._own = client is None
+        # The client's own timeout leaves the server time to say WaitTimeout first.
+        self.client = connect(host, port, max(timeout * 1.25, timeout + 1.0),
+                              **client_options) if client is None else client
+        self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
+            else self.client
+
+    def _command(self, inputs: Any, batched: bool, return_version: bool) -> Any:
+        x = inputs if batched else _add_batch_dim(inputs)
+        cmd = self._shard.service_call_command(self.name, x, rows=_rows(x),
+                                               timeout=self.timeout)
+        convert = cmd.convert
+        result = _Result(batched, return_version)
+        return replace(cmd, convert=lambda reply: result(convert(reply)))
+
+    def predict(self, inputs: Any, *, batched: bool = False,
+                return_version: bool = False) -> Any:
+        """The model's output for ``inputs`` (its row; with ``batched``, its rows).
+
+        Returns:
+            The output (a tensor, tuple or dict, as the model returns), or ``(output,
+            version)`` with ``return_version``: the parameter version the host used
+            (``None`` if it has none); pass it to ``RLWorker.add_data(x, version=...)``.
+
+        Raises:
+            WaitTimeout: no answer within ``timeout``.
+            ServiceFailed: the host's model failed on this input.
+            BinFull: the service's queue stayed full.
+        """
+        return self._shard._execute(self._command(inputs, batched, return_version))
+
+    def predict_async(self, inputs: Any, *, batched: bool = False,
+                      return_version: bool = False) -> Future[Any]:
+        """Like :meth:`predict`, but returns at once with a ``concurrent.futures.Future``
+        of the result (its callbacks run on the client's reading thread: keep them short)."""
+        return self._shard._submit_future(self._command(inputs, batched, return_version))
+
+    def close(self) -> None:
+        """Close the client (if this object made it)."""
+        if self._own:
+            self.client.close()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<InferenceClient {self.name!r}>"
