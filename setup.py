@@ -32,9 +32,10 @@ setup(
         # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
         "rl": ["gymnasium>=1.0"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
+        # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter",
                  "trustme",
-                 "mypy-zope", "gymnasium>=1.0"],
+                 "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
     classifiers=[

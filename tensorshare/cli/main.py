@@ -1,5 +1,5 @@
 """The ``tensorshare`` command: ``serve``, ``ls``, ``peek``, ``watch``, ``monitor``, ``stats``,
-``demo``.
+``health``, ``demo``.
 
 This module parses the arguments and dispatches; the inspection commands live in
 :mod:`tensorshare.tools`, the Prometheus exporter in :mod:`tensorshare.metrics`.
@@ -202,6 +202,12 @@ def _parser() -> argparse.ArgumentParser:
                         "memory, requests and counters since start")
     st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
 
+    h = sub.add_parser("health", parents=[conn], help="exit 0 if the server answers a ping "
+                       "within --timeout, else 1 (one line each way): for readiness and "
+                       "liveness probes")
+    h.add_argument("--unix", default=None, metavar="PATH",
+                   help="the server's Unix socket (the same as --host unix://PATH)")
+
     # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
     # _demo passes each one run_demo accepts).
     d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
@@ -398,6 +404,63 @@ def _tool(args: argparse.Namespace) -> int:
         return 130
 
 
+def _health(args: argparse.Namespace) -> int:
+    """``tensorshare health``: one ping within ``--timeout``, exit 0 or 1 with one line.
+
+    The check runs in a daemon thread that this waits for at most ``--timeout`` (plus a
+    moment to report an error the client raised at its own deadline): a server that accepts
+    the connection and then says nothing cannot make a probe hang.
+    """
+    import threading
+    import time
+
+    if args.unix is not None:
+        if args.host is not None:
+            print("tensorshare health: give --host or --unix, not both", file=sys.stderr)
+            return 2
+        args.host = f"unix://{args.unix}"
+    result: list[tuple[str, float] | BaseException] = []
+
+    def check() -> None:
+        from ..client.blocking import Client
+
+        start = time.monotonic()
+        try:
+            with Client(args.host, args.port, timeout=args.timeout, reconnect=False,
+                        session=False, name="tensorshare-health", shm=False, tls=args.tls,
+                        tls_ca=args.tls_ca, token_file=args.token_file) as c:
+                c.ping()
+                result.append((c.address, time.monotonic() - start))
+        except BaseException as exc:  # reported by the waiting thread below
+            result.append(exc)
+
+    thread = threading.Thread(target=check, name="tensorshare-health", daemon=True)
+    thread.start()
+    thread.join(args.timeout + 0.5)
+    if not result:
+        print(f"tensorshare health: {_where(args)}: no answer within {args.timeout:g} s",
+              file=sys.stderr)
+        return 1
+    outcome = result[0]
+    if isinstance(outcome, BaseException):
+        text = str(outcome).strip().splitlines()[0] if str(outcome).strip() else \
+            type(outcome).__name__
+        print(f"tensorshare health: {text}", file=sys.stderr)
+        return 1
+    address, took = outcome
+    print(f"ok: {address} answered in {took * 1000:.1f} ms")
+    return 0
+
+
+def _where(args: argparse.Namespace) -> str:
+    from ..client.endpoint import resolve
+
+    try:
+        return str(resolve(args.host, args.port, tls=args.tls))
+    except (ValueError, OSError):
+        return f"{args.host}:{args.port}"
+
+
 def _demo(args: argparse.Namespace) -> int:
     """``tensorshare demo``: pass the options through to whatever ``run_demo`` accepts."""
     from ..rl.demo import run_demo
@@ -413,4 +476,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "health":
+        return _health(args)
     return _tool(args)

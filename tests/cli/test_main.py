@@ -155,3 +155,74 @@ def test_demo_has_an_option_for_each_run_demo_argument_with_its_default() -> Non
         assert args[name] == param.default, name
     out = _cli("demo", "--server", "nowhere")  # passed through: the demo itself refuses it
     assert out.returncode == 2 and out.stderr.startswith("tensorshare demo: ")
+
+
+# --------------------------------------------------------------------------- health
+
+
+def test_health_of_a_running_server_is_one_line_and_exit_0(server: EmbeddedServer) -> None:
+    out = _cli("health", "--port", str(server.port), "--timeout", "5")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    assert out.stdout.startswith(f"ok: 127.0.0.1:{server.port} answered in ")
+    assert out.stdout.count("\n") == 1
+
+
+def test_health_with_nothing_listening_is_exit_1_at_once(free_port: int) -> None:
+    import time
+
+    start = time.monotonic()
+    out = _cli("health", "--port", str(free_port), "--timeout", "2")
+    assert time.monotonic() - start < 10  # refused: no waiting for the timeout
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"tensorshare health: cannot connect to tensorshare server "
+                                 f"at 127.0.0.1:{free_port}: ")
+
+
+def test_health_of_a_server_that_never_answers_fails_within_the_timeout() -> None:
+    import socket
+    import time
+
+    with socket.socket() as silent:  # accepts connections (the backlog) and says nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        out = _cli("health", "--port", str(port), "--timeout", "1")
+        took = time.monotonic() - start
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("tensorshare health: ") and out.stderr.count("\n") == 1
+    assert took < 10, took  # the interpreter's start, and 1 s, and a margin
+
+
+def test_health_checks_the_token_and_takes_unix(tmp_path: Path) -> None:
+    from tensorshare.server import ServerConfig
+
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("health-test-token\n")
+    wrong.write_text("not-the-token\n")
+    sock = tmp_path / "ts.sock"
+    with EmbeddedServer(port=0, unix=str(sock), config=ServerConfig(token="health-test-token")
+                        ) as srv:
+        ok = _cli("health", "--port", str(srv.port), "--token-file", str(token))
+        assert ok.returncode == 0, ok.stderr
+        ok = _cli("health", "--unix", str(sock), "--token-file", str(token))
+        assert ok.returncode == 0 and ok.stdout.startswith(f"ok: unix://{sock} "), ok.stderr
+        for bad in ([], ["--token-file", str(wrong)]):
+            out = _cli("health", "--port", str(srv.port), *bad)
+            assert out.returncode == 1 and out.stdout == ""
+            assert out.stderr.startswith("tensorshare health: ") and "token" in out.stderr
+            assert out.stderr.count("\n") == 1
+    both = _cli("health", "--host", "127.0.0.1", "--unix", str(sock))
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_health_in_process_returns_the_exit_status(server: EmbeddedServer, free_port: int,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorshare.cli.main import main
+
+    assert main(["health", "--port", str(server.port)]) == 0
+    assert capsys.readouterr().out.startswith("ok: ")
+    assert main(["health", "--port", str(free_port), "--timeout", "1"]) == 1
+    assert capsys.readouterr().err.startswith("tensorshare health: cannot connect")
