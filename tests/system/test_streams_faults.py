@@ -1,0 +1,749 @@
+"""Fault injection on stream bins (issue 17): members killed with SIGKILL, several producers,
+connections cut by a chaos proxy, the window under a slow consumer, a server process's memory,
+and consumers over a Unix socket with shared memory.
+
+Consumers and producers that are killed run in child processes (``python -c`` with the small
+script below); the rest run in threads of the test process. Every server listens on
+127.0.0.1, port 0 (or a Unix socket in the test's temporary directory). Nothing waits on a
+bare sleep: conditions are polled with deadlines (``wait_until``), every thread is joined and
+every child read with a deadline, every child is killed in ``finally``. (The pacing of a
+deliberately slow consumer is a wait between its reads, not a wait for a result.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tensorshare import Client, EmbeddedServer
+from tensorshare.data import (
+    Lagged,
+    ProducerGone,
+    SharedLoader,
+    StreamConsumer,
+    StreamProducer,
+    serve_loader,
+)
+from tensorshare.memory import shm as shm_module
+from tensorshare.server.streams import Stream, StreamKind
+from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
+from tests.conftest import wait_until
+
+TIMEOUT = 20.0  # a member's patience (reads, connects): only real failures reach it
+JOIN = 30.0  # joining a thread or waiting for a child's line
+MARGIN = 1.0  # beyond a lease: how late the server may act on it
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    srv = EmbeddedServer(port=0)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def pause(seconds: float) -> None:
+    threading.Event().wait(seconds)  # the pace of a slow member, never a wait for a result
+
+
+class Background:
+    """Run ``fn`` in a thread; ``result()`` joins it with a deadline and re-raises."""
+
+    def __init__(self, fn: Callable[[], Any], name: str = "background") -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done_at: float | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn()
+            except BaseException as exc:  # handed to the test
+                self.error = exc
+            finally:
+                self.done_at = time.monotonic()
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = JOIN) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "still running after the deadline"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+# A stream member in a child process, so that it can be SIGKILLed. It prints one line per
+# step (flushed), which the test reads with deadlines.
+CHILD = textwrap.dedent("""
+    import sys, threading, torch
+    from tensorshare.data import StreamConsumer, StreamProducer
+
+    role, name, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if role == "consume":  # consumer NAME: read one item at a time, PAUSE s apart
+        who, lease, gap = sys.argv[4], float(sys.argv[5]), float(sys.argv[6])
+        c = StreamConsumer(name, who, "127.0.0.1", port, lease=lease, timeout=30)
+        print("joined", flush=True)
+        while True:
+            got = c.read(1)
+            for x in got.items:
+                print("item", int(x[0]), flush=True)
+            if got.finished:
+                break
+            threading.Event().wait(gap)
+    else:  # producer INDEX of K: append items FIRST.. (N of them), then stay until killed
+        lease, n = float(sys.argv[4]), int(sys.argv[5])
+        index, k, first = (int(a) for a in (sys.argv[6:9] or (0, 1, 0)))
+        p = StreamProducer(name, "127.0.0.1", port, lease=lease, window=64, timeout=30,
+                           producer=index, producers=k)
+        print("opened", flush=True)
+        for i in range(first, first + n):
+            p.append(torch.tensor([i]))
+            print("appended", i, flush=True)
+        sys.stdin.readline()
+""")
+
+
+class Child:
+    """A stream member in a child process; its stdout lines arrive in ``lines``."""
+
+    def __init__(self, *args: Any) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, *map(str, args)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        out = self.proc.stdout
+        assert out is not None
+
+        def read() -> None:
+            for line in out:
+                self.lines.put(line.strip())
+            self.lines.put("")  # end of output
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    def expect(self, pred: Callable[[str], bool], timeout: float = JOIN) -> str:
+        """Read lines until one satisfies ``pred``; fail after ``timeout`` or at the end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise AssertionError(f"no such line within {timeout} s; seen {self.seen[-5:]}"
+                                     ) from None
+            if line == "" and self.proc.poll() is not None:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise AssertionError(f"the child ended (rc {self.proc.returncode}): "
+                                     f"{self.seen[-5:]}\n{err[-2000:]}")
+            self.seen.append(line)
+            if pred(line):
+                return line
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        assert self.proc.wait(JOIN) == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(JOIN)
+        self._reader.join(JOIN)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Callable[..., Child]]:
+    made: list[Child] = []
+
+    def start(*args: Any) -> Child:
+        c = Child(*args)
+        made.append(c)
+        return c
+
+    try:
+        yield start
+    finally:
+        for c in made:
+            c.close()
+
+
+def stream_stats(port: int, name: str) -> dict[str, Any]:
+    with Client(HOST, port, timeout=TIMEOUT) as c:
+        return c.stats(name)["bins"][name]  # type: ignore[no-any-return]
+
+
+def read_all(c: StreamConsumer, max_items: int | None = None) -> list[int]:
+    """Read one consumer to the end of the stream: the first value of each item, in order."""
+    got: list[int] = []
+    while True:
+        batch = c.read(max_items)
+        got += [int(x[0]) for x in batch.items]
+        if batch.finished:
+            return got
+
+
+# ------------------------------------------------------------------------------ 1. consumer killed
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_killed_mid_stream_holds_the_others_back_no_longer_than_its_lease(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    n, window, lease = 60, 4, 1.0
+    victim = children("consume", "s", server.port, "victim", lease, 0.05)
+    victim.expect(lambda line: line == "joined")
+    others = {who: StreamConsumer("s", who, HOST, server.port, timeout=TIMEOUT)
+              for who in ("a", "b")}
+    sent: list[int] = []
+    with StreamProducer("s", HOST, server.port, window=window, timeout=TIMEOUT) as p:
+
+        def produce() -> None:
+            for i in range(n):
+                p.append(torch.tensor([i]))
+                sent.append(i)
+            p.end_epoch(last=True)
+
+        producer = Background(produce, "producer")
+        readers = {who: Background(partial(read_all, c), who) for who, c in others.items()}
+        victim.expect(lambda line: line == "item 8")  # it reads, slowly, holding everyone
+        assert len(sent) < n  # the producer keeps its pace: the window is full of its items
+        victim.kill()
+        killed = time.monotonic()
+        producer.result()
+        got = {who: r.result() for who, r in readers.items()}
+        late = max([producer.done_at or 0.0] + [r.done_at or 0.0 for r in readers.values()])
+        # Away, the victim holds everyone back for its lease (its connection is gone, not
+        # its lease), then no longer.
+        assert lease / 2 <= late - killed <= lease + MARGIN, \
+            f"held {late - killed:.2f} s after the kill"
+        for who, items in got.items():
+            assert items == list(range(n)), who
+        stats = stream_stats(server.port, "s")["stream"]
+        states = {who: c["state"] for who, c in stats["consumers"].items()}
+        # The stream keeps the record of a dropped consumer (so that it could come back,
+        # docs/PROTOCOL.md 13.3), marked dropped: it holds nobody back.
+        assert states == {"a": "live", "b": "live", "victim": "dropped"}, states
+        assert stats["finished"] and stats["head"] == n + 1
+        # A consumer that comes back under the victim's name learns what it missed (what was
+        # freed after the position it had acknowledged), then reads on from what is kept.
+        left_at = stats["consumers"]["victim"]["position"]
+        base = stats["base"]
+        assert 8 <= left_at < base <= n
+        with StreamConsumer("s", "victim", HOST, server.port, timeout=TIMEOUT) as back:
+            assert back.joined.resumed
+            with pytest.raises(Lagged) as lagged:
+                back.read()
+            assert lagged.value.missed == base - left_at
+            assert read_all(back) == list(range(base, n))
+        for c in others.values():
+            c.close(leave=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_consumer_restarted_under_its_name_goes_on_from_what_it_acknowledged(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    n, lease = 40, 30.0  # a long lease: the restart must not wait for it
+    victim = children("consume", "r", server.port, "job", lease, 0.05)
+    victim.expect(lambda line: line == "joined")
+    with StreamProducer("r", HOST, server.port, window=4, timeout=TIMEOUT) as p:
+
+        def produce() -> None:
+            for i in range(n):
+                p.append(torch.tensor([i]))
+            p.end_epoch(last=True)
+
+        producer = Background(produce, "producer")
+        last = int(victim.expect(lambda line: line == "item 7").split()[1])
+        victim.kill()
+        killed = time.monotonic()
+        job = stream_stats(server.port, "r")["stream"]["consumers"]["job"]
+        assert job["state"] == "away" and job["lease"] == lease  # its lease runs
+        acked = job["position"]
+        assert acked in (last, last + 1)  # (its next read may have left before the kill)
+        with StreamConsumer("r", "job", HOST, server.port, lease=lease, timeout=TIMEOUT) as back:
+            assert back.joined.resumed and back.joined.position == acked
+            # What it had not acknowledged comes again (the batch it died with), then the
+            # rest: nothing lost, nothing it acknowledged repeated, no Lagged.
+            assert read_all(back) == list(range(acked, n))
+        producer.result()
+        assert time.monotonic() - killed < lease / 3
+
+
+# ------------------------------------------------------------------------------ 2. producer killed
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_killed_mid_epoch_gives_consumers_producer_gone_within_its_lease(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    lease, k = 1.0, 5
+    plain = StreamConsumer("g", "plain", HOST, server.port, timeout=TIMEOUT)
+    loader = SharedLoader("g", HOST, server.port, batch_size=2, name="loader", start="now",
+                          timeout=TIMEOUT)
+    producer = children("produce", "g", server.port, lease, k)
+    producer.expect(lambda line: line == f"appended {k - 1}")
+
+    def consume_plain() -> tuple[list[int], float]:
+        got: list[int] = []
+        try:
+            while True:
+                got += [int(x[0]) for x in plain.read().items]
+        except ProducerGone:
+            return got, time.monotonic()
+
+    def consume_loader() -> tuple[list[int], float]:
+        got: list[int] = []
+        try:
+            for batch in loader:
+                got += batch.tolist()
+        except ProducerGone:
+            return got, time.monotonic()
+        raise AssertionError(f"the pass ended without ProducerGone after {got}")
+
+    readers = [Background(consume_plain, "plain"), Background(consume_loader, "loader")]
+    wait_until(lambda: stream_stats(server.port, "g")["waiters"] == 2, JOIN,
+               "both consumers to wait for more")
+    producer.kill()
+    killed = time.monotonic()
+    # Everything it sent, then the error; never a hang. (The loader yields whole batches
+    # of 2: the odd sample of the broken epoch is never yielded.)
+    for r, want in zip(readers, (list(range(k)), list(range(k - k % 2))), strict=True):
+        got, when = r.result()
+        assert got == want
+        assert when - killed <= lease + MARGIN, f"ProducerGone {when - killed:.2f} s on"
+    stats = stream_stats(server.port, "g")["stream"]
+    assert stats["broken"] and stats["producers"]["0"]["state"] == "gone"
+    # A producer comes back: a consumer joins again at the next epoch and gets it whole.
+    with StreamProducer("g", HOST, server.port, lease=lease, timeout=TIMEOUT) as p:
+        assert plain.rejoin("next_epoch").epoch == 1  # after the aborted epoch 0
+        for i in range(3):
+            p.append(torch.tensor([100 + i]))
+        p.end_epoch(last=True)
+        assert read_all(plain) == [100, 101, 102]
+    plain.close(leave=True)
+    loader.close()
+
+
+class Paused:
+    """An iterable of items ``first..first+n``; its first pass stops halfway until ``go``."""
+
+    def __init__(self, first: int, n: int) -> None:
+        self.first, self.n, self.passes = first, n, 0
+        self.halfway, self.go = threading.Event(), threading.Event()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.passes += 1
+        for i in range(self.n):
+            if self.passes == 1 and i == self.n // 2:
+                self.halfway.set()
+                assert self.go.wait(JOIN)
+            yield torch.tensor([self.first + i])
+
+
+@pytest.mark.timeout(60)
+def test_one_of_two_producers_killed_the_other_restarts_the_epoch_once_it_is_replaced(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    lease, half = 1.0, 40  # producer 0 sends 0..39, producer 1 sends 1000..1039
+    job = StreamConsumer("two", "job", HOST, server.port, start="next_epoch", timeout=TIMEOUT)
+    dead = children("produce", "two", server.port, lease, half // 2, 0, 2, 0)
+    dead.expect(lambda line: line == f"appended {half // 2 - 1}")  # half of its part
+    data = Paused(1000, half)
+    other = Background(partial(serve_loader, data, "two", HOST, server.port, producers=2,
+                               producer=1, window=64, lease=lease, timeout=JOIN),
+                       "serve_loader")
+    assert data.halfway.wait(JOIN)
+    wait_until(lambda: stream_stats(server.port, "two")["stream"]["epoch_sent"] == half,
+               JOIN, "half of both parts")
+    dead.kill()
+    killed = time.monotonic()
+    got: list[int] = []
+    with pytest.raises(ProducerGone):
+        while True:
+            got += [int(x[0]) for x in job.read().items]
+    assert time.monotonic() - killed <= lease + MARGIN
+    assert sorted(got) == list(range(half // 2)) + list(range(1000, 1000 + half // 2))
+    job.rejoin("next_epoch")  # (it waits for the epoch after the broken one)
+
+    def opens() -> int:
+        return int(stream_stats(server.port, "two")["ops"].get("open", 0))
+
+    before = opens()
+    data.go.set()  # the live producer's next append gets ProducerGone...
+    wait_until(lambda: opens() >= before + 2, JOIN, "serve_loader to wait for a producer 0")
+    assert other.thread.is_alive()  # ...and it opens again until the stream is whole
+    # A new producer 0 takes the dead one's place: the broken epoch ends as aborted, and
+    # both send the epoch again from its start; the job gets the union once.
+    with StreamProducer("two", HOST, server.port, producer=0, producers=2, window=64,
+                        lease=lease, timeout=TIMEOUT) as p:
+        for i in range(half):
+            p.append(torch.tensor([i]))
+        p.end_epoch(last=True)
+        again = read_all(job)
+        report = other.result()
+    assert sorted(again) == list(range(half)) + list(range(1000, 1000 + half))
+    assert (report.epochs, report.restarts, report.samples) == (1, 1, half)
+    assert data.passes == 2
+    job.close(leave=True)
+
+
+# ------------------------------------------------------------------------------ 3. producers
+
+
+@pytest.mark.timeout(60)
+def test_several_producers_feed_the_union_once_and_an_epoch_ends_when_all_marked_it(
+        server: EmbeddedServer) -> None:
+    k, per = 3, 20  # producer i sends i*1000 + 0..19 each epoch
+    consumers = [StreamConsumer("u", f"c{j}", HOST, server.port, timeout=TIMEOUT)
+                 for j in range(2)]
+    producers = [StreamProducer("u", HOST, server.port, producer=i, producers=k, window=8,
+                                samples_per_epoch=per, timeout=TIMEOUT) for i in range(k)]
+    release = threading.Event()
+    expected = sorted(i * 1000 + j for i in range(k) for j in range(per))
+
+    def produce(i: int) -> list[bool]:
+        p, ends = producers[i], []
+        for epoch in range(2):
+            for j in range(per):
+                p.append(torch.tensor([i * 1000 + j]))
+            if i == 2 and epoch == 0:
+                assert release.wait(JOIN)  # the last producer holds its mark back
+            ends.append(p.end_epoch(last=epoch == 1).complete)
+        return ends
+
+    def consume(c: StreamConsumer) -> list[tuple[list[int], int | None]]:
+        epochs: list[tuple[list[int], int | None]] = []
+        items: list[int] = []
+        while True:
+            got = c.read()
+            items += [int(x[0]) for x in got.items]
+            if got.ended:
+                epochs.append((items, got.end))
+                items = []
+            if got.finished:
+                return epochs
+
+    runs = [Background(partial(produce, i), f"producer-{i}") for i in range(k)]
+    reads = [Background(partial(consume, c), c.consumer) for c in consumers]
+
+    watch = Client(HOST, server.port, timeout=TIMEOUT)
+
+    def stream() -> dict[str, Any]:
+        return watch.stats("u")["bins"]["u"]  # type: ignore[no-any-return]
+
+    # Every item of epoch 0 is in and read; two producers marked it, the third did not: the
+    # epoch is not over, and producers 0 and 1, on to epoch 1, are held.
+    def held_at_the_end_of_epoch_0() -> bool:
+        st = stream()
+        return st["stream"]["head"] == k * per and st["blocked"] == 2 and \
+            all(c["position"] == k * per for c in st["stream"]["consumers"].values())
+
+    wait_until(held_at_the_end_of_epoch_0, JOIN, "epoch 0 sent, read, and the next appends held")
+    st = stream()["stream"]
+    assert st["epoch"] == 0 and st["head"] == k * per  # no mark yet
+    assert [st["producers"][str(i)]["epoch"] for i in range(k)] == [1, 1, 0]
+    assert all(r.thread.is_alive() for r in reads)  # nobody saw an end
+    release.set()
+    ends = [r.result() for r in runs]
+    assert [e[0] for e in ends] == [False, False, True]  # the last mark completed epoch 0
+    for r in reads:
+        epochs = r.result()
+        assert len(epochs) == 2, epochs
+        for items, total in epochs:
+            assert sorted(items) == expected and total == k * per  # the union, each once
+            for i in range(k):  # each producer's items keep its order
+                mine = [x for x in items if x // 1000 == i]
+                assert mine == sorted(mine)
+    for c in consumers:
+        c.close(leave=True)
+    for p in producers:
+        p.close()
+    watch.close()
+
+
+# ------------------------------------------------------------------------------ 4. chaos proxy
+
+
+@pytest.mark.timeout(90)
+def test_a_loader_through_a_cutting_proxy_gets_every_sample_once_in_order_with_a_true_len(
+        server: EmbeddedServer) -> None:
+    seed = chaos_seed()
+    n, per_batch, batch_size, epochs = 500, 5, 7, 3
+    with ChaosProxy((HOST, server.port), seed=seed) as proxy:
+        loader = SharedLoader("c", HOST, proxy.port, batch_size=batch_size, name="job",
+                              start="next_epoch", timeout=TIMEOUT)
+        # Connected while nothing is cut; from now on its connections are cut repeatedly,
+        # mid-frame, both ways, by bytes and by time.
+        proxy.set_faults(Faults(cut_after_bytes=(300, 6_000), cut_after_seconds=(0.2, 1.0),
+                                reset_probability=0.5, half_open_probability=0.2,
+                                chunk_bytes=(1, 2048)))
+        info = lambda: f"seed {seed}: {proxy.describe()}"  # noqa: E731
+
+        def produce() -> None:
+            with StreamProducer("c", HOST, server.port, window=8, samples_per_epoch=n,
+                                timeout=TIMEOUT) as p:
+                p.wait_for_consumers(1, JOIN)
+                for epoch in range(epochs):
+                    for b in range(0, n, per_batch):
+                        p.append(torch.arange(b, b + per_batch).unsqueeze(1))
+                    p.end_epoch(last=epoch == epochs - 1)
+
+        producer = Background(produce, "producer")
+        want = math.ceil(n / batch_size)
+        for _ in range(epochs):
+            labels, lens, sizes = [], set(), []
+            for batch in loader:
+                labels += batch[:, 0].tolist()
+                sizes.append(len(batch))
+                lens.add(len(loader))
+            assert labels == list(range(n)), info()
+            assert lens == {want} and len(sizes) == want, info()
+            assert sizes == [batch_size] * (n // batch_size) + [n % batch_size], info()
+        producer.result()
+        assert loader.finished and list(loader) == [], info()
+        stats = proxy.stats()
+        assert stats["cuts"] >= 5 and stats["accepted"] >= 6, info()
+        proxy.set_faults(Faults())
+        loader.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_producer_whose_connections_are_cut_within_its_lease_sends_every_item_once(
+        server: EmbeddedServer) -> None:
+    seed = chaos_seed()
+    n, epochs = 150, 2
+    with ChaosProxy((HOST, server.port), seed=seed) as proxy:
+        c = StreamConsumer("pc", "job", HOST, server.port, timeout=TIMEOUT)
+        p = StreamProducer("pc", HOST, proxy.port, window=8, lease=5.0, timeout=TIMEOUT)
+        proxy.set_faults(Faults(cut_after_bytes=(200, 3_000), cut_after_seconds=(0.1, 0.8),
+                                reset_probability=0.5, chunk_bytes=(1, 512)))
+
+        def produce() -> None:
+            for epoch in range(epochs):
+                for i in range(n):
+                    p.append(torch.tensor([i]))
+                p.end_epoch(last=epoch == epochs - 1)
+
+        producer = Background(produce, "producer")
+        got: list[int] = []
+        ends: list[int | None] = []
+        while True:
+            batch = c.read()
+            got += [int(x[0]) for x in batch.items]
+            if batch.ended:
+                ends.append(batch.end)
+            if batch.finished:
+                break
+        producer.result()
+        info = f"seed {seed}: {proxy.describe()}"
+        assert got == list(range(n)) * epochs, info  # nothing lost, nothing twice
+        assert ends == [n] * epochs, info
+        assert proxy.stats()["cuts"] >= 10, info
+        proxy.set_faults(Faults())
+        assert stream_stats(server.port, "pc")["stream"]["producers"]["0"]["state"] == "done"
+        p.close()
+        c.close(leave=True)
+
+
+# ------------------------------------------------------------------------------ 5. the window
+
+
+@pytest.mark.timeout(60)
+def test_the_window_is_never_exceeded_beyond_the_slowest_live_consumer(
+        server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    n, window = 80, 5
+    beyond: list[int] = []  # after every store: positions kept beyond the slowest consumer
+    kept: list[int] = []  # positions kept at all
+    original = Stream.append
+
+    def append(self: Stream, index: int, entries: list[Any], now: float) -> int:
+        pos = original(self, index, entries, now)
+        slowest = min((c.acked for c in self.consumers.values()
+                       if c.holds and c.acked is not None), default=self.head)
+        beyond.append(self.head - slowest)
+        kept.append(self.head - self.base)
+        return pos
+
+    monkeypatch.setattr(Stream, "append", append)  # (runs in the server's reactor thread)
+    fast = StreamConsumer("w", "fast", HOST, server.port, timeout=TIMEOUT)
+    slow = StreamConsumer("w", "slow", HOST, server.port, timeout=TIMEOUT)
+    with StreamProducer("w", HOST, server.port, window=window, timeout=TIMEOUT) as p:
+
+        def produce() -> None:
+            for i in range(0, n, 2):  # appends of one and two items
+                if i % 4:
+                    p.append(torch.tensor([i]))
+                    p.append(torch.tensor([i + 1]))
+                else:
+                    p.extend([torch.tensor([i]), torch.tensor([i + 1])])
+            p.end_epoch(last=True)
+
+        def slowly() -> list[int]:
+            got: list[int] = []
+            while True:
+                batch = slow.read(1)
+                got += [int(x[0]) for x in batch.items]
+                if batch.finished:
+                    return got
+                pause(0.01)
+
+        producer = Background(produce, "producer")
+        reads = [Background(lambda: read_all(fast), "fast"), Background(slowly, "slow")]
+        held = 0
+        deadline = time.monotonic() + JOIN
+        watch = Client(HOST, server.port, timeout=TIMEOUT)
+        while producer.thread.is_alive() and time.monotonic() < deadline:
+            st = watch.stats("w")["bins"]["w"]
+            held += st["blocked"]
+            lag = st["stream"]["consumers"]["slow"]["lag"]
+            # Items: never more than the window. Positions: the epoch's mark (no item, no
+            # bytes; a stream_end is not held by the window) may be one more.
+            marks = 1 if st["stream"]["head"] > n else 0
+            assert lag is None or lag <= window + marks, st["stream"]
+            assert st["n_items"] <= window, st["stream"]
+            pause(0.002)
+        watch.close()
+        producer.result()
+        assert [r.result() for r in reads] == [list(range(n))] * 2
+    assert len(beyond) == n - n // 4 and max(beyond) <= window, beyond
+    assert max(kept) <= window, kept
+    assert max(beyond) == window and held, (beyond, held)  # it was full, and held the producer
+    fast.close(leave=True)
+    slow.close(leave=True)
+
+
+# ------------------------------------------------------------------------------ 6. server memory
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.timeout(90)
+def test_a_server_process_streaming_many_mib_through_a_slow_consumer_stays_bounded() -> None:
+    n, size, window = 96, 1 * MiB, 4  # 96 MiB through a window of 4 MiB
+    with ServerProcess(0) as srv:
+        assert srv.proc is not None
+        pid = srv.proc.pid
+        with StreamProducer("m", HOST, srv.port, window=window, timeout=TIMEOUT) as p, \
+                StreamConsumer("m", "slow", HOST, srv.port, timeout=TIMEOUT) as c:
+            payload = torch.zeros(size // 4)
+            for _ in range(2):  # the server's buffers once used, as in any stream
+                p.append(payload)
+            got = len(c.read().items)
+            baseline = rss(pid)
+            peak = [baseline]
+            stop = threading.Event()
+
+            def sample() -> None:
+                while not stop.is_set():
+                    peak.append(rss(pid))
+                    stop.wait(0.005)
+
+            def produce() -> None:
+                for i in range(n):
+                    p.append(torch.full((size // 4,), float(i)))
+                p.end_epoch(last=True)
+
+            sampler = Background(sample, "rss")
+            producer = Background(produce, "producer")
+            try:
+                while True:
+                    batch = c.read(1)
+                    for x in batch.items:
+                        assert x.numel() == size // 4 and x[0] == x[-1]
+                        got += 1
+                    if batch.finished:
+                        break
+                    pause(0.01)
+                producer.result()
+            finally:
+                stop.set()
+            sampler.result()
+        assert got == n + 2
+        bound = baseline + 4 * window * size
+        assert max(peak) <= bound, (
+            f"server RSS peaked at {max(peak) / MiB:.1f} MiB: over its baseline of "
+            f"{baseline / MiB:.1f} MiB + 4 windows ({4 * window * size / MiB:.0f} MiB) while "
+            f"{n * size / MiB:.0f} MiB went through")
+
+
+# ------------------------------------------------------------------------------ 7. unix / shm
+
+
+@pytest.mark.skipif(not shm_module.available(), reason="needs Linux memfd seals")
+@pytest.mark.timeout(60)
+def test_a_consumer_over_a_unix_socket_gets_the_same_bits_as_one_over_tcp(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "ts.sock")
+    gen = torch.Generator().manual_seed(17)
+    # Random bit patterns (NaNs and all), big enough for shared memory, and a small one.
+    sent = [{"x": torch.randint(-2**31, 2**31 - 1, (MiB // 2 + i,), dtype=torch.int32,
+                                generator=gen).view(torch.float32),
+             "i": torch.tensor([i])} for i in range(6)]
+
+    def bits(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+    with EmbeddedServer(port=0, unix=path) as srv:
+        url = f"unix://{path}"
+        shm = StreamConsumer("x", "shm", url, timeout=TIMEOUT)
+        tcp = StreamConsumer("x", "tcp", HOST, srv.port, timeout=TIMEOUT)
+        assert shm.client.shared_memory and not tcp.client.shared_memory
+        with StreamProducer("x", url, window=8, timeout=TIMEOUT) as p:
+            assert p.client.shared_memory
+            for value in sent:
+                p.append(value)
+            p.end_epoch(last=True)
+
+            def stored() -> list[bool]:
+                (kind,) = [k for k in srv.factory.kinds if k.name == "stream"]
+                assert isinstance(kind, StreamKind)
+                return [e.item.value.buffers[0].shm is not None
+                        for e in kind.streams["x"].entries if e.item is not None]
+
+            # The server holds the big buffers as memfds (both consumers still need them).
+            assert srv.call(stored) == [True] * len(sent)
+            got = {}
+            for who, c in (("shm", shm), ("tcp", tcp)):
+                items: list[Any] = []
+                while True:
+                    batch = c.read()
+                    items += batch.items
+                    if batch.finished:
+                        break
+                got[who] = items
+        for who, items in got.items():
+            assert len(items) == len(sent), who
+            for value, item in zip(sent, items, strict=True):
+                assert item["x"].dtype == torch.float32 and item["x"].shape == value["x"].shape
+                assert bits(item["x"]) == bits(value["x"]), who
+                assert torch.equal(item["i"], value["i"]), who
+        shm.close(leave=True)
+        tcp.close(leave=True)
