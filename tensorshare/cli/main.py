@@ -1,5 +1,5 @@
-"""The ``tensorshare`` command: ``serve``, ``ls``, ``peek``, ``watch``, ``monitor``, ``stats``,
-``health``, ``demo``.
+"""The ``tensorshare`` command: ``serve``, ``relay``, ``ls``, ``peek``, ``watch``, ``monitor``,
+``stats``, ``health``, ``rebalance``, ``demo``.
 
 This module parses the arguments and dispatches; the inspection commands live in
 :mod:`tensorshare.tools`, the Prometheus exporter in :mod:`tensorshare.metrics`.
@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tensorshare {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run a server (until Ctrl+C)")
+    # The server's options: `serve` has them, and so does `relay` (a relay is a server).
+    s = argparse.ArgumentParser(add_help=False)
     s.add_argument("--host", default="127.0.0.1",
                    help="interface to bind (default 127.0.0.1; 0.0.0.0 accepts other machines)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -146,6 +147,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
                    help="also export one series per bin (default on; turn it off for "
                         "servers with very many bins)")
+    sub.add_parser("serve", parents=[s], help="run a server (until Ctrl+C)")
+    r = sub.add_parser("relay", parents=[s], help="serve another server's bins read-only, "
+                       "downloading each new version once (parameter fan-out; until Ctrl+C)")
+    r.add_argument("--upstream", required=True, metavar="URL",
+                   help="the server to relay: tensorshare://HOST:PORT, "
+                        "tensorshare+tls://HOST:PORT or unix://PATH (a primary or a relay)")
+    r.add_argument("--bins", action="append", default=None, metavar="GLOB",
+                   help="relay the value bins matching this pattern (repeat for more; "
+                        "default: every bin)")
+    r.add_argument("--poll", type=_seconds, default=1.0, metavar="SECONDS",
+                   help="how often to look for new bins upstream (default 1); new versions "
+                        "of known bins come at once")
+    r.add_argument("--upstream-token-file", default=None, metavar="PATH",
+                   help="the upstream's token (default: TENSORSHARE_TOKEN or the file "
+                        "TENSORSHARE_TOKEN_FILE names)")
+    r.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
+                   help="the CA of the upstream's certificate (default: TENSORSHARE_TLS_CA)")
 
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
@@ -201,6 +219,21 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", parents=[conn], help="the server: uptime, connections, "
                         "memory, requests and counters since start")
     st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
+
+    rb = sub.add_parser("rebalance", help="move the value and list bins of a sharded set to "
+                        "the servers that own them now (after servers were added, or before "
+                        "some leave with --drain)")
+    rb.add_argument("--servers", default=None, metavar="LIST",
+                    help="the servers from now on: h1:7000,h2:7000,... (default: "
+                         "TENSORSHARE_SERVERS); a DNS name with several addresses counts as "
+                         "all of them")
+    rb.add_argument("--drain", action="append", default=[], metavar="HOST:PORT",
+                    help="a server that leaves the set: its bins move too (repeat for more)")
+    rb.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="seconds each server has to answer (default 30)")
+    rb.add_argument("--token-file", default=None, metavar="PATH",
+                    help="the servers' token (default: TENSORSHARE_TOKEN or the file "
+                         "TENSORSHARE_TOKEN_FILE names)")
 
     h = sub.add_parser("health", parents=[conn], help="exit 0 if the server answers a ping "
                        "within --timeout, else 1 (one line each way): for readiness and "
@@ -308,12 +341,37 @@ def _serve(args: argparse.Namespace) -> int:
                           max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
                           fsync=args.fsync, snapshot_every=args.snapshot_every,
                           snapshot_log_bytes=args.snapshot_log_bytes,
-                          truncate_corrupt_log=args.truncate_corrupt_log)
+                          truncate_corrupt_log=args.truncate_corrupt_log,
+                          relay_of=_upstream(args))
+    if config.relay_of is not None:
+        ready = _relaying(args, ready)
     try:
         return _run_server(args, ready, config, running)
     finally:
         if exporter is not None:
             exporter.stop()
+
+
+def _upstream(args: argparse.Namespace) -> str | None:
+    if args.command != "relay":
+        return None
+    up = args.upstream
+    return up if "://" in up else f"tensorshare://{up}"
+
+
+def _relaying(args: argparse.Namespace, ready: Any) -> Any:
+    """``ready`` for ``tensorshare relay``: start relaying once the server listens."""
+
+    def start(server: Any) -> None:
+        from ..relay import Relay
+
+        ready(server)
+        relay = Relay(_upstream(args) or "", args.bins or ["*"], server=server,
+                      poll=args.poll, token_file=args.upstream_token_file,
+                      tls_ca=args.upstream_tls_ca)
+        print(f"relaying {', '.join(relay.globs)} of {relay.upstream} (read-only)", flush=True)
+
+    return start
 
 
 def _read(path: str) -> str:
@@ -452,6 +510,23 @@ def _health(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rebalance(args: argparse.Namespace) -> int:
+    """``tensorshare rebalance``: move bins to their owners (ShardedClient.rebalance)."""
+    from ..client.sharded import ShardedClient
+
+    try:
+        with ShardedClient(args.servers, timeout=args.timeout,
+                           token_file=args.token_file) as c:
+            moved = c.rebalance(args.drain)
+    except (ValueError, OSError) as exc:
+        print(f"tensorshare rebalance: {exc}", file=sys.stderr)
+        return 1
+    for name, where in sorted(moved.items()):
+        print(f"{name} -> {where}")
+    print(f"moved {len(moved)} bins")
+    return 0
+
+
 def _where(args: argparse.Namespace) -> str:
     from ..client.endpoint import resolve
 
@@ -472,10 +547,12 @@ def _demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tensorshare`` command. Returns the exit status."""
     args = _parser().parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "relay"):
         return _serve(args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "health":
         return _health(args)
+    if args.command == "rebalance":
+        return _rebalance(args)
     return _tool(args)

@@ -250,10 +250,13 @@ class ShardedClient(BinClient):
             for i, outcome in zip(share, outcomes_of(sent[index]), strict=True):
                 outcomes[i] = outcome
 
-    def rebalance(self) -> dict[str, str]:
+    def rebalance(self, drain: Sequence[str] | str = ()) -> dict[str, str]:
         """Move every value and list bin to the server that owns it now (after servers were
         added or removed: construct this client with the new list). Returns ``{bin: the
         address it moved to}``.
+
+        Args:
+            drain: servers leaving the set (before scaling down): their bins move too.
 
         A value moves as peek, put on its new server, delete on the old; a list's items as
         one get of them all and one append (their order and tags kept). Run it while no one
@@ -263,22 +266,32 @@ class ShardedClient(BinClient):
         """
         moved: dict[str, str] = {}
         for index in range(len(self.servers)):
-            here = self._client(index)
-            for name, kind in ((n, b["kind"]) for n, b in here.stats()["bins"].items()):
-                home = owner(name, self.servers)
-                if home == index or kind not in ("value", "list"):
-                    continue
-                there = self._client(home)
-                if kind == "value":
-                    there.put(name, here.peek(name))
-                    here.delete(name)
-                else:
-                    res = here.fetch(name, remove=True, max_items=None)
-                    with there.pipeline() as p:
-                        for item, tag in zip(res.value, res.tags, strict=True):
-                            p.append(name, item, tag=tag)
-                moved[name] = self.servers[home]
+            self._move_from(self._client(index), index, moved)
+        for url in expand_servers(drain) if drain else []:
+            if url in self.servers:
+                raise ValueError(f"{url} is one of this client's servers: it cannot be drained")
+            leaving = Client(url, **self._options)
+            try:
+                self._move_from(leaving, None, moved)
+            finally:
+                leaving.close()
         return moved
+
+    def _move_from(self, here: Client, index: int | None, moved: dict[str, str]) -> None:
+        for name, kind in ((n, b["kind"]) for n, b in here.stats()["bins"].items()):
+            home = owner(name, self.servers)
+            if home == index or kind not in ("value", "list"):
+                continue
+            there = self._client(home)
+            if kind == "value":
+                there.put(name, here.peek(name))
+                here.delete(name)
+            else:
+                res = here.fetch(name, remove=True, max_items=None)
+                with there.pipeline() as p:
+                    for item, tag in zip(res.value, res.tags, strict=True):
+                        p.append(name, item, tag=tag)
+            moved[name] = self.servers[home]
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("begin_") and name != "begin_":

@@ -137,6 +137,9 @@ class _Base:
             return
         self._stopped.set()
         self.client.close()
+        params: Any = getattr(self, "params_client", self.client)
+        if params is not self.client:
+            params.close()
         if self._server is not None:
             self._server.stop()
 
@@ -321,6 +324,9 @@ class RLWorker(_Base):
             including one waiting in :meth:`await_new_parameters`, raises
             :class:`TrainerStopped`. A worker that connects after the signal was given does
             not see it (a put to the stop bin is an event, not a state).
+        params_via: read the parameters from this server instead: a relay of the trainer's
+            server (``"HOST:PORT"`` or a URL, see :mod:`tensorshare.relay`), typically the
+            one on this worker's machine. Rollouts still go to ``host``.
 
     Raises:
         ConnectError: the server could not be reached within ``timeout``.
@@ -328,8 +334,18 @@ class RLWorker(_Base):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
                  params_bin: str = PARAMS_BIN, data_bin: str = DATA_BIN,
-                 watch_stop: bool = True, **client_options: Any) -> None:
+                 watch_stop: bool = True, params_via: str | None = None,
+                 **client_options: Any) -> None:
         super().__init__(host, port, timeout, params_bin, data_bin, client_options)
+        self.params_client: BinClient = self.client
+        if params_via is not None:
+            try:
+                self.params_client = connect(params_via if "://" in params_via else
+                                             f"tensorshare://{params_via}", None, timeout,
+                                             **client_options)
+            except BaseException:
+                self.client.close()
+                raise
         self.version: int | None = None  # version of the parameters last returned
         self.downloads = 0  # parameter versions downloaded (each at most once)
         self.lost_rollouts = 0  # rollouts dropped because a server restart caught them
@@ -357,8 +373,13 @@ class RLWorker(_Base):
             self._trainer_stopped.set()
             # Closing fails every waiting call at once. Not from this thread: it is the
             # client's own event thread, which close() winds down.
-            threading.Thread(target=self.client.close, daemon=True,
+            threading.Thread(target=self._close_clients, daemon=True,
                              name="tensorshare-rlworker-stop").start()
+
+    def _close_clients(self) -> None:
+        self.client.close()
+        if self.params_client is not self.client:
+            self.params_client.close()
 
     def _call(self, fn: Callable[[], _T]) -> _T:
         if self._trainer_stopped.is_set():
@@ -429,11 +450,12 @@ class RLWorker(_Base):
                 if wait:
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     res = self._call(functools.partial(
-                        self.client.fetch, self.params_bin, remove=False,
+                        self.params_client.fetch, self.params_bin, remove=False,
                         newer_than=newer or 0, timeout=left))
                 else:
                     res = self._call(functools.partial(
-                        self.client.fetch, self.params_bin, remove=False, newer_than=newer))
+                        self.params_client.fetch, self.params_bin, remove=False,
+                        newer_than=newer))
                 if newer is None or self._check_server() == sid:
                     return res
                 # It waited for a reconnect to a new server and compared a version that meant

@@ -85,6 +85,9 @@ class ServerConfig:
         tls_cert, tls_key: PEM files of the server's certificate (its chain after it) and
             private key: the TCP port speaks TLS (clients use ``tensorshare+tls://``).
             Default: ``TENSORSHARE_TLS_CERT`` and ``TENSORSHARE_TLS_KEY``.
+        relay_of: this server is a relay of that primary (a URL, see :mod:`tensorshare.relay`):
+            it serves the primary's bins read-only; every request that would change something
+            is refused with ``permission_denied`` naming the primary.
     """
 
     limits: Limits = field(default_factory=Limits)
@@ -108,3 +111,4 @@ class ServerConfig:
     insecure: bool = False
     tls_cert: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_CERT"))
     tls_key: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_KEY"))
+    relay_of: str | None = None

@@ -145,16 +145,21 @@ class Responder:
         }
         for kind in server.kinds:
             self._handlers.update(kind.handlers())
+        #: The primary this server relays (read-only), or ``None``.
+        self.relay_of = server.config.relay_of
 
     def handle(self, conn: ServerProtocol, msg: Request) -> None:
         """Serve one request of ``conn`` (after its handshake). Never raises: a failure
         costs this request an error reply, never the connection or the server."""
         s = conn.session
         op = OPS[op_name(msg)]
-        if conn.role == "read" and not op.read:
+        if not op.read and (conn.role == "read" or self.relay_of is not None):
             conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
                 f"{op.name} is not allowed with the read-only token (it may peek, list, "
-                f"stats and listen); use the read-write token")))
+                f"stats and listen); use the read-write token" if self.relay_of is None else
+                f"{op.name} is not allowed on a relay: it serves the bins of "
+                f"{self.relay_of} read-only (peek, list, stats, listen); write to that "
+                f"primary")))
             return
         mutating = op.mutating
         if s is not None and mutating:

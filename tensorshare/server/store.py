@@ -296,6 +296,34 @@ class Store:
             self._serve_blocked(name)  # a put may shrink a bin: room for blocked appends
         return Written(version, n)
 
+    def put_version(self, name: str, item: Any, nbytes: int, version: int,
+                    tag: int | None = None) -> Written:
+        """Put a value as version ``version`` of the bin (a relay copies its primary's
+        versions, so that readers compare them as on the primary).
+
+        Raises:
+            ValueError: ``version`` is not above the bin's current version (versions never go
+                backwards).
+        """
+        m = self._meta_of(name)
+        if version <= m.version:
+            raise ValueError(f"bin {name!r} is at version {m.version}: cannot put version "
+                             f"{version}")
+        old, m.version = m.version, version - 1
+        try:
+            return self.put(name, item, nbytes, tag)
+        except BaseException:
+            m.version = old
+            raise
+
+    def forget(self, name: str) -> None:
+        """Drop a bin and its version count (a relay whose primary restarted without its
+        data: versions start again). Waiting requests keep waiting."""
+        b = self._bins.pop(name, None)
+        if b is not None:
+            self.nbytes -= b.nbytes
+        self._meta.pop(name, None)
+
     def append(self, name: str, item: Any, nbytes: int, tag: int | None = None,
                ctx: Any = None) -> Written:
         """Add one item at the end of the bin (a list value is one item, never flattened).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorshare import EmbeddedServer
+from tensorshare import Client, EmbeddedServer
 from tensorshare.client.sharded import ShardedClient, bin_key, expand_servers, owner
 from tensorshare.errors import BinNotFound, ConnectionLost, WaitTimeout
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
@@ -268,6 +268,27 @@ def test_rebalance_moves_only_the_bins_whose_owner_changed_and_keeps_their_conte
         assert new.rebalance() == {}  # nothing left to move
         for k in range(2):  # the old servers kept only what they still own
             assert all(new.owner(n) == new.servers[k] for n in new._client(k).list())
+
+
+def test_the_rebalance_command_drains_a_shard_before_it_leaves(
+        three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorshare.cli.main import main
+
+    with ShardedClient(_addresses(three), timeout=TIMEOUT) as old:
+        for i in range(30):
+            old.put(f"v{i}", torch.tensor([i]))
+        leaving = [n for n in (f"v{i}" for i in range(30)) if old.owner(n) == old.servers[2]]
+    assert leaving
+    staying = ",".join(_addresses(three[:2]))
+    assert main(["rebalance", "--servers", staying, "--drain",
+                 _addresses(three[2:])[0]]) == 0
+    out = capsys.readouterr().out
+    assert f"moved {len(leaving)} bins" in out
+    with ShardedClient(staying, timeout=TIMEOUT) as new:
+        for i in range(30):
+            assert torch.equal(new.peek(f"v{i}"), torch.tensor([i]))
+    with Client("127.0.0.1", three[2].port) as gone:
+        assert gone.list() == {}  # nothing left on the shard that leaves
 
 
 @pytest.mark.long
