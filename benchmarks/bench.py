@@ -30,7 +30,11 @@ Sections (``--only``), for tensorshare and the baseline unless said otherwise:
 * ``persist``: put throughput of 4 KiB and 1 MiB with ``--data-dir`` and ``--fsync
   everysec`` / ``always``, as a ratio to the in-memory tensorshare server;
 * ``streams``: 16 MiB batches through a stream bin to 1 consumer process (vs the baseline)
-  and to 3 at once (each vs 1 alone).
+  and to 3 at once (each vs 1 alone);
+* ``inference``: ``predict`` at 1, 16 and 64 concurrent callers through an ``InferenceHost``
+  vs a model server that runs each call alone (see ``bench_wings.py``);
+* ``relays``: one 16 MiB put read by 32 readers through 2 relays vs straight from the
+  primary, with the primary's egress per version.
 
 Every operation is timed on its own and rates come from the median operation time; the same
 ratios from total time are printed below the table. Every repeat runs every system, in
@@ -1486,6 +1490,8 @@ SECTIONS: dict[str, Callable[[Bench], list[Row]]] = {
     "tls": section_tls,
     "shm": section_shared_memory,
     "streams": section_streams,
+    "inference": lambda b: __import__("bench_wings").section_inference(b),
+    "relays": lambda b: __import__("bench_wings").section_relays(b),
 }
 
 
@@ -1567,7 +1573,12 @@ def run(cfg: Config) -> None:
                             "tls": "the same transfers over TLS (a second server with "
                                    "--tls-cert) vs plain TCP; columns: tls | tcp",
                             "streams": "a stream bin read by 3 consumers at once vs by 1 "
-                                       "consumer alone; columns: each of 3 | 1 alone"},
+                                       "consumer alone; columns: each of 3 | 1 alone",
+                            "inference": "predict through an InferenceHost (batched) vs a "
+                                         "model server that runs each call alone; columns: "
+                                         "tensorshare | per call",
+                            "relays": "one put read by 32 readers through 2 relays vs straight "
+                                      "from the primary; columns: via relays | direct"},
                   unix_path=unix_path)
         rows: list[Row] = []
         t_start = time.monotonic()
@@ -1643,6 +1654,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=_parse_sections, default=None, metavar="SECTIONS",
                    help=f"run only these sections, comma-separated: {', '.join(SECTIONS)}")
     p.add_argument("--baseline-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    p.add_argument("--model-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    p.add_argument("--inference-host", metavar="PORT", type=int, help=argparse.SUPPRESS)
     return p
 
 
@@ -1667,6 +1680,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline_server:
         _ignore_sigint()  # Ctrl+C reaches the whole process group; the benchmark stops us
         BaselineServer().serve(args.baseline_server)
+        return 0
+    if args.model_server or args.inference_host:
+        _ignore_sigint()
+        sys.path.insert(0, str(ROOT))
+        import bench_wings
+
+        if args.model_server:
+            bench_wings.model_server(args.model_server)
+        else:
+            bench_wings.inference_host(args.inference_host)
         return 0
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # measure this checkout, installed or not

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 
 from ..client.blocking import Client
@@ -49,7 +50,14 @@ from ..client.ops import BinClient
 from ..errors import BinNotFound, ConnectError, Timeout, TransportError, is_server_timeout
 from .api import RLTrainer, RLWorker, TrainerStopped, stop_bin_for
 from .envs import BUILTIN_CARTPOLE, DEFAULT_GYM_ENV, EnvSpec, default_env, env_spec, have_gymnasium
-from .learner import SEGMENT_STEPS, Collector, Learner, NumpyActor
+from .learner import (
+    SEGMENT_STEPS,
+    ActorCritic,
+    Collector,
+    Learner,
+    NumpyActor,
+    sample_actions,
+)
 
 __all__ = [
     "ENVS_PER_WORKER",
@@ -93,6 +101,11 @@ class Bins:
     def data(self) -> str:
         """The segments, tagged with the version that played them."""
         return f"{self.prefix}/rollouts"
+
+    @property
+    def policy(self) -> str:
+        """The service bin of the policy, with central inference (``central=True``)."""
+        return f"{self.prefix}/policy"
 
     @property
     def ready(self) -> str:
@@ -172,10 +185,54 @@ def _play(worker: RLWorker, collector: Collector, worker_id: int, steps: int,
         worker.add_data(segment)  # tagged with actor_version
 
 
+class RemoteActor:
+    """Acts through the run's :class:`~tensorshare.inference.InferenceHost`: one call per step
+    for all of a worker's environments, answered in a batch with the other workers' calls.
+
+    Records the parameter version of each answer (``versions``): a segment is tagged with the
+    oldest one that played it.
+    """
+
+    def __init__(self, client: Any, worker: RLWorker) -> None:
+        self.client = client
+        self.worker = worker
+        self.versions: list[int | None] = []
+        self.checksum = 0.0  # (the parameters live in the host: the version tells them apart)
+
+    def _call(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.worker.trainer_stopped:  # the run is over: the host may be gone already
+            raise TrainerStopped("the trainer signalled the end of the run")
+        (logits, value), version = self.client.predict(torch.from_numpy(obs), batched=True,
+                                                       return_version=True)
+        self.versions.append(version)
+        return logits.numpy().astype(np.float64), value.numpy()
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        logits, _ = self._call(obs)
+        return sample_actions(logits, rng)
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        return self._call(obs)[1]
+
+
+def _play_central(worker: RLWorker, collector: Collector, worker_id: int, steps: int,
+                  parent_alive: Callable[[], bool], actor: RemoteActor) -> None:
+    """Act through the inference host and send segments tagged with the oldest version that
+    played them, until the trainer's process is gone."""
+    while parent_alive():
+        actor.versions.clear()
+        segment = collector.collect(actor, steps)  # type: ignore[arg-type]
+        versions = actor.versions
+        version = None if None in versions else min(versions)  # type: ignore[type-var]
+        segment["worker"] = worker_id
+        segment["downloads"] = len(set(versions))
+        worker.add_data(segment, version=version)  # untagged (no parameters yet): dropped
+
+
 def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
                envs: int = ENVS_PER_WORKER, *, env: str | None = None, prefix: str = "rl",
                steps: int = SEGMENT_STEPS, timeout: float = WORKER_TIMEOUT,
-               cpu: int | None = None) -> int:
+               cpu: int | None = None, central: bool = False) -> int:
     """The loop of one worker process: act, send each segment, pick up new parameters.
 
     Args:
@@ -185,6 +242,8 @@ def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
             steps: segment length.
         timeout: per call; with the server gone, the worker gives up after about this long.
         cpu: pin this process to that CPU.
+        central: act through the run's inference host (service bin ``Bins.policy``)
+            instead of a local copy of the parameters.
 
     Returns:
         0 once the trainer signals the end of the run (or its process is gone, or the server
@@ -205,7 +264,14 @@ def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
             worker.client.append(bins.ready, worker_id)
             if not _wait_until_active(worker.client, bins, worker_id, parent_alive):
                 return 0
-            _play(worker, collector, worker_id, steps, parent_alive)
+            if central:
+                from ..inference import InferenceClient
+
+                with InferenceClient(bins.policy, host, port, timeout=timeout) as pc:
+                    _play_central(worker, collector, worker_id, steps, parent_alive,
+                                  RemoteActor(pc, worker))
+            else:
+                _play(worker, collector, worker_id, steps, parent_alive)
     except TrainerStopped:
         return 0
     except ConnectError as exc:
@@ -221,7 +287,8 @@ def run_worker(host: str, port: int, worker_id: int = 0, seed: int = 0,
 def start_workers(port: int, n: int, seed: int = 0, host: str = "127.0.0.1",
                   envs: int = ENVS_PER_WORKER, *, env: str | None = None, prefix: str = "rl",
                   first_id: int = 0, cpus: Sequence[int] | None = None,
-                  timeout: float = WORKER_TIMEOUT) -> list[subprocess.Popen[bytes]]:
+                  timeout: float = WORKER_TIMEOUT,
+                  central: bool = False) -> list[subprocess.Popen[bytes]]:
     """Start ``n`` worker processes (``python -m tensorshare.demo worker ...``).
 
     Args:
@@ -246,6 +313,8 @@ def start_workers(port: int, n: int, seed: int = 0, host: str = "127.0.0.1",
                    "--timeout", str(timeout)]
             if cpus:
                 cmd += ["--cpu", str(cpus[i % len(cpus)])]
+            if central:
+                cmd.append("--central")
             # A new session: Ctrl+C reaches only the trainer, which then ends the run for
             # everyone, instead of every worker printing a traceback.
             procs.append(subprocess.Popen(cmd, env=env_vars, stdin=subprocess.DEVNULL,
@@ -402,6 +471,7 @@ class _Settings:
     cpus: Sequence[int] | None
     progress_every: float
     out: TextIO
+    central: bool = False
 
     @property
     def staged(self) -> bool:
@@ -446,6 +516,7 @@ class _Run:
         self.tidy = server is not None  # a server that outlives the run keeps none of its bins
         self.trainer, self.host, self.port = _open_trainer(server, self.bins, cfg.max_version_lag)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.inference: Any = None  # the policy's InferenceHost, with central inference
         self.exit_codes: list[int] = []
         self.started = time.monotonic()
         self._switch_interval = sys.getswitchinterval()
@@ -460,6 +531,8 @@ class _Run:
         with contextlib.suppress(TransportError):
             self.trainer.signal_stop()  # workers raise TrainerStopped and exit
         self.exit_codes = stop_workers(self.procs)
+        if self.inference is not None:
+            self.inference.stop()
         if self.tidy:
             with contextlib.suppress(TransportError):
                 for name in self.bins.all():
@@ -479,8 +552,18 @@ class _Run:
         cfg = self.cfg
         if cfg.staged:
             self.trainer.client.put(self.bins.active, 1)
+        if cfg.central:
+            from ..inference import InferenceHost
+
+            # The policy answers every worker's step in batches, and loads each version the
+            # learner publishes between batches.
+            self.inference = InferenceHost(
+                self.bins.policy, ActorCritic(cfg.spec.observation_size, cfg.spec.n_actions),
+                self.host, self.port, max_batch=1024, max_wait_ms=1.0,
+                params_bin=self.bins.params).start()
         self.procs = start_workers(self.port, cfg.workers, cfg.seed, self.host, cfg.envs,
-                                   env=cfg.spec.name, prefix=self.bins.prefix, cpus=cfg.cpus)
+                                   env=cfg.spec.name, prefix=self.bins.prefix, cpus=cfg.cpus,
+                                   central=cfg.central)
         # After the workers: building the first optimizer imports much of torch, which can
         # take a second or two, and the workers spend that long starting anyway.
         learner = Learner(cfg.spec.observation_size, cfg.spec.n_actions, cfg.seed)
@@ -639,7 +722,8 @@ def train(workers: int = 2, target: float | None = None, max_seconds: float = 12
           seed: int = 0, *, env: str | None = None, server: str | None = None,
           warmup: float = 0.0, envs: int = ENVS_PER_WORKER, max_version_lag: int = MAX_VERSION_LAG,
           segments_per_update: int = SEGMENTS_PER_UPDATE, cpus: Sequence[int] | None = None,
-          progress_every: float = 1.0, out: TextIO | None = None) -> TrainResult:
+          progress_every: float = 1.0, out: TextIO | None = None,
+          central: bool = False) -> TrainResult:
     """Start ``workers`` worker processes and train until the target or out of time.
 
     Args:
@@ -654,6 +738,9 @@ def train(workers: int = 2, target: float | None = None, max_seconds: float = 12
         segments_per_update: experience per update.
         cpus: pin worker ``i`` to ``cpus[i % len(cpus)]``.
         progress_every: seconds between progress lines on ``out`` (stdout).
+        central: the workers act through one :class:`~tensorshare.inference.InferenceHost`
+            in this process (batched inference over a service bin) instead of each running
+            its own copy of the policy.
 
     Returns:
         How it went. The worker processes have exited (or been killed) by then, and with
@@ -668,7 +755,8 @@ def train(workers: int = 2, target: float | None = None, max_seconds: float = 12
     out = out or sys.stdout
     spec = env_spec(env)
     cfg = _Settings(spec, workers, spec.target if target is None else target, max_seconds, seed,
-                    warmup, envs, max_version_lag, segments_per_update, cpus, progress_every, out)
+                    warmup, envs, max_version_lag, segments_per_update, cpus, progress_every, out,
+                    central)
     torch.set_num_threads(1)
     with _Run(cfg, server) as run:  # a server hosted here, or a connection to one
         learner = run.start()  # the workers, connected; the learner
@@ -772,10 +860,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--prefix", default="rl")
     w.add_argument("--timeout", type=float, default=WORKER_TIMEOUT)
     w.add_argument("--cpu", type=int, default=None)
+    w.add_argument("--central", action="store_true",
+                   help="act through the run's inference host (the policy's service bin)")
     args = p.parse_args(argv)
     if args.command == "worker":
         return run_worker(args.host, args.port, args.worker_id, args.seed, args.envs,
-                          env=args.env, prefix=args.prefix, timeout=args.timeout, cpu=args.cpu)
+                          env=args.env, prefix=args.prefix, timeout=args.timeout, cpu=args.cpu,
+                          central=args.central)
     return run_demo(args.workers, args.max_seconds, args.target, server=args.server,
                     env=args.env, warmup=args.warmup)
 

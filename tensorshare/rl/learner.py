@@ -104,6 +104,16 @@ class ActorCritic(nn.Module):
         return self.pi(obs), self.v(obs).squeeze(-1)
 
 
+def sample_actions(logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One action per row of ``logits`` (N, n_actions), and the log-probability each had."""
+    logits = logits - logits.max(axis=1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    cdf = np.exp(log_probs).cumsum(axis=1)
+    u = rng.random(len(logits))[:, None]
+    actions = np.minimum((u > cdf).sum(axis=1), logits.shape[1] - 1)
+    return actions, log_probs[np.arange(len(logits)), actions]
+
+
 class NumpyActor:
     """The workers' copy of an :class:`ActorCritic`, in numpy.
 
@@ -145,13 +155,7 @@ class NumpyActor:
         Returns:
             ``(actions, log_probs)``: the actions and the log-probability each had.
         """
-        logits = self._mlp(self.pi, obs)
-        logits -= logits.max(axis=1, keepdims=True)
-        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        cdf = np.exp(log_probs).cumsum(axis=1)
-        u = rng.random(len(obs))[:, None]
-        actions = np.minimum((u > cdf).sum(axis=1), logits.shape[1] - 1)
-        return actions, log_probs[np.arange(len(obs)), actions]
+        return sample_actions(self._mlp(self.pi, obs), rng)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         """The state values of the rows of ``obs``.

@@ -248,6 +248,18 @@ def test_triplet_mining_loss_falls() -> None:
     assert "Traceback" not in res.stderr, res.stderr  # miners exit quietly
 
 
+@pytest.mark.long
+@pytest.mark.timeout(330)
+def test_central_inference_example_reaches_the_target_both_ways() -> None:
+    # Workers acting through one InferenceHost learn CartPole as workers with local copies do.
+    res = _run([str(EXAMPLES / "central_inference.py"), "--workers", "2",
+                "--max-seconds", "140"], timeout=320)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "local copies: reached the target" in res.stdout, res.stdout
+    assert "central inference: reached the target" in res.stdout, res.stdout
+    assert "Traceback" not in res.stderr, res.stderr
+
+
 @pytest.mark.timeout(180)
 def test_shared_loader_example_reaches_private_accuracy() -> None:
     # Two jobs off one served DataLoader learn as well as two jobs with a loader each.
