@@ -175,6 +175,12 @@ class PendingCall:
         assert slot is not None and client is not None and call is not None
         if not slot.done:
             client._await(call, slot)
+        # (_outcome, inlined for the common case: one call fewer per request)
+        if slot.error is None and type(slot.reply) is not ErrorReply:
+            try:
+                return True, call.convert(slot.reply) if call.convert is not None else slot.reply
+            except TensorShareError as exc:  # e.g. a malformed value from a peer
+                return False, exc
         return _outcome(slot, call)
 
 
@@ -268,6 +274,7 @@ class Client(BinClient):
         session."""
         name, session, heartbeat, shm = self._options
         self._pid = os.getpid()
+        self._forks = _FORKS  # the process it serves: a fork in the child starts it again
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
                                       heartbeat=heartbeat, token=self.endpoint.token)
@@ -464,7 +471,7 @@ class Client(BinClient):
 
     def _submit(self, cmd: Command) -> PendingCall:
         """Add one request to the session and send what can be sent now."""
-        if self._pid != os.getpid():
+        if self._forks != _FORKS:  # (no system call per request)
             raise ConnectionLost(f"the client for {self.address} was made in another process")
         if cmd.kind == "call":
             with self._lock:
@@ -488,7 +495,7 @@ class Client(BinClient):
     def _submit_future(self, cmd: Command) -> Future[Any]:
         """Send one call and return a future of its result, completed by whichever thread
         reads the reply (no thread waits for it). The call keeps the client's timeout."""
-        if self._pid != os.getpid():
+        if self._forks != _FORKS:
             raise ConnectionLost(f"the client for {self.address} was made in another process")
         future: Future[Any] = Future()
         slot = _FutureSlot(future)
@@ -1000,9 +1007,14 @@ class _Begin(Ops):
 
 # Every live client, so that a forked child can give each its own connection.
 _CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+# Forks this process went through: a client made before the last one and not started again
+# in this process refuses calls (see Client._submit).
+_FORKS = 0
 
 
 def _after_fork_in_child() -> None:
+    global _FORKS
+    _FORKS += 1
     for client in list(_CLIENTS):
         client._after_fork()
 

@@ -87,6 +87,8 @@ class ServerProtocol(Protocol):
         self.conn = ServerConnection(factory.config.limits,
                                      pre_hello_max_bytes=factory.config.pre_hello_bytes,
                                      allocate=factory.pool.take, budget=factory.budget)
+        self._decoder = self.conn.decoder
+        self._st: Any = None  # the socket's transport, once connected (see connectionMade)
         self.last_rx = time.monotonic()  # when bytes last arrived (see frame_timeout)
         self.version: int | None = None  # protocol version agreed in the handshake
         self.client_name = ""
@@ -122,6 +124,9 @@ class ServerProtocol(Protocol):
 
     # -- Twisted hooks ----------------------------------------------------------------------
     def connectionMade(self) -> None:
+        # Looked up once: every write asks the socket's transport how much is queued.
+        sock = self._socket
+        self._st = sock if getattr(type(sock), "queued_bytes", None) is not None else None
         peer = self._t.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
         self.peer = f"{host}:{port}" if host is not None else str(getattr(peer, "name", "?"))
@@ -142,7 +147,7 @@ class ServerProtocol(Protocol):
         if not self._closed:
             self.last_rx = time.monotonic()
             self._handle(self.conn.receive_data(data))
-            if self.conn.reserved and self._stall is None:
+            if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
 
     def get_read_buffer(self) -> memoryview | None:
@@ -152,7 +157,7 @@ class ServerProtocol(Protocol):
         if not self._closed:
             self.last_rx = time.monotonic()
             self._handle(self.conn.buffer_updated(nbytes))
-            if self.conn.reserved and self._stall is None:
+            if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
 
     def _watch_stall(self) -> None:
@@ -205,7 +210,8 @@ class ServerProtocol(Protocol):
     @property
     def queued_bytes(self) -> int:
         """Bytes written to this connection and not yet sent."""
-        return int(getattr(self._socket, "queued_bytes", 0))
+        st = self._st
+        return 0 if st is None else int(st.queued_bytes)
 
     # -- output -----------------------------------------------------------------------------
     def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
@@ -222,7 +228,8 @@ class ServerProtocol(Protocol):
         if hold and f.holding:
             f.held.append((self, chunks, shared))
             return
-        queued = self.queued_bytes
+        st = self._st
+        queued = 0 if st is None else st.queued_bytes
         limit = f.config.max_client_buffer
         if queued > limit:
             # Beyond the reply it is taking, a client may leave at most this much unread.
@@ -233,10 +240,11 @@ class ServerProtocol(Protocol):
             self.abort()
             return
         # Our transport (transports.FastServer) takes memoryviews, hence no bytes copies.
+        t: Any = self.transport
         if shared:
-            self._t.writeSequence(chunks, fds=[m.fd for m in shared], owner=shared)
+            t.writeSequence(chunks, fds=[m.fd for m in shared], owner=shared)
         else:
-            self._t.writeSequence(chunks)
+            t.writeSequence(chunks)
 
     def notify(self, chunks: Sequence[BytesLike], msg: Changed) -> None:
         """Send a change notification, or fold it into the last one while we are paused."""
@@ -275,7 +283,7 @@ class ServerProtocol(Protocol):
             chunks = encode_message(reply, None, shared)[0]
         started = self.started.pop(msg.id, None)
         if started is not None:
-            f.stats.observe(op, sum(len(c) for c in chunks), time.perf_counter() - started)
+            f.stats.observe(op, sum(map(len, chunks)), time.perf_counter() - started)
         self.write_chunks(chunks, shared, hold=OPS[op].mutating)
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:

@@ -145,6 +145,7 @@ class Responder:
         }
         for kind in server.kinds:
             self._handlers.update(kind.handlers())
+        self._kind_tables = [kind.table for kind in server.kinds]
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
 
@@ -171,7 +172,10 @@ class Responder:
                 return
         try:
             if type(msg) in _STORE_OPS:
-                self._check_kind(msg)
+                name = msg.bin  # type: ignore[union-attr]
+                for table in self._kind_tables:  # (dict lookups: no call per request)
+                    if name in table:
+                        self._check_kind(msg)
             if mutating and self.server.persist is not None and _logged(msg):
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
@@ -187,8 +191,6 @@ class Responder:
 
     def _check_kind(self, msg: Any) -> None:
         """A value or list request on a bin of another kind (a stream, a service) is refused."""
-        if msg.bin in self.server.store:  # the common case: a bin of the store's already
-            return
         for kind in self.server.kinds:
             if kind.owns(msg.bin):
                 raise InvalidRequest(f"bin {msg.bin!r} is a {kind.name} bin: {op_name(msg)} is "

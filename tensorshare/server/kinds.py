@@ -9,7 +9,7 @@ kind at a time), and describes its bins for the stats.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -26,6 +26,11 @@ class Kind(Protocol):
 
     #: What ``ls`` and the stats call its bins ("stream", "service").
     name: str
+    @property
+    def table(self) -> Mapping[str, Any]:
+        """Its bins by name (what :meth:`owns` looks in): the responder checks a store
+        request's name against it without a call."""
+        ...
 
     def handlers(self) -> dict[type, Handler]:
         """Its requests' handlers, by request type."""

@@ -217,6 +217,7 @@ class ServiceKind:
     def __init__(self, server: ServerFactory) -> None:
         self.server = server
         self.services: dict[str, Service] = {}
+        self.table = self.services
         self._calls: dict[tuple[Any, int], _Call] = {}  # (owner, request id) -> call
         self._batch_ids = itertools.count(1)
         self._idle: dict[str, None] = {}  # idle services, the longest idle first
@@ -229,6 +230,8 @@ class ServiceKind:
 
     @property
     def nbytes(self) -> int:
+        if not self.services:  # (asked on every write: no generator when there is nothing)
+            return 0
         return sum(s.cost for s in self.services.values())
 
     # -- helpers ----------------------------------------------------------------------------

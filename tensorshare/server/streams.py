@@ -765,6 +765,7 @@ class StreamKind:
     def __init__(self, server: ServerFactory) -> None:
         self.server = server
         self.streams: dict[str, Stream] = {}
+        self.table = self.streams
         self._held: dict[str, list[_Waiting]] = {}
         self._reads: dict[str, list[_Waiting]] = {}
         self._timer: IDelayedCall | None = None
@@ -781,6 +782,8 @@ class StreamKind:
 
     @property
     def nbytes(self) -> int:
+        if not self.streams:  # (asked on every write: no generator when there is nothing)
+            return 0
         return sum(st.cost for st in self.streams.values())
 
     # -- helpers ----------------------------------------------------------------------------

@@ -184,7 +184,8 @@ class FrameDecoder:
         self.max_header_bytes = max_header_bytes
         self._allocate = allocate or bytearray
         self.budget = budget
-        self._reserved = 0  # what the frame being received holds of the budget
+        #: Bytes the frame being received holds of the budget (0 when none).
+        self.reserved = 0
         self._state = _PREFIX_STATE
         self._prefix = bytearray()
         self._target: Payload = bytearray()  # header or payload being filled
@@ -193,11 +194,6 @@ class FrameDecoder:
         self._header = b""
         self._payload_len = 0
         self._oversized = False
-
-    @property
-    def reserved(self) -> int:
-        """Bytes the frame being received holds of the budget (0 when none)."""
-        return self._reserved
 
     @property
     def in_frame(self) -> bool:
@@ -337,14 +333,14 @@ class FrameDecoder:
             return None
         why = self.budget.reserve(n)
         if why is None:
-            self._reserved += n
+            self.reserved += n
         return why
 
     def close(self) -> None:
         """The connection ended: give back what a frame still being received reserved."""
-        if self._reserved and self.budget is not None:
-            self.budget.release(self._reserved)
-        self._reserved = 0
+        if self.reserved and self.budget is not None:
+            self.budget.release(self.reserved)
+        self.reserved = 0
         self._target = bytearray()
 
     def _target_done(self, out: list[Frame | OversizedFrame]) -> None:
@@ -395,10 +391,10 @@ class FrameDecoder:
         self._reset()
 
     def _reset(self) -> None:
-        if self._reserved:  # the frame is complete (or skipped): its bytes are the caller's
+        if self.reserved:  # the frame is complete (or skipped): its bytes are the caller's
             assert self.budget is not None
-            self.budget.release(self._reserved)
-            self._reserved = 0
+            self.budget.release(self.reserved)
+            self.reserved = 0
         self._state = _PREFIX_STATE
         self._header = b""
         self._payload_len = 0

@@ -930,26 +930,14 @@ class _Side:
         """Bytes the frame being received holds of the receiver's budget."""
         return self._decoder.reserved
 
+    @property
+    def decoder(self) -> FrameDecoder:
+        """The frame decoder (its ``reserved`` is a plain attribute: read on every read)."""
+        return self._decoder
+
     def get_buffer(self) -> memoryview | None:
         """A writable view to ``recv_into`` directly, when a large frame part is expected."""
         return self._decoder.get_buffer()
-
-    def _each(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
-              parse: Callable[[Frame | OversizedFrame, list[Any]], None]) -> list[Any]:
-        """Parse each frame (``parse`` appends its events); a :class:`ProtocolViolation`
-        ends the list if the peer broke the format, after what was complete before it."""
-        out: list[Any] = []
-        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
-        try:
-            for frame in frames:
-                parse(frame, out)
-        except ProtocolError as exc:
-            error = exc
-        finally:
-            _PARSING_FDS.reset(token)
-        if error is not None:
-            out.append(ProtocolViolation(str(error)))
-        return out
 
     def _frames(self, data: BytesLike | None, nbytes: int
                 ) -> tuple[list[Frame | OversizedFrame], ProtocolError | None]:
@@ -1009,7 +997,21 @@ class ServerConnection(_Side):
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
                ) -> list[ServerEvent]:
-        return self._each(frames, error, self._parse_frame)
+        """Parse each frame; a :class:`ProtocolViolation` ends the list if the peer broke
+        the format, after what was complete before it. (The client's ``_parse`` is the same
+        loop: written out in each, as it runs on every read.)"""
+        out: list[ServerEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        try:
+            for frame in frames:
+                self._parse_frame(frame, out)
+        except ProtocolError as exc:
+            error = exc
+        finally:
+            _PARSING_FDS.reset(token)
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
 
     def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
         h = _header_map(frame)
@@ -1140,13 +1142,22 @@ class ClientConnection(_Side):
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:
-        def one(frame: Frame | OversizedFrame, out: list[Any]) -> None:
-            if isinstance(frame, OversizedFrame):
-                raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
-                                    f"the server exceeds {frame.limit} bytes")
-            out.append(self._parse_frame(frame, op_of))
-
-        return self._each(frames, error, one)
+        # The server's loop (see ServerConnection._parse), with its op lookup per reply.
+        out: list[ClientEvent] = []
+        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        try:
+            for frame in frames:
+                if type(frame) is OversizedFrame:
+                    raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
+                                        f"the server exceeds {frame.limit} bytes")
+                out.append(self._parse_frame(frame, op_of))  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            error = exc
+        finally:
+            _PARSING_FDS.reset(token)
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
 
     def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
         h = _header_map(frame)

@@ -208,8 +208,13 @@ def test_op_table_rows_are_consistent() -> None:
 def test_remembered_ops_are_exactly_the_ones_that_change_something() -> None:
     """Exactly-once replay (docs/PROTOCOL.md §9.4) depends on this column."""
 
-    core = {name for name, op in OPS.items() if op.mutating and not name.startswith("stream_")}
+    core = {name for name, op in OPS.items()
+            if op.mutating and not name.startswith(("stream_", "service_"))}
     assert core == {"put", "append", "get", "delete", "configure"}
+    # A call is answered once across reconnects; a take and a reply are not remembered (a
+    # batch whose host is gone goes back to the queue; a resent reply finds it answered).
+    services = {name for name, op in OPS.items() if op.mutating and name.startswith("service_")}
+    assert services == {"service_call"}
     streams = {name for name, op in OPS.items() if op.mutating and name.startswith("stream_")}
     # A stream's leave is not remembered: leaving twice is leaving once.
     assert streams == {"stream_open", "stream_append", "stream_end", "stream_join",
