@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..wire.messages import Append, Item, Limits
-from .ops import Command, Ops, _version, gc_paused, lone_cpu_tensor
+from .ops import BLOCK_SHARE, Command, Ops, _version, gc_paused, lone_cpu_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -48,6 +48,17 @@ class _Lazy:
         self.value, self.tag = value, tag
 
 
+class _LazyAppend:
+    """``append(name, tensor)`` of a lone CPU tensor, as queued: no command is made for it
+    (a batch of them becomes one request at execute())."""
+
+    __slots__ = ("bin", "value", "tag", "item")
+
+    def __init__(self, name: str, value: Any, tag: int | None) -> None:
+        self.bin, self.value, self.tag = name, value, tag
+        self.item: Item | None = None  # once encoded (at execute)
+
+
 class Pipeline(Ops):
     """Requests queued locally and sent together (see ``Client.pipeline()``).
 
@@ -67,7 +78,9 @@ class Pipeline(Ops):
     def __init__(self, host: PipelineHost, raise_on_error: bool = True) -> None:
         self._host = host
         self._raise = raise_on_error
-        self._cmds: list[Command] = []
+        self._cmds: list[Command | _LazyAppend] = []
+        self._checked = ""  # the last bin name checked by a lone-tensor append
+        self._lazy_timeout: float | None = None  # (their appends' timeout, at execute)
         self.results: list[Any] | None = None
         self._limits, self.timeout = host.limits, host.timeout
         self.compress, self.compress_min_bytes = host.compress, host.compress_min_bytes
@@ -87,6 +100,19 @@ class Pipeline(Ops):
         self._cmds.append(cmd)
         return len(self._cmds) - 1
 
+    def append(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+        """As :meth:`Ops.append`; a lone CPU tensor is only queued here (checked, and
+        encoded at execute() with the others)."""
+        if lone_cpu_tensor(value, tag):
+            if self.results is not None:
+                raise RuntimeError("this pipeline was executed already; make a new one")
+            if name != self._checked:
+                self._check_name(name)
+                self._checked = name
+            self._cmds.append(_LazyAppend(name, value, tag))
+            return len(self._cmds) - 1
+        return super().append(name, value, tag=tag)
+
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         if lone_cpu_tensor(value, tag):
             self._check_name(name)
@@ -105,9 +131,9 @@ class Pipeline(Ops):
         """
         if self.results is not None:
             return self.results
-        with gc_paused(len(self._cmds)):
+        with gc_paused(len(self._cmds)):  # the batch's items are encoded on the way out too
             batch = self._batch()
-        return self._host._run_pipeline(self, batch)
+            return self._host._run_pipeline(self, batch)
 
     def finish(self, outcomes: Sequence[Any], counts: Sequence[int]) -> list[Any]:
         """Record each request's outcome (a result or an exception) for the calls it stood
@@ -124,40 +150,54 @@ class Pipeline(Ops):
         return results
 
     def _batch(self) -> list[tuple[Command, int]]:
-        """The commands to send, consecutive appends to one bin merged: ``(command, n)``."""
-        cmds = [self._materialize(c) for c in self._cmds]
+        """The commands to send, consecutive appends to one bin merged: ``(command, n)``.
+        Queued lone tensors are encoded here, one after another."""
+        cmds = self._cmds
         room = self.limits.max_frame_bytes // 2
+        most = self.MAX_BATCH_ITEMS
+        self._lazy_timeout = BLOCK_SHARE * self.timeout
         out: list[tuple[Command, int]] = []
         i, n = 0, len(cmds)
         while i < n:
-            cmd = cmds[i]
-            req = cmd.request
+            first = self._request(i)
             i += 1
-            if type(req) is not Append:
-                out.append((cmd, 1))
+            if first is None:
+                out.append((cast(Command, cmds[i - 1]), 1))
                 continue
-            items, size = [req.item], req.item.value.nbytes
-            while i < n and len(items) < self.MAX_BATCH_ITEMS:
-                nxt = cmds[i].request
-                if type(nxt) is not Append or nxt.bin != req.bin or \
-                        size + nxt.item.value.nbytes >= room:
+            name, item, timeout = first
+            items, size = [item], item.value.nbytes
+            while i < n and len(items) < most:
+                nxt = self._request(i)
+                if nxt is None or nxt[0] != name or nxt[2] != timeout or \
+                        size + nxt[1].value.nbytes >= room:
                     break
-                items.append(nxt.item)
-                size += nxt.item.value.nbytes
+                items.append(nxt[1])
+                size += nxt[1].value.nbytes
                 i += 1
-            if len(items) > 1:
-                cmd = Command(Append(0, req.bin, items[0], req.timeout, tuple(items[1:])),
-                              f"append of {len(items)} items to bin {req.bin!r}", _version)
-            out.append((cmd, len(items)))
+            what = f"append to bin {name!r}" if len(items) == 1 else \
+                f"append of {len(items)} items to bin {name!r}"
+            out.append((Command(Append(0, name, items[0], timeout, tuple(items[1:])), what,
+                                _version), len(items)))
         return out
 
-    def _materialize(self, cmd: Command) -> Command:
-        req = cmd.request
-        if type(req) is Append and type(req.item) is _Lazy:
+    def _request(self, i: int) -> tuple[str, Item, float | None] | None:
+        """Queued command ``i`` as ``(bin, item, timeout)`` if it is an append (encoding a
+        queued lone tensor, once: the command is replaced by its encoded form); else None."""
+        cmd = self._cmds[i]
+        if type(cmd) is _LazyAppend:
+            item = cmd.item
+            if item is None:
+                item = cmd.item = self._host._item(cmd.bin, cmd.value, cmd.tag)
+            return cmd.bin, item, self._lazy_timeout
+        req = cast(Command, cmd).request
+        if type(req) is not Append:
+            return None
+        if type(req.item) is _Lazy:
             lazy = cast(_Lazy, req.item)
             item = self._host._item(req.bin, lazy.value, lazy.tag)
-            return Command(Append(0, req.bin, item, req.timeout), cmd.what, cmd.convert)
-        return cmd
+            self._cmds[i] = Command(Append(0, req.bin, item, req.timeout), "", _version)
+            return req.bin, item, req.timeout
+        return req.bin, req.item, req.timeout
 
     def __enter__(self) -> Pipeline:
         return self

@@ -38,7 +38,7 @@ import math
 import reprlib
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -158,11 +158,15 @@ class Encoded:
 
     value: bytes
     buffers: tuple[Buffer, ...] = ()
+    #: The total bytes sent: ``len(value)`` plus every buffer's ``nbytes`` (computed once:
+    #: asked several times per item on the way out and on the way in).
+    nbytes: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        """The total bytes sent: ``len(value)`` plus every buffer's ``nbytes``."""
-        return len(self.value) + sum(b.nbytes for b in self.buffers)
+    def __post_init__(self) -> None:
+        n = len(self.value)
+        for b in self.buffers:
+            n += len(b.data)
+        object.__setattr__(self, "nbytes", n)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -722,9 +722,10 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike],
                   shared: list[Any] | None) -> list[list[Any]]:
     """Describe items for the header and collect their buffers in payload order."""
     if shared is None:
-        sizes = [b.nbytes for it in items for b in it.value.buffers]
+        sizes = [len(b.data) for it in items for b in it.value.buffers]
     else:
-        sizes = [0 if b.shm is not None else b.nbytes for it in items for b in it.value.buffers]
+        sizes = [0 if b.shm is not None else len(b.data) for it in items
+                 for b in it.value.buffers]
     offsets, _ = payload_layout(sizes)
     k = 0
     out = []
@@ -739,11 +740,12 @@ def _items_header(items: Sequence[Item], buffers: list[BytesLike],
                 buffers.append(b"")
                 descs.append([off, 0, "memfd", b.raw_nbytes])
                 continue
-            buffers.append(b.data)
+            data = b.data
+            buffers.append(data)
             if b.codec is None:
-                descs.append([off, b.nbytes])
+                descs.append([off, len(data)])
             else:
-                descs.append([off, b.nbytes, b.codec, b.raw_nbytes])
+                descs.append([off, len(data), b.codec, b.raw_nbytes])
         out.append([it.value.value, descs, it.tag])
     return out
 
