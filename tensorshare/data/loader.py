@@ -98,6 +98,10 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             loader's sampler and batch size, when it has them).
         client, client_options: a client to use, or more arguments for a new one.
 
+    With several producers it returns once the stream finished (every producer ended its
+    last epoch): another producer that dies in the last epoch aborts it, and every producer,
+    this one included, sends it again.
+
     Returns:
         A :class:`ServeReport`.
 
@@ -123,13 +127,17 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                 for batch in loader:
                     prod.append(batch)
                     batches += 1
-                samples += prod.sent
-                prod.end_epoch(last=done == epochs - 1)
+                sent, last = prod.sent, done == epochs - 1
+                if not prod.end_epoch(last=last).finished and last:
+                    # The others may still die in this epoch (then it is aborted and sent
+                    # again by every producer): it is done once the stream finished.
+                    prod.wait_finished()
+                samples += sent
                 done += 1
             except ProducerGone:
-                # A producer died mid-epoch (this one was away too long, or another): once
-                # the stream is whole again, this epoch starts over; consumers saw it end
-                # as aborted.
+                # A producer died mid-epoch (this one was away too long, or another, or the
+                # server restarted): once the stream is whole again, this epoch starts over;
+                # consumers saw it end as aborted (or get ProducerGone).
                 restarts += 1
                 prod.reopen(timeout)
     return ServeReport(done, batches, samples, restarts, time.monotonic() - started)

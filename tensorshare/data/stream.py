@@ -39,7 +39,7 @@ from ..client.streams import (
     StreamJoinResult,
     StreamOpenResult,
 )
-from ..errors import BinFull, BinNotFound, SessionLost, WaitTimeout
+from ..errors import BinFull, BinNotFound, InvalidRequest, SessionLost, WaitTimeout
 from .batching import sample_count
 
 __all__ = ["StreamConsumer", "StreamProducer", "connect"]
@@ -65,6 +65,23 @@ def connect(host: str | None, port: int | None, timeout: float, lease: float,
 
 def _pause(seconds: float) -> None:
     threading.Event().wait(seconds)  # (never set: a plain wait that a signal can interrupt)
+
+
+def _server_of(client: Any, name: str) -> Any:
+    """The client of the server that holds bin ``name`` (one of a sharded client's)."""
+    pick = getattr(client, "client_for", None)
+    return pick(name) if pick is not None else client
+
+
+def _server_id(client: Any, name: str) -> str:
+    """The id of the server that holds bin ``name``: it changes when that server restarted
+    without its data (streams are in memory only: they are gone then)."""
+    return str(_server_of(client, name).server_id)
+
+
+def _glob_of(name: str) -> str:
+    """A ``stats`` glob that matches exactly ``name``."""
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
 
 
 class StreamProducer:
@@ -108,6 +125,7 @@ class StreamProducer:
                                                                 client_options)
         self.epoch = 0  # the epoch this producer appends to
         self.sent = 0  # samples it appended to it
+        self._server_id = ""  # the server it opened the stream on (a restart changes it)
         try:
             self.opened = self._open()
         except BaseException:
@@ -117,7 +135,18 @@ class StreamProducer:
     def _open(self) -> StreamOpenResult:
         r: StreamOpenResult = self.client.stream_open(self.name, **self._settings)
         self.epoch, self.sent = r.epoch, r.sent
+        self._server_id = _server_id(self.client, self.name)
         return r
+
+    def _gone(self, exc: Exception) -> ProducerGone | None:
+        """The ``ProducerGone`` an error of an append or end means, if it means one: the
+        server lost this client's session, forgot the stream, or restarted (streams live in
+        memory only): this producer's epoch is lost on the server either way."""
+        restarted = _server_id(self.client, self.name) != self._server_id
+        if isinstance(exc, (SessionLost, BinNotFound)) or (
+                isinstance(exc, InvalidRequest) and restarted):
+            return ProducerGone(f"stream {self.name!r}: {exc}")
+        return None
 
     def reopen(self, timeout: float = 60.0) -> StreamOpenResult:
         """Open the stream again after ``ProducerGone`` and wait until it is whole (every
@@ -180,10 +209,13 @@ class StreamProducer:
             except BinFull:  # held for the client's share of time: nothing stored, again
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-            except SessionLost as exc:
-                # The server lost this client's session (it restarted, or we were away past
-                # the session's life): this epoch is lost on the server either way.
-                raise ProducerGone(f"stream {self.name!r}: {exc}") from None
+            except (SessionLost, BinNotFound, InvalidRequest) as exc:
+                # The server lost this client's session or the stream (it restarted, or we
+                # were away past the session's life): this epoch is lost on the server.
+                gone = self._gone(exc)
+                if gone is None:
+                    raise
+                raise gone from None
         self.sent += sum(counts)
         return int(r.position)
 
@@ -199,12 +231,53 @@ class StreamProducer:
                     self.name, epoch=self.epoch, samples=self.sent, producer=self.producer,
                     last=last)
                 break
-            except WaitTimeout:  # held while the others end the previous epoch: again
-                continue
-            except SessionLost as exc:
-                raise ProducerGone(f"stream {self.name!r}: {exc}") from None
+            except WaitTimeout:  # held (the others end the previous epoch, or the
+                continue         # window has no room for the epoch's mark): again
+            except (SessionLost, BinNotFound, InvalidRequest) as exc:
+                gone = self._gone(exc)
+                if gone is None:
+                    raise
+                raise gone from None
         self.epoch, self.sent = r.epoch, 0
         return r
+
+    def wait_finished(self, timeout: float | None = None) -> None:
+        """After this producer ended its last epoch: wait until the stream is finished
+        (every producer ended its last epoch), or the stream is gone because nobody is in it
+        any more. It waits as long as the other producers are live (they may still be
+        sending their part of the epoch), or up to ``timeout`` seconds.
+
+        Raises:
+            ProducerGone: that epoch cannot complete (another producer died in it), or was
+                aborted after all (a producer took the dead one's place), or the server
+                restarted (streams live in memory only): :meth:`reopen`, then send the
+                epoch again.
+            WaitTimeout: not finished within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        gap = 0.02
+        while True:
+            bins = _server_of(self.client, self.name).stats(_glob_of(self.name))["bins"]
+            if _server_id(self.client, self.name) != self._server_id:
+                raise ProducerGone(f"the server of stream {self.name!r} restarted (streams "
+                                   f"live in memory only): its last epoch is lost")
+            info = bins.get(self.name)
+            if info is None or info.get("kind") != "stream":
+                return  # it finished and everyone left: the stream was removed
+            st = info["stream"]
+            me = st["producers"].get(str(self.producer))
+            if st["finished"] or me is None:
+                return  # (None: it finished, and a new run began without this producer)
+            if me["state"] != "done" or st["broken"]:
+                raise ProducerGone(f"epoch {self.epoch - 1} of stream {self.name!r}, which "
+                                   f"producer {self.producer} ended as its last, cannot "
+                                   f"complete (another producer died in it): open the "
+                                   f"stream again and send the epoch again")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(f"stream {self.name!r} did not finish within {timeout:g} s "
+                                  f"(other producers are still in their last epoch)")
+            _pause(gap)
+            gap = min(gap * 1.5, 0.25)
 
     def close(self) -> None:
         """Close the client (if this producer made it). A producer closed before it ended
@@ -259,6 +332,7 @@ class StreamConsumer:
         self._stash: StreamBatch | None = None  # a batch held back to raise Lagged first
         self._pending: tuple[int, int | None, PendingCall] | None = None  # (pid, at, call)
         self._pid = os.getpid()
+        self._server_id = ""  # the server it joined the stream on (a restart changes it)
         try:
             self.joined = self._join(resume, start)
         except BaseException:
@@ -269,6 +343,7 @@ class StreamConsumer:
         r: StreamJoinResult = self.client.stream_join(self.name, self.consumer, start=start,
                                                       lease=self.lease, resume=resume)
         self._pending = None
+        self._server_id = _server_id(self.client, self.name)
         self.position, self.epoch, self.offset = r.position, r.epoch, r.offset
         self.epoch_samples = r.epoch_samples
         if r.epoch_samples is not None:
@@ -307,7 +382,8 @@ class StreamConsumer:
             WaitTimeout: no item within ``timeout``.
             Lagged: items were freed before this consumer read them (``missed``: how many);
                 the next read returns what comes after them.
-            ProducerGone: the epoch can never complete (a producer died): :meth:`rejoin`.
+            ProducerGone: the epoch can never complete (a producer died, or the server
+                restarted: streams live in memory only): :meth:`rejoin`.
         """
         if self._pid != os.getpid():
             # A forked process (a DataLoader worker): it goes on from what the stream knows
@@ -350,8 +426,15 @@ class StreamConsumer:
         except SessionLost:
             return None  # the read's outcome is unknown; reading from our position is safe
         except BinNotFound:
-            # The stream forgot this consumer (dropped and removed while it was away, or
-            # the server restarted): join again; a position it still keeps goes on.
+            if _server_id(self.client, self.name) != self._server_id:
+                # The server restarted: streams live in memory only, so the epoch this
+                # consumer was in is cut short, as when a producer dies.
+                self._stash = None
+                raise ProducerGone(f"the server of stream {self.name!r} restarted (streams "
+                                   f"live in memory only): the epoch in progress is lost; "
+                                   f"rejoin at 'next_epoch'") from None
+            # The stream forgot this consumer (dropped and removed while it was away):
+            # join again; a position it still keeps goes on.
             at = self.position
             r = self._join(True, self.start)
             if at is not None and at <= r.head:

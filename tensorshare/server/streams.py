@@ -284,12 +284,18 @@ class Stream:
 
     def _repair(self, now: float) -> list[Event]:
         """A producer came back: the epoch a gone producer broke ends as aborted (if anything
-        of it was sent) and every producer starts the next one."""
+        of it was sent) and every producer starts the next one, those that had ended the
+        aborted epoch as their last included: an epoch ends only when every producer marked
+        it, so they must send it again (one that no longer answers is gone after its lease,
+        and consumers get ``ProducerGone`` instead of waiting for it)."""
         events: list[Event] = []
+        marked = set(self.marked)
         if self.epoch_start < self.head or self.marked:
             self._close_epoch(now, aborted=True)
             events.append(("epoch", 0))
         for p in self.producers.values():
+            if p.state == "done" and p.index in marked:
+                p.state, p.seen = "away", now  # its lease runs from now
             if p.state != "done":
                 p.epoch, p.sent = self.epoch, 0
         return events
@@ -298,11 +304,16 @@ class Stream:
         """The producer ``index`` of ``owner``, checked to be appending to ``epoch``.
 
         Raises:
-            InvalidRequest: not opened by this owner, done, or another epoch.
-            ProducerGone: it was gone, or its epoch was aborted or cannot complete.
+            InvalidRequest: opened by another owner, done, or another epoch.
+            ProducerGone: not open (the stream was made anew since), it was gone, or its
+                epoch was aborted or cannot complete.
         """
         p = self.producers.get(index)
-        if p is None or p.owner != owner:
+        if p is None:
+            raise ProducerGone(f"producer {index} is not open in stream {self.name!r} (the "
+                               f"server restarted, or the stream was removed while nobody "
+                               f"was in it): open the stream again")
+        if p.owner != owner:
             raise InvalidRequest(f"producer {index} of stream {self.name!r} is not open by "
                                  f"this client (stream_open first)")
         if p.state == "gone":
@@ -373,8 +384,15 @@ class Stream:
         return pos
 
     def end_ready(self, index: int) -> bool:
-        """Whether producer ``index`` may mark its epoch now (the earlier one ended)."""
-        return self.producers[index].epoch == self.epoch
+        """Whether producer ``index`` may mark its epoch now: the earlier one ended and, if
+        its mark ends the epoch (the epoch mark takes a position), the window has room for
+        it, as for an append."""
+        if self.producers[index].epoch != self.epoch:
+            return False
+        marks = sum(1 for q in self.producers.values() if q.index in self.marked
+                    or q.index == index)
+        return marks < self.cfg.producers or \
+            self.head + 1 - self._floor(False) <= self.cfg.window
 
     def end(self, index: int, owner: Any, epoch: int, samples: int, last: bool, now: float,
             check_only: bool = False) -> tuple[StreamEnded, list[Event]]:
@@ -939,7 +957,7 @@ class StreamKind:
     def _held_out(self, st: Stream, w: _Waiting) -> None:
         msg = w.msg
         w.active = False
-        if isinstance(msg, StreamEnd):  # not full: it waits for the other producers
+        if isinstance(msg, StreamEnd):  # the other producers, or the window (its mark)
             _respond(w.conn, msg, ErrorReply(msg.id, WaitTimeout.code, (
                 f"stream {st.name!r} held the end of epoch {msg.epoch} for {msg.timeout:g} s: "
                 f"{st.why_held(msg.producer)}; nothing was marked")))
@@ -952,8 +970,8 @@ class StreamKind:
         st = self._stream(msg.bin, False)
         owner, now = self._owner(conn), self._now()
         w = _Waiting(conn, msg)
+        st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now, check_only=True)
         if self._mine_waiting(st.name, msg.producer) or not st.end_ready(msg.producer):
-            st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now, check_only=True)
             self._hold(st, w)
             return
         reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now)

@@ -1,7 +1,7 @@
 """serve_loader and SharedLoader (tensorshare.data) against a real server on 127.0.0.1.
 
 Producers and jobs run in threads of the test process (the fault-injection runs, with
-separate processes, SIGKILL and a chaos proxy, are in tests/system/test_streams_chaos.py).
+separate processes, SIGKILL and a chaos proxy, are in tests/system/test_streams_faults.py).
 Each checks what a training job sees: every sample of every epoch exactly once and in order,
 at its own batch size, with a ``len()`` that says how many batches the pass has.
 """
@@ -287,3 +287,21 @@ def test_joining_never_waits_for_a_producer_and_a_read_times_out(
     # and the stream of a consumer that left goes away with it
     wait_until(lambda: "nobody" not in Client("127.0.0.1", server.port).stats()["bins"],
                what="the stream to go")
+
+
+def test_a_producer_that_ended_its_last_epoch_waits_for_the_others_to_finish(
+        server: EmbeddedServer) -> None:
+    port = server.port
+    with StreamConsumer("fin", "j", "127.0.0.1", port, timeout=TIMEOUT) as c, \
+            StreamProducer("fin", "127.0.0.1", port, producer=0, producers=2) as p0, \
+            StreamProducer("fin", "127.0.0.1", port, producer=1, producers=2) as p1:
+        p0.append(torch.tensor([0]))
+        assert not p0.end_epoch(last=True).finished
+        with pytest.raises(WaitTimeout, match="did not finish within 0.2 s"):
+            p0.wait_finished(timeout=0.2)  # producer 1 is still in its last epoch
+        waiting = Background(lambda: p0.wait_finished(timeout=TIMEOUT))
+        p1.append(torch.tensor([1]))
+        assert p1.end_epoch(last=True).finished
+        waiting.result()
+        batch = c.read()
+        assert sorted(int(x[0]) for x in batch.items) == [0, 1] and batch.finished

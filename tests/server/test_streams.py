@@ -235,6 +235,97 @@ def test_a_gone_producer_breaks_its_epoch_until_a_producer_opens_the_stream_agai
         st.check_append(0, "new-session", 1, 1, 4.0)
 
 
+def producer_gone_in_last_epoch(survivor_alive: bool) -> tuple[Stream, int]:
+    """Two producers: producer 1 ends its last epoch, then producer 0 dies in it and a new
+    producer 0 opens the stream (the epoch is aborted). Returns the stream and where the
+    consumer "a" reads the new epoch."""
+    st = opened(window=10, producers=2)
+    st.join("a", "A", "now", 60.0, True, 0.0)
+    append(st, 0, producer=0)
+    append(st, 1000, producer=1)
+    assert not end(st, 1, last=True).complete
+    assert st.ended(f"{P}0", 1.0) == [("gone", 0)]  # its client said goodbye: gone at once
+    with pytest.raises(ProducerGone, match="producer 0 .* is gone"):
+        read(st, "a", 0, now=1.0)
+    _, events = st.open(0, "new-0", st.cfg, 2.0, None, 2.0)
+    assert ("epoch", 0) in events  # epoch 0 ends as aborted...
+    # ...and producer 1's last epoch with it: it is no longer done, it must send it again.
+    assert st.producers[1].state != "done" and st.producers[1].epoch == 1
+    got = read(st, "a", 0, now=2.0)
+    assert got is not None and sorted(values(got)) == [0, 1000] and got.aborted
+    append(st, 1, producer=0, now=2.0)
+    reply = end(st, 0, last=True, now=2.0)
+    assert not reply.complete and not reply.finished  # producer 1 has not ended epoch 1
+    if survivor_alive:
+        assert st.check(2.0 + 60.0, lambda owner, lease: True) == []
+    return st, got.next
+
+
+def test_a_producer_that_ended_its_last_epoch_sends_it_again_when_another_dies_in_it() -> None:
+    st, at = producer_gone_in_last_epoch(survivor_alive=True)
+    p1 = st.producers[1]
+    # It learns (its next append is to epoch 1, as its end's reply said) and sends it again.
+    assert p1.epoch == 1
+    append(st, 1001, producer=1, now=70.0)
+    reply = end(st, 1, last=True, now=70.0)
+    assert reply.complete and reply.finished
+    got = read(st, "a", at, now=70.0)
+    assert got is not None and sorted(values(got)) == [1, 1001] and got.end == 2
+    assert got.finished and not got.aborted
+
+
+def test_a_producer_that_ended_its_last_epoch_and_left_is_gone_once_that_epoch_is_aborted(
+        ) -> None:
+    st, at = producer_gone_in_last_epoch(survivor_alive=False)
+    assert read(st, "a", at, now=2.0) is not None  # (the new producer 0's item)
+    assert st.next_deadline() == 4.0  # producer 1's lease (2 s) runs from the repair
+    assert st.check(4.0, lambda owner, lease: False) == [("gone", 0)]
+    assert st.broken
+    with pytest.raises(ProducerGone, match="producer 1 .* is gone"):  # never a silent wait
+        read(st, "a", None, now=4.0)
+    # A new producer 1 takes its place: epoch 1 is aborted too, both send the next one.
+    st.open(1, "new-1", st.cfg, 2.0, None, 5.0)
+    assert st.producers[0].epoch == st.producers[1].epoch == 2
+    append(st, 2, producer=0, now=5.0)
+    append(st, 1002, producer=1, now=5.0)
+    assert not end(st, 0, last=True, now=5.0).complete
+    assert end(st, 1, last=True, now=5.0).finished
+
+
+def test_an_unknown_producer_of_a_stream_made_anew_gets_producer_gone() -> None:
+    st = Stream("s", 0.0)  # (as after a server restart: a consumer made it, empty)
+    st.join("a", "A", "now", 60.0, True, 0.0)
+    with pytest.raises(ProducerGone, match="producer 0 is not open .* open the stream again"):
+        st.check_append(0, P, 3, 1, 0.0)
+    with pytest.raises(ProducerGone, match="producer 0 is not open"):
+        st.end(0, P, 3, 7, False, 0.0)
+
+
+def test_epoch_marks_are_held_by_the_window_like_items() -> None:
+    st = opened(window=3)
+    st.join("slow", "S", "now", 60.0, True, 0.0)
+    ended = 0
+    for _ in range(10_000):  # empty epochs, the consumer reading nothing
+        if not st.end_ready(0):
+            break
+        end(st)
+        ended += 1
+    assert ended == 3 and len(st.entries) == 3 and st.head == 3
+    read(st, "slow", 1)  # it acknowledges one mark: room for one more
+    assert st.end_ready(0)
+    end(st)
+    assert not st.end_ready(0) and st.head - st.base == 3
+    # With two producers only the end that puts the mark is held.
+    two = opened(window=1, producers=2)
+    two.join("slow", "S", "now", 60.0, True, 0.0)
+    append(two, 5, producer=0)
+    assert two.end_ready(0)
+    end(two, 0)
+    assert not two.end_ready(1)
+    read(two, "slow", 1)
+    assert two.end_ready(1) and end(two, 1).complete
+
+
 def test_under_detach_a_stalled_consumer_stops_holding_the_others_and_learns_it_lagged() -> None:
     st = opened(window=2, on_lag="detach", max_stall=5.0)
     st.join("slow", "S", "now", 60.0, True, 0.0)
@@ -618,3 +709,28 @@ def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in
     clock.advance(3.01)
     assert not factory.kinds[0].owns("s")  # nobody left in it: it is gone
     assert factory.kinds[0].nbytes == 0
+
+
+def test_an_end_whose_mark_has_no_room_in_the_window_is_held_until_a_consumer_reads_on(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    prod, cons = Peer(factory), Peer(factory)
+    cons.request(StreamJoin(cons.rid(), "s", "slow", "now", 60.0))
+    open_stream(prod, window=2)
+    for e in range(2):  # two empty epochs: their marks fill the window
+        rid = prod.rid()
+        assert prod.request(StreamEnd(rid, "s", 0, e, 0)) == StreamEnded(rid, e + 1, True)
+    rid = prod.rid()
+    prod.send(StreamEnd(rid, "s", 0, 2, 0, False, 2.0))
+    assert prod.received() == []  # held: no room for its mark
+    assert factory.bin_stats()["s"]["blocked"] == 1
+    clock.advance(2.0)
+    [reply] = prod.received()
+    assert type(reply) is ErrorReply and reply.code == "timeout"
+    assert "consumer 'slow' is 2 positions behind (window=2)" in reply.message
+    assert factory.bin_stats()["s"]["stream"]["head"] == 2  # nothing was marked
+    rid = prod.rid()
+    prod.send(StreamEnd(rid, "s", 0, 2, 0, False, 5.0))
+    assert prod.received() == []
+    cons.send(StreamRead(cons.rid(), "s", "slow", 1))  # acknowledges the first mark
+    cons.received()
+    assert prod.received() == [StreamEnded(rid, 3, True)]
