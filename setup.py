@@ -31,11 +31,15 @@ setup(
     extras_require={
         # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
         "rl": ["gymnasium>=1.0"],
+        # tensorshare.ray: shard servers as Ray actors (start_shards).
+        "ray": ["ray>=2.60"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
         # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter",
                  "trustme",
-                 "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml"],
+                 "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
+                 # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
+                 'ray==2.60.0; python_version < "3.14"'],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
     classifiers=[

@@ -1,0 +1,351 @@
+"""tensorshare on Ray: shard servers as Ray actors, spread over the cluster's nodes.
+
+Usage::
+
+    import ray, tensorshare.ray
+    ray.init()
+    with tensorshare.ray.start_shards(4, data_dir="/mnt/ts") as shards:
+        client = shards.client(timeout=30)          # a tensorshare.ShardedClient
+        worker = RLWorker(host=shards.servers)      # "h1:p1,h2:p2,...": RLWorker unchanged
+
+Each shard is one Ray actor (scheduling strategy ``SPREAD``, ``max_restarts=-1``) running a
+:class:`~tensorshare.server.EmbeddedServer` with its own data directory,
+``DATA_DIR/shard-{i}``. When the actor dies (its process or its node), Ray restarts it and
+the server loads that directory again: the shard comes back with its bins, and clients
+reconnect by themselves (elastic sessions).
+
+Addresses. A bin's shard is a function of the shards' addresses as written, so a shard that
+comes back should come back where it was. Each shard remembers its address in
+``DATA_DIR/shard-{i}/ray-shard.json``; restarted on the same node, it listens on the same
+port again (it waits up to ``rebind_timeout`` seconds for the port to be free). If it cannot
+(another process took the port, or Ray restarted it on another node, whose address differs or
+whose disk does not hold that directory), it listens on a free port and logs a warning;
+:meth:`Shards.refresh` then says which shards moved. Clients made before still point at the
+old address: make them anew (:meth:`Shards.client`) and move the bins to the shards that own
+them now with ``shards.client().rebalance()`` (or ``tensorshare rebalance --servers ...``).
+A restart on another node finds its bins only if ``data_dir`` is on storage every node sees;
+on node-local disks it starts empty there (its bins stay on the old node's disk). With
+``SPREAD`` Ray may restart a shard on any node; ``start_shards(..., sticky=True)`` pins shard
+``i`` to node ``i mod nodes`` instead (hard node affinity: Ray's soft affinity does not keep
+a restarted actor on its node), so that a shard whose process died comes back on its own node,
+with the same address and its data on that node's disk. A sticky shard whose node is gone
+does not come back anywhere (its calls raise Ray's ``ActorDiedError`` or stay unschedulable):
+with node-local disks its bins went with the node anyway. On storage every node sees, prefer
+``SPREAD`` and let the shard come back elsewhere (on a new address: see above).
+
+Loopback. When every node of the cluster is this machine (a local cluster), the servers bind
+127.0.0.1 and need no token. Otherwise each binds its node's IP, and the server refuses that
+without a token (protected mode): pass ``token=...`` (or set ``TENSORSHARE_TOKEN`` where
+``start_shards`` runs); ``shards.client()`` uses the same token. The token travels to the
+actors as a constructor argument (Ray keeps those in its control store).
+
+Ray is an optional dependency (``pip install "tensorshare[ray]"``), imported when first
+needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from twisted.internet.error import BindError
+
+from ..client.sharded import ShardedClient
+from ..server import EmbeddedServer, ServerConfig
+from ..server.config import env_token
+
+__all__ = ["Shards", "start_shards"]
+
+log = logging.getLogger("tensorshare.ray")
+
+#: The file, in each shard's data directory, that remembers where the shard listens.
+STATE_FILE = "ray-shard.json"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("tensorshare.ray needs Ray: pip install \"tensorshare[ray]\" "
+                          "(or pip install ray)") from exc
+    return ray
+
+
+def _bind(host: str, port: int, config: ServerConfig, wait: float) -> EmbeddedServer:
+    """A server on ``host:port``, trying for up to ``wait`` seconds while the port is in use
+    (a dying predecessor may still hold it)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return EmbeddedServer(port, host=host, config=config)
+        except (OSError, BindError):  # the port is in use (CannotListenError)
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+class _Shard:
+    """One shard server inside a Ray actor (see :func:`start_shards`)."""
+
+    def __init__(self, index: int, shard_dir: str, port: int, loopback: bool,
+                 options: dict[str, Any], rebind_timeout: float,
+                 local_ip: str | None = None) -> None:
+        ray = _ray()
+        self.index = index
+        node_ip = ray.util.get_node_ip_address()
+        if local_ip is not None and node_ip != local_ip:
+            raise RuntimeError(
+                f"tensorshare shard {index} was placed on node {node_ip}, but the shards were "
+                f"started for a cluster on one machine ({local_ip}), bound to 127.0.0.1: no "
+                f"one else could reach it. Start them with loopback=False and a token")
+        host = "127.0.0.1" if loopback else node_ip
+        os.makedirs(shard_dir, exist_ok=True)
+        state_path = os.path.join(shard_dir, STATE_FILE)
+        previous: dict[str, Any] = {}
+        try:
+            with open(state_path, encoding="utf-8") as f:
+                previous = json.load(f)
+        except (OSError, ValueError):
+            pass
+        config = ServerConfig(data_dir=shard_dir, **options)
+        wanted = port
+        if previous.get("host") == host and previous.get("port") and previous.get("node_ip") \
+                == node_ip:
+            wanted = int(previous["port"])  # a restart on the same node: the same address
+        try:
+            self.server = _bind(host, wanted, config, rebind_timeout if wanted else 0.0)
+        except (OSError, BindError):
+            if not previous:
+                raise  # first start on an explicit port that is taken: say so
+            log.warning("tensorshare shard %d could not listen on %s:%d again; it listens on a "
+                        "free port: its address changes (see tensorshare.ray)", index, host,
+                        wanted)
+            self.server = EmbeddedServer(0, host=host, config=config)
+        self.address = f"{host}:{self.server.port}"
+        if previous and f"{previous.get('host')}:{previous.get('port')}" != self.address:
+            log.warning("tensorshare shard %d moved from %s:%s to %s", index,
+                        previous.get("host"), previous.get("port"), self.address)
+        tmp = state_path + ".new"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"host": host, "port": self.server.port, "node_ip": node_ip}, f)
+        os.replace(tmp, state_path)
+
+    def info(self) -> dict[str, Any]:
+        """Where this shard runs: ``address``, ``node_id``, ``node_ip``, ``pid``."""
+        ray = _ray()
+        return {"index": self.index, "address": self.address, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "running": self.server.running}
+
+    def stop(self) -> None:
+        """Stop the server (final snapshot written, port closed)."""
+        self.server.stop()
+
+
+def _is_local_cluster(ray: Any) -> bool:
+    """Whether every alive node of the cluster is this machine."""
+    here = ray.util.get_node_ip_address()
+    ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    return ips <= {here}
+
+
+class Shards:
+    """Shard servers running as Ray actors: what :func:`start_shards` returns.
+
+    It can be passed to Ray tasks and actors (it holds the actors' handles and addresses),
+    which then call :meth:`client`. A context manager: leaving it calls :meth:`shutdown`.
+
+    Attributes:
+        actors: the shards' Ray actor handles, in shard order.
+        addresses: ``"host:port"`` of each shard, in shard order (as of the start, or the
+            last :meth:`refresh`).
+        token: the servers' token (``None``: none).
+        data_dir: the directory holding ``shard-{i}`` for each shard.
+    """
+
+    def __init__(self, actors: list[Any], addresses: list[str], token: str | None,
+                 data_dir: str) -> None:
+        self.actors = actors
+        self.addresses = addresses
+        self.token = token
+        self.data_dir = data_dir
+
+    @property
+    def servers(self) -> str:
+        """The addresses joined by commas: what ``RLWorker(host=...)``, ``RLTrainer``,
+        ``TENSORSHARE_SERVERS`` and ``tensorshare --servers`` take."""
+        return ",".join(self.addresses)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def client(self, **options: Any) -> ShardedClient:
+        """A :class:`~tensorshare.ShardedClient` over the shards (with their token unless
+        ``token`` is given). ``options`` go to each shard's client (``timeout``, ...)."""
+        if self.token is not None:
+            options.setdefault("token", self.token)
+        return ShardedClient(self.addresses, **options)
+
+    def info(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Each shard's ``address``, ``node_id``, ``node_ip`` and ``pid`` (waiting for a
+        shard that Ray is restarting)."""
+        ray = _ray()
+        return list(ray.get([a.info.remote() for a in self.actors], timeout=timeout))
+
+    def refresh(self, timeout: float = 60.0) -> list[int]:
+        """Ask the shards where they listen now; update :attr:`addresses`.
+
+        Returns:
+            The indices of the shards whose address changed (see the module's notes:
+            make clients anew and rebalance).
+        """
+        now = [i["address"] for i in self.info(timeout)]
+        moved = [k for k, (a, b) in enumerate(zip(self.addresses, now, strict=True)) if a != b]
+        self.addresses = now
+        return moved
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop every shard (each writes its final snapshot and closes its port), kill the
+        actors for good, and wait until Ray reports them dead. Idempotent."""
+        ray = _ray()
+        if not self.actors:
+            return
+        actors, self.actors = self.actors, []
+        try:
+            ray.get([a.stop.remote() for a in actors], timeout=timeout)
+        except Exception as exc:  # a dead or stuck shard: it is killed below all the same
+            log.warning("tensorshare.ray: a shard did not stop cleanly: %s", exc)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout
+        for actor in actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                except ray.exceptions.RayActorError:
+                    break  # dead
+                except ray.exceptions.GetTimeoutError:
+                    break
+                time.sleep(0.05)
+
+    def __enter__(self) -> Shards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<tensorshare.ray.Shards {self.addresses}>"
+
+
+def start_shards(n: int, *, data_dir: str | os.PathLike[str], relays: bool = False,
+                 port: int = 0, loopback: bool | None = None, sticky: bool = False,
+                 actor_options: dict[str, Any] | None = None, rebind_timeout: float = 10.0,
+                 timeout: float = 120.0, **server_options: Any) -> Shards:
+    """Start ``n`` shard servers as Ray actors spread over the cluster's nodes.
+
+    Connects to Ray first if this process has not (``ray.init()``).
+
+    Args:
+        n: how many shards.
+        data_dir: shard ``i`` keeps its data in ``data_dir/shard-{i}`` (on the disk of the
+            node it runs on: storage that every node sees lets a shard restart anywhere).
+        relays: one relay per node for parameter fan-out (not yet available).
+        port: 0 (default): each shard takes a free port at its first start and keeps it
+            across restarts; else shard ``i`` listens on ``port + i``.
+        loopback: bind 127.0.0.1 (``True``) or each node's IP (``False``); default: loopback
+            when every node of the cluster is this machine.
+        sticky: pin shard ``i`` to node ``i mod nodes`` (hard node affinity) instead of
+            ``SPREAD``: Ray restarts it on its own node, where it keeps its address and finds
+            its data directory, but not elsewhere if that node is gone. With ``SPREAD`` (the
+            default) Ray may restart it on any node (see the module's notes).
+        actor_options: passed to ``ActorClass.options`` (defaults: ``num_cpus=1``,
+            ``max_restarts=-1``, ``max_task_retries=-1``, ``scheduling_strategy="SPREAD"``).
+        rebind_timeout: how long a restarted shard waits for its old port to be free.
+        timeout: seconds to wait for every shard to listen.
+        **server_options: :class:`~tensorshare.server.ServerConfig` fields (``token``,
+            ``fsync``, ``max_memory``, ``snapshot_every``, ...). ``token`` defaults to
+            ``TENSORSHARE_TOKEN`` here.
+
+    Returns:
+        The :class:`Shards`, every one of them listening.
+
+    Raises:
+        NotImplementedError: ``relays=True``.
+        ValueError: ``n < 1``, or servers beyond loopback without a token (and without
+            ``insecure=True``).
+        TypeError: an unknown server option.
+        ImportError: Ray is not installed.
+    """
+    if relays:
+        raise NotImplementedError(
+            "tensorshare.ray: relays=True is not available yet (one relay actor per node "
+            "serving the parameter bins); start the shards with relays=False and have workers "
+            "read parameters from the shards directly")
+    if n < 1:
+        raise ValueError(f"start_shards needs at least one shard, not {n}")
+    if "data_dir" in server_options:
+        raise TypeError("data_dir is start_shards' own argument")
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init()
+    options = dict(server_options)
+    if "token" not in options:
+        options["token"] = env_token()
+    config = ServerConfig(**options)  # an unknown option raises TypeError here, not remotely
+    local_ip = None
+    if loopback is None:
+        loopback = _is_local_cluster(ray)
+        if loopback:  # a node that joins later must not get a shard it cannot share
+            local_ip = ray.util.get_node_ip_address()
+    if not loopback and not config.token and not config.insecure:
+        raise ValueError(
+            "tensorshare.ray: the cluster spans several machines, so the shards listen on "
+            "their nodes' IPs, and a server refuses that without a token: pass token=... (or "
+            "set TENSORSHARE_TOKEN), or insecure=True if this network is trusted")
+    root = os.path.abspath(os.fspath(data_dir))
+    settings: dict[str, Any] = {"num_cpus": 1, "max_restarts": -1, "max_task_retries": -1,
+                                "scheduling_strategy": "SPREAD"}
+    settings.update(actor_options or {})
+    per_shard: list[dict[str, Any]] = [{} for _ in range(n)]
+    if sticky:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+        per_shard = [{"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            nodes[i % len(nodes)], soft=False)} for i in range(n)]
+    cls = ray.remote(_Shard)
+    actors = [cls.options(**{**settings, **per_shard[i]}).remote(
+        i, os.path.join(root, f"shard-{i}"), port + i if port else 0, loopback, options,
+        rebind_timeout, local_ip) for i in range(n)]
+    shards = Shards(actors, [], config.token, root)
+    try:
+        shards.addresses = [i["address"] for i in shards.info(timeout)]
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
+    return shards
+
+
+def node_address(address: str) -> tuple[str, int]:
+    """``("host", port)`` of a ``"host:port"`` shard address."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def reachable(addresses: Sequence[str], timeout: float = 1.0) -> list[bool]:
+    """Whether a TCP connection to each address succeeds now (for checks and tests)."""
+    out = []
+    for address in addresses:
+        try:
+            with socket.create_connection(node_address(address), timeout=timeout):
+                out.append(True)
+        except OSError:
+            out.append(False)
+    return out

@@ -1,0 +1,306 @@
+"""tensorshare.ray on a local two-node Ray cluster: shards spread over the nodes, a killed
+shard comes back with its bins, RL workers as Ray actors on both nodes, and nothing is left
+running at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \".[ray]\")")
+
+import tensorshare.ray as tsray  # noqa: E402
+from tensorshare import RLTrainer, RLWorker  # noqa: E402
+
+pytestmark = [pytest.mark.long, pytest.mark.timeout(120)]
+
+MB = 1 << 20
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two Ray nodes on this machine, 2 CPUs each, small object stores, no dashboard; at the
+    end: shut down, and no process this test started is left."""
+    from ray.cluster_utils import Cluster
+
+    before = _descendants(os.getpid())
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init installs its own
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "object_store_memory": 80 * MB, "include_dashboard": False})
+    c.add_node(num_cpus=2, object_store_memory=80 * MB)
+    ray.init(address=c.address, log_to_driver=False)
+    started = _alive(_descendants(os.getpid()) - before)
+    assert started  # (the check at the end sees the cluster's processes)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+        deadline = time.monotonic() + 20
+        left = _alive(_descendants(os.getpid()) - before)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _alive(_descendants(os.getpid()) - before)
+        assert not left, f"processes left after the Ray cluster shut down: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def shards(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tsray.Shards]:
+    data_dir = tmp_path_factory.mktemp("ray-shards")
+    with tsray.start_shards(2, data_dir=data_dir, max_memory=64 * MB,
+                            snapshot_every=None) as s:
+        yield s
+    assert not any(tsray.reachable(s.addresses)), "a shard still listens after shutdown"
+
+
+def test_arguments_checked_before_anything_starts(tmp_path: Any) -> None:
+    with pytest.raises(NotImplementedError, match="relays"):
+        tsray.start_shards(2, data_dir=tmp_path, relays=True)
+    with pytest.raises(ValueError, match="at least one"):
+        tsray.start_shards(0, data_dir=tmp_path)
+
+
+def test_shards_spread_over_both_nodes_and_serve(cluster: Any, shards: tsray.Shards) -> None:
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    info = shards.info()
+    assert len(nodes) == 2
+    assert {i["node_id"] for i in info} == nodes  # one shard on each node (SPREAD)
+    assert [i["address"] for i in info] == shards.addresses
+    assert all(a.startswith("127.0.0.1:") for a in shards.addresses)  # a local cluster
+    assert shards.servers == ",".join(shards.addresses)
+
+    with shards.client(timeout=30) as client:
+        values = {f"t{i}": torch.arange(i + 1, dtype=torch.float32) for i in range(16)}
+        for name, value in values.items():
+            client.put(name, value)
+        assert {client.owner(n) for n in values} == {f"tensorshare://{a}"
+                                                     for a in shards.addresses}
+        for name, value in values.items():
+            assert torch.equal(client.peek(name), value)
+        assert set(values) <= set(client.list())
+
+    @ray.remote(num_cpus=0)
+    def in_a_task(shards: tsray.Shards) -> list[float]:  # a Shards travels to tasks
+        with shards.client(timeout=30) as c:
+            c.put("from-a-task", torch.tensor([1.0, 2.0]))
+            return list(c.peek("t3").tolist())
+
+    assert ray.get(in_a_task.remote(shards), timeout=60) == [0.0, 1.0, 2.0, 3.0]
+    with shards.client(timeout=30) as client:
+        assert client.peek("from-a-task").tolist() == [1.0, 2.0]
+
+
+def test_beyond_loopback_needs_a_token(cluster: Any, tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="token"):
+        tsray.start_shards(1, data_dir=tmp_path, loopback=False, token=None)
+    with tsray.start_shards(1, data_dir=tmp_path, loopback=False, token="s3cret",
+                            max_memory=16 * MB) as one:
+        ip = one.info()[0]["node_ip"]
+        assert one.addresses[0].startswith(f"{ip}:") and one.token == "s3cret"
+        with one.client(timeout=30) as client:  # with the shards' token
+            client.put("x", torch.ones(3))
+            assert client.peek("x").tolist() == [1.0, 1.0, 1.0]
+    assert not any(tsray.reachable(one.addresses))
+
+
+def test_sticky_shards_restart_on_their_own_node(cluster: Any, tmp_path: Any) -> None:
+    with tsray.start_shards(2, data_dir=tmp_path, sticky=True, max_memory=16 * MB,
+                            actor_options={"num_cpus": 0}) as two:
+        before = two.info()
+        assert len({i["node_id"] for i in before}) == 2
+        with two.client(timeout=30) as client:
+            for i in range(8):
+                client.put(f"s{i}", torch.tensor([float(i)]))
+            for victim in (0, 1):
+                ray.kill(two.actors[victim], no_restart=False)
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        now = ray.get(two.actors[victim].info.remote(), timeout=30)
+                        if now["pid"] != before[victim]["pid"]:
+                            break
+                    except ray.exceptions.RayActorError:
+                        pass
+                    assert time.monotonic() < deadline, "the killed shard did not come back"
+                    time.sleep(0.1)
+                assert now["node_id"] == before[victim]["node_id"]  # on its own node
+                assert now["address"] == before[victim]["address"]
+            assert [client.peek(f"s{i}").tolist() for i in range(8)] == [[float(i)]
+                                                                          for i in range(8)]
+
+
+def test_a_shard_keeps_its_port_when_it_can(cluster: Any, tmp_path: Any) -> None:
+    # The actor's body in this process: restarts are new _Shard objects on the same directory.
+    first = tsray._Shard(0, str(tmp_path), 0, True, {"max_memory": 16 * MB}, 0.5)
+    address = first.address
+    first.stop()
+    again = tsray._Shard(0, str(tmp_path), 0, True, {"max_memory": 16 * MB}, 0.5)
+    assert again.address == address  # the same port again
+    again.stop()
+    host, port = tsray.node_address(address)
+    import socket
+
+    with socket.socket() as taken:  # another process took the port meanwhile
+        taken.bind((host, port))
+        taken.listen()
+        moved = tsray._Shard(0, str(tmp_path), 0, True, {"max_memory": 16 * MB}, 0.5)
+        try:
+            assert moved.address != address  # a free port: the address changes
+        finally:
+            moved.stop()
+    last = tsray._Shard(0, str(tmp_path), 0, True, {"max_memory": 16 * MB}, 0.5)
+    assert last.address == moved.address  # what it remembers now
+    last.stop()
+
+
+def test_killed_shard_comes_back_with_its_bins(shards: tsray.Shards) -> None:
+    client = shards.client(timeout=30)
+    try:
+        names = [f"k{i}" for i in range(24)]
+        for i, name in enumerate(names):
+            client.put(name, torch.full((4,), float(i)))
+        client.append("{q}list", torch.ones(2))
+        victim = 0
+        on_victim = [n for n in names if client.owner(n) == f"tensorshare://"
+                     f"{shards.addresses[victim]}"]
+        assert on_victim
+        before = shards.info()[victim]
+        versions = {n: client.fetch(n, remove=False).version for n in on_victim}
+
+        ray.kill(shards.actors[victim], no_restart=False)  # its process dies; Ray restarts it
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                now = ray.get(shards.actors[victim].info.remote(), timeout=30)
+                if now["pid"] != before["pid"]:
+                    break
+            except ray.exceptions.RayActorError:
+                pass  # restarting
+            assert time.monotonic() < deadline, "the killed shard did not come back"
+            time.sleep(0.1)
+        # The same port again (with SPREAD it may have come back on the other node: on one
+        # machine that is the same IP, and the same data directory).
+        assert now["address"] == before["address"]
+        assert shards.refresh() == []
+
+        # The same client carries on: the bins are there, with their versions.
+        for i, name in enumerate(names):
+            assert torch.equal(client.peek(name), torch.full((4,), float(i)))
+        for name, version in versions.items():
+            assert client.fetch(name, remove=False).version == version
+        client.append("{q}list", torch.zeros(2))
+        got = client.fetch("{q}list", remove=True, max_items=None)
+        assert [t.tolist() for t in got.value] == [[1.0, 1.0], [0.0, 0.0]]
+        client.put(on_victim[0], torch.tensor([42.0]))
+        assert client.peek(on_victim[0]).tolist() == [42.0]
+    finally:
+        client.close()
+
+
+class _Actor:
+    """An RL worker as a Ray actor: ``tensorshare.RLWorker`` as it is."""
+
+    def __init__(self, servers: str) -> None:
+        self.worker = RLWorker(host=servers, timeout=30)
+        self.node = ray.get_runtime_context().get_node_id()
+
+    def run(self, steps: int) -> list[int]:
+        model = torch.nn.Linear(4, 2)
+        seen = []
+        for _ in range(steps):
+            params = self.worker.await_new_parameters(timeout=30)
+            assert params is not None
+            model.load_state_dict(params)
+            obs = torch.randn(8, 4)
+            with torch.no_grad():
+                actions = model(obs).argmax(dim=1)
+            self.worker.add_data({"obs": obs, "actions": actions, "node": self.node})
+            assert self.worker.version is not None
+            seen.append(self.worker.version)
+        return seen
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def test_rl_workers_as_ray_actors_on_both_nodes(shards: tsray.Shards) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    # No CPUs asked: the killed shard may have come back on the other node (SPREAD) and
+    # taken its CPU there; these tiny workers must fit beside it.
+    cls = ray.remote(num_cpus=0)(_Actor)
+    actors = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                          ).remote(shards.servers) for node in nodes]
+    steps = 3
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with RLTrainer(host=shards.servers, timeout=30) as trainer:
+        assert len(trainer.data_bins) == 2  # rollouts spread over both shards
+        version = trainer.publish_parameters(model.state_dict())
+        runs = [a.run.remote(steps) for a in actors]
+        published = [version]
+        for step in range(steps):
+            got = trainer.get_data(return_versions=True, timeout=60, min_items=len(actors))
+            if len(got) < len(actors):
+                ray.get(ray.wait(runs, timeout=0)[0])  # a worker that failed says why
+            assert len(got) == len(actors)
+            assert {v for _, v in got} == {version}  # tagged with the version they used
+            assert {r["node"] for r, _ in got} == set(nodes)  # from both nodes
+            obs = torch.cat([r["obs"] for r, _ in got])
+            actions = torch.cat([r["actions"] for r, _ in got])
+            loss = torch.nn.functional.cross_entropy(model(obs), actions)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step < steps - 1:
+                version = trainer.publish_parameters(model.state_dict())
+                published.append(version)
+        seen = ray.get(runs, timeout=60)
+        assert seen == [published, published]
+        assert published == sorted(set(published))
+        trainer.signal_stop()
+    ray.get([a.close.remote() for a in actors], timeout=30)
+    for a in actors:
+        ray.kill(a)
