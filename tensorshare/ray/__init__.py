@@ -39,6 +39,15 @@ without a token (protected mode): pass ``token=...`` (or set ``TENSORSHARE_TOKEN
 ``start_shards`` runs); ``shards.client()`` uses the same token. The token travels to the
 actors as a constructor argument (Ray keeps those in its control store).
 
+Relays. ``start_shards(..., relays=True)`` (or the names of the parameter bins, which must
+live on one shard) also starts one :class:`~tensorshare.relay.Relay` actor per node, pinned
+to it: it downloads each new version of the parameters once from their shard and serves it
+to the workers of its node, with the shard's version numbers. A worker actor reads through
+its own node's relay with ``RLWorker(host=shards.servers, params_via=shards.params_via())``;
+its rollouts still go to the shards. A relay keeps nothing: restarted, it downloads the
+current version again. A relay's upstream is the shard's address at the start: if that
+shard moves (see above), start the shards' relays again.
+
 Ray is an optional dependency (``pip install "tensorshare[ray]"``), imported when first
 needed.
 """
@@ -147,6 +156,33 @@ class _Shard:
         self.server.stop()
 
 
+class _RelayNode:
+    """One relay on one node (see :func:`start_shards` ``relays``): a read-only server that
+    downloads each new version of the parameter bins once from their shard and serves it to
+    the workers of its node."""
+
+    def __init__(self, upstream: str, bins: list[str], loopback: bool,
+                 options: dict[str, Any]) -> None:
+        from ..relay import Relay
+
+        ray = _ray()
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        config = ServerConfig(**options)
+        self.relay = Relay(upstream, bins, host=host, port=0, config=config, poll=0.5,
+                           token=config.token)
+        self.address = self.relay.address
+
+    def info(self) -> dict[str, Any]:
+        """Where this relay serves: ``address``, ``node_id``, ``upstream``, ``downloads``."""
+        ray = _ray()
+        return {"address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
+                "upstream": self.relay.upstream, "downloads": self.relay.downloads,
+                "versions": dict(self.relay.versions)}
+
+    def stop(self) -> None:
+        self.relay.stop()
+
+
 def _is_local_cluster(ray: Any) -> bool:
     """Whether every alive node of the cluster is this machine."""
     here = ray.util.get_node_ip_address()
@@ -174,6 +210,17 @@ class Shards:
         self.addresses = addresses
         self.token = token
         self.data_dir = data_dir
+        #: With ``relays``: node id -> ``"host:port"`` of the relay on that node.
+        self.relays: dict[str, str] = {}
+        self.relay_actors: list[Any] = []
+
+    def params_via(self) -> str | None:
+        """The relay on the node this is called on (in a Ray task or actor), for
+        ``RLWorker(host=shards.servers, params_via=shards.params_via())``; ``None`` without
+        relays or when this node has none (then read from the shards)."""
+        if not self.relays:
+            return None
+        return self.relays.get(_ray().get_runtime_context().get_node_id())
 
     @property
     def servers(self) -> str:
@@ -213,6 +260,14 @@ class Shards:
         """Stop every shard (each writes its final snapshot and closes its port), kill the
         actors for good, and wait until Ray reports them dead. Idempotent."""
         ray = _ray()
+        relays, self.relay_actors = self.relay_actors, []
+        if relays:
+            try:
+                ray.get([a.stop.remote() for a in relays], timeout=timeout)
+            except Exception as exc:
+                log.warning("tensorshare.ray: a relay did not stop cleanly: %s", exc)
+            for actor in relays:
+                ray.kill(actor, no_restart=True)
         if not self.actors:
             return
         actors, self.actors = self.actors, []
@@ -243,7 +298,8 @@ class Shards:
         return f"<tensorshare.ray.Shards {self.addresses}>"
 
 
-def start_shards(n: int, *, data_dir: str | os.PathLike[str], relays: bool = False,
+def start_shards(n: int, *, data_dir: str | os.PathLike[str],
+                 relays: bool | Sequence[str] = False,
                  port: int = 0, loopback: bool | None = None, sticky: bool = False,
                  actor_options: dict[str, Any] | None = None, rebind_timeout: float = 10.0,
                  timeout: float = 120.0, **server_options: Any) -> Shards:
@@ -255,7 +311,10 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str], relays: bool = Fal
         n: how many shards.
         data_dir: shard ``i`` keeps its data in ``data_dir/shard-{i}`` (on the disk of the
             node it runs on: storage that every node sees lets a shard restart anywhere).
-        relays: one relay per node for parameter fan-out (not yet available).
+        relays: one relay per node for parameter fan-out: ``True`` relays RLTrainer's
+            ``"rl/parameters"``, or give the parameter bins' names (they must live on one
+            shard: pin them with a ``{tag}``). Workers read through their node's relay with
+            ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
         port: 0 (default): each shard takes a free port at its first start and keeps it
             across restarts; else shard ``i`` listens on ``port + i``.
         loopback: bind 127.0.0.1 (``True``) or each node's IP (``False``); default: loopback
@@ -276,17 +335,13 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str], relays: bool = Fal
         The :class:`Shards`, every one of them listening.
 
     Raises:
-        NotImplementedError: ``relays=True``.
-        ValueError: ``n < 1``, or servers beyond loopback without a token (and without
+        ValueError: ``n < 1``, relayed bins on different shards, or servers beyond loopback without a token (and without
             ``insecure=True``).
         TypeError: an unknown server option.
         ImportError: Ray is not installed.
     """
-    if relays:
-        raise NotImplementedError(
-            "tensorshare.ray: relays=True is not available yet (one relay actor per node "
-            "serving the parameter bins); start the shards with relays=False and have workers "
-            "read parameters from the shards directly")
+    relay_bins = (["rl/parameters"] if relays is True else
+                  [relays] if isinstance(relays, str) else list(relays or []))
     if n < 1:
         raise ValueError(f"start_shards needs at least one shard, not {n}")
     if "data_dir" in server_options:
@@ -326,11 +381,36 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str], relays: bool = Fal
     shards = Shards(actors, [], config.token, root)
     try:
         shards.addresses = [i["address"] for i in shards.info(timeout)]
+        if relay_bins:
+            _start_relays(ray, shards, relay_bins, loopback, options, timeout)
     except BaseException:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        shards.shutdown(timeout)
         raise
     return shards
+
+
+def _start_relays(ray: Any, shards: Shards, bins: list[str], loopback: bool,
+                  options: dict[str, Any], timeout: float) -> None:
+    """One relay actor per alive node, relaying ``bins`` from the shard that owns them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ..client.sharded import expand_servers, owner
+
+    urls = expand_servers(shards.addresses)
+    homes = {owner(name, urls) for name in bins}
+    if len(homes) != 1:
+        raise ValueError(f"tensorshare.ray: the relayed bins {bins} live on {len(homes)} "
+                         f"shards; a relay has one upstream: pin them together with a {{tag}} "
+                         f"(e.g. '{{params}}policy', '{{params}}value')")
+    upstream = urls[homes.pop()]
+    cls = ray.remote(_RelayNode)
+    nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+    shards.relay_actors = [cls.options(
+        num_cpus=0, max_restarts=-1, max_task_retries=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            upstream, bins, loopback, options) for node in nodes]
+    infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=timeout)
+    shards.relays = {i["node_id"]: i["address"] for i in infos}
 
 
 def node_address(address: str) -> tuple[str, int]:

@@ -95,8 +95,6 @@ def shards(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
 
 
 def test_arguments_checked_before_anything_starts(tmp_path: Any) -> None:
-    with pytest.raises(NotImplementedError, match="relays"):
-        tsray.start_shards(2, data_dir=tmp_path, relays=True)
     with pytest.raises(ValueError, match="at least one"):
         tsray.start_shards(0, data_dir=tmp_path)
 
@@ -304,3 +302,50 @@ def test_rl_workers_as_ray_actors_on_both_nodes(shards: tsray.Shards) -> None:
     ray.get([a.close.remote() for a in actors], timeout=30)
     for a in actors:
         ray.kill(a)
+
+
+class _ParamsReader:
+    """A worker as a Ray actor that reads parameters through its node's relay."""
+
+    def __init__(self, shards: tsray.Shards) -> None:
+        self.via = shards.params_via()
+        self.worker = RLWorker(host=shards.servers, timeout=30, params_via=self.via)
+
+    def where(self) -> str | None:
+        return self.via
+
+    def next_version(self) -> int | None:
+        self.worker.await_new_parameters(timeout=30)
+        return self.worker.version
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+@pytest.mark.long
+@pytest.mark.timeout(120)
+def test_relays_one_per_node_serve_the_parameters_to_workers_there(
+        cluster: Any, tmp_path: Any) -> None:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    with tsray.start_shards(2, data_dir=tmp_path, relays=True, max_memory=64 * MB,
+                            snapshot_every=None, actor_options={"num_cpus": 0}) as shards:
+        assert set(shards.relays) == set(nodes)  # one relay on each node
+        assert len(set(shards.relays.values())) == 2
+        cls = ray.remote(num_cpus=0)(_ParamsReader)
+        readers = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)).remote(shards) for node in nodes]
+        assert ray.get([r.where.remote() for r in readers], timeout=60) == \
+            [shards.relays[node] for node in nodes]  # each reads from its own node's relay
+        with RLTrainer(host=shards.servers, timeout=30) as trainer:
+            for _ in range(3):
+                version = trainer.publish_parameters(torch.nn.Linear(4, 2).state_dict())
+                got = ray.get([r.next_version.remote() for r in readers], timeout=60)
+                assert got == [version, version]  # the primary's version, through the relay
+        infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=30)
+        # Each relay downloaded each version once (3 versions; none at the start).
+        assert [i["downloads"] for i in infos] == [3, 3]
+        ray.get([r.close.remote() for r in readers], timeout=30)
+        for r in readers:
+            ray.kill(r)
