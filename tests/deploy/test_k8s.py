@@ -227,11 +227,9 @@ def test_the_relays_command_line_parses() -> None:
     assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     port = int(argv[argv.index("--port") + 1])
     assert svc["spec"]["ports"][0]["port"] == port == _port(container, "relay")
-    if "relay" not in _subcommands():
-        pytest.skip("`tensorshare relay` does not exist yet (issue 19): its command line in "
-                    "relay-daemonset.yaml is not parsed")
     args = _parse(argv, "relay-daemonset.yaml")
-    assert args.command == "relay"
+    assert args.command == "relay" and args.bins == ["rl/parameters"]  # RLTrainer's bin
+    assert args.upstream.startswith("tensorshare://") and args.token_file
 
 
 # --------------------------------------------------------------------------- SIGTERM
