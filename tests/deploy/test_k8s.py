@@ -50,14 +50,6 @@ def _one(kind: str, name: str | None = None) -> dict[str, Any]:
     return found[0]
 
 
-def _subcommands() -> set[str]:
-    parser = _parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return set(action.choices)
-    raise AssertionError("the tensorshare parser has no subcommands")
-
-
 def _parse(argv: list[str], where: str) -> argparse.Namespace:
     """Parse a container's command line as the ``tensorshare`` command would."""
     assert argv[:1] == ["tensorshare"], f"{where}: not a tensorshare command: {argv}"
