@@ -808,11 +808,14 @@ def measure_puts(sides: Sequence[TensorShareSide], size: int, cfg: Config) -> di
     return {name: Rate.of(size / 1e6, ns) for name, ns in put_ns.items()}
 
 
-def _listener_main(system: str, port: int, bin_name: str, pipe: Connection) -> None:
+def _listener_main(system: str, port: int, bin_name: str, inline: bool,
+                   pipe: Connection) -> None:
     """Listener process: stamp ``perf_counter_ns`` when each put notification arrives.
 
     ``perf_counter_ns`` is CLOCK_MONOTONIC on Linux, one clock for every process, so the
-    writer's and the listener's stamps can be subtracted. Protocol with the benchmark:
+    writer's and the listener's stamps can be subtracted. ``inline``: tensorshare's
+    ``listen(..., inline=True)`` (the callback on the client's reading thread, no hand-off
+    to its event thread). Protocol with the benchmark:
     send ``"ready"``; on ``"stop"`` send the stamps; on None (or EOF) exit.
     """
     _ignore_sigint()
@@ -823,7 +826,8 @@ def _listener_main(system: str, port: int, bin_name: str, pipe: Connection) -> N
 
         client = Client("127.0.0.1", port, timeout=60)
         client.listen(bin_name, lambda ev: stamps.append((ev["version"],
-                                                          time.perf_counter_ns())))
+                                                          time.perf_counter_ns())),
+                      inline=inline)
         closer = client.close
     else:
         listener = BaselineClient(port)
@@ -846,8 +850,8 @@ def _listener_main(system: str, port: int, bin_name: str, pipe: Connection) -> N
         closer()
 
 
-def measure_notify(side: Side, port: int, cfg: Config,
-                   ctx: ForkServerContext) -> tuple[float, float, int]:
+def measure_notify(side: Side, port: int, cfg: Config, ctx: ForkServerContext,
+                   inline: bool = False) -> tuple[float, float, int]:
     """Put-to-listener latency: from just before ``put()`` to the listener's callback.
 
     The listener is a separate process (forked from the forkserver, so it runs on the
@@ -861,7 +865,8 @@ def measure_notify(side: Side, port: int, cfg: Config,
     tiny = torch.tensor([2.5], dtype=torch.float32)
     bin_name = "notify"
     what = f"{side.name} listener"
-    with helper_processes(ctx, _listener_main, [(side.name, port, bin_name)], what) as pipes:
+    with helper_processes(ctx, _listener_main, [(side.name, port, bin_name, inline)],
+                          what) as pipes:
         sent: dict[int, int] = {}  # version -> ns just before the put
         for _ in range(cfg.notify_puts):
             t0 = time.perf_counter_ns()
@@ -1112,12 +1117,19 @@ def section_notify(b: Bench) -> list[Row]:
     notify = Row("notify p50 / p99", f"{ts_p50:.2f} / {ts_p99:.2f} ms",
                  f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / ts_p50, None, "p50 < 0.3 ms",
                  round(ts_p50, 2) < 0.3)
-    for name, n in (("tensorshare", ts_n), ("baseline", b_n)):
+    i_p50, i_p99, i_n = measure_notify(b.ts, b.servers["tensorshare"].port, cfg, b.ctx,
+                                       inline=True)
+    inline = Row("notify inline p50 / p99", f"{i_p50:.2f} / {i_p99:.2f} ms",
+                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / i_p50, None, "p50 < 0.3 ms",
+                 round(i_p50, 2) < 0.3)
+    for row, name, n in ((notify, "tensorshare", ts_n), (notify, "baseline", b_n),
+                         (inline, "tensorshare inline", i_n)):
         if n < cfg.notify_puts:
-            notify.notes.append(f"{name}: {n} of {cfg.notify_puts} notifications matched")
+            row.notes.append(f"{name}: {n} of {cfg.notify_puts} notifications matched")
     b.info.append(f"notify: {cfg.notify_puts} puts {cfg.notify_gap * 1e3:g} ms apart, listener "
-                  "callback in a separate process on the client core")
-    return [notify]
+                  "callback in a separate process on the client core; inline: "
+                  "listen(..., inline=True), the callback on the client's reading thread")
+    return [notify, inline]
 
 
 def section_fanout(b: Bench) -> list[Row]:
