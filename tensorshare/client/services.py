@@ -32,7 +32,25 @@ from ..wire.services import (
 if TYPE_CHECKING:
     from .ops import Command
 
-__all__ = ["ServiceAnswerResult", "ServiceBatchResult", "ServiceFailed", "ServiceOps"]
+__all__ = ["CLIENT_COMPRESS", "COMPRESS_CHOICES", "ServiceAnswerResult", "ServiceBatchResult",
+           "ServiceFailed", "ServiceOps"]
+
+#: ``compress`` of the service ops: encode the item as the client does (its own ``compress``).
+CLIENT_COMPRESS = "client"
+#: What ``compress`` may be: the client's setting, never, every large buffer, or only where it
+#: pays (``"auto"``: large integer and bool buffers that shrink by an eighth; never floats).
+COMPRESS_CHOICES = (CLIENT_COMPRESS, None, "lz4", "auto")
+
+
+def check_compress(compress: Any) -> str | None:
+    """``compress`` if it is one of :data:`COMPRESS_CHOICES`.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if compress not in COMPRESS_CHOICES:
+        raise ValueError(f"compress must be one of {COMPRESS_CHOICES}, not {compress!r}")
+    return None if compress is None else str(compress)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +133,22 @@ class ServiceOps:
 
         def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
-    def _service_item(self, name: str, value: Any) -> Item:
-        item = self._item(name, value, None)
-        if type(item) is not Item:  # a pipeline defers encoding: encode now, as its client
-            host: Any = getattr(self, "_host", None)
-            item = host._item(name, value, None)
-        return item
+    def _service_item(self, name: str, value: Any, compress: str | None = CLIENT_COMPRESS
+                      ) -> Item:
+        """``value`` encoded for a call or an answer: as the client encodes (shared memory
+        included), or with compression ``compress`` (see :data:`COMPRESS_CHOICES`); a
+        connection that passes shared memory compresses nothing (no bytes to save)."""
+        host: Any = getattr(self, "_host", self)  # a pipeline encodes as its client
+        if check_compress(compress) == CLIENT_COMPRESS:
+            item = self._item(name, value, None)
+            if type(item) is not Item:  # a pipeline defers encoding: encode now
+                item = host._item(name, value, None)
+            return item
+        from .ops import make_item
+
+        share = host.shm_min_bytes if getattr(host, "shared_memory", False) else None
+        return make_item(name, value, None, host.limits, None if share else compress,
+                         host.compress_min_bytes, share)
 
     def _server_wait(self, timeout: float | None) -> float:
         """How long the server may keep a request waiting: ``timeout``, at most 80% of the
@@ -133,20 +161,22 @@ class ServiceOps:
         return min(_check_number(timeout, "timeout", 0.0, math.inf), most)
 
     def service_call_command(self, name: str, value: Any, *, rows: int = 1,
-                             timeout: float | None = None, wait_room: bool = True) -> Command:
+                             timeout: float | None = None, wait_room: bool = True,
+                             compress: str | None = CLIENT_COMPRESS) -> Command:
         """The request :meth:`service_call` sends (for faces that send it their own way:
         :class:`tensorshare.inference.InferenceClient` turns it into a future)."""
         from .ops import Command
 
         check_bin_name(name, self.limits.max_name_bytes)
         rows = _check_int(rows, "rows", 1, 1 << 31)
-        request: Any = ServiceCall(0, name, self._service_item(name, value),
+        request: Any = ServiceCall(0, name, self._service_item(name, value, compress),
                               self._server_wait(timeout), bool(wait_room), rows)
         return Command(request, f"service_call of service {name!r}",
                        _DecodeAnswer(self.limits.max_depth))
 
     def service_call(self, name: str, value: Any, *, rows: int = 1,
-                     timeout: float | None = None, wait_room: bool = True) -> Any:
+                     timeout: float | None = None, wait_room: bool = True,
+                     compress: str | None = CLIENT_COMPRESS) -> Any:
         """Call service ``name`` with ``value`` and return a host's answer for it.
 
         Args:
@@ -157,6 +187,9 @@ class ServiceOps:
                 (default and most: 80% of the client's timeout).
             wait_room: a full queue makes the call wait for room (within ``timeout``);
                 ``False``: fail at once with ``BinFull``.
+            compress: how ``value``'s buffers travel: ``"client"`` (the client's own
+                ``compress``), ``None``, ``"lz4"`` or ``"auto"`` (see
+                :data:`COMPRESS_CHOICES`).
 
         Returns:
             A :class:`ServiceAnswerResult`: the answer and the parameter version it used.
@@ -168,7 +201,8 @@ class ServiceOps:
             InvalidRequest: the name is a bin of another kind.
         """
         return self._execute(self.service_call_command(name, value, rows=rows,
-                                                       timeout=timeout, wait_room=wait_room))
+                                                       timeout=timeout, wait_room=wait_room,
+                                                       compress=compress))
 
     def service_take_command(self, name: str, *, max_batch: int = 256,
                              max_wait_ms: float = 2.0, timeout: float | None = None,
@@ -217,9 +251,10 @@ class ServiceOps:
     def service_reply_command(self, name: str, batch: int,
                               values: Sequence[Any] | None = None, *,
                               version: int | None = None, error: str | None = None,
-                              failed: dict[int, str] | None = None) -> Command:
+                              failed: dict[int, str] | None = None,
+                              compress: str | None = CLIENT_COMPRESS) -> Command:
         """The request :meth:`service_reply` sends (a host pipelines it with its next
-        take)."""
+        take); ``compress`` as for :meth:`service_call`."""
         from .ops import Command
 
         check_bin_name(name, self.limits.max_name_bytes)
@@ -232,7 +267,7 @@ class ServiceOps:
             request = ServiceReply(0, name, int(batch), None, (), version, str(error))
         else:
             assert values is not None
-            items = [self._service_item(name, v) for v in values]
+            items = [self._service_item(name, v, compress) for v in values]
             if not items:
                 raise ValueError("service_reply needs one value per call of the batch")
             bad = tuple(sorted((int(i), str(why)) for i, why in (failed or {}).items()))
@@ -245,7 +280,8 @@ class ServiceOps:
 
     def service_reply(self, name: str, batch: int, values: Sequence[Any] | None = None, *,
                       version: int | None = None, error: str | None = None,
-                      failed: dict[int, str] | None = None) -> Any:
+                      failed: dict[int, str] | None = None,
+                      compress: str | None = CLIENT_COMPRESS) -> Any:
         """Answer batch ``batch`` of service ``name``: ``values`` holds one answer per call,
         in the batch's order; or ``error`` fails every call of the batch (``ServiceFailed``
         for its callers).
@@ -256,7 +292,9 @@ class ServiceOps:
             was dropped).
 
         ``failed`` maps indexes of calls that fail alone (``ServiceFailed`` for their
-        callers) to why; their values are placeholders (``None``).
+        callers) to why; their values are placeholders (``None``). ``compress`` as for
+        :meth:`service_call`.
         """
         return self._execute(self.service_reply_command(name, batch, values, version=version,
-                                                        error=error, failed=failed))
+                                                        error=error, failed=failed,
+                                                        compress=compress))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..client.services import check_compress
 from ..client.sharded import connect
 
 __all__ = ["InferenceClient"]
@@ -67,6 +68,16 @@ class InferenceClient:
         timeout: seconds a prediction may take (queued and computed) before ``WaitTimeout``
             (the server answers no later; a server that is unreachable that long gives
             ``ReplyTimeout`` or ``ConnectionLost``).
+        wait_room: when the service's queue is full (its ``max_queue`` calls), a call waits
+            for room within ``timeout`` (``True``, the default) or fails at once with
+            ``BinFull`` (``False``: the caller sheds load itself). ``predict`` and
+            ``predict_async`` may choose otherwise per call.
+        compress: how inputs travel: ``"auto"`` (default) compresses with lz4 only where it
+            pays: buffers of at least 64 KiB (the client's ``compress_min_bytes``) of an
+            integer or bool dtype (image frames, masks), kept compressed only when that
+            saves at least an eighth; floats never. ``None``: never; ``"lz4"``: every buffer
+            of at least 64 KiB that shrinks; ``"client"``: as the client's own ``compress``.
+            Nothing is compressed on a connection that passes shared memory (a Unix socket).
         client: a client to use instead of connecting (not closed by :meth:`close`).
         client_options: more arguments of the client (``token``, ``tls_ca``, ...).
 
@@ -77,9 +88,12 @@ class InferenceClient:
     """
 
     def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
-                 timeout: float = 5.0, client: Any = None, **client_options: Any) -> None:
+                 timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
+                 client: Any = None, **client_options: Any) -> None:
         self.name = name
         self.timeout = timeout
+        self.wait_room = bool(wait_room)
+        self.compress = check_compress(compress)
         self._own = client is None
         # The client's own timeout leaves the server time to say WaitTimeout first.
         self.client = connect(host, port, max(timeout * 1.25, timeout + 1.0),
@@ -87,17 +101,28 @@ class InferenceClient:
         self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
             else self.client
 
-    def _command(self, inputs: Any, batched: bool, return_version: bool) -> Any:
+    def _command(self, inputs: Any, batched: bool, return_version: bool,
+                 wait_room: bool | None) -> Any:
         x = inputs if batched else _add_batch_dim(inputs)
-        cmd = self._shard.service_call_command(self.name, x, rows=_rows(x),
-                                               timeout=self.timeout)
+        cmd = self._shard.service_call_command(
+            self.name, x, rows=_rows(x), timeout=self.timeout,
+            wait_room=self.wait_room if wait_room is None else bool(wait_room),
+            compress=self.compress)
         convert = cmd.convert
         result = _Result(batched, return_version)
         return replace(cmd, convert=lambda reply: result(convert(reply)))
 
-    def predict(self, inputs: Any, *, batched: bool = False,
-                return_version: bool = False) -> Any:
+    def predict(self, inputs: Any, *, batched: bool = False, return_version: bool = False,
+                wait_room: bool | None = None) -> Any:
         """The model's output for ``inputs`` (its row; with ``batched``, its rows).
+
+        Args:
+            inputs: a tensor or a dict of tensors (with ``batched``, batch dimension first).
+            batched: ``inputs`` is a batch of rows; the output keeps its batch dimension.
+            return_version: return the parameter version the answer was computed with too.
+            wait_room: this call's choice when the queue is full (``None``: the
+                constructor's ``wait_room``): wait for room, or fail at once with
+                ``BinFull``.
 
         Returns:
             The output (a tensor, tuple or dict, as the model returns), or ``(output,
@@ -107,15 +132,19 @@ class InferenceClient:
         Raises:
             WaitTimeout: no answer within ``timeout``.
             ServiceFailed: the host's model failed on this input.
-            BinFull: the service's queue stayed full.
+            BinFull: the service's queue was full and this call did not wait for room
+                (``wait_room`` false), or as many calls already wait for room as it queues.
         """
-        return self._shard._execute(self._command(inputs, batched, return_version))
+        return self._shard._execute(self._command(inputs, batched, return_version, wait_room))
 
     def predict_async(self, inputs: Any, *, batched: bool = False,
-                      return_version: bool = False) -> Future[Any]:
+                      return_version: bool = False, wait_room: bool | None = None
+                      ) -> Future[Any]:
         """Like :meth:`predict`, but returns at once with a ``concurrent.futures.Future``
-        of the result (its callbacks run on the client's reading thread: keep them short)."""
-        return self._shard._submit_future(self._command(inputs, batched, return_version))
+        of the result (its callbacks run on the client's reading thread: keep them short;
+        ``BinFull`` and the other errors come through the future)."""
+        return self._shard._submit_future(self._command(inputs, batched, return_version,
+                                                        wait_room))
 
     def close(self) -> None:
         """Close the client (if this object made it)."""

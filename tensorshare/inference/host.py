@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..client.services import check_compress
 from ..client.sharded import connect
 from ..errors import ConnectionLost, Timeout, TransportError
 
@@ -102,6 +103,10 @@ class InferenceHost:
         lease: seconds a batch may take before its calls go to another host.
         max_queue: the most calls the service queues (default 4096).
         timeout: the client's timeout (also how long one take waits for work).
+        compress: how answers travel, as for :class:`InferenceClient`: ``"auto"`` (default)
+            compresses with lz4 only large integer and bool buffers that shrink by at least
+            an eighth (a model that returns frames), never floats; ``None``, ``"lz4"`` or
+            ``"client"`` (the client's own ``compress``).
         client: a client to use instead of connecting (it is not closed by ``stop``).
         client_options: more arguments of the client (``token``, ``tls_ca``, ...).
 
@@ -113,8 +118,10 @@ class InferenceHost:
                  port: int | None = None, *, max_batch: int = 256, max_wait_ms: float = 2.0,
                  params_bin: str | None = None, device: str | torch.device | None = None,
                  lease: float = 10.0, max_queue: int | None = None, timeout: float = 10.0,
-                 client: Any = None, **client_options: Any) -> None:
+                 compress: str | None = "auto", client: Any = None,
+                 **client_options: Any) -> None:
         self.name = name
+        self.compress = check_compress(compress)
         self.model = model
         self.max_batch = max_batch
         self.max_wait_ms = max_wait_ms
@@ -242,7 +249,8 @@ class InferenceHost:
             self.calls += len(values)
             self.rows += sum(rows)
             return self._shard.service_reply_command(self.name, batch.batch, outs,
-                                                     version=self.version, failed=failed)
+                                                     version=self.version, failed=failed,
+                                                     compress=self.compress)
 
     def start(self) -> InferenceHost:
         """Serve in a daemon thread; returns self."""

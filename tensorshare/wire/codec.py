@@ -92,6 +92,11 @@ _DIM_MAX = (1 << 63) - 1  # a dimension must fit an int64 on every receiver
 _MAX_NDIM = 64  # numpy 2's limit; far above any real tensor, and bounds descriptor work
 # LZ4 block compression refuses inputs above LZ4_MAX_INPUT_SIZE; such buffers stay raw.
 _LZ4_MAX_INPUT = 0x7E000000
+# compress="auto" compresses only buffers of these dtypes (integers, bool: frames, masks,
+# token ids compress; float noise does not) and keeps a result only when it saves at least
+# one eighth of the bytes.
+_AUTO_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                          "uint64", "bool"})
 # One LZ4 input byte can never expand to more than 255 output bytes, so a claimed raw
 # size above this is a lie; checked before allocating the output buffer.
 _LZ4_MAX_RATIO = 255
@@ -447,9 +452,11 @@ class _Encoder:
             data = data.toreadonly()
         n = data.nbytes if type(data) is memoryview else len(data)
         buf = None
-        if self.compress is not None and self.min_bytes <= n <= _LZ4_MAX_INPUT:
+        auto = self.compress == "auto"
+        if self.compress is not None and self.min_bytes <= n <= _LZ4_MAX_INPUT and \
+                (not auto or name in _AUTO_DTYPES):
             packed = _lz4_block().compress(data, store_size=False)
-            if len(packed) < n:  # keep it only when it pays
+            if len(packed) < (n - (n >> 3) + 1 if auto else n):  # keep it only when it pays
                 buf = Buffer(packed, "lz4", n)
         index = len(self.buffers)
         self.buffers.append(buf if buf is not None else Buffer(data, None, n))
@@ -517,8 +524,10 @@ def encode(
             Numpy scalars travel as Python scalars; subclasses of the builtin types
             travel as the base type. Tensors lose ``requires_grad`` and their device
             (they arrive on the CPU).
-        compress: ``None`` or ``"lz4"``: compress each buffer of at least
-            ``compress_min_bytes`` bytes, keeping the result only when it is smaller.
+        compress: ``None``; ``"lz4"``: compress each buffer of at least
+            ``compress_min_bytes`` bytes, keeping the result only when it is smaller;
+            ``"auto"``: the same, only for buffers of integer and bool dtypes, keeping the
+            result only when it saves at least an eighth (floats are never compressed).
         compress_min_bytes: the smallest buffer worth compressing.
         max_depth: the deepest container nesting allowed (the root container is 1).
 
@@ -531,8 +540,8 @@ def encode(
         CodecError: nesting deeper than ``max_depth``, or an int outside int64/uint64.
         ValueError: an unknown ``compress`` value or a negative limit.
     """
-    if compress not in (None, "lz4"):
-        raise ValueError(f"unknown compress {compress!r} (use None or 'lz4')")
+    if compress not in (None, "lz4", "auto"):
+        raise ValueError(f"unknown compress {compress!r} (use None, 'lz4' or 'auto')")
     if compress_min_bytes < 0 or max_depth < 0:
         raise ValueError("compress_min_bytes and max_depth must be >= 0")
     torch = sys.modules.get("torch")

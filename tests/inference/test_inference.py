@@ -1,7 +1,9 @@
 """InferenceHost and InferenceClient on a real server (127.0.0.1, port 0), with a real
 ``torch.nn.Module``: answers computed from each caller's own input, many callers in several
-processes, a host SIGKILLed with calls outstanding, a caller SIGKILLed mid-call, and weight
-sync from RLTrainer."""
+processes, two live hosts sharing the calls (one SIGKILLed mid-run), a host SIGKILLed with
+calls outstanding, a caller SIGKILLed mid-call (a server process, its memory as its stats
+report it), the caller's choice on a full queue, lz4 only where it pays, and weight sync
+from RLTrainer."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorshare import EmbeddedServer, RLTrainer, ServiceFailed, WaitTimeout
+from tensorshare import BinFull, Client, EmbeddedServer, RLTrainer, ServiceFailed, WaitTimeout
 from tensorshare.inference import InferenceClient, InferenceHost, split_outputs, stack_inputs
-from tensorshare.server import ServerConfig
+from tensorshare.wire.codec import decode, encode
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,11 +51,6 @@ class TwoHeads(torch.nn.Module):
 def _service(server: EmbeddedServer, name: str) -> dict:
     """The service's stats (read on the server's reactor thread)."""
     return server.call(lambda: server.factory.bin_stats(name).get(name, {}))
-
-
-def _held(server: EmbeddedServer) -> int:
-    """What the server holds beyond its stored bins (read on its reactor thread)."""
-    return server.call(server.factory.held_bytes)
 
 
 def test_stack_and_split_keep_each_callers_rows() -> None:
@@ -172,6 +169,196 @@ def test_64_callers_in_4_processes_get_their_own_answers(server: EmbeddedServer)
     assert st["mean_batch"] > 1.0  # concurrent callers shared batches
 
 
+class Tagged(torch.nn.Module):
+    """``x * 2`` with a last column naming the host that computed it; each batch takes a
+    few milliseconds of compute, so that another host takes calls meanwhile."""
+
+    def __init__(self, tag: float) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.cat([x * 2, torch.full((x.shape[0], 1), self.tag)], dim=1)
+
+
+TAGGED_HOST = textwrap.dedent("""
+    import sys
+    from tests.inference.test_inference import Tagged
+    from tensorshare.inference import InferenceHost
+    print("READY", flush=True)
+    InferenceHost("policy", Tagged(float(sys.argv[2])), "127.0.0.1", int(sys.argv[1]),
+                  max_batch=8, max_wait_ms=1, lease=120).serve_forever()
+""")
+
+
+class _Load:
+    """16 caller threads on 4 clients, each keeping two calls in flight until stopped;
+    every answer is checked against its own input and kept as (key, host tag)."""
+
+    def __init__(self, port: int) -> None:
+        self.answers: list[tuple[float, float]] = []
+        self.issued = [0] * 16
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.clients = [InferenceClient("policy", "127.0.0.1", port, timeout=30)
+                        for _ in range(4)]
+        self.threads = [threading.Thread(target=self._run, args=(t,)) for t in range(16)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, t: int) -> None:
+        pc = self.clients[t % 4]
+        try:
+            while not self.stop.is_set():
+                keys = [float(t * 1_000_000 + self.issued[t] + j) for j in range(2)]
+                self.issued[t] += 2
+                futs = [pc.predict_async(torch.full((8,), k)) for k in keys]
+                for k, f in zip(keys, futs, strict=True):
+                    out = f.result(DEADLINE * 3)
+                    assert out[:8].tolist() == [2 * k] * 8, (k, out.tolist())
+                    self.answers.append((k, float(out[8])))
+        except BaseException as exc:  # the test reports it
+            self.errors.append(exc)
+
+    def by(self, tag: float) -> int:
+        return sum(1 for _, t in list(self.answers) if t == tag)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(DEADLINE * 4)
+        for pc in self.clients:
+            pc.close()
+
+
+@pytest.mark.timeout(180)
+def test_two_live_hosts_share_the_calls_and_one_may_leave_mid_run(
+        server: EmbeddedServer) -> None:
+    # Host 0 (a thread here) serves 16 concurrent callers; host 1 (a process) joins and
+    # takes a share; then it is SIGKILLed mid-run. Every call is answered exactly once with
+    # its own rows, by one host or the other, before and after.
+    load = None
+    other = _spawn(TAGGED_HOST, server.port, 1)
+    try:
+        with InferenceHost("policy", Tagged(0.0), "127.0.0.1", server.port, max_batch=8,
+                           max_wait_ms=1) as host:
+            load = _Load(server.port)
+            assert other.stdout is not None
+            assert other.stdout.readline().startswith("READY")
+            wait_until(lambda: load.by(1.0) >= 50 and load.by(0.0) >= 50, DEADLINE * 2,
+                       "both hosts to answer calls")
+            assert _service(server, "policy")["service"]["hosts"] == 2
+            other.send_signal(signal.SIGKILL)
+            other.wait(DEADLINE)
+            mark = len(load.answers)
+            wait_until(lambda: len(load.answers) >= mark + 300, DEADLINE * 2,
+                       "calls answered after a host left")
+            load.close()
+        assert not load.errors, load.errors[:3]
+        keys = [k for k, _ in load.answers]
+        assert len(keys) == len(set(keys)) == sum(load.issued)  # each call, one answer
+        assert host.calls == load.by(0.0)  # every call host 0 computed was answered by it
+        st = _service(server, "policy")["service"]
+        assert st["calls"] == st["answered"] == len(keys)
+        assert st["failed"] == st["timed_out"] == 0
+        wait_until(lambda: _service(server, "policy")["service"]["hosts"] == 0, DEADLINE,
+                   "both hosts gone")
+    finally:
+        if load is not None:
+            load.close()
+        other.kill()
+        other.wait(DEADLINE)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_queue_makes_a_call_wait_or_fail_as_the_caller_chooses(
+        server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as bound:
+        with pytest.raises(WaitTimeout):  # a host's take sets the bound: 2 calls
+            bound.service_take("policy", max_queue=2, timeout=0)
+    with InferenceClient("policy", "127.0.0.1", server.port, timeout=30) as waits, \
+            InferenceClient("policy", "127.0.0.1", server.port, timeout=30,
+                            wait_room=False) as sheds:
+        queued = [waits.predict_async(torch.full((8,), float(i))) for i in range(2)]
+        wait_until(lambda: _service(server, "policy").get("n_items") == 2, DEADLINE, "full")
+        # Failing at once: the call is refused on arrival (a call that waited would end in
+        # WaitTimeout after 30 s, never in BinFull).
+        with pytest.raises(BinFull, match="max_queue=2"):
+            sheds.predict(torch.zeros(8))
+        with pytest.raises(BinFull):
+            sheds.predict_async(torch.zeros(8)).result(DEADLINE)
+        with pytest.raises(BinFull):
+            waits.predict(torch.zeros(8), wait_room=False)
+        # Waiting for room: the default, or chosen per call.
+        waiting = [waits.predict_async(torch.full((8,), 2.0)),
+                   sheds.predict_async(torch.full((8,), 3.0), wait_room=True)]
+        wait_until(lambda: _service(server, "policy")["blocked"] == 2, DEADLINE,
+                   "two calls waiting for room")
+        assert not any(f.done() for f in queued + waiting)
+        with InferenceHost("policy", Double(), "127.0.0.1", server.port):
+            got = [f.result(DEADLINE).tolist() for f in queued + waiting]
+    assert got == [[2.0 * i] * 8 for i in range(4)]
+    st = _service(server, "policy")["service"]
+    assert st["calls"] == 4 and st["answered"] == 4  # the refused calls were never queued
+
+
+def _frames(n: int) -> torch.Tensor:
+    """``n`` uint8 frames of 4 x 128 x 128 (64 KiB each) that look like a game screen: a
+    flat background with a few solid shapes (what frames are, and why they compress)."""
+    f = torch.zeros(n, 4, 128, 128, dtype=torch.uint8)
+    for i in range(n):
+        f[i, :, 20 + i:40 + i, 30:90] = 200
+        f[i, :, 100:110, (5 * i) % 100:(5 * i) % 100 + 20] = 90
+    return f
+
+
+def test_auto_compresses_only_large_integer_buffers_that_shrink() -> None:
+    value = {"frame": _frames(1)[0], "zeros": torch.zeros(128, 128),
+             "noise": torch.randint(0, 256, (65536,), dtype=torch.uint8),
+             "mask": torch.zeros(65536, dtype=torch.bool), "small": torch.zeros(1000,
+                                                                             dtype=torch.uint8)}
+    codecs = [b.codec for b in encode(value, compress="auto").buffers]
+    # Floats never (even zeros); random bytes do not shrink; a small buffer is not worth it.
+    assert codecs == ["lz4", None, None, "lz4", None]
+    assert [b.codec for b in encode(value, compress="lz4").buffers][:2] == ["lz4", "lz4"]
+    back = decode(encode(value, compress="auto"))
+    assert all(torch.equal(back[k], v) for k, v in value.items())
+
+
+def _wire_codecs(server: EmbeddedServer, name: str) -> list[list[str | None]]:
+    """The codec of each buffer of each call queued in service ``name``, as it arrived."""
+    def read() -> list[list[str | None]]:
+        kind = next(k for k in server.factory.kinds if k.name == "service")
+        return [[b.codec for b in c.item.value.buffers] for c in kind.services[name].queue]
+    return server.call(read)
+
+
+@pytest.mark.timeout(60)
+def test_uint8_frames_travel_compressed_and_random_floats_raw(server: EmbeddedServer) -> None:
+    frames, noise = _frames(4), torch.randn(4, 16384)  # 64 KiB of each per call
+    with InferenceClient("policy", "127.0.0.1", server.port, timeout=30) as pc, \
+            InferenceClient("policy", "127.0.0.1", server.port, timeout=30,
+                            compress=None) as raw:
+        futs = [pc.predict_async({"frame": frames[i], "noise": noise[i]}) for i in range(4)]
+        wait_until(lambda: _service(server, "policy").get("n_items") == 4, DEADLINE, "4 queued")
+        futs.append(raw.predict_async({"frame": frames[0], "noise": noise[0]}))
+        wait_until(lambda: _service(server, "policy").get("n_items") == 5, DEADLINE, "5 queued")
+        # The calls as the server received them: frame compressed, noise raw (dict keys are
+        # encoded in order: frame, then noise); with compress=None, both raw.
+        assert _wire_codecs(server, "policy") == [["lz4", None]] * 4 + [[None, None]]
+        before = server.call(server.factory.server_stats)["bytes_in"].get("service_reply", 0)
+        with InferenceHost("policy", lambda b: (b["frame"], b["noise"]), "127.0.0.1",
+                           server.port, max_batch=1):  # one reply per call
+            got = [f.result(DEADLINE) for f in futs]
+    for i, (frame, out) in enumerate(zip(got, [*range(4), 0], strict=True)):
+        assert torch.equal(frame[0], frames[out]) and torch.equal(frame[1], noise[out]), i
+    # The host's answers (a frame and the noise each) went compressed the same way: each
+    # reply carried the 64 KiB of floats and much less than 64 KiB of the frame.
+    sent = server.call(server.factory.server_stats)["bytes_in"]["service_reply"] - before
+    assert 5 * 65536 < sent < 5 * (65536 + 16384), sent
+
+
 SLOW_HOST = textwrap.dedent("""
     import sys, time, torch
     from tensorshare.inference import InferenceHost
@@ -211,51 +398,126 @@ def test_a_host_killed_with_calls_outstanding_hands_them_to_another(
         slow.wait(DEADLINE)
 
 
-BIG_CALLER = textwrap.dedent("""
+class Served:
+    """``tensorshare serve`` in a subprocess on 127.0.0.1, port 0."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorshare", "serve", "--port", "0", "--quiet", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line
+        self.port = int(line.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(DEADLINE)
+
+
+# A caller that keeps 16 calls of 256 KiB each in flight (a new one as each is answered)
+# until it is killed.
+FLOODING_CALLER = textwrap.dedent("""
     import sys, torch
     from tensorshare.inference import InferenceClient
     pc = InferenceClient("policy", "127.0.0.1", int(sys.argv[1]), timeout=60)
-    futs = [pc.predict_async(torch.zeros(256, 1024), batched=True) for _ in range(16)]
+    x = torch.zeros(64, 1024)
+    futs = [pc.predict_async(x, batched=True) for _ in range(16)]
     print("SENT", flush=True)
-    futs[0].result(60)
-    print("GOT", flush=True)
-    import time; time.sleep(120)
+    while True:
+        futs.pop(0).result(60)
+        futs.append(pc.predict_async(x, batched=True))
 """)
 
 
-@pytest.mark.timeout(120)
+class _Survivors:
+    """Callers that predict one after another on their own connections until stopped, each
+    checking that every answer is computed from its own input (``Double``)."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.done = [0] * n
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(port, i)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, port: int, i: int) -> None:
+        try:
+            with InferenceClient("policy", "127.0.0.1", port, timeout=30) as pc:
+                while not self.stop.is_set():
+                    key = float(i * 100_000 + self.done[i])
+                    out = pc.predict(torch.full((1024,), key))
+                    assert torch.equal(out, torch.full((1024,), 2 * key)), (key, out[:4])
+                    self.done[i] += 1
+        except BaseException as exc:  # the test reports it
+            self.errors.append(exc)
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(DEADLINE * 3)
+
+
+def _memory(c: Client) -> tuple[int, int]:
+    """The server's ``memory.total`` and ``sessions``, as its stats say."""
+    st = c.stats("policy")["server"]
+    return st["memory"]["total"], st["sessions"]
+
+
+@pytest.mark.timeout(180)
 def test_a_caller_killed_mid_call_leaves_the_others_and_the_servers_memory_alone() -> None:
-    # The killed caller's session ends after session_ttl: its queued calls are withdrawn and
-    # the answers kept for it are freed; the other caller is served throughout.
-    with EmbeddedServer(port=0, config=ServerConfig(session_ttl=1.0)) as server:
-        baseline = _held(server)
-        gate = threading.Event()
+    # A server process with a short session_ttl; three callers predict throughout. A fourth
+    # floods the service with 256 KiB calls and is SIGKILLed with many in flight: the others
+    # are served before, during and after; once the dead caller's session expires (its
+    # queued calls withdrawn, the answers kept for it freed) the server's memory, as its
+    # stats report it, is back to what it was before that caller came.
+    served = Served("--session-ttl", "2")
+    victim = None
+    survivors = None
+    try:
+        with Client("127.0.0.1", served.port, timeout=DEADLINE) as stats, \
+                InferenceHost("policy", Double(), "127.0.0.1", served.port, max_batch=256):
+            survivors = _Survivors(served.port, 3)
+            wait_until(lambda: min(survivors.done) >= 5, DEADLINE, "every caller served")
+            baseline, sessions = _memory(stats)
+            victim = _spawn(FLOODING_CALLER, served.port)
+            assert victim.stdout is not None
+            assert victim.stdout.readline().startswith("SENT")
+            held = [(baseline, sessions)]
 
-        class Gated(torch.nn.Module):
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                gate.wait(30)
-                return x[:, :4]
+            def flooded() -> bool:
+                held[0] = _memory(stats)
+                return held[0][0] > baseline + (2 << 20)
 
-        with InferenceHost("policy", Gated(), "127.0.0.1", server.port, max_batch=256), \
-                InferenceClient("policy", "127.0.0.1", server.port, timeout=60) as other:
-            victim = _spawn(BIG_CALLER, server.port)
-            try:
-                assert victim.stdout is not None
-                assert victim.stdout.readline().startswith("SENT")
-                wait_until(lambda: _service(server, "policy")["service"]["calls"] >= 16,
-                           DEADLINE, "the victim's calls on the server")
-                assert _held(server) > baseline + 8 * 256 * 1024 * 4
-                victim.send_signal(signal.SIGKILL)
-                victim.wait(DEADLINE)
-                gate.set()
-                x = torch.randn(1024)
-                assert other.predict(x).tolist() == x[:4].tolist()
-                wait_until(lambda: _held(server) - baseline < 1 << 20, 30,
-                           "the server's memory back to its baseline")
-            finally:
-                gate.set()
-                victim.kill()
-                victim.wait(DEADLINE)
+            wait_until(flooded, DEADLINE, "the flood on the server")
+            victim.send_signal(signal.SIGKILL)  # with calls in flight: it never stopped
+            victim.wait(DEADLINE)
+            assert held[0][1] == sessions + 1  # what it held belonged to its session
+            before_kill = list(survivors.done)
+            wait_until(lambda: _memory(stats)[1] == sessions, DEADLINE * 2,
+                       "the dead caller's session to expire")
+            wait_until(lambda: _memory(stats)[0] - baseline < 256 << 10, DEADLINE,
+                       "the server's memory back to its baseline")
+            after = list(survivors.done)
+            wait_until(lambda: all(d >= a + 20 for d, a in zip(survivors.done, after,
+                                                                   strict=True)),
+                       DEADLINE, "every caller served after the expiry")
+            survivors.join()
+            assert not survivors.errors, survivors.errors
+            # Served while the dead caller's session was still kept, too.
+            assert all(a > b for a, b in zip(after, before_kill, strict=True)), \
+                (before_kill, after)
+            st = stats.stats("policy")["bins"]["policy"]["service"]
+            assert st["queue"] == 0 and st["with_hosts"] == 0 and st["failed"] == 0
+    finally:
+        if survivors is not None:
+            survivors.join()
+        if victim is not None:
+            victim.kill()
+            victim.wait(DEADLINE)
+        served.stop()
 
 
 @pytest.mark.timeout(90)

@@ -97,6 +97,36 @@ def test_filter_version_drops_stale_rollouts_on_the_server(server: EmbeddedServe
             assert c.list() == {"rl/parameters": 1}  # the stale ones are gone, not shipped
 
 
+def test_a_version_from_predict_tags_a_rollout_for_the_staleness_filter(
+        server: EmbeddedServer) -> None:
+    # A worker acting through an InferenceHost tags each rollout with the version predict()
+    # returned, not with its own: the server's staleness filter then drops a rollout made
+    # with parameters that are too old and keeps a fresh one.
+    from tensorshare.inference import InferenceClient, InferenceHost
+
+    with RLTrainer("127.0.0.1", server.port) as trainer, \
+            RLWorker("127.0.0.1", server.port) as w, \
+            InferenceHost("policy", torch.nn.Linear(4, 2), "127.0.0.1", server.port,
+                          params_bin="rl/parameters", max_wait_ms=0), \
+            InferenceClient("policy", "127.0.0.1", server.port) as pc:
+        trainer.publish_parameters(_params(1))
+        _, old = pc.predict(torch.zeros(4), return_version=True)
+        assert old == 1
+        new = _params(2)
+        trainer.publish_parameters(new)
+        wait_until(lambda: pc.predict(torch.zeros(4), return_version=True)[1] == 2,
+                   what="the host to load version 2")
+        out, fresh = pc.predict(torch.ones(4), return_version=True)
+        assert fresh == 2 and torch.allclose(out, 8.0 + new["bias"])  # computed with them
+        w.get_parameters()
+        assert w.version == 2  # untagged, the stale rollout would pass as version 2
+        w.add_data(torch.tensor([1]), version=old)
+        w.add_data(torch.tensor([2]), version=fresh)
+        data = trainer.get_data(return_versions=True)
+        assert [(int(x), v) for x, v in data] == [(2, 2)]
+        assert trainer.last_dropped == 1
+
+
 def test_no_filter_and_max_version_lag(server: EmbeddedServer) -> None:
     with RLTrainer("127.0.0.1", server.port, filter_version=False) as t0, \
             RLWorker("127.0.0.1", server.port) as w:

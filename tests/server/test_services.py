@@ -4,10 +4,16 @@ cut connections (the chaos proxy), and what the stats say."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ from tests.chaos import ChaosProxy, Faults
 from tests.conftest import wait_until
 
 DEADLINE = 10.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -33,7 +40,8 @@ def _calls(c: Client, name: str, values: list[torch.Tensor]) -> list[Future]:
 
 
 def _service(c: Client, name: str) -> dict:
-    return c.stats(name)["bins"][name]
+    """The service's summary in the stats (``{}`` while no request has made it)."""
+    return c.stats(name)["bins"].get(name, {})
 
 
 @pytest.mark.timeout(30)
@@ -56,7 +64,8 @@ def test_a_host_that_waited_takes_the_first_call_at_once(clients: tuple[Client, 
     t = threading.Thread(target=lambda: got.append(
         host.service_take("svc", max_batch=64, max_wait_ms=5000, timeout=8)))
     t.start()
-    wait_until(lambda: _service(caller, "svc")["waiters"] == 1, DEADLINE, "the take waits")
+    # (The take comes on the host's connection: the service may not exist yet.)
+    wait_until(lambda: _service(caller, "svc").get("waiters") == 1, DEADLINE, "the take waits")
     start = time.monotonic()
     _calls(caller, "svc", [torch.zeros(1)])
     t.join(DEADLINE)
@@ -122,6 +131,75 @@ def test_a_host_whose_connection_drops_gives_its_calls_back_at_once(
         b = h2.service_take("svc", timeout=5)
         h2.service_reply("svc", b.batch, [b.values[0] * 3])
         assert fut.result(DEADLINE).value.tolist() == [3.0]
+
+
+# A host in its own process: takes one batch of two calls and holds it until it is killed.
+HOLDING_HOST = textwrap.dedent("""
+    import sys
+    from tensorshare import Client
+    c = Client("127.0.0.1", int(sys.argv[1]), timeout=30)
+    b = c.service_take("svc", max_batch=2, max_wait_ms=0, timeout=20, lease=600)
+    print("TOOK", *[int(v.item()) for v in b.values], flush=True)
+    sys.stdin.readline()  # holds the batch (never answered) until SIGKILL
+""")
+
+
+def _take_in_order(host: Client, n: int) -> list[list[int]]:
+    """Take batches of at most 2 calls until ``n`` calls came; answer each with value + 100;
+    return each batch's values."""
+    batches: list[list[int]] = []
+    while sum(map(len, batches)) < n:
+        b = host.service_take("svc", max_batch=2, max_wait_ms=0, timeout=5)
+        batches.append([int(v.item()) for v in b.values])
+        host.service_reply("svc", b.batch, [v + 100 for v in b.values])
+    return batches
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
+        clients: tuple[Client, Client]) -> None:
+    # Calls 0..5 queued; a host process takes 0 and 1 and is SIGKILLed while 2..5, and then
+    # 6 and 7 (queued while it held its batch), wait behind. 0 and 1 go back to the front
+    # of the queue: the next host takes them first, then the others in their order.
+    caller, host = clients
+    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(6)])
+    wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "6 queued")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDING_HOST, str(caller.port)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["TOOK", "0", "1"]
+        futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)])
+        wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "2..7 queued")
+        assert _service(caller, "svc")["service"]["with_hosts"] == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(DEADLINE)
+        # The lease is 600 s: only the connection's end brings the calls back.
+        wait_until(lambda: _service(caller, "svc")["n_items"] == 8, DEADLINE, "0, 1 requeued")
+        assert _take_in_order(host, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    finally:
+        proc.kill()
+        proc.wait(DEADLINE)
+    assert [int(f.result(DEADLINE).value.item()) for f in futs] == list(range(100, 108))
+    st = _service(caller, "svc")["service"]
+    assert st["requeued"] == 2 and st["answered"] == 8
+
+
+@pytest.mark.timeout(30)
+def test_calls_whose_lease_ran_out_go_back_before_the_calls_queued_behind_them(
+        server: EmbeddedServer) -> None:
+    with Client("127.0.0.1", server.port) as caller, Client("127.0.0.1", server.port) as h1, \
+            Client("127.0.0.1", server.port) as h2:
+        futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(5)])
+        wait_until(lambda: _service(caller, "svc")["n_items"] == 5, DEADLINE, "5 queued")
+        late = h1.service_take("svc", max_batch=2, max_wait_ms=0, lease=0.3, timeout=5)
+        assert [int(v.item()) for v in late.values] == [0, 1]
+        wait_until(lambda: _service(caller, "svc")["service"]["requeued"] == 2, DEADLINE,
+                   "the lease to run out")
+        assert _take_in_order(h2, 5) == [[0, 1], [2, 3], [4]]
+        assert h1.service_reply("svc", late.batch, late.values) is False  # too late: dropped
+        assert [int(f.result(DEADLINE).value.item()) for f in futs] == list(range(100, 105))
 
 
 @pytest.mark.timeout(30)
