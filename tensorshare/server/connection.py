@@ -46,14 +46,12 @@ from ..wire.messages import (
     Request,
 )
 from ..wire.protocol import (
-    OPS,
     PROTOCOL_VERSIONS,
     AckInfo,
     BadRequest,
     ProtocolViolation,
     ServerConnection,
     encode_message,
-    op_name,
 )
 from .sessions import ServerSession
 from .store import Blocked, Waiter
@@ -243,6 +241,8 @@ class ServerProtocol(Protocol):
         t: Any = self.transport
         if shared:
             t.writeSequence(chunks, fds=[m.fd for m in shared], owner=shared)
+        elif st is t:  # our own zero-copy transport (not TLS over it): the direct path
+            t.write_frames(chunks)
         else:
             t.writeSequence(chunks)
 
@@ -268,11 +268,12 @@ class ServerProtocol(Protocol):
         """Answer ``msg``, remembering the reply first if re-running ``msg`` would change
         something (``bin`` and ``held``: a get's items, held for the session until acked)."""
         f = self.factory
-        op = op_name(msg)
+        route = f.responder.route(msg)
+        mutating = route.mutating
         if type(reply) is ErrorReply:
             f.stats.count_error(reply.code)
         s = self.session
-        if s is not None and OPS[op].mutating:
+        if s is not None and mutating:
             f.sessions.remember(s, msg.id, reply, bin, held)
         shared: list[Any] | None = [] if self.shm else None
         if type(reply) is Fetched and reply.items and type(msg) is Fetch and not msg.spec.remove:
@@ -283,8 +284,9 @@ class ServerProtocol(Protocol):
             chunks = encode_message(reply, None, shared)[0]
         started = self.started.pop(msg.id, None)
         if started is not None:
-            f.stats.observe(op, sum(map(len, chunks)), time.perf_counter() - started)
-        self.write_chunks(chunks, shared, hold=OPS[op].mutating)
+            nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
+            f.stats.observe(route.op, nbytes, time.perf_counter() - started)
+        self.write_chunks(chunks, shared, hold=mutating)
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:
         """What ties a store effect to ``msg`` (for the data log's remembered replies)."""
@@ -424,6 +426,8 @@ class ServerProtocol(Protocol):
         f = self.factory
         counters = f.stats.counters
         handle = f.responder.handle
+        started = self.started
+        now = time.perf_counter()  # (the requests of one read arrived together)
         for ev in events:
             if self._closed:
                 return
@@ -458,7 +462,7 @@ class ServerProtocol(Protocol):
                         + ("" if self._greeting is None else ", then 'auth'")))
                     return
                 continue
-            self.started[ev.id] = time.perf_counter()
+            started[ev.id] = now
             handle(self, ev)
 
     # -- handshake --------------------------------------------------------------------------

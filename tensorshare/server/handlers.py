@@ -13,6 +13,7 @@ record back into the request it was and runs it through the same table.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from twisted.logger import Logger
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from .connection import ServerProtocol
     from .core import ServerFactory
 
-__all__ = ["EFFECTS", "Responder"]
+__all__ = ["EFFECTS", "Responder", "Route"]
 
 log = Logger(namespace="tensorshare.server")
 
@@ -100,12 +101,6 @@ def configure_effect(store: Store, msg: Configure, ctx: Ctx = None) -> Configure
     return Configured(msg.id, cfg.max_items, cfg.max_bytes, cfg.overflow)
 
 
-def _logged(msg: Request) -> bool:
-    """Whether a request writes to the data log (the store's changes; the other kinds of
-    bins live in memory)."""
-    return type(msg) in EFFECTS or (type(msg) is Fetch and msg.spec.remove)
-
-
 def _log_size(msg: Request) -> int:
     """About what a write adds to the data log."""
     if type(msg) is Put:
@@ -121,6 +116,27 @@ def _stored(rid: int, w: Written) -> Stored:
 
 # The requests on a value or list bin (a bin of another kind refuses them).
 _STORE_OPS = frozenset({Put, Append, Fetch, Delete, Configure})
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How the server serves one op, looked up once per request (see :meth:`Responder.route`).
+
+    Attributes:
+        op: the wire op.
+        handler: serves the request (and answers it, now or later).
+        mutating: its reply is remembered for the session (exactly once across reconnects).
+        read: allowed with the read-only token and on a relay.
+        store: a request on a value or list bin (a bin of another kind refuses it).
+        logged: it writes to the data log, so a full disk refuses it first.
+    """
+
+    op: str
+    handler: Callable[[ServerProtocol, Any], None]
+    mutating: bool
+    read: bool
+    store: bool
+    logged: bool
 
 #: Request type -> its effect on the store (see the module docstring).
 EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {
@@ -148,39 +164,51 @@ class Responder:
         self._kind_tables = [kind.table for kind in server.kinds]
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
+        self._routes: dict[type, Route] = {}
+        for op in OPS.values():
+            if op.request is not Fetch:
+                self._routes[op.request] = self._route_of(op.name, op.request)
+        self._get = self._route_of("get", Fetch)
+        self._peek = self._route_of("peek", Fetch)
+
+    def _route_of(self, name: str, cls: type) -> Route:
+        op = OPS[name]
+        return Route(name, self._handlers.get(cls, self._unexpected), op.mutating, op.read,
+                     cls in _STORE_OPS, cls in EFFECTS or name == "get")
+
+    def route(self, msg: Request) -> Route:
+        """How ``msg`` is served (one dict lookup: asked for every request and reply)."""
+        cls = type(msg)
+        if cls is Fetch:
+            return self._get if msg.spec.remove else self._peek  # type: ignore[union-attr]
+        return self._routes[cls]
 
     def handle(self, conn: ServerProtocol, msg: Request) -> None:
         """Serve one request of ``conn`` (after its handshake). Never raises: a failure
         costs this request an error reply, never the connection or the server."""
-        s = conn.session
-        op = OPS[op_name(msg)]
-        if not op.read and (conn.role == "read" or self.relay_of is not None):
-            conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
-                f"{op.name} is not allowed with the read-only token (it may peek, list, "
-                f"stats and listen); use the read-write token" if self.relay_of is None else
-                f"{op.name} is not allowed on a relay: it serves the bins of "
-                f"{self.relay_of} read-only (peek, list, stats, listen); write to that "
-                f"primary")))
+        route = self.route(msg)
+        if not route.read and (conn.role == "read" or self.relay_of is not None):
+            self._refuse_write(conn, msg, route.op)
             return
-        mutating = op.mutating
-        if s is not None and mutating:
-            old = s.lookup(msg.id)
+        s = conn.session
+        if s is not None and route.mutating:
+            old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
                 conn.started.pop(msg.id, None)
-                conn.send(old)
+                conn.send(old.reply)
                 return
         try:
-            if type(msg) in _STORE_OPS:
+            if route.store:
                 name = msg.bin  # type: ignore[union-attr]
                 for table in self._kind_tables:  # (dict lookups: no call per request)
                     if name in table:
                         self._check_kind(msg)
-            if mutating and self.server.persist is not None and _logged(msg):
+            if route.logged and self.server.persist is not None:
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
                     raise StorageUnavailable(why)
-            self._handlers[type(msg)](conn, msg)
+            route.handler(conn, msg)
         except ServerError as exc:
             conn.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))
         except Exception:  # a bug must cost one request, never the server
@@ -188,6 +216,14 @@ class Responder:
                         peer=conn.peer)
             conn.reply(msg, ErrorReply(msg.id, ServerError.code,
                                        "internal server error; see the server log"))
+
+    def _refuse_write(self, conn: ServerProtocol, msg: Request, op: str) -> None:
+        """Answer a write that this connection's role (or a relay) does not allow."""
+        conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
+            f"{op} is not allowed with the read-only token (it may peek, list, stats and "
+            f"listen); use the read-write token" if self.relay_of is None else
+            f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
+            f"read-only (peek, list, stats, listen); write to that primary")))
 
     def _check_kind(self, msg: Any) -> None:
         """A value or list request on a bin of another kind (a stream, a service) is refused."""
@@ -294,6 +330,10 @@ class Responder:
         conn.listening.discard(msg.bin)
         self.server.unsubscribe(msg.bin, conn)
         conn.reply(msg, Acked(msg.id, was))
+
+    def _unexpected(self, conn: ServerProtocol, msg: Request) -> None:
+        conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code,
+                                   f"{op_name(msg)} is not expected after the handshake"))
 
     def _hello_again(self, conn: ServerProtocol, msg: Hello) -> None:
         conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code, "handshake already done"))

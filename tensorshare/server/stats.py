@@ -44,6 +44,7 @@ class ServerStats:
     def __init__(self) -> None:
         self.counters = Counters()
         self.latency: dict[str, list[int]] = {}
+        self._keys: dict[str, tuple[str, str]] = {}  # op -> its counters' names
 
     def count_error(self, code: str) -> None:
         """Count one error reply by its wire code."""
@@ -51,12 +52,14 @@ class ServerStats:
 
     def observe(self, op: str, bytes_out: int, seconds: float) -> None:
         """Count one answered request: by op, its reply's bytes and its latency."""
+        keys = self._keys.get(op)
+        if keys is None:
+            keys = self._keys[op] = (f"op.{op}", f"bytes_out.{op}")
+            self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
         c = self.counters
-        c[f"op.{op}"] += 1
-        c[f"bytes_out.{op}"] += bytes_out
-        h = self.latency.get(op)
-        if h is None:
-            h = self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+        c[keys[0]] += 1
+        c[keys[1]] += bytes_out
+        h = self.latency[op]
         h[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         h[-1] += int(seconds * 1e6)
 

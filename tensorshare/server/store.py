@@ -522,7 +522,9 @@ class Store:
         return m
 
     def _count(self, name: str, op: str, bytes_in: int, bytes_out: int) -> None:
-        m = self._meta_of(name)
+        m = self._meta.get(name)
+        if m is None:
+            m = self._meta[name] = _Meta()
         m.ops[op] = m.ops.get(op, 0) + 1
         m.bytes_in += bytes_in
         m.bytes_out += bytes_out
@@ -577,7 +579,9 @@ class Store:
         return f"bin {name!r} does not exist or is empty"
 
     def _changed(self, name: str, op: str, b: _Bin | None, dropped: int = 0) -> tuple[int, int]:
-        m = self._meta_of(name)
+        m = self._meta.get(name)
+        if m is None:
+            m = self._meta[name] = _Meta()
         m.version += 1
         version = m.version
         if self.clock is not None:
@@ -686,19 +690,31 @@ class Store:
         if remove:
             if self.journal is not None:
                 self.journal("take", name, ctx, {"n": n, "min_tag": min_tag})
-            dropped = self._unreported_drops.pop(name, 0)
-            chosen = [entries.popleft() for _ in range(n)]
-            freed = sum(e.nbytes for e in chosen)
+            if self._unreported_drops:
+                dropped = self._unreported_drops.pop(name, 0)
+            items: tuple[Any, ...]
+            tags: tuple[int | None, ...]
+            if n == 1:  # (a value bin, or one item: the usual get)
+                e = entries.popleft()
+                items, tags, freed = (e.item,), (e.tag,), e.nbytes
+            else:
+                chosen = [entries.popleft() for _ in range(n)]
+                items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
+                freed = sum(e.nbytes for e in chosen)
             b.nbytes -= freed
             self.nbytes -= freed
             version, left = self._after_removal(name, b, freed)
         else:
-            chosen = [fresh[i] for i in range(n)]
+            if n == 1:
+                e = fresh[0]
+                items, tags, freed = (e.item,), (e.tag,), e.nbytes
+            else:
+                chosen = [fresh[i] for i in range(n)]
+                items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
+                freed = sum(e.nbytes for e in chosen)
             left = len(entries)
-            freed = sum(e.nbytes for e in chosen)
             self._count(name, "peek", 0, freed)
-        return Fetched(0, b.kind, tuple(e.item for e in chosen), version, left, dropped,
-                       tags=tuple(e.tag for e in chosen), nbytes=freed)
+        return Fetched(0, b.kind, items, version, left, dropped, tags=tags, nbytes=freed)
 
     def _after_removal(self, name: str, b: _Bin, nbytes: int) -> tuple[int, int]:
         if not b.entries:

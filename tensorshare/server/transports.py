@@ -276,6 +276,18 @@ class _ZeroCopy(_Transport):
 
     _passes_fds = False
 
+    def write_frames(self, chunks: list[Any]) -> None:
+        """Queue a frame's chunks as tensorshare's encoders make them (``bytes``, ``bytearray``
+        or flat byte ``memoryview``s, whose ``len`` is their size), without the checks and
+        conversions of :meth:`writeSequence`: the one write per reply of the server."""
+        if not self.connected or self._writeDisconnected:
+            return
+        nbytes = 0
+        for c in chunks:
+            nbytes += len(c)
+        if nbytes:
+            self._queue_views(chunks, nbytes)
+
     def _queue_views(self, views: list[memoryview], nbytes: int) -> None:
         """Queue views; if nothing was waiting, send right away (write-through).
 
@@ -359,8 +371,8 @@ class _ZeroCopy(_Transport):
             if sent >= size:
                 queue.popleft()
                 sent -= size
-            else:
-                queue[0] = head[sent:]
+            else:  # (a view of the rest: bytes chunks from write_frames are not copied)
+                queue[0] = (head if type(head) is memoryview else memoryview(head))[sent:]
                 sent = 0
 
     def doWrite(self) -> BaseException | None:

@@ -146,6 +146,8 @@ def encode_frame(header: bytes, buffers: Sequence[BytesLike] = ()) -> list[Bytes
     Returns:
         A list of bytes-like chunks whose concatenation is the frame.
     """
+    if not buffers:  # most replies and notifications: one chunk
+        return [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header]
     payload_len = 0
     chunks: list[BytesLike] = []
     for buf in buffers:

@@ -224,7 +224,7 @@ def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | N
     v = h.get(key)
     if v is None:
         return None
-    if not _is_int(v):
+    if type(v) is not int:  # (not a bool either: msgpack keeps them apart)
         raise _Invalid(f"{key!r} must be an integer")
     if minimum is not None and v < minimum:
         raise _Invalid(f"{key!r} must be at least {minimum}")
@@ -233,7 +233,7 @@ def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | N
 
 def _int(h: dict[str, Any], key: str) -> int:
     v = h.get(key)
-    if not _is_int(v):
+    if type(v) is not int:
         raise _Invalid(f"{key!r} must be an integer")
     return v
 
@@ -255,6 +255,9 @@ def _bool(h: dict[str, Any], key: str, default: bool = False) -> bool:
 
 
 def _name(h: dict[str, Any], limits: Limits) -> str:
+    name = h.get("bin")
+    if type(name) is str and name and len(name) * 4 <= limits.max_name_bytes:
+        return name  # (short enough whatever its characters: the usual case)
     try:
         return check_bin_name(h.get("bin"), limits.max_name_bytes)
     except NameTooLong as exc:
@@ -604,8 +607,38 @@ REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
 
 
 # -- encoding ---------------------------------------------------------------------------------
+def _stored_reply(m: Stored) -> tuple[dict[str, Any], Sequence[Item]]:
+    h: dict[str, Any] = {"op": "reply", "id": m.id, "ok": True, "version": m.version,
+                         "n_items": m.n_items}
+    if m.dropped:
+        h["dropped"] = m.dropped
+    return h, ()
+
+
+def _fetched_reply(m: Fetched) -> tuple[dict[str, Any], Sequence[Item]]:
+    h: dict[str, Any] = {"op": "reply", "id": m.id, "ok": True, "kind": m.kind,
+                         "version": m.version, "n_items": m.n_items, "dropped": m.dropped}
+    if m.unchanged:
+        h["unchanged"] = True
+    return h, m.items
+
+
+def _put_request(m: Put) -> tuple[dict[str, Any], Sequence[Item]]:
+    return {"op": "put", "id": m.id, "bin": m.bin}, (m.item,)
+
+
+#: The most common messages, each header built in one step (the others: see _header_of).
+_FAST_HEADERS: dict[type, Callable[[Any], tuple[dict[str, Any], Sequence[Item]]]] = {
+    Stored: _stored_reply, Fetched: _fetched_reply, Put: _put_request,
+    Acked: lambda m: ({"op": "reply", "id": m.id, "ok": True, "flag": m.flag}, ()),
+}
+
+
 def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     cls = type(msg)
+    fast = _FAST_HEADERS.get(cls)
+    if fast is not None:
+        return fast(msg)
     if cls is Changed:
         c: Changed = msg  # type: ignore[assignment]
         h = {"op": "notify", "bin": c.bin, "event": c.op, "n_items": c.n_items,
@@ -835,17 +868,25 @@ def _parse_items(h: dict[str, Any], payload: Payload, max_depth: int, *,
     end = 0  # buffers must be ordered and disjoint: no aliasing tricks
     items = []
     fds = _PARSING_FDS.get()
+    size = len(view)
     for raw in raw_items:
-        if not isinstance(raw, list) or len(raw) != 3:
+        if type(raw) is not list or len(raw) != 3:
             raise _Invalid("an item must be [value, buffers, tag]")
         value, bufs, tag = raw
-        if not isinstance(value, bytes) or not isinstance(bufs, list):
+        if type(value) is not bytes or type(bufs) is not list:
             raise _Invalid("an item must be [bin value, list of buffers, tag]")
-        if tag is not None and not _is_int(tag):
+        if tag is not None and type(tag) is not int:
             raise _Invalid("an item's tag must be an integer or nil")
         buffers = []
         for desc in bufs:
-            buf, end = _parse_buffer(desc, view, end, fds)
+            if type(desc) is list and len(desc) == 2:  # [offset, nbytes]: the usual case
+                off, n = desc
+                if (type(off) is int and type(n) is int and end <= off and not off & _ALIGN_MASK
+                        and 0 <= n and off + n <= size):
+                    end = off + n
+                    buffers.append(Buffer(view[off:end]))
+                    continue
+            buf, end = _parse_buffer(desc, view, end, fds)  # (also says what is wrong)
             buffers.append(buf)
         if not client:
             # The server checks every value it stores, so that whatever it hands out,
@@ -868,7 +909,7 @@ def _parse_buffer(desc: Any, view: memoryview, end: int, fds: _Fds | None = None
     if not isinstance(desc, list) or len(desc) not in (2, 4):
         raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
     off, n = desc[0], desc[1]
-    if not (_is_int(off) and _is_int(n)) or off < 0 or n < 0:
+    if type(off) is not int or type(n) is not int or off < 0 or n < 0:
         raise _Invalid("buffer offset and size must be non-negative integers")
     if off & _ALIGN_MASK:
         raise _Invalid(f"buffer offset {off} is not a multiple of 64")
@@ -1018,23 +1059,13 @@ class ServerConnection(_Side):
     def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
         h = _header_map(frame)
         rid = h.get("id")
-        if not _is_int(rid) or rid < 1:
+        if type(rid) is not int or rid < 1:  # (an int, never a bool: msgpack keeps them apart)
             raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
                                 f"op {h.get('op')!r})")
-        if isinstance(frame, OversizedFrame) and frame.reason:
-            out.append(BadRequest(rid, MemoryLimitExceeded.code,
-                                  f"a request of {frame.payload_len} payload bytes was refused: "
-                                  f"{frame.reason}; nothing was stored"))
+        if type(frame) is OversizedFrame:
+            out.append(self._oversized(rid, frame))
             return
-        if isinstance(frame, OversizedFrame):
-            if not self.greeted:
-                raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
-                                    f"handshake; at most {frame.limit} bytes are accepted "
-                                    f"until hello")
-            out.append(BadRequest(rid, LimitExceeded.code,
-                                  f"frame of {frame.payload_len} payload bytes exceeds the "
-                                  f"server's max_frame_bytes={frame.limit}; nothing was stored"))
-            return
+        assert type(frame) is Frame
         if "ack" in h:
             ack = self._ack(h)
             if ack is not None:
@@ -1043,20 +1074,37 @@ class ServerConnection(_Side):
         if op is None:
             out.append(BadRequest(rid, InvalidRequest.code, f"unknown op {h.get('op')!r}"))
             return
-        size = len(frame.header) + len(frame.payload) + 16
-        self.bytes_in[op.name] = self.bytes_in.get(op.name, 0) + size
+        name = op.name
+        by_op = self.bytes_in
+        by_op[name] = by_op.get(name, 0) + len(frame.header) + len(frame.payload) + 16
         try:
             out.append(op.parse(rid, h, frame.payload, self.limits))
         except _Invalid as exc:
             out.append(BadRequest(rid, exc.code, str(exc)))
 
+    def _oversized(self, rid: int, frame: OversizedFrame) -> BadRequest:
+        """The answer to a request whose payload was refused (over a limit, or no memory)."""
+        if frame.reason:
+            return BadRequest(rid, MemoryLimitExceeded.code,
+                              f"a request of {frame.payload_len} payload bytes was refused: "
+                              f"{frame.reason}; nothing was stored")
+        if not self.greeted:
+            raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
+                                f"handshake; at most {frame.limit} bytes are accepted "
+                                f"until hello")
+        return BadRequest(rid, LimitExceeded.code,
+                          f"frame of {frame.payload_len} payload bytes exceeds the "
+                          f"server's max_frame_bytes={frame.limit}; nothing was stored")
+
     @staticmethod
     def _ack(h: dict[str, Any]) -> AckInfo | None:
-        through, open_ids = h.get("ack"), h.get("open", [])
-        if not _is_int(through) or through < 0:
+        through, open_ids = h["ack"], h.get("open")
+        if type(through) is not int or through < 0:
             return None  # a malformed ack is ignored: replies are kept a little longer
-        if (not isinstance(open_ids, list) or len(open_ids) > MAX_OPEN_ACKS
-                or not all(_is_int(i) for i in open_ids)):
+        if open_ids is None:  # (the usual case: nothing below ``through`` is still open)
+            return AckInfo(through)
+        if (type(open_ids) is not list or len(open_ids) > MAX_OPEN_ACKS
+                or not all(type(i) is int for i in open_ids)):
             return None
         return AckInfo(through, tuple(open_ids)) if open_ids else AckInfo(through)
 
