@@ -13,6 +13,11 @@ each with its own elastic session); ``list``, ``stats`` and ``ping`` ask every s
 merge the answers. A pipeline sends each server its share of the requests in one write and
 waits for all of them.
 
+With ``relay=`` (a :mod:`tensorshare.relay` of the shard holding ``relay_bins``, typically
+the one on this machine), the *reads* of those bins (peek, ``fetch(remove=False)``, waiting
+or not, listen) go to the relay, and everything else still to the shards: parameter fan-out
+without changing the code that reads them.
+
 The owner is a function of the address *as written*: every client of a job must list the
 same addresses. Stable names (a Kubernetes StatefulSet's pod names behind its headless
 Service, ``shard-0.shards:7000``) keep bins where they are across restarts; addresses that
@@ -21,6 +26,7 @@ change (a pod's IP) move that server's bins.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import socket
@@ -30,7 +36,7 @@ from typing import Any
 
 from ..errors import ConnectionLost, TensorShareError
 from ..wire.address import Address, parse_address
-from ..wire.messages import Item, Limits, ListBins, Ping, Stats
+from ..wire.messages import Fetch, Item, Limits, ListBins, Listen, Ping, Stats, Unlisten
 from .blocking import Client, PendingCall, Pipeline, outcomes_of
 from .ops import BinClient, Command, Ops
 
@@ -41,6 +47,9 @@ __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers
 SERVERS_ENV = "TENSORSHARE_SERVERS"
 
 Resolver = Callable[[str, int], Sequence[str]]
+
+#: The index :meth:`ShardedClient._route` gives a read that goes to the relay.
+RELAY = -1
 
 
 def bin_key(name: str) -> str:
@@ -116,15 +125,34 @@ class ShardedClient(BinClient):
     Args:
         servers: addresses (``"host:port"`` or URLs), a comma-separated string of them, or
             one name that resolves to several addresses; default ``TENSORSHARE_SERVERS``.
+        relay: a relay (``"HOST:PORT"`` or a URL) of the shard that holds ``relay_bins``:
+            their reads (peek, ``fetch(remove=False)``, listen) go there; writes, gets,
+            stats and the other bins still go to the shards.
+        relay_bins: names or glob patterns (``fnmatch``) of the value bins read through
+            ``relay``, as the relay's own ``bins``.
         **options: passed to each server's :class:`~.blocking.Client` (``timeout``,
-            ``token``, ``tls_ca``, ``reconnect``, ...).
+            ``token``, ``tls_ca``, ``reconnect``, ...), and to the relay's.
+
+    A read through the relay sees what the relay serves: the shard's versions, data and
+    server id, up to one download behind (a peek right after this client's own put may
+    return the version before; ``fetch(newer_than=v, timeout=...)`` waits for ``v``). A bin
+    created on the shard appears on the relay at its next listing, a delete there is not
+    relayed, and list bins are not relayed at all: name value bins only (parameters).
 
     Raises:
-        ValueError: no servers, or the same one twice.
+        ValueError: no servers, the same one twice, or ``relay`` without ``relay_bins``.
     """
 
-    def __init__(self, servers: Sequence[str] | str | None = None, **options: Any) -> None:
+    def __init__(self, servers: Sequence[str] | str | None = None, *,
+                 relay: str | None = None, relay_bins: Sequence[str] | str = (),
+                 **options: Any) -> None:
         self.servers = expand_servers(servers if servers is not None else servers_from_env())
+        self.relay = None if relay is None else \
+            relay if "://" in relay else f"tensorshare://{relay}"
+        self.relay_bins = [relay_bins] if isinstance(relay_bins, str) else list(relay_bins)
+        if self.relay is not None and not self.relay_bins:
+            raise ValueError("a ShardedClient with a relay needs relay_bins: the value bins "
+                             "to read through it")
         self._options = options
         self._clients: dict[int, Client] = {}
         self._lock = threading.Lock()
@@ -136,12 +164,15 @@ class ShardedClient(BinClient):
         self.begin = _ShardedBegin(self)
 
     def _client(self, index: int) -> Client:
+        """The client of server ``index`` (of the relay for :data:`RELAY`), made on first
+        use."""
         with self._lock:
             if self._closed:
                 raise ConnectionLost("this ShardedClient is closed")
             client = self._clients.get(index)
         if client is None:
-            made = Client(self.servers[index], **self._options)
+            made = Client(self.relay if index == RELAY else self.servers[index],
+                          **self._options)
             with self._lock:
                 client = self._clients.setdefault(index, made)
             if client is not made:
@@ -157,7 +188,8 @@ class ShardedClient(BinClient):
 
     @property
     def connected(self) -> bool:
-        """Whether every server's client that was made is connected right now."""
+        """Whether every client this made (one per server used, and the relay's) is
+        connected right now."""
         with self._lock:
             clients = list(self._clients.values())
         return not self._closed and all(c.connected for c in clients)
@@ -189,6 +221,23 @@ class ShardedClient(BinClient):
         """The client of the server that holds bin ``name``."""
         return self._client(owner(name, self.servers))
 
+    def relayed(self, name: str) -> bool:
+        """Whether the reads of bin ``name`` go to the relay."""
+        return self.relay is not None and any(fnmatch.fnmatchcase(name, g)
+                                              for g in self.relay_bins)
+
+    def _route(self, cmd: Command) -> int:
+        """The index of the server ``cmd`` goes to (:data:`RELAY`: the relay); ``cmd`` names
+        a bin."""
+        name = cmd.bin
+        assert name is not None
+        request = cmd.request
+        if self.relay is not None and (
+                (type(request) is Fetch and not request.spec.remove)
+                or type(request) in (Listen, Unlisten)) and self.relayed(name):
+            return RELAY
+        return owner(name, self.servers)
+
     @property
     def limits(self) -> Limits:
         return self._client(0).limits
@@ -197,9 +246,8 @@ class ShardedClient(BinClient):
         return self.client_for(name)._item(name, value, tag)
 
     def _execute(self, cmd: Command) -> Any:
-        name = cmd.bin
-        if name is not None:
-            return self.client_for(name)._execute(cmd)
+        if cmd.bin is not None:
+            return self._client(self._route(cmd))._execute(cmd)
         calls = [self._client(i).begin._execute(cmd) for i in range(len(self.servers))]
         return self._merge(cmd, [call.result() for call in calls])
 
@@ -229,7 +277,7 @@ class ShardedClient(BinClient):
         shares: dict[int, list[int]] = {}
         for i, (cmd, _) in enumerate(batch):
             if cmd.bin is not None:
-                shares.setdefault(owner(cmd.bin, self.servers), []).append(i)
+                shares.setdefault(self._route(cmd), []).append(i)
                 continue
             # list, stats, ping ask every server: after what was queued before them.
             self._send_shares(batch, shares, outcomes)
@@ -334,7 +382,7 @@ class _ShardedBegin(Ops):
 
     def _execute(self, cmd: Command) -> PendingCall:
         if cmd.bin is not None:
-            return self._sharded.client_for(cmd.bin).begin._execute(cmd)
+            return self._sharded._client(self._sharded._route(cmd)).begin._execute(cmd)
         return PendingCall.done(self._sharded._execute(cmd))
 
 

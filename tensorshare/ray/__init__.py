@@ -4,9 +4,10 @@ Usage::
 
     import ray, tensorshare.ray
     ray.init()
-    with tensorshare.ray.start_shards(4, data_dir="/mnt/ts") as shards:
+    with tensorshare.ray.start_shards(4, data_dir="/mnt/ts", relays=True) as shards:
         client = shards.client(timeout=30)          # a tensorshare.ShardedClient
-        worker = RLWorker(host=shards.servers)      # "h1:p1,h2:p2,...": RLWorker unchanged
+        worker = RLWorker(host=shards.servers,      # "h1:p1,h2:p2,...": RLWorker unchanged
+                          params_via=shards.params_via())
 
 Each shard is one Ray actor (scheduling strategy ``SPREAD``, ``max_restarts=-1``) running a
 :class:`~tensorshare.server.EmbeddedServer` with its own data directory,
@@ -42,11 +43,16 @@ actors as a constructor argument (Ray keeps those in its control store).
 Relays. ``start_shards(..., relays=True)`` (or the names of the parameter bins, which must
 live on one shard) also starts one :class:`~tensorshare.relay.Relay` actor per node, pinned
 to it: it downloads each new version of the parameters once from their shard and serves it
-to the workers of its node, with the shard's version numbers. A worker actor reads through
-its own node's relay with ``RLWorker(host=shards.servers, params_via=shards.params_via())``;
-its rollouts still go to the shards. A relay keeps nothing: restarted, it downloads the
-current version again. A relay's upstream is the shard's address at the start: if that
-shard moves (see above), start the shards' relays again.
+to the workers of its node, with the shard's version numbers. In a Ray task or actor (or the
+driver), ``shards.client()`` is a sharded client whose reads of those bins (peek,
+``fetch(remove=False)``, listen) go to the relay of the node it runs on, and everything else
+(writes, gets, the other bins) to the shards; ``shards.client(via_relay=False)`` reads from
+the shards. An ``RLWorker`` reads through its own node's relay with
+``RLWorker(host=shards.servers, params_via=shards.params_via())``; its rollouts still go to
+the shards. A relay keeps nothing: restarted, it downloads the current version again, on
+the same port when it can (it remembers it in ``DATA_DIR/relay-{node id}.json``), so that
+clients of it reconnect by themselves. A relay's upstream is the shard's address at the
+start: if that shard moves (see above), start the shards' relays again.
 
 Ray is an optional dependency (``pip install "tensorshare[ray]"``), imported when first
 needed.
@@ -98,6 +104,44 @@ def _bind(host: str, port: int, config: ServerConfig, wait: float) -> EmbeddedSe
             time.sleep(0.2)
 
 
+def _listen_again(host: str, node_ip: str, state_path: str, port: int, config: ServerConfig,
+                  rebind_timeout: float, what: str) -> EmbeddedServer:
+    """A server for ``what`` on ``host``, on the port ``state_path`` remembers when this is a
+    restart on the same node (waiting up to ``rebind_timeout`` for it to be free), else on
+    ``port`` (0: a free one); then remember where it listens.
+
+    A restart that cannot have its old port (taken, or another node) takes a free one and
+    logs a warning: its address changes.
+    """
+    previous: dict[str, Any] = {}
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        pass
+    wanted = port
+    if previous.get("host") == host and previous.get("port") and previous.get("node_ip") \
+            == node_ip:
+        wanted = int(previous["port"])  # a restart on the same node: the same address
+    try:
+        server = _bind(host, wanted, config, rebind_timeout if wanted else 0.0)
+    except (OSError, BindError):
+        if not previous:
+            raise  # first start on an explicit port that is taken: say so
+        log.warning("tensorshare %s could not listen on %s:%d again; it listens on a free "
+                    "port: its address changes (see tensorshare.ray)", what, host, wanted)
+        server = EmbeddedServer(0, host=host, config=config)
+    address = f"{host}:{server.port}"
+    if previous and f"{previous.get('host')}:{previous.get('port')}" != address:
+        log.warning("tensorshare %s moved from %s:%s to %s", what, previous.get("host"),
+                    previous.get("port"), address)
+    tmp = state_path + ".new"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"host": host, "port": server.port, "node_ip": node_ip}, f)
+    os.replace(tmp, state_path)
+    return server
+
+
 class _Shard:
     """One shard server inside a Ray actor (see :func:`start_shards`)."""
 
@@ -114,35 +158,10 @@ class _Shard:
                 f"one else could reach it. Start them with loopback=False and a token")
         host = "127.0.0.1" if loopback else node_ip
         os.makedirs(shard_dir, exist_ok=True)
-        state_path = os.path.join(shard_dir, STATE_FILE)
-        previous: dict[str, Any] = {}
-        try:
-            with open(state_path, encoding="utf-8") as f:
-                previous = json.load(f)
-        except (OSError, ValueError):
-            pass
-        config = ServerConfig(data_dir=shard_dir, **options)
-        wanted = port
-        if previous.get("host") == host and previous.get("port") and previous.get("node_ip") \
-                == node_ip:
-            wanted = int(previous["port"])  # a restart on the same node: the same address
-        try:
-            self.server = _bind(host, wanted, config, rebind_timeout if wanted else 0.0)
-        except (OSError, BindError):
-            if not previous:
-                raise  # first start on an explicit port that is taken: say so
-            log.warning("tensorshare shard %d could not listen on %s:%d again; it listens on a "
-                        "free port: its address changes (see tensorshare.ray)", index, host,
-                        wanted)
-            self.server = EmbeddedServer(0, host=host, config=config)
+        self.server = _listen_again(host, node_ip, os.path.join(shard_dir, STATE_FILE), port,
+                                    ServerConfig(data_dir=shard_dir, **options),
+                                    rebind_timeout, f"shard {index}")
         self.address = f"{host}:{self.server.port}"
-        if previous and f"{previous.get('host')}:{previous.get('port')}" != self.address:
-            log.warning("tensorshare shard %d moved from %s:%s to %s", index,
-                        previous.get("host"), previous.get("port"), self.address)
-        tmp = state_path + ".new"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"host": host, "port": self.server.port, "node_ip": node_ip}, f)
-        os.replace(tmp, state_path)
 
     def info(self) -> dict[str, Any]:
         """Where this shard runs: ``address``, ``node_id``, ``node_ip``, ``pid``."""
@@ -159,28 +178,41 @@ class _Shard:
 class _RelayNode:
     """One relay on one node (see :func:`start_shards` ``relays``): a read-only server that
     downloads each new version of the parameter bins once from their shard and serves it to
-    the workers of its node."""
+    the workers of its node. Restarted by Ray (on its node), it listens on its port again
+    (``state_dir/relay-{node id}.json`` remembers it), so that its readers reconnect."""
 
     def __init__(self, upstream: str, bins: list[str], loopback: bool,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], state_dir: str, rebind_timeout: float = 10.0
+                 ) -> None:
         from ..relay import Relay
 
         ray = _ray()
-        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        config = ServerConfig(**options)
-        self.relay = Relay(upstream, bins, host=host, port=0, config=config, poll=0.5,
-                           token=config.token)
+        node_ip = ray.util.get_node_ip_address()
+        host = "127.0.0.1" if loopback else node_ip
+        config = ServerConfig(**options, relay_of=upstream)
+        node = ray.get_runtime_context().get_node_id()
+        os.makedirs(state_dir, exist_ok=True)
+        self.server = _listen_again(host, node_ip, os.path.join(state_dir, f"relay-{node}.json"),
+                                    0, config, rebind_timeout, f"relay on node {node}")
+        try:
+            self.relay = Relay(upstream, bins, server=self.server, poll=0.5, token=config.token)
+        except BaseException:
+            self.server.stop()
+            raise
         self.address = self.relay.address
 
     def info(self) -> dict[str, Any]:
-        """Where this relay serves: ``address``, ``node_id``, ``upstream``, ``downloads``."""
+        """Where this relay serves: ``address``, ``node_id``, ``upstream``, ``downloads``,
+        ``versions`` (bin: the upstream version it serves), ``pid``."""
         ray = _ray()
         return {"address": self.address, "node_id": ray.get_runtime_context().get_node_id(),
                 "upstream": self.relay.upstream, "downloads": self.relay.downloads,
-                "versions": dict(self.relay.versions)}
+                "versions": dict(self.relay.versions), "pid": os.getpid()}
 
     def stop(self) -> None:
+        """Stop relaying and close the relay's port."""
         self.relay.stop()
+        self.server.stop()
 
 
 def _is_local_cluster(ray: Any) -> bool:
@@ -212,6 +244,8 @@ class Shards:
         self.data_dir = data_dir
         #: With ``relays``: node id -> ``"host:port"`` of the relay on that node.
         self.relays: dict[str, str] = {}
+        #: With ``relays``: the bins they relay.
+        self.relay_bins: list[str] = []
         self.relay_actors: list[Any] = []
 
     def params_via(self) -> str | None:
@@ -231,11 +265,22 @@ class Shards:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def client(self, **options: Any) -> ShardedClient:
+    def client(self, *, via_relay: bool = True, **options: Any) -> ShardedClient:
         """A :class:`~tensorshare.ShardedClient` over the shards (with their token unless
-        ``token`` is given). ``options`` go to each shard's client (``timeout``, ...)."""
+        ``token`` is given). ``options`` go to each shard's client (``timeout``, ...).
+
+        With relays (``start_shards(..., relays=...)``) and ``via_relay``, the reads of the
+        relayed bins (peek, ``fetch(remove=False)``, listen) go to the relay of the node
+        this is called on (:meth:`params_via`), with the shard's version numbers; writes,
+        gets and every other bin go to the shards. A relay serves the last version it
+        downloaded: a read right after a put may see the one before (wait with
+        ``fetch(newer_than=...)``). ``via_relay=False``, or a node without a relay: every
+        read from the shards."""
         if self.token is not None:
             options.setdefault("token", self.token)
+        relay = self.params_via() if via_relay else None
+        if relay is not None:
+            options.update(relay=relay, relay_bins=self.relay_bins)
         return ShardedClient(self.addresses, **options)
 
     def info(self, timeout: float = 60.0) -> list[dict[str, Any]]:
@@ -313,7 +358,8 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str],
             node it runs on: storage that every node sees lets a shard restart anywhere).
         relays: one relay per node for parameter fan-out: ``True`` relays RLTrainer's
             ``"rl/parameters"``, or give the parameter bins' names (they must live on one
-            shard: pin them with a ``{tag}``). Workers read through their node's relay with
+            shard: pin them with a ``{tag}``). ``shards.client()`` reads them through the
+            relay of its node; workers do with
             ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
         port: 0 (default): each shard takes a free port at its first start and keeps it
             across restarts; else shard ``i`` listens on ``port + i``.
@@ -408,9 +454,10 @@ def _start_relays(ray: Any, shards: Shards, bins: list[str], loopback: bool,
     shards.relay_actors = [cls.options(
         num_cpus=0, max_restarts=-1, max_task_retries=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            upstream, bins, loopback, options) for node in nodes]
+            upstream, bins, loopback, options, shards.data_dir) for node in nodes]
     infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=timeout)
     shards.relays = {i["node_id"]: i["address"] for i in infos}
+    shards.relay_bins = list(bins)
 
 
 def node_address(address: str) -> tuple[str, int]:

@@ -1,12 +1,16 @@
-"""The sharded client: rendezvous placement, routing, pipelines and fan-out over real servers,
-and what one shard's failures do (a chaos proxy in front of each shard, a SIGKILLed shard)."""
+"""The sharded client: rendezvous placement, routing (reads of relayed bins to a relay),
+pipelines and fan-out over real servers, and what one shard's failures do: the
+elastic-sessions chaos run through a chaos proxy in front of each shard, a SIGKILLed shard."""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,48 +135,210 @@ def test_begin_listen_and_stream_ops_go_to_the_bins_server(three: list[EmbeddedS
         assert home.stats("s")["bins"]["s"]["kind"] == "stream"
 
 
-def test_through_a_chaos_proxy_per_shard_every_item_arrives_exactly_once(
-        three: list[EmbeddedServer]) -> None:
-    seed = chaos_seed()
-    faults = Faults(cut_after_bytes=(2_000, 40_000), cut_after_seconds=(0.2, 1.5))
-    proxies = [ChaosProxy((HOST, s.port), seed=seed + k, faults=faults)
-               for k, s in enumerate(three)]
+# --------------------------------------------------------------------------- elastic sessions
+
+
+# The fault mix of the elastic-sessions run (tests/system/test_chaos.py): cuts by bytes in
+# both directions (mid-frame), by time (quiet connections, waiting gets), resets and plain
+# closes, half-open closes, and bytes forwarded in small delayed pieces.
+CHAOS = Faults(cut_after_bytes=(1_000, 20_000), cut_after_seconds=(0.5, 3.0),
+               reset_probability=0.5, half_open_probability=0.2, chunk_bytes=(1, 4096),
+               delay_seconds=(0.0, 0.001))
+CHAOS_DEADLINE = 90.0  # for the whole run; far above what it takes, below pytest's 120 s
+GET_WAIT = 0.1  # a consumer's waiting get on one bin
+
+
+@dataclass
+class _Ledger:
+    """What the producers and consumers of a sharded chaos run saw, from many threads."""
+
+    bins: list[str]  # item i goes to bins[i % len(bins)]
+    n_producers: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    acked: list[int] = field(default_factory=list)  # every item whose append returned
+    delivered: list[int] = field(default_factory=list)  # every item a get returned
+    errors: list[str] = field(default_factory=list)
+    producers_done: threading.Event = field(default_factory=threading.Event)
+
+    def bin_of(self, item: int) -> str:
+        return self.bins[item % len(self.bins)]
+
+    def error(self, text: str) -> None:
+        with self.lock:
+            self.errors.append(text)
+
+    def summary(self) -> str:
+        with self.lock:
+            return (f"acked={len(self.acked)} delivered={len(self.delivered)} "
+                    f"errors={self.errors[:5]}")
+
+
+def _produce(c: ShardedClient, ledger: _Ledger, producer: int, items: range,
+             deadline: float) -> None:
+    """Append each item (a tensor ``[producer, item]``) to its bin, one call at a time."""
+    for item in items:
+        if time.monotonic() > deadline:
+            ledger.error(f"producer {producer} gave up at item {item} (deadline)")
+            return
+        try:
+            c.append(ledger.bin_of(item), torch.tensor([producer, item]))
+        except Exception as exc:  # noqa: BLE001 (every exception is a failure here)
+            ledger.error(f"producer {producer}: append of item {item} raised {exc!r}")
+        else:
+            with ledger.lock:
+                ledger.acked.append(item)
+
+
+def _take(c: ShardedClient, ledger: _Ledger, consumer: int, name: str) -> bool:
+    """One waiting get on bin ``name``; record what it took. Whether it took anything.
+
+    A ``WaitTimeout`` is the server's answer to a waiting get that found no data in time:
+    how a consumer learns that a bin is empty, not a failure.
+    """
     try:
+        batch = c.get(name, max_items=16, timeout=GET_WAIT)
+    except WaitTimeout:
+        return False
+    except Exception as exc:  # noqa: BLE001 (every other exception is a failure here)
+        ledger.error(f"consumer {consumer}: get on {name} raised {exc!r}")
+        return False
+    got = []
+    for t in batch:
+        producer, item = (int(x) for x in t.tolist())
+        if item % ledger.n_producers != producer or ledger.bin_of(item) != name:
+            ledger.error(f"consumer {consumer}: item {t.tolist()} came from bin {name}")
+        got.append(item)
+    with ledger.lock:
+        ledger.delivered.extend(got)
+    return True
+
+
+def _consume(c: ShardedClient, ledger: _Ledger, consumer: int, deadline: float) -> None:
+    """Sweep every bin (each consumer from its own start) until, after every producer
+    finished, a whole sweep finds them all empty."""
+    start = consumer % len(ledger.bins)
+    order = ledger.bins[start:] + ledger.bins[:start]
+    while time.monotonic() < deadline:
+        finished = ledger.producers_done.is_set()
+        took = [_take(c, ledger, consumer, name) for name in order]
+        if finished and not any(took):
+            return  # empty everywhere after the last append: nothing more will come
+    ledger.error(f"consumer {consumer} gave up (deadline)")
+
+
+def _join(threads: list[threading.Thread], deadline: float, info: Callable[[], str]) -> None:
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"still running after the deadline: {alive}; {info()}"
+
+
+def _bins_on_every_shard(servers: list[str], per_shard: int) -> list[str]:
+    """``per_shard`` bin names owned by each server, interleaved (so consecutive items go
+    to different servers)."""
+    found: list[list[str]] = [[] for _ in servers]
+    j = 0
+    while any(len(f) < per_shard for f in found):
+        name = f"q{j}"
+        home = found[owner(name, servers)]
+        if len(home) < per_shard:
+            home.append(name)
+        j += 1
+    return [found[k][i] for i in range(per_shard) for k in range(len(servers))]
+
+
+def _start(target: Callable[..., None], *args: Any, name: str) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.long
+def test_elastic_sessions_through_a_sharded_client_every_item_exactly_once() -> None:
+    """The elastic-sessions chaos run (tests/system/test_chaos.py) through ShardedClients:
+    3 shard servers, each behind its own chaos proxy with that run's faults; 16 producers
+    and 4 consumers, each its own ShardedClient; 10,000 numbered items over 9 bins, 3 on
+    each shard. Every item arrives exactly once, from its own bin, no call raises, every
+    shard was cut in every way and resumed sessions, and the servers agree at the end."""
+    n_producers, n_consumers, n_items = 16, 4, 10_000
+    seed = chaos_seed()
+    procs = [ServerProcess(0) for _ in range(3)]
+    proxies: list[ChaosProxy] = []
+    clients: list[ShardedClient] = []
+    try:
+        proxies += [ChaosProxy(p.address, seed=seed + k) for k, p in enumerate(procs)]
         addresses = [f"{HOST}:{p.port}" for p in proxies]
-        bins = [f"q{k}" for k in range(6)]
-        n_per_producer, producers = 300, 4
-        errors: list[BaseException] = []
+        for _ in range(n_producers + n_consumers):
+            clients.append(ShardedClient(addresses, timeout=30.0))
+            # Connect to every shard before any fault: a first handshake that fails is a
+            # ConnectError by design.
+            clients[-1].ping()
+        ledger = _Ledger(_bins_on_every_shard(clients[0].servers, 3), n_producers)
+        for proxy in proxies:
+            proxy.set_faults(CHAOS)
 
-        def produce(pid: int) -> None:
-            try:
-                with ShardedClient(addresses, timeout=TIMEOUT) as c:
-                    for i in range(n_per_producer):
-                        c.append(bins[i % len(bins)], (pid, i))
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+        def info() -> str:
+            shards = "; ".join(f"shard {k}: {p.describe()}" for k, p in enumerate(proxies))
+            return f"{shards}; {ledger.summary()}"
 
-        threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
-        for t in threads:
-            t.start()
-        seen: list[tuple[int, int]] = []
-        deadline = time.monotonic() + 90
-        with ShardedClient(addresses, timeout=TIMEOUT) as c:
-            while len(seen) < producers * n_per_producer and time.monotonic() < deadline:
-                for b in bins:
-                    try:
-                        seen += [tuple(v) for v in c.get(b, max_items=50, timeout=0.05)]
-                    except WaitTimeout:
-                        pass
-        for t in threads:
-            t.join(30)
-        assert not errors, f"seed {seed}: {errors[:3]}"
-        want = {(p, i) for p in range(producers) for i in range(n_per_producer)}
-        assert len(seen) == len(want) and set(seen) == want, f"seed {seed}"
-        cuts = sum(p.stats()["cuts"] for p in proxies)
-        assert cuts >= 3, f"seed {seed}: the proxies cut only {cuts} connections"
+        deadline = time.monotonic() + CHAOS_DEADLINE
+        producers = [_start(_produce, clients[p], ledger, p, range(p, n_items, n_producers),
+                            deadline, name=f"producer-{p}") for p in range(n_producers)]
+        consumers = [_start(_consume, clients[n_producers + k], ledger, k, deadline,
+                            name=f"consumer-{k}") for k in range(n_consumers)]
+        _join(producers, deadline, info)
+        ledger.producers_done.set()
+        _join(consumers, deadline, info)
+        for proxy in proxies:
+            proxy.set_faults(Faults())
+        text = info()
+        assert not ledger.errors, f"{text}: {ledger.errors[:10]}"
+        assert sorted(ledger.acked) == list(range(n_items)), text
+        counts = collections.Counter(ledger.delivered)
+        twice = sorted(item for item, n in counts.items() if n > 1)
+        assert not twice, f"{text}: delivered more than once: {twice[:20]}"
+        missing = sorted(set(range(n_items)) - set(counts))
+        assert not missing, f"{text}: {len(missing)} never delivered: {missing[:20]}"
+        _check_every_shard_was_cut(proxies, len(clients), text)
+        _check_the_servers_agree(clients[0], procs, ledger, text)
     finally:
-        for p in proxies:
-            p.close()
+        for c in clients:
+            c.close()
+        for proxy in proxies:
+            proxy.close()
+        for proc in procs:
+            proc.close()
+
+
+def _check_every_shard_was_cut(proxies: list[ChaosProxy], n_clients: int, info: str) -> None:
+    """Every shard's connections were cut, and came back, many times and in every way."""
+    for k, proxy in enumerate(proxies):
+        s = proxy.stats()
+        where = f"shard {k}: {info}"
+        assert s["accepted"] >= 2 * n_clients, where  # each client came back to it
+        assert s["cuts"] >= 2 * n_clients, where
+        assert s["mid_stream"] >= 5, where  # cut by a byte budget: inside a frame
+        assert 1 <= s["resets"] < s["cuts"], where  # resets and plain closes
+        assert s["half_open"] >= 1, where
+
+
+def _check_the_servers_agree(c: ShardedClient, procs: list[ServerProcess], ledger: _Ledger,
+                             info: str) -> None:
+    """Each server took the appends of its own bins and resumed sessions; at the end no
+    bin is left anywhere, and each server's own list agrees with the sharded client's."""
+    routed = collections.Counter(owner(ledger.bin_of(i), c.servers) for i in ledger.acked)
+    markers = [f"end{i}" for i in range(12)]
+    for name in markers:
+        c.put(name, 1)
+    lists = []
+    for k, proc in enumerate(procs):
+        with Client(HOST, proc.port, timeout=TIMEOUT) as direct:
+            server = direct.stats()["server"]
+            lists.append(direct.list())
+        assert server["requests"].get("append", 0) >= routed[k] > 0, f"shard {k}: {info}"
+        assert server["counters"].get("sessions_resumed", 0) >= 1, f"shard {k}: {info}"
+        assert set(lists[k]) == {n for n in markers if owner(n, c.servers) == k}, info
+    assert c.list() == {n: 1 for n in markers} == {n: v for b in lists for n, v in b.items()}
 
 
 @pytest.mark.long
@@ -231,6 +397,46 @@ def test_rl_trainer_and_workers_spread_rollouts_over_every_server_and_drain_them
         for w in workers:
             w.close()
         trainer.close()
+
+
+def test_reads_of_relayed_bins_go_to_the_relay_and_everything_else_to_the_shards(
+        three: list[EmbeddedServer]) -> None:
+    import queue
+
+    from tensorshare.relay import Relay
+
+    addresses = _addresses(three)
+    servers = expand_servers(addresses)
+    home = three[owner("{p}policy", servers)]  # "{p}...": the parameters, on one shard
+    size = 64 * 1024  # floats: 256 KiB per version
+    with pytest.raises(ValueError, match="relay_bins"):
+        ShardedClient(addresses, relay=f"127.0.0.1:{home.port}")
+    with Relay(f"127.0.0.1:{home.port}", ["{p}*"], poll=0.2) as relay, \
+            ShardedClient(addresses, relay=relay.address, relay_bins=["{p}*"],
+                          timeout=TIMEOUT) as c:
+        assert c.relayed("{p}policy") and not c.relayed("other")
+        events: queue.SimpleQueue[dict[str, object]] = queue.SimpleQueue()
+        c.listen("{p}policy", events.put)  # on the relay: the bin is not there yet
+        v1 = c.put("{p}policy", torch.full((size,), 1.0))  # to the shard (a relay refuses)
+        got = c.fetch("{p}policy", remove=False, newer_than=0, timeout=TIMEOUT)
+        assert got.version == v1 == 1 and events.get(timeout=TIMEOUT)["version"] == 1
+        v2 = c.put("{p}policy", torch.full((size,), 2.0))
+        assert events.get(timeout=TIMEOUT)["version"] == v2  # the shard's number
+        for _ in range(5):  # reads, in every form: none of them leaves the shard
+            assert c.peek("{p}policy")[0].item() == 2.0
+            assert c.begin.fetch("{p}policy", remove=False).result().version == v2
+            with c.pipeline() as p:
+                p.peek("{p}policy")
+                p.put("other", 1)  # a write in the same pipeline goes to its shard
+            assert p.results[0][0].item() == 2.0 and p.results[1] >= 1
+        egress = c.client_for("{p}policy").stats("{p}policy")["bins"]["{p}policy"]
+        # The shard sent each version once, to the relay (not 16 times to this client).
+        assert relay.downloads == 2
+        assert 2 * size * 4 <= egress["bytes_out"] < 3 * size * 4, egress
+        assert c.get("{p}policy")[0].item() == 2.0  # a get takes it from the shard
+        assert "{p}policy" not in c.client_for("{p}policy").list()
+        assert c.list() == {"other": 1}  # list asks the shards (the relay still has it)
+        assert c.peek("{p}policy")[0].item() == 2.0  # (a relay keeps the last version)
 
 
 def test_the_callback_api_takes_several_servers(three: list[EmbeddedServer]) -> None:

@@ -4,8 +4,9 @@ clean exit with the final snapshot written, and a restart on the same volume has
 
 The manifests are validated offline against a fixed Kubernetes version's schema with
 ``kubernetes-validate`` in strict mode (an unknown or misspelled field is an error), and every
-container's command and probe is parsed by the CLI's own argument parser, so that neither the
-manifests nor the CLI can change without the other.
+container's command and probe, and every ``tensorshare`` command of deploy/k8s/README.md, is
+parsed by the CLI's own argument parser, so that neither the manifests nor the README nor the
+CLI can change without the others.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -204,6 +206,44 @@ def test_the_readme_names_the_shards_as_the_manifests_do() -> None:
     assert listed.split(",") == shards
     # A list of several names is taken as written (no DNS look-up), as placement needs.
     assert expand_servers(listed) == [f"tensorshare://{s}" for s in shards]
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``tensorshare`` command line in the README's bash blocks, also those run in a
+    pod (``kubectl exec POD -- tensorshare ...``), continuation lines joined."""
+    readme = (K8S / "README.md").read_text(encoding="utf-8")
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if not re.match(r"\s*(kubectl exec \S+ -- )?tensorshare ", line):
+                continue  # (a multi-line python3 -c "..." is not one)
+            argv = shlex.split(line, comments=True)
+            if argv[:2] == ["kubectl", "exec"] and "--" in argv:
+                argv = argv[argv.index("--") + 1:]
+            if argv[:1] == ["tensorshare"]:
+                found.append(argv)
+    return found
+
+
+def test_the_readmes_commands_parse_and_removing_a_shard_drains_the_last_one() -> None:
+    parsed = [_parse(argv, "deploy/k8s/README.md") for argv in _readme_commands()]
+    assert {"health", "ls", "rebalance"} <= {a.command for a in parsed}
+    # Scaling down removes the highest-numbered pod: that is the shard drained, into the
+    # others, before the scale command the README gives next.
+    (drain,) = [a for a in parsed if a.command == "rebalance"]
+    sts = _one("StatefulSet", "tensorshare")
+    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    port, n = _port(_containers(sts)[0], "tensorshare"), sts["spec"]["replicas"]
+    shards = [f"{name}-{i}.{service}:{port}" for i in range(n)]
+    assert drain.drain == shards[-1:] and drain.servers.split(",") == shards[:-1]
+    readme = (K8S / "README.md").read_text(encoding="utf-8")
+    after = readme.split("--drain", 1)[1]
+    assert f"kubectl scale statefulset {name} --replicas={n - 1}" in after
+    # In the pod the command finds the token where the manifest says it is.
+    (container,) = _containers(sts)
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    args = [*container["command"], *container.get("args", [])]
+    assert env.get("TENSORSHARE_TOKEN_FILE") == args[args.index("--token-file") + 1]
 
 
 # --------------------------------------------------------------------------- the relays

@@ -1,6 +1,7 @@
 """tensorshare.ray on a local two-node Ray cluster: shards spread over the nodes, a killed
-shard comes back with its bins, RL workers as Ray actors on both nodes, and nothing is left
-running at the end."""
+shard comes back with its bins, RL workers as Ray actors on both nodes train and read the
+parameters through their own node's relay (as does ``shards.client()``), a killed relay
+comes back where its readers find it, and nothing is left running at the end."""
 
 from __future__ import annotations
 
@@ -88,10 +89,11 @@ def cluster() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def shards(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tsray.Shards]:
     data_dir = tmp_path_factory.mktemp("ray-shards")
-    with tsray.start_shards(2, data_dir=data_dir, max_memory=64 * MB,
-                            snapshot_every=None) as s:
+    with tsray.start_shards(2, data_dir=data_dir, max_memory=64 * MB, snapshot_every=None,
+                            relays=True) as s:
         yield s
     assert not any(tsray.reachable(s.addresses)), "a shard still listens after shutdown"
+    assert not any(tsray.reachable(list(s.relays.values()))), "a relay still listens"
 
 
 def test_arguments_checked_before_anything_starts(tmp_path: Any) -> None:
@@ -236,116 +238,159 @@ def test_killed_shard_comes_back_with_its_bins(shards: tsray.Shards) -> None:
         client.close()
 
 
+PARAMS = "rl/parameters"  # RLTrainer's bin, which relays=True relays
+WIDTH = 16 * 1024  # the policy's inputs: 128 KiB of parameters per version
+
+
 class _Actor:
-    """An RL worker as a Ray actor: ``tensorshare.RLWorker`` as it is."""
+    """An RL worker as a Ray actor: ``tensorshare.RLWorker`` as it is, reading the
+    parameters through the relay of its node; beside it, the client ``shards.client()``
+    gives it, whose parameter reads go to that relay too."""
 
-    def __init__(self, servers: str) -> None:
-        self.worker = RLWorker(host=servers, timeout=30)
+    def __init__(self, shards: tsray.Shards) -> None:
         self.node = ray.get_runtime_context().get_node_id()
+        self.via = shards.params_via()
+        self.worker = RLWorker(host=shards.servers, timeout=30, params_via=self.via)
+        self.client = shards.client(timeout=30)
 
-    def run(self, steps: int) -> list[int]:
-        model = torch.nn.Linear(4, 2)
+    def where(self) -> tuple[str, str | None, str | None]:
+        return self.node, self.via, self.client.relay
+
+    def run(self, steps: int) -> list[tuple[int, int]]:
+        """Each step: the next parameters, a rollout made with them; the versions read
+        (through RLWorker, through the sharded client)."""
+        model = torch.nn.Linear(WIDTH, 2)
         seen = []
         for _ in range(steps):
             params = self.worker.await_new_parameters(timeout=30)
-            assert params is not None
+            assert params is not None and self.worker.version is not None
             model.load_state_dict(params)
-            obs = torch.randn(8, 4)
+            got = self.client.fetch(PARAMS, remove=False, newer_than=self.worker.version - 1,
+                                    timeout=30)
+            assert torch.equal(got.value["weight"], params["weight"])
+            obs = torch.randn(4, WIDTH)
             with torch.no_grad():
                 actions = model(obs).argmax(dim=1)
             self.worker.add_data({"obs": obs, "actions": actions, "node": self.node})
-            assert self.worker.version is not None
-            seen.append(self.worker.version)
+            seen.append((self.worker.version, got.version))
         return seen
 
     def close(self) -> None:
         self.worker.close()
+        self.client.close()
 
 
-def test_rl_workers_as_ray_actors_on_both_nodes(shards: tsray.Shards) -> None:
+def _relay_downloads(shards: tsray.Shards) -> dict[str, int]:
+    infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=30)
+    return {i["node_id"]: i["downloads"] for i in infos}
+
+
+def _egress(shards: tsray.Shards) -> int:
+    """Bytes the shard that holds the parameters has sent of them."""
+    with shards.client(via_relay=False, timeout=30) as c:
+        return int(c.client_for(PARAMS).stats(PARAMS)["bins"].get(PARAMS, {}).get(
+            "bytes_out", 0))
+
+
+def _train(trainer: RLTrainer, runs: list[Any], nodes: list[str], steps: int) -> list[int]:
+    """The trainer's side: publish, drain one rollout per worker (from both nodes, made
+    with that version), learn, publish again. The versions published."""
+    model = torch.nn.Linear(WIDTH, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    published = [trainer.publish_parameters(model.state_dict())]
+    for step in range(steps):
+        got = trainer.get_data(return_versions=True, timeout=60, min_items=len(nodes))
+        if len(got) < len(nodes):
+            ray.get(ray.wait(runs, timeout=0)[0])  # a worker that failed says why
+        assert len(got) == len(nodes)
+        assert {v for _, v in got} == {published[-1]}  # tagged with the version they used
+        assert {r["node"] for r, _ in got} == set(nodes)  # from both nodes
+        obs = torch.cat([r["obs"] for r, _ in got])
+        actions = torch.cat([r["actions"] for r, _ in got])
+        loss = torch.nn.functional.cross_entropy(model(obs), actions)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step < steps - 1:
+            published.append(trainer.publish_parameters(model.state_dict()))
+    return published
+
+
+def test_rl_workers_on_both_nodes_train_reading_parameters_through_their_nodes_relay(
+        shards: tsray.Shards) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    assert sorted(shards.relays) == nodes and len(set(shards.relays.values())) == 2
+    here = ray.get_runtime_context().get_node_id()  # the driver's node: the head
+    with shards.client(timeout=30) as c, shards.client(via_relay=False, timeout=30) as direct:
+        assert c.relay == f"tensorshare://{shards.relays[here]}" and c.relayed(PARAMS)
+        assert direct.relay is None
     # No CPUs asked: the killed shard may have come back on the other node (SPREAD) and
     # taken its CPU there; these tiny workers must fit beside it.
     cls = ray.remote(num_cpus=0)(_Actor)
     actors = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-                          ).remote(shards.servers) for node in nodes]
+                          ).remote(shards) for node in nodes]
+    for node, via, relay in ray.get([a.where.remote() for a in actors], timeout=60):
+        assert via == shards.relays[node] and relay == f"tensorshare://{via}"  # its own node's
+    downloads, egress = _relay_downloads(shards), _egress(shards)
     steps = 3
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with RLTrainer(host=shards.servers, timeout=30) as trainer:
         assert len(trainer.data_bins) == 2  # rollouts spread over both shards
-        version = trainer.publish_parameters(model.state_dict())
         runs = [a.run.remote(steps) for a in actors]
-        published = [version]
-        for step in range(steps):
-            got = trainer.get_data(return_versions=True, timeout=60, min_items=len(actors))
-            if len(got) < len(actors):
-                ray.get(ray.wait(runs, timeout=0)[0])  # a worker that failed says why
-            assert len(got) == len(actors)
-            assert {v for _, v in got} == {version}  # tagged with the version they used
-            assert {r["node"] for r, _ in got} == set(nodes)  # from both nodes
-            obs = torch.cat([r["obs"] for r, _ in got])
-            actions = torch.cat([r["actions"] for r, _ in got])
-            loss = torch.nn.functional.cross_entropy(model(obs), actions)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if step < steps - 1:
-                version = trainer.publish_parameters(model.state_dict())
-                published.append(version)
+        published = _train(trainer, runs, nodes, steps)
         seen = ray.get(runs, timeout=60)
-        assert seen == [published, published]
-        assert published == sorted(set(published))
         trainer.signal_stop()
+    assert published == sorted(set(published)) and len(published) == steps
+    # Each worker read each version, through RLWorker and through shards.client(), with
+    # the shard's version numbers.
+    assert seen == [[(v, v) for v in published]] * 2
+    # Each relay downloaded each version once, and the shard sent each version once per
+    # relay: none of the 4 readers of each version read it from the shard.
+    after = _relay_downloads(shards)
+    assert {n: after[n] - downloads[n] for n in nodes} == {n: steps for n in nodes}
+    size = (WIDTH * 2 + 2) * 4  # the policy's weight and bias, float32
+    sent = _egress(shards) - egress
+    assert 2 * steps * size <= sent < 2 * steps * size + size // 2, sent
     ray.get([a.close.remote() for a in actors], timeout=30)
     for a in actors:
         ray.kill(a)
 
 
-class _ParamsReader:
-    """A worker as a Ray actor that reads parameters through its node's relay."""
-
-    def __init__(self, shards: tsray.Shards) -> None:
-        self.via = shards.params_via()
-        self.worker = RLWorker(host=shards.servers, timeout=30, params_via=self.via)
-
-    def where(self) -> str | None:
-        return self.via
-
-    def next_version(self) -> int | None:
-        self.worker.await_new_parameters(timeout=30)
-        return self.worker.version
-
-    def close(self) -> None:
-        self.worker.close()
+def _restarted(actor: Any, pid: int, deadline: float = 60.0) -> dict[str, Any]:
+    """The actor's ``info()`` once Ray has restarted it (a process other than ``pid``)."""
+    until = time.monotonic() + deadline
+    while True:
+        try:
+            now: dict[str, Any] = ray.get(actor.info.remote(), timeout=30)
+            if now["pid"] != pid:
+                return now
+        except ray.exceptions.RayActorError:
+            pass  # restarting
+        assert time.monotonic() < until, "the killed actor did not come back"
+        time.sleep(0.1)
 
 
-@pytest.mark.long
-@pytest.mark.timeout(120)
-def test_relays_one_per_node_serve_the_parameters_to_workers_there(
-        cluster: Any, tmp_path: Any) -> None:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-    with tsray.start_shards(2, data_dir=tmp_path, relays=True, max_memory=64 * MB,
-                            snapshot_every=None, actor_options={"num_cpus": 0}) as shards:
-        assert set(shards.relays) == set(nodes)  # one relay on each node
-        assert len(set(shards.relays.values())) == 2
-        cls = ray.remote(num_cpus=0)(_ParamsReader)
-        readers = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node, soft=False)).remote(shards) for node in nodes]
-        assert ray.get([r.where.remote() for r in readers], timeout=60) == \
-            [shards.relays[node] for node in nodes]  # each reads from its own node's relay
-        with RLTrainer(host=shards.servers, timeout=30) as trainer:
-            for _ in range(3):
-                version = trainer.publish_parameters(torch.nn.Linear(4, 2).state_dict())
-                got = ray.get([r.next_version.remote() for r in readers], timeout=60)
-                assert got == [version, version]  # the primary's version, through the relay
-        infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=30)
-        # Each relay downloaded each version once (3 versions; none at the start).
-        assert [i["downloads"] for i in infos] == [3, 3]
-        ray.get([r.close.remote() for r in readers], timeout=30)
-        for r in readers:
-            ray.kill(r)
+def test_a_killed_relay_comes_back_on_its_port_and_its_readers_carry_on(
+        shards: tsray.Shards) -> None:
+    here = ray.get_runtime_context().get_node_id()
+    infos = ray.get([a.info.remote() for a in shards.relay_actors], timeout=30)
+    (k,) = [i for i, info in enumerate(infos) if info["node_id"] == here]
+    policy = torch.nn.Linear(WIDTH, 2)
+    with shards.client(timeout=30) as c, shards.client(via_relay=False, timeout=30) as direct:
+        assert c.relay == f"tensorshare://{infos[k]['address']}"
+        v1 = direct.put(PARAMS, policy.state_dict())
+        assert c.fetch(PARAMS, remove=False, newer_than=v1 - 1, timeout=30).version == v1
+        ray.kill(shards.relay_actors[k], no_restart=False)  # its process dies
+        now = _restarted(shards.relay_actors[k], infos[k]["pid"])
+        assert now["node_id"] == here and now["address"] == infos[k]["address"]
+        with torch.no_grad():
+            policy.weight.fill_(1.0)
+        v2 = direct.put(PARAMS, policy.state_dict())
+        # The same client, through the same address: the new relay, with the shard's
+        # version, downloaded once more.
+        got = c.fetch(PARAMS, remove=False, newer_than=v1, timeout=30)
+        assert got.version == v2 and torch.equal(got.value["weight"], policy.weight)
+        assert c.relayed(PARAMS) and tsray.reachable([now["address"]]) == [True]
+        again = ray.get(shards.relay_actors[k].info.remote(), timeout=30)
+        assert again["versions"] == {PARAMS: v2} and 1 <= again["downloads"] <= 2

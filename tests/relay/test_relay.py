@@ -1,10 +1,15 @@
-"""Relays on real servers (127.0.0.1, port 0): upstream versions, read-only with the
-primary named, chains, restarts, and parameter fan-out that leaves the primary once per
-relay (its stats count it)."""
+"""Relays on real servers (127.0.0.1, port 0, or Unix sockets): upstream versions (to waiting
+readers and to listeners), read-only with the primary named, chains, restarts, and
+parameter fan-out that leaves the primary once per relay (its stats count it)."""
 
 from __future__ import annotations
 
+import queue
+import re
 import threading
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +52,83 @@ def test_a_relay_serves_the_primarys_versions_read_only(server: EmbeddedServer) 
                 assert got.value.tolist() == [0.0, 0.0]
 
 
+def _next_event(events: queue.SimpleQueue[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The next event of bin ``name`` (others are skipped); fails after DEADLINE."""
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        try:
+            ev = events.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise AssertionError(f"no event of bin {name!r} within {DEADLINE} s") from None
+        if ev.get("bin") == name:
+            return ev
+
+
+@pytest.mark.timeout(60)
+def test_listen_through_a_relay_gets_each_upstream_version(server: EmbeddedServer) -> None:
+    # A listener on a relay hears of each version the primary makes, with the primary's
+    # number, once the relay serves it (a read right after the event gets that version);
+    # also for a bin that appears upstream after the listener was registered.
+    with Client("127.0.0.1", server.port) as primary:
+        for _ in range(3):
+            primary.put("params", torch.zeros(2))  # upstream: version 3 before the relay
+        with Relay(f"127.0.0.1:{server.port}", ["params*"], poll=0.2) as relay:
+            assert relay.wait_synced(DEADLINE)
+            events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+            with Client("127.0.0.1", relay.port, timeout=DEADLINE) as reader:
+                reader.listen("params", events.put)
+                reader.listen("params/late", events.put)  # not on the relay, nor upstream
+                assert reader.fetch("params", remove=False).version == 3
+                made, heard = [], []
+                for n in range(4, 9):  # each version waited for before the next is made
+                    made.append(primary.put("params", torch.full((2,), float(n))))
+                    ev = _next_event(events, "params")
+                    heard.append(ev["version"])
+                    assert ev["op"] == "put" and ev["n_items"] == 1, ev
+                    got = reader.fetch("params", remove=False)
+                    assert got.version == ev["version"] and got.value.tolist() == [n, n]
+                assert heard == made == [4, 5, 6, 7, 8]
+                # A new bin upstream, found by the relay's next listing: the listener hears
+                # the upstream's versions (the relay copies the latest it finds, so the
+                # first one it hears of may already be the second).
+                late = [primary.put("params/late", torch.tensor([k])) for k in (1, 2)]
+                seen = [_next_event(events, "params/late")["version"]]
+                while seen[-1] < late[-1]:
+                    seen.append(_next_event(events, "params/late")["version"])
+                assert late == [1, 2] and seen in ([1, 2], [2]), seen
+                assert reader.peek("params/late").tolist() == [2]
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_on_unix_sockets_serves_a_reader_on_its_socket(tmp_path: Path) -> None:
+    # The relay of a primary reached over unix:// serves, on a Unix socket of its own only,
+    # a reader of that socket: the primary's versions and id, large values intact, listen
+    # events, and writes refused.
+    primary_sock, relay_sock = str(tmp_path / "primary.sock"), str(tmp_path / "relay.sock")
+    big = torch.randn(512 * 1024)  # 2 MiB
+    with EmbeddedServer(port=0, unix=primary_sock) as srv, \
+            Client(f"unix://{primary_sock}", timeout=DEADLINE) as primary:
+        assert srv.running
+        primary.put("params", big)
+        with Relay(f"unix://{primary_sock}", ["params"], port=None, unix=relay_sock,
+                   poll=0.2) as relay:
+            assert relay.address == f"unix://{relay_sock}"
+            assert relay.wait_synced(DEADLINE)
+            with Client(f"unix://{relay_sock}", timeout=DEADLINE) as reader:
+                got = reader.fetch("params", remove=False)
+                assert got.version == 1 and torch.equal(got.value, big)
+                assert reader.server_id == primary.server_id
+                events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+                reader.listen("params", events.put)
+                v = primary.put("params", big * 2)
+                assert _next_event(events, "params")["version"] == v == 2
+                got = reader.fetch("params", remove=False, newer_than=1, timeout=DEADLINE)
+                assert got.version == v and torch.equal(got.value, big * 2)
+                with pytest.raises(PermissionDenied, match=re.escape(primary_sock)):
+                    reader.put("params", 1)
+            assert relay.downloads == 2
+
+
 @pytest.mark.timeout(60)
 def test_relays_chain_and_a_restarted_relay_resyncs(server: EmbeddedServer) -> None:
     with Client("127.0.0.1", server.port) as primary:
@@ -74,35 +156,57 @@ def test_relays_chain_and_a_restarted_relay_resyncs(server: EmbeddedServer) -> N
                 again.stop()
 
 
+def _read_each_version(port: int, listening: bool, seen: list[int], size: int,
+                       stop: threading.Event, registered: threading.Semaphore) -> None:
+    """A reader of the relay on ``port`` until ``stop``: each version of "params" it gets
+    (a tensor of ``size`` floats, all equal to the version) goes to ``seen``. It waits with
+    ``fetch(newer_than=...)``, or ``listening``, reads each version a listen event names."""
+    events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+    with Client("127.0.0.1", port, timeout=DEADLINE) as c:
+        if listening:
+            c.listen("params", events.put)
+        registered.release()
+        last = 0
+        while not stop.is_set():
+            try:
+                if listening:
+                    ev = events.get(timeout=0.5)
+                    got = c.fetch("params", remove=False)
+                    assert got.version == ev["version"], (got.version, ev)
+                else:
+                    got = c.fetch("params", remove=False, newer_than=last, timeout=0.5)
+            except (TimeoutError, queue.Empty):
+                continue
+            assert got.value.shape == (size,) and got.value[0].item() == got.version
+            seen.append(got.version)
+            last = got.version
+
+
 @pytest.mark.timeout(120)
 def test_fan_out_through_two_relays_leaves_the_primary_once_per_relay(
         server: EmbeddedServer) -> None:
-    # 1 primary, 2 relays, 32 readers (16 per relay) waiting for each new version: every
-    # reader sees every version in order, and each version crosses the primary's egress
-    # once per relay, not once per reader.
+    # 1 primary, 2 relays, 32 readers (16 per relay; half of them listening and reading
+    # each version they hear of, half waiting with newer_than): every reader sees every
+    # version in order, and each version crosses the primary's egress once per relay, not
+    # once per reader.
     size = 256 * 1024  # floats: 1 MiB per version
     versions = 6
     relays = [Relay(f"127.0.0.1:{server.port}", ["params"], poll=0.2) for _ in range(2)]
     seen: list[list[int]] = [[] for _ in range(32)]
     stop = threading.Event()
+    registered = threading.Semaphore(0)
 
     def read(i: int) -> None:
-        with Client("127.0.0.1", relays[i % 2].port, timeout=DEADLINE) as c:
-            last = 0
-            while not stop.is_set():
-                try:
-                    got = c.fetch("params", remove=False, newer_than=last, timeout=0.5)
-                except TimeoutError:
-                    continue
-                assert got.value.shape == (size,) and got.value[0].item() == got.version
-                seen[i].append(got.version)
-                last = got.version
+        _read_each_version(relays[i % 2].port, (i // 2) % 2 == 1, seen[i], size, stop,
+                           registered)
 
     readers = [threading.Thread(target=read, args=(i,)) for i in range(32)]
     try:
         with Client("127.0.0.1", server.port) as primary:
             for t in readers:
                 t.start()
+            for _ in readers:  # every listener hears of version 1
+                assert registered.acquire(timeout=DEADLINE)
             for n in range(1, versions + 1):
                 v = primary.put("params", torch.full((size,), float(n)))
                 assert v == n
