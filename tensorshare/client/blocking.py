@@ -382,7 +382,22 @@ class Client(BinClient):
 
     # -- the op surface (see .ops) ------------------------------------------------------------
     def _execute(self, cmd: Command) -> Any:
-        return self._submit(cmd).result()
+        if cmd.kind != "call":
+            return self._submit(cmd).result()
+        # (a call: _submit and PendingCall.result written out, the path of every request)
+        if self._forks != _FORKS:
+            raise ConnectionLost(f"the client for {self.address} was made in another process")
+        with self._lock:
+            call, slot = self._call(cmd)
+        self._flush()
+        if not slot.done:
+            self._await(call, slot)
+        if slot.error is None and type(slot.reply) is not ErrorReply:
+            return call.convert(slot.reply) if call.convert is not None else slot.reply
+        ok, value = _outcome(slot, call)
+        if not ok:
+            raise value
+        return value
 
     def __getattr__(self, name: str) -> Any:
         # begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names).
@@ -528,13 +543,15 @@ class Client(BinClient):
 
     def _flush(self) -> None:
         """Write every request not yet sent on the current connection, in id order."""
+        session = self._session
         with self._send_lock:
             with self._lock:
                 sock = self._sock
-                chunks = self._session.pop_sendable(time.monotonic()) if sock else []
-                shared = self._session.take_shared()
-                failed = self._session.take_finished()
-            self._process(failed)  # type: ignore[arg-type]
+                chunks = session.pop_sendable(time.monotonic()) if sock else []
+                shared = session.take_shared() if session.has_shared else None
+                failed = session.take_finished() if session.has_finished else None
+            if failed:
+                self._process(failed)
             if not chunks or sock is None:
                 return
             try:
@@ -557,11 +574,13 @@ class Client(BinClient):
         reads is the election's call (see :mod:`.election`); this does what it says."""
         cv, election, session = self._cv, self._election, self._session
         me = threading.get_ident()
-        with cv:
-            election.caller_waits()
+        counted = False
         try:
-            while not slot.done:
+            while True:
                 with cv:
+                    if not counted:  # (one lock for both: taken on every request)
+                        election.caller_waits()
+                        counted = True
                     if slot.done:
                         break
                     turn = election.caller_turn(me, time.monotonic(), session.connected)
@@ -576,9 +595,10 @@ class Client(BinClient):
                 else:
                     self._wait_slot(call, slot)
         finally:
-            with cv:
-                if election.caller_done(me):
-                    cv.notify_all()  # we had asked the reader to step aside: it may read
+            if counted:
+                with cv:
+                    if election.caller_done(me):
+                        cv.notify_all()  # we had asked the reader to step aside: it may read
 
     def _wait_slot(self, call: Call, slot: _Slot) -> None:
         """Wait on ``slot`` for a while (another thread reads); expire the call when its
@@ -1066,8 +1086,17 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
         TimeoutError: the socket stayed full for ``timeout`` seconds (the peer stopped reading).
         OSError: the send failed.
     """
+    sent = 0
+    if not fds and type(sock) is socket.socket and len(chunks) <= _MAX_IOV:
+        # The usual case: the socket takes the whole frame in one call (no views, no loop).
+        try:
+            sent = sock.sendmsg(chunks)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent == sum(map(len, chunks)):
+            return
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
-    i = 0
+    i = _skip_sent(views, 0, sent)
     pending = list(fds) if fds else []
     poller = None
     tls = isinstance(sock, ssl.SSLSocket)
@@ -1090,16 +1119,23 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
             if not poller.poll(None if timeout is None else timeout * 1000.0):
                 raise TimeoutError(f"the server did not read for {timeout:g} s") from None
             continue
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-        while i < len(views) and views[i].nbytes == 0:
+        i = _skip_sent(views, i, sent)
+
+
+def _skip_sent(views: list[memoryview], i: int, sent: int) -> int:
+    """Advance past ``sent`` bytes from ``views[i]`` on (a partly sent view is re-sliced)
+    and past empty views; return the index of the first view with bytes left."""
+    while sent:
+        n = views[i].nbytes
+        if sent >= n:
+            sent -= n
             i += 1
+        else:
+            views[i] = views[i][sent:]
+            sent = 0
+    while i < len(views) and views[i].nbytes == 0:
+        i += 1
+    return i
 
 
 def _tls_recv_into(sock: socket.socket, target: memoryview | bytearray) -> int:

@@ -62,6 +62,7 @@ from ..wire.messages import (
     Listen,
     Listening,
     Ping,
+    Put,
     Reply,
     Request,
 )
@@ -208,6 +209,16 @@ class _Listen:
     version: int | None = None  # the last version delivered or learned
 
 
+
+def _with_id(request: Request, rid: int) -> Request:
+    """``request`` numbered ``rid`` (the op surface makes requests with id 0)."""
+    cls = type(request)
+    if cls is Put:  # (the most common: one call instead of dataclasses.replace's several)
+        return Put(rid, request.bin, request.item)  # type: ignore[union-attr]
+    if cls is Fetch:
+        return Fetch(rid, request.bin, request.spec)  # type: ignore[union-attr]
+    return replace(request, id=rid)  # type: ignore[type-var]
+
 class ClientSession:
     """The state of one client, across any number of connections. Not thread-safe.
 
@@ -307,7 +318,7 @@ class ClientSession:
         if self.closed is not None:
             raise type(self.closed)(f"cannot send {what}: {self.closed}")
         rid = self._new_id()
-        request = replace(request, id=rid)  # type: ignore[type-var]
+        request = _with_id(request, rid)
         op = op_name(request)
         answer = self.timeout if timeout is None else timeout
         waiting = type(request) is Fetch and request.spec.wait
@@ -371,6 +382,16 @@ class ClientSession:
         """Whether :meth:`pop_sendable` would return something now."""
         return self.connected and bool(self._queue)
 
+    @property
+    def has_shared(self) -> bool:
+        """Whether :meth:`take_shared` would return something."""
+        return bool(self._out_shared)
+
+    @property
+    def has_finished(self) -> bool:
+        """Whether :meth:`take_finished` would return something."""
+        return bool(self._finished_now)
+
     def take_finished(self) -> list[Done]:
         """Calls that :meth:`pop_sendable` had to fail locally (say, over a limit)."""
         done, self._finished_now = self._finished_now, []
@@ -389,9 +410,10 @@ class ClientSession:
                 through = open_ids[0] - 1
                 open_ids = []
                 break
+        last = self._last_ack
+        if last is not None and through == last.through and tuple(open_ids) == last.open:
+            return None  # (compared before making a new one: asked for every request sent)
         ack = AckInfo(through, tuple(open_ids))
-        if ack == self._last_ack:
-            return None
         self._last_ack = ack
         return ack
 

@@ -754,6 +754,12 @@ def encode_message(msg: Message, extra: dict[str, Any] | None = None,
 def _items_header(items: Sequence[Item], buffers: list[BytesLike],
                   shared: list[Any] | None) -> list[list[Any]]:
     """Describe items for the header and collect their buffers in payload order."""
+    if len(items) == 1 and shared is None:
+        value = items[0].value
+        if len(value.buffers) == 1 and value.buffers[0].codec is None:
+            data = value.buffers[0].data  # (one tensor, as sent: the usual put)
+            buffers.append(data)
+            return [[value.value, [[0, len(data)]], items[0].tag]]
     if shared is None:
         sizes = [len(b.data) for it in items for b in it.value.buffers]
     else:
@@ -1044,14 +1050,16 @@ class ServerConnection(_Side):
         the format, after what was complete before it. (The client's ``_parse`` is the same
         loop: written out in each, as it runs on every read.)"""
         out: list[ServerEvent] = []
-        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        # (set only while descriptors wait: otherwise it is None, as parsing leaves it)
+        token = _PARSING_FDS.set(self.fds) if self.fds.queue else None
         try:
             for frame in frames:
                 self._parse_frame(frame, out)
         except ProtocolError as exc:
             error = exc
         finally:
-            _PARSING_FDS.reset(token)
+            if token is not None:
+                _PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out
@@ -1159,7 +1167,9 @@ class ClientConnection(_Side):
                 extra["open"] = list(ack.open)
         chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
         limits = self.limits
-        size = sum(len(c) for c in chunks)
+        size = 0
+        for c in chunks:
+            size += len(c)
         if size > limits.max_frame_bytes or header_len > limits.max_header_bytes:
             bin_name = getattr(msg, "bin", None)
             what = op_name(msg) + (f" of bin {bin_name!r}" if bin_name is not None else "")
@@ -1194,7 +1204,7 @@ class ClientConnection(_Side):
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:
         # The server's loop (see ServerConnection._parse), with its op lookup per reply.
         out: list[ClientEvent] = []
-        token = _PARSING_FDS.set(self.fds if self.fds.queue else None)
+        token = _PARSING_FDS.set(self.fds) if self.fds.queue else None
         try:
             for frame in frames:
                 if type(frame) is OversizedFrame:
@@ -1204,7 +1214,8 @@ class ClientConnection(_Side):
         except ProtocolError as exc:
             error = exc
         finally:
-            _PARSING_FDS.reset(token)
+            if token is not None:
+                _PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out
