@@ -125,6 +125,8 @@ class ServerProtocol(Protocol):
         # Looked up once: every write asks the socket's transport how much is queued.
         sock = self._socket
         self._st = sock if getattr(type(sock), "queued_bytes", None) is not None else None
+        if self._st is not None and hasattr(self._st, "attach_ledger"):
+            self._st.attach_ledger(self.factory.ledger)
         peer = self._t.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
         self.peer = f"{host}:{port}" if host is not None else str(getattr(peer, "name", "?"))

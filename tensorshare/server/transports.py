@@ -176,6 +176,17 @@ class _ZeroCopy(_Transport):
 
     TLS = False
 
+    #: Optional: an object whose ``queued`` attribute every transport that shares it keeps
+    #: up to date with the bytes queued on all of them (the server's total, in O(1)).
+    ledger: Any = None
+
+    def attach_ledger(self, ledger: Any) -> None:
+        """Keep ``ledger.queued`` up to date with this transport's queued bytes (those
+        queued already included)."""
+        if self.ledger is None:
+            self.ledger = ledger
+            ledger.queued += self._queued_bytes
+
     def _init_queues(self) -> None:
         # The queue must exist before the base __init__ starts reading: nothing can be
         # written before makeConnection(), but keep the object consistent.
@@ -303,6 +314,8 @@ class _ZeroCopy(_Transport):
         queue.extend(views)
         self._queued_bytes += nbytes
         self._queued_total += nbytes
+        if self.ledger is not None:
+            self.ledger.queued += nbytes
         if idle:
             sent = self._send_some()
             if not isinstance(sent, BaseException):
@@ -365,6 +378,8 @@ class _ZeroCopy(_Transport):
         """Drop fully sent views; re-slice the first partially sent one."""
         queue = self._send_queue
         self._queued_bytes -= sent
+        if self.ledger is not None:
+            self.ledger.queued -= sent
         while sent:
             head = queue[0]
             size = len(head)
@@ -409,6 +424,8 @@ class _ZeroCopy(_Transport):
     def connectionLost(self, reason: failure.Failure) -> None:
         """Drop unsent data so the queued buffers (maybe large) are released now."""
         self._send_queue.clear()
+        if self.ledger is not None:
+            self.ledger.queued -= self._queued_bytes
         self._queued_bytes = 0
         self._fd_marks.clear()
         super().connectionLost(reason)  # type: ignore[misc]

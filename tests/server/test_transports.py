@@ -609,3 +609,45 @@ def test_small_write_is_sent_at_once(reactor: EPollReactor) -> None:
     with connect(port) as sock:
         assert recv_until_eof(sock) == b"head-body"
     assert queued_after_write == [0]
+
+
+def test_the_servers_queued_total_is_kept_by_the_transports() -> None:
+    """``held_bytes`` is asked on every write: the bytes queued on all connections are a
+    running total that the transports keep, equal at every moment to the sum over the
+    connections, and back to zero once they are gone (however they ended)."""
+    import torch
+
+    from tensorshare import Client
+    from tensorshare.server import EmbeddedServer
+    from tensorshare.wire.messages import Hello
+    from tests.rawwire import Peek, WireClient
+
+    def totals(server: EmbeddedServer) -> tuple[int, int]:
+        f = server.factory
+        return server.call(lambda: (f.queued_bytes(),
+                                    sum(p.queued_bytes for p in f.connections)))
+
+    with EmbeddedServer(0) as server, Client("127.0.0.1", server.port, timeout=30) as c:
+        c.put("big", torch.zeros(1 << 20))  # 4 MiB
+        slow: list[socket.socket] = []
+        for _ in range(6):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            wire = WireClient()
+            sock.sendall(b"".join(bytes(x) for x in wire.send(Hello(wire.next_id(), (1,), "x"))))
+            for _ in range(4):  # peeks whose replies this client never reads
+                sock.sendall(b"".join(bytes(x) for x in wire.send(Peek(wire.next_id(), "big"))))
+            slow.append(sock)
+        wait_until(lambda: totals(server)[1] > 6 * (4 << 20), timeout=30,
+                   what="the unread replies to queue up")
+        queued, summed = totals(server)
+        assert queued == summed
+        slow[0].shutdown(socket.SHUT_RDWR)  # some end at once, the others with a reset
+        for sock in slow:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        wait_until(lambda: server.call(lambda: len(server.factory.connections)) == 1,
+                   timeout=30, what="the slow connections to end")
+        assert totals(server) == (0, 0)
+        c.put("big", torch.ones(4))  # the server works on, its total exact
+        assert totals(server)[0] == totals(server)[1] == 0
