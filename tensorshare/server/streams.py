@@ -10,11 +10,13 @@ everything before it) and gets the items of one epoch from there, never across a
   ``replay="epoch"``, once its epoch is over). A producer's append is held while the stream
   holds more than ``window`` positions its slowest live consumer has not acknowledged.
 * **Leases.** A producer or consumer whose connection is gone (or silent) for longer than
-  its lease is dropped: a consumer stops holding anyone back (one that comes back later
-  learns how many items it missed); a producer that had not ended its epoch is *gone*, and
-  that epoch can never complete: consumers reading it get ``ProducerGone`` instead of
-  waiting, until a producer opens the stream again, which ends the broken epoch as
-  *aborted* and starts a new one.
+  its lease is dropped: one lease after its connection closed (a killed process's closes
+  at once), or after it was last heard from (requests and heartbeats) if its connection
+  stays open but silent. A consumer then stops holding anyone back (one that comes back
+  later learns how many items it missed); a producer that had not ended its epoch is
+  *gone*, and that epoch can never complete: consumers reading it get ``ProducerGone``
+  instead of waiting, until a producer opens the stream again, which ends the broken epoch
+  as *aborted* and starts a new one.
 * **Lag.** Under ``on_lag="detach"`` a consumer that held the window full for longer than
   ``max_stall`` seconds is detached: it no longer holds anyone back until it catches up.
 
@@ -637,15 +639,22 @@ class Stream:
         m.state = "gone"
         return "gone", 0
 
-    def check(self, now: float, alive: Callable[[Any, float], bool]) -> list[Event]:
+    def check(self, now: float, heard: Callable[[Any], float | None]) -> list[Event]:
         """Leases and stalls at time ``now``: a member whose lease ran out is dropped unless
-        ``alive(owner, lease)`` says its connection is there; a stalled consumer of an
-        ``on_lag="detach"`` stream is detached."""
+        ``heard(owner)`` (the seconds since its connection was last heard from, ``None``
+        when it has no open connection) is within its lease; a stalled consumer of an
+        ``on_lag="detach"`` stream is detached.
+
+        A member kept alive by its connection (its heartbeats) has its lease run from when
+        that connection was last heard from, not from this check: one that falls silent
+        (a machine gone without closing its connections) is dropped one lease after it was
+        last heard, not up to a lease later."""
         events: list[Event] = []
         for m in list(self.members()):
             if m.state in ("live", "away") and now >= m.seen + m.lease:
-                if alive(m.owner, m.lease):
-                    m.state, m.seen = "live", now
+                silent = heard(m.owner)
+                if silent is not None and silent < m.lease:
+                    m.state, m.seen = "live", max(m.seen, now - silent)
                 else:
                     events.append(self._drop(m))
         cfg = self.cfg
@@ -820,12 +829,13 @@ class StreamKind:
             return None if s is None else s.attached
         return owner
 
-    def _alive(self, owner: Any, lease: float) -> bool:
-        """Whether the connection of ``owner`` is open and heard from within ``lease``."""
+    def _heard(self, owner: Any) -> float | None:
+        """Seconds since the connection of ``owner`` was last heard from (any bytes: a
+        request or a heartbeat); ``None`` when it has no open connection."""
         conn = self._conn_of(owner)
         if conn is None or conn not in self.server.connections or getattr(conn, "_closed", True):
-            return False
-        return time.monotonic() - conn.last_rx < lease
+            return None
+        return max(time.monotonic() - conn.last_rx, 0.0)
 
     def _stream(self, name: str, create: bool) -> Stream:
         """The stream ``name`` (made if ``create``).
@@ -1136,7 +1146,7 @@ class StreamKind:
         for st in list(self.streams.values()):
             due = st.next_deadline()
             if due is not None and due <= now:
-                self._after(st, st.check(now, self._alive))
+                self._after(st, st.check(now, self._heard))
         self._schedule()
 
     def connection_lost(self, conn: ServerProtocol) -> None:

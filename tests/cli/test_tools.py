@@ -535,16 +535,99 @@ def test_ls_and_stats_show_each_streams_head_producers_consumers_and_lag(
         assert st["consumers"]["lr=0.2"]["lag"] == 5
 
 
+def _stream_rows(lines: list[str]) -> dict[str, list[str]]:
+    """The rows of a streams table (after its rule) by their first word: the stream, the
+    producer's index, or the consumer's name."""
+    return {ln.split()[0]: ln.split()[1:] for ln in lines}
+
+
+def _three_calls_one_batch_answered(caller: Client, host: Client) -> list[Any]:
+    """Three calls to service "policy"; once the server queued all three, a host takes a
+    batch of two and answers it. Returns the three calls' futures (the first two answered,
+    the third still queued)."""
+    futs = [caller._submit_future(caller.service_call_command("policy", torch.zeros(1, 4)))
+            for _ in range(3)]
+    # (The calls are sent without waiting: a take before they all arrived would get fewer.)
+    wait_until(lambda: caller.stats("policy")["bins"].get("policy", {}).get(
+        "service", {}).get("queue") == 3, what="three calls queued")
+    b = host.service_take("policy", max_wait_ms=0, max_batch=2, timeout=5)
+    assert len(b.values) == 2
+    host.service_reply("policy", b.batch, b.values)
+    return futs
+
+
+def _check_kinds_frame(frame: list[str], bins: dict[str, Any]) -> None:
+    """A monitor frame of the server below: a stream "train" (head 5, one producer, two
+    consumers) and a service "policy" (one call queued, two answered)."""
+    streams, services = frame.index("streams"), frame.index("services")
+    # The bins' table lists both, with what they hold, then the server's totals.
+    rows = _rows(frame[:streams] + frame[-1:])
+    assert list(rows) == ["policy", "train", "server"]
+    for name in ("policy", "train"):
+        assert rows[name][:3] == [str(bins[name]["n_items"]), fmt_bytes(bins[name]["nbytes"]),
+                                  "0"]
+    assert rows["train"][0] == "5"
+    # Then each stream: its head, epoch (samples sent of those announced), window, its
+    # producer, and each consumer with its position, lag and stall times.
+    assert frame[streams + 1].split() == ["stream", "head", "epoch", "member", "state",
+                                          "position", "lag", "stalled", "stall", "total",
+                                          "missed"]
+    assert _stream_rows(frame[streams + 3:services]) == {
+        "train": ["5", "0", "(40/40)", "8", "window,", "on_lag=wait"],
+        "0": ["producer", "0", "live", "40"],
+        "lr=0.1": ["live", "5", "0", "0.0s", "0.0s", "0"],
+        "lr=0.2": ["live", "0", "5", "0.0s", "0.0s", "0"]}, frame
+    # And each service: its queue, hosts, calls answered, failed, timed out, mean batch.
+    assert frame[services + 1].split()[:3] == ["service", "queue", "hosts"]
+    row = frame[services + 3].split()
+    assert row[:3] == ["policy", "1", "1"] and row[4:8] == ["2", "0", "0", "2"]
+
+
+def test_monitor_shows_each_streams_members_and_each_services_queue_live(
+        server: EmbeddedServer) -> None:
+    from tensorshare.data import StreamConsumer, StreamProducer
+    from tensorshare.errors import WaitTimeout
+
+    port = server.port
+    with StreamProducer("train", "127.0.0.1", port, window=8, samples_per_epoch=40) as p, \
+            StreamConsumer("train", "lr=0.1", "127.0.0.1", port, timeout=5) as fast, \
+            StreamConsumer("train", "lr=0.2", "127.0.0.1", port, timeout=5), \
+            Client("127.0.0.1", port) as caller, Client("127.0.0.1", port) as host:
+        for _ in range(5):
+            p.append(torch.zeros(8, 4))
+        assert len(fast.read(5).items) == 5
+        with pytest.raises(WaitTimeout):
+            fast.read(timeout=0)  # (it acknowledges the five; nothing more yet)
+        futs = _three_calls_one_batch_answered(caller, host)
+        assert [f.result(5).value.shape for f in futs[:2]] == [(1, 4), (1, 4)]
+        bins = caller.stats()["bins"]
+        m = _Proc("monitor", "--interval", "0.1", "--port", str(port))
+        try:
+            wait_until(lambda: len(_frames(m.out)) >= 1, what="a frame")
+            _check_kinds_frame(_frames(m.out)[0], bins)
+            # It is a live view: the next frames show the stream move on.
+            p.append(torch.zeros(8, 4))
+
+            def moved() -> bool:
+                last = _frames(m.out)[-1]
+                table = _stream_rows(last[last.index("streams") + 3:last.index("services")])
+                return table["train"][0] == "6" and table["lr=0.2"][:3] == ["live", "0", "6"]
+
+            wait_until(moved, what="a frame with the new head")
+            status, err = m.interrupt()
+            assert status == 0, err
+            assert err == ""
+        finally:
+            m.kill()
+
+
 # --------------------------------------------------------------------------- services
 
 
 def test_ls_shows_each_services_queue_hosts_and_batches(
         server: EmbeddedServer, capsys: pytest.CaptureFixture[str]) -> None:
     with Client("127.0.0.1", server.port) as caller, Client("127.0.0.1", server.port) as host:
-        futs = [caller._submit_future(caller.service_call_command("policy", torch.zeros(1, 4)))
-                for _ in range(3)]
-        b = host.service_take("policy", max_wait_ms=0, max_batch=2, timeout=5)
-        host.service_reply("policy", b.batch, b.values)
+        futs = _three_calls_one_batch_answered(caller, host)
         assert [f.result(5).value.shape for f in futs[:2]] == [(1, 4), (1, 4)]
         status, out, _ = _run(capsys, "ls", "--port", str(server.port))
         assert status == 0

@@ -3,13 +3,16 @@ kind that serves them (:class:`StreamKind`) on in-memory connections.
 
 The kind's tests drive a ``ServerFactory`` on a ``MemoryReactorClock``: every connection is
 a ``ServerProtocol`` on a ``StringTransport``, requests are frames a ``WireClient`` builds,
-and leases and timeouts run when the test advances the clock. Nothing sleeps.
+and leases and timeouts run when the test advances the clock. Nothing sleeps. The last
+section runs end to end: a real server on 127.0.0.1 (port 0) and real clients, waiting for
+conditions with deadlines.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +23,8 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 
+from tensorshare import Client, EmbeddedServer
+from tensorshare.data import Lagged, StreamConsumer, StreamProducer
 from tensorshare.errors import BinNotFound, InvalidRequest, LimitExceeded
 from tensorshare.server import ServerConfig
 from tensorshare.server.connection import ServerProtocol
@@ -55,6 +60,7 @@ from tensorshare.wire.streams import (
     StreamOpened,
     StreamRead,
 )
+from tests.conftest import wait_until
 from tests.rawwire import WireClient
 
 # ------------------------------------------------------------------------ the pure structure
@@ -203,15 +209,38 @@ def test_a_consumer_whose_connection_is_gone_is_dropped_after_its_lease() -> Non
     assert not st.append_ready(0, 1)
     st.lost(lambda owner: owner == "D", 1.0)
     assert st.next_deadline() == 2.0  # the producer's lease (2 s from when it was seen)
-    assert st.check(3.5, lambda owner, lease: owner != "D") == []  # D's lease: until 4.0
+
+    def heard(owner: Any) -> float | None:  # D has no connection; the others were just heard
+        return None if owner == "D" else 0.0
+
+    assert st.check(3.5, heard) == []  # D's lease runs from its connection's end: until 4.0
     assert st.consumers["live"].seen == 3.5
-    assert st.check(4.0, lambda owner, lease: owner != "D") == [("leave", 0)]
+    assert st.check(4.0, heard) == [("leave", 0)]
     read(st, "live", 2)
     assert st.append_ready(0, 1) and st.consumers["dead"].state == "dropped"
     # It comes back: it learns what it missed, and goes on from the oldest item kept.
     append(st, 2)
     got = read(st, "dead", 0)
     assert got is not None and got.missed == 2 and values(got) == [2]
+
+
+def test_a_member_whose_connection_falls_silent_is_dropped_one_lease_after_it_was_heard(
+        ) -> None:
+    st = opened(window=2)
+    st.join("mute", "M", "now", 3.0, True, 0.0)
+    last_heard = 2.5  # its last heartbeat; then its machine is gone, its connection open
+
+    def heard(now: float) -> Callable[[Any], float | None]:
+        return lambda owner: now - last_heard if owner == "M" else 0.0
+
+    assert st.check(3.0, heard(3.0)) == []  # its lease ran out, but it was heard 0.5 s ago
+    # Its lease now runs from that heartbeat, not from this check: it is dropped 3 s after
+    # it was last heard (at 5.5), not up to a whole lease later (6.0).
+    mute = st.consumers["mute"]
+    assert mute.seen + mute.lease == 5.5
+    assert st.check(5.49, heard(5.49)) == []
+    assert st.check(5.5, heard(5.5)) == [("leave", 0)]
+    assert mute.state == "dropped"
 
 
 def test_a_gone_producer_breaks_its_epoch_until_a_producer_opens_the_stream_again() -> None:
@@ -221,7 +250,7 @@ def test_a_gone_producer_breaks_its_epoch_until_a_producer_opens_the_stream_agai
     end(st)
     append(st, 1, 2)
     st.lost(lambda owner: owner == f"{P}0", 1.0)
-    assert st.check(3.0, lambda owner, lease: False) == [("gone", 0)]
+    assert st.check(3.0, lambda owner: None) == [("gone", 0)]
     assert st.broken
     assert values(read(st, "a", 0)) == [0]  # a complete epoch is still served
     with pytest.raises(ProducerGone, match="producer 0 .* is gone"):
@@ -257,7 +286,7 @@ def producer_gone_in_last_epoch(survivor_alive: bool) -> tuple[Stream, int]:
     reply = end(st, 0, last=True, now=2.0)
     assert not reply.complete and not reply.finished  # producer 1 has not ended epoch 1
     if survivor_alive:
-        assert st.check(2.0 + 60.0, lambda owner, lease: True) == []
+        assert st.check(2.0 + 60.0, lambda owner: 0.0) == []
     return st, got.next
 
 
@@ -279,7 +308,7 @@ def test_a_producer_that_ended_its_last_epoch_and_left_is_gone_once_that_epoch_i
     st, at = producer_gone_in_last_epoch(survivor_alive=False)
     assert read(st, "a", at, now=2.0) is not None  # (the new producer 0's item)
     assert st.next_deadline() == 4.0  # producer 1's lease (2 s) runs from the repair
-    assert st.check(4.0, lambda owner, lease: False) == [("gone", 0)]
+    assert st.check(4.0, lambda owner: None) == [("gone", 0)]
     assert st.broken
     with pytest.raises(ProducerGone, match="producer 1 .* is gone"):  # never a silent wait
         read(st, "a", None, now=4.0)
@@ -333,8 +362,8 @@ def test_under_detach_a_stalled_consumer_stops_holding_the_others_and_learns_it_
     append(st, 0, 1, now=1.0)
     read(st, "fast", 2, now=1.0)
     assert not st.append_ready(0, 1)
-    assert st.check(5.9, lambda owner, lease: True) == []
-    assert st.check(6.0, lambda owner, lease: True) == [("lag", 2)]
+    assert st.check(5.9, lambda owner: 0.0) == []
+    assert st.check(6.0, lambda owner: 0.0) == [("lag", 2)]
     assert st.append_ready(0, 2)
     append(st, 2, 3, now=6.0)
     read(st, "fast", 4, now=6.0)
@@ -350,7 +379,7 @@ def test_under_wait_a_stalled_consumer_holds_everyone_forever() -> None:
     st = opened(window=1)
     st.join("slow", "S", "now", 60.0, True, 0.0)
     append(st, 0)
-    assert st.check(1000.0, lambda owner, lease: True) == []
+    assert st.check(1000.0, lambda owner: 0.0) == []
     assert not st.append_ready(0, 1)
     assert st.describe(1000.0)["stream"]["consumers"]["slow"]["stalled_s"] == 1000.0
 
@@ -734,3 +763,65 @@ def test_an_end_whose_mark_has_no_room_in_the_window_is_held_until_a_consumer_re
     cons.send(StreamRead(cons.rid(), "s", "slow", 1))  # acknowledges the first mark
     cons.received()
     assert prod.received() == [StreamEnded(rid, 3, True)]
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+def test_a_listener_hears_joins_leaves_and_lag_end_to_end(server: EmbeddedServer) -> None:
+    host, port, patience = "127.0.0.1", server.port, 20.0
+    events: list[dict[str, Any]] = []  # (appended on the listening client's event thread)
+
+    def heard(*ops: str) -> list[tuple[str, int]]:
+        return [(e["op"], e.get("dropped", 0)) for e in list(events) if e["op"] in ops]
+
+    with Client(host, port, timeout=patience) as watcher:
+        watcher.listen("ev", events.append)
+        p = StreamProducer("ev", host, port, window=2, on_lag="detach", max_stall=0.3,
+                           timeout=patience)
+        fast = StreamConsumer("ev", "fast", host, port, timeout=patience)
+        slow = StreamConsumer("ev", "slow", host, port, timeout=patience)
+        wait_until(lambda: heard("join") == [("join", 0)] * 2, patience, "two joins")
+        reads: list[int] = []
+
+        def read_on() -> None:
+            while True:
+                batch = fast.read()
+                reads.extend(int(x) for x in batch.items)
+                if batch.finished:
+                    return
+
+        reader = threading.Thread(target=read_on, daemon=True)
+        reader.start()
+
+        def stream() -> dict[str, Any]:
+            return watcher.stats("ev")["bins"]["ev"]["stream"]  # type: ignore[no-any-return]
+
+        def fast_acked(position: int) -> None:  # (so that it never holds the window full)
+            wait_until(lambda: stream()["consumers"]["fast"]["position"] == position,
+                       patience, f"the fast reader to acknowledge {position}")
+
+        p.append(torch.tensor(0))
+        fast_acked(1)
+        p.append(torch.tensor(1))  # the window is full: "slow" acknowledged nothing
+        # It holds the window full for max_stall: it is detached, 2 positions behind.
+        wait_until(lambda: heard("lag") == [("lag", 2)], patience, "the detach")
+        p.append(torch.tensor(2))  # (no longer held by it)
+        fast_acked(3)
+        p.append(torch.tensor(3))
+        fast_acked(4)  # all four read and acknowledged: with "slow" detached, none is kept
+        assert reads == [0, 1, 2, 3] and stream()["base"] == 4
+        with pytest.raises(Lagged) as lagged:
+            slow.read()
+        assert lagged.value.missed == 4
+        wait_until(lambda: heard("lag") == [("lag", 2), ("lag", 4)], patience, "the misses")
+        slow.close(leave=True)  # it leaves...
+        p.end_epoch(last=True)
+        reader.join(patience)
+        assert not reader.is_alive()
+        fast.close()  # ...and this one is dropped as its client ends its session
+        p.close()
+        wait_until(lambda: len(heard("leave")) == 2, patience, "two leaves")
+        assert heard("join", "leave", "lag") == [("join", 0), ("join", 0), ("lag", 2),
+                                                 ("lag", 4), ("leave", 0), ("leave", 0)]
+        assert {e["bin"] for e in events} == {"ev"}

@@ -45,7 +45,14 @@ from tests.conftest import wait_until
 
 TIMEOUT = 20.0  # a member's patience (reads, connects): only real failures reach it
 JOIN = 30.0  # joining a thread or waiting for a child's line
-MARGIN = 1.0  # beyond a lease: how late the server may act on it
+# Beyond a lease: how late a member's death may reach the others. The server drops a member
+# one lease after its connection closed (a SIGKILLed process's sockets close at once) or, if
+# the connection stays open but silent, one lease after it last heard from it; its timer fires
+# 1 ms after that deadline, then it answers the waiting requests (the held appends, the reads
+# that get ProducerGone), and the replies cross the loopback to the clients' reader threads:
+# tens of milliseconds here. Half a second is the issue's own bound for a killed consumer,
+# and room for a loaded machine's scheduling; it is never a claim about speed.
+LATE = 0.5
 MiB = 1 << 20
 
 
@@ -197,6 +204,36 @@ def stream_stats(port: int, name: str) -> dict[str, Any]:
         return c.stats(name)["bins"][name]  # type: ignore[no-any-return]
 
 
+def one_pass(loader: SharedLoader, pace: float = 0.0) -> tuple[list[int], list[int], set[int]]:
+    """Iterate one pass of a loader of 1-sample items: (its samples in order, each batch's
+    size, every ``len()`` it gave during the pass); ``pace``: a pause after each batch."""
+    labels: list[int] = []
+    sizes: list[int] = []
+    lens: set[int] = set()
+    for batch in loader:
+        labels += batch.tolist()
+        sizes.append(len(batch))
+        lens.add(len(loader))
+        if pace:
+            pause(pace)
+    return labels, sizes, lens
+
+
+def batches_of(n: int, size: int) -> list[int]:
+    """The batch sizes of ``n`` samples at ``size`` (a last partial batch included)."""
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def check_pass(result: tuple[list[int], list[int], set[int]], first: int, n: int,
+               size: int) -> None:
+    """``result`` of :func:`one_pass` is samples ``first`` to ``n - 1``, each once and in
+    order, in batches of ``size`` (a last partial one included), and ``len()`` said how
+    many batches throughout."""
+    labels, sizes, lens = result
+    assert labels == list(range(first, n)) and sizes == batches_of(n - first, size)
+    assert lens == {len(sizes)} == {math.ceil((n - first) / size)}
+
+
 def read_all(c: StreamConsumer, max_items: int | None = None) -> list[int]:
     """Read one consumer to the end of the stream: the first value of each item, in order."""
     got: list[int] = []
@@ -218,9 +255,14 @@ def test_a_consumer_killed_mid_stream_holds_the_others_back_no_longer_than_its_l
     victim.expect(lambda line: line == "joined")
     others = {who: StreamConsumer("s", who, HOST, server.port, timeout=TIMEOUT)
               for who in ("a", "b")}
+    # A training job at its own batch size (7: 8 batches and a partial one of 4).
+    job = SharedLoader("s", HOST, server.port, batch_size=7, name="job", start="now",
+                       timeout=TIMEOUT)
     sent: list[int] = []
     sent_at: list[float] = []
-    with StreamProducer("s", HOST, server.port, window=window, timeout=TIMEOUT) as p:
+    with StreamProducer("s", HOST, server.port, window=window, samples_per_epoch=n,
+                        timeout=TIMEOUT) as p:
+        assert len(job) == math.ceil(n / 7)  # before its first batch: what was announced
 
         def produce() -> None:
             for i in range(n):
@@ -231,41 +273,58 @@ def test_a_consumer_killed_mid_stream_holds_the_others_back_no_longer_than_its_l
 
         producer = Background(produce, "producer")
         readers = {who: Background(partial(read_all, c), who) for who, c in others.items()}
+        job_pass = Background(partial(one_pass, job), "job")
         victim.expect(lambda line: line == "item 8")  # it reads, slowly, holding everyone
         assert len(sent) < n  # the producer keeps its pace: the window is full of its items
         victim.kill()
         killed = time.monotonic()
+        # A job joins mid-epoch while the dead consumer still holds the window: its first
+        # pass is the rest of the epoch, and len() says so from the start.
+        late = SharedLoader("s", HOST, server.port, batch_size=5, name="late", start="now",
+                            timeout=TIMEOUT)
+        offset = late.consumer.offset
+        assert 0 < offset < n
+        assert len(late) == math.ceil((n - offset) / 5)
+        late_pass = Background(partial(one_pass, late), "late")
         producer.result()
         got = {who: r.result() for who, r in readers.items()}
-        late = max([producer.done_at or 0.0] + [r.done_at or 0.0 for r in readers.values()])
         # Away, the victim holds everyone back for its lease (its connection is gone, not
         # its lease), then no longer: the producer's next append goes through within the
-        # lease and half a second (the issue's bound), and everyone finishes soon after.
+        # lease and half a second (the issue's bound).
         resumed = min(t for t in sent_at if t > killed)
-        assert lease / 2 <= resumed - killed <= lease + 0.5, \
+        assert lease / 2 <= resumed - killed <= lease + LATE, \
             f"the producer was held {resumed - killed:.2f} s after the kill"
-        assert late - killed <= lease + MARGIN, f"held {late - killed:.2f} s after the kill"
         for who, items in got.items():
             assert items == list(range(n)), who
-        stats = stream_stats(server.port, "s")["stream"]
-        states = {who: c["state"] for who, c in stats["consumers"].items()}
-        # The stream keeps the record of a dropped consumer (so that it could come back,
-        # docs/PROTOCOL.md 13.3), marked dropped: it holds nobody back.
-        assert states == {"a": "live", "b": "live", "victim": "dropped"}, states
-        assert stats["finished"] and stats["head"] == n + 1
-        # A consumer that comes back under the victim's name learns what it missed (what was
-        # freed after the position it had acknowledged), then reads on from what is kept.
-        left_at = stats["consumers"]["victim"]["position"]
-        base = stats["base"]
-        assert 8 <= left_at < base <= n
-        with StreamConsumer("s", "victim", HOST, server.port, timeout=TIMEOUT) as back:
-            assert back.joined.resumed
-            with pytest.raises(Lagged) as lagged:
-                back.read()
-            assert lagged.value.missed == base - left_at
-            assert read_all(back) == list(range(base, n))
+        # Every sample once, in order, at each job's batch size, with a true len().
+        check_pass(job_pass.result(), 0, n, 7)
+        check_pass(late_pass.result(), offset, n, 5)
+        assert job.finished and late.finished and list(job) == [] and list(late) == []
+        come_back_lagged(server.port, "s", "victim", n, acked=8)
         for c in others.values():
             c.close(leave=True)
+        job.close()
+        late.close()
+
+
+def come_back_lagged(port: int, name: str, who: str, n: int, acked: int) -> None:
+    """Consumer ``who`` of stream ``name`` (``n`` items, finished) was dropped after it had
+    acknowledged at least ``acked`` positions, and the others read on: the stream kept its
+    record (so that it could come back, docs/PROTOCOL.md 13.3), marked dropped. One that
+    comes back under its name learns what it missed (what was freed after the position it
+    had acknowledged), then reads on from what is kept."""
+    stats = stream_stats(port, name)["stream"]
+    states = {c: info["state"] for c, info in stats["consumers"].items()}
+    assert states.pop(who) == "dropped" and set(states.values()) == {"live"}, states
+    assert stats["finished"] and stats["head"] == n + 1
+    left_at, base = stats["consumers"][who]["position"], stats["base"]
+    assert acked <= left_at < base <= n
+    with StreamConsumer(name, who, HOST, port, timeout=TIMEOUT) as back:
+        assert back.joined.resumed
+        with pytest.raises(Lagged) as lagged:
+            back.read()
+        assert lagged.value.missed == base - left_at
+        assert read_all(back) == list(range(base, n))
 
 
 @pytest.mark.timeout(60)
@@ -331,14 +390,17 @@ def test_a_producer_killed_mid_epoch_gives_consumers_producer_gone_within_its_le
     readers = [Background(consume_plain, "plain"), Background(consume_loader, "loader")]
     wait_until(lambda: stream_stats(server.port, "g")["waiters"] == 2, JOIN,
                "both consumers to wait for more")
+    killing = time.monotonic()  # (taken before the signal: the bound below is not widened)
     producer.kill()
-    killed = time.monotonic()
     # Everything it sent, then the error; never a hang. (The loader yields whole batches
-    # of 2: the odd sample of the broken epoch is never yielded.)
+    # of 2: the odd sample of the broken epoch is never yielded.) The server saw the dead
+    # producer's connection close at the kill: its lease ran from there, and not before
+    # its end (a producer that only lost its connection may come back within it).
     for r, want in zip(readers, (list(range(k)), list(range(k - k % 2))), strict=True):
         got, when = r.result()
         assert got == want
-        assert when - killed <= lease + MARGIN, f"ProducerGone {when - killed:.2f} s on"
+        assert lease / 2 <= when - killing <= lease + LATE, \
+            f"ProducerGone {when - killing:.2f} s after the kill"
     stats = stream_stats(server.port, "g")["stream"]
     assert stats["broken"] and stats["producers"]["0"]["state"] == "gone"
     # A producer comes back: a consumer joins again at the next epoch and gets it whole.
@@ -350,6 +412,55 @@ def test_a_producer_killed_mid_epoch_gives_consumers_producer_gone_within_its_le
         assert read_all(plain) == [100, 101, 102]
     plain.close(leave=True)
     loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_killed_after_its_connection_fell_silent_gives_producer_gone_within_its_lease(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    # A producer's machine vanishes: its connection stays open on the server but says no more
+    # (the chaos proxy closes the producer's side and keeps the server's open and silent),
+    # then the process is SIGKILLed. The server has nothing to see but the silence: the
+    # lease runs from the last thing it heard (a heartbeat), never a lease more.
+    lease, k = 2.0, 3
+    seed = chaos_seed()
+    with ChaosProxy((HOST, server.port), seed=seed) as proxy:
+        job = StreamConsumer("q", "job", HOST, server.port, timeout=TIMEOUT)
+        producer = children("produce", "q", proxy.port, lease, k)
+        producer.expect(lambda line: line == f"appended {k - 1}")
+
+        def consume() -> tuple[list[int], float]:
+            got: list[int] = []
+            try:
+                while True:
+                    got += [int(x[0]) for x in job.read().items]
+            except ProducerGone:
+                return got, time.monotonic()
+
+        reader = Background(consume, "job")
+        wait_until(lambda: stream_stats(server.port, "q")["waiters"] == 1, JOIN,
+                   "the job to wait for more")
+
+        def unheard() -> float:  # seconds since the server last renewed the lease
+            st = stream_stats(server.port, "q")["stream"]
+            return float(st["producers"]["0"]["silent_s"])
+
+        # Idle, the producer is kept by its heartbeats (every lease / 3). Its connection
+        # falls silent well after the server last renewed its lease, so that a heartbeat
+        # arrived in between: the case where the lease used to be renewed once more.
+        wait_until(lambda: unheard() >= 0.45 * lease, JOIN, "the lease to run a while")
+        proxy.pause_accepting()  # (its reconnects are refused)
+        proxy.set_faults(Faults(cut_after_seconds=(0.0, 0.0), half_open_probability=1.0))
+        wait_until(lambda: proxy.stats()["half_open"] == 1, JOIN, "the silent cut")
+        killing = time.monotonic()
+        producer.kill()
+        got, when = reader.result()
+        info = proxy.describe()
+        assert got == list(range(k)), info
+        assert when - killing <= lease + LATE, \
+            f"ProducerGone {when - killing:.2f} s after the kill; {info}"
+        st = stream_stats(server.port, "q")["stream"]
+        assert st["broken"] and st["producers"]["0"]["state"] == "gone"
+        job.close(leave=True)
 
 
 class Paused:
@@ -382,13 +493,13 @@ def test_one_of_two_producers_killed_the_other_restarts_the_epoch_once_it_is_rep
     assert data.halfway.wait(JOIN)
     wait_until(lambda: stream_stats(server.port, "two")["stream"]["epoch_sent"] == half,
                JOIN, "half of both parts")
+    killing = time.monotonic()
     dead.kill()
-    killed = time.monotonic()
     got: list[int] = []
     with pytest.raises(ProducerGone):
         while True:
             got += [int(x[0]) for x in job.read().items]
-    assert time.monotonic() - killed <= lease + MARGIN
+    assert time.monotonic() - killing <= lease + LATE
     assert sorted(got) == list(range(half // 2)) + list(range(1000, 1000 + half // 2))
     job.rejoin("next_epoch")  # (it waits for the epoch after the broken one)
 
@@ -612,6 +723,27 @@ def test_a_producer_whose_connections_are_cut_within_its_lease_sends_every_item_
 # ------------------------------------------------------------------------------ 5. the window
 
 
+def watch_window(port: int, name: str, slow: str, window: int, n: int,
+                 producer: Background) -> int:
+    """While ``producer`` runs, check in the stats that stream ``name`` (of ``n`` items)
+    never keeps more than ``window`` items, nor consumer ``slow`` more than ``window``
+    positions behind. Returns how many looks saw an append held."""
+    held = 0
+    deadline = time.monotonic() + JOIN
+    with Client(HOST, port, timeout=TIMEOUT) as watch:
+        while producer.thread.is_alive() and time.monotonic() < deadline:
+            st = watch.stats(name)["bins"][name]
+            held += st["blocked"]
+            lag = st["stream"]["consumers"][slow]["lag"]
+            # Items: never more than the window. Positions: the epoch's mark (no item, no
+            # bytes; a stream_end is not held by the window) may be one more.
+            marks = 1 if st["stream"]["head"] > n else 0
+            assert lag is None or lag <= window + marks, st["stream"]
+            assert st["n_items"] <= window, st["stream"]
+            pause(0.002)
+    return held
+
+
 @pytest.mark.timeout(60)
 def test_the_window_is_never_exceeded_beyond_the_slowest_live_consumer(
         server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -630,8 +762,13 @@ def test_the_window_is_never_exceeded_beyond_the_slowest_live_consumer(
 
     monkeypatch.setattr(Stream, "append", append)  # (runs in the server's reactor thread)
     fast = StreamConsumer("w", "fast", HOST, server.port, timeout=TIMEOUT)
-    slow = StreamConsumer("w", "slow", HOST, server.port, timeout=TIMEOUT)
-    with StreamProducer("w", HOST, server.port, window=window, timeout=TIMEOUT) as p:
+    # The slow consumer is a training job: a loader at its own batch size (3: 26 batches and
+    # a partial one of 2), one producer item per read, pausing after each batch.
+    slow = SharedLoader("w", HOST, server.port, batch_size=3, name="slow", start="now",
+                        max_items=1, timeout=TIMEOUT)
+    with StreamProducer("w", HOST, server.port, window=window, samples_per_epoch=n,
+                        timeout=TIMEOUT) as p:
+        assert len(slow) == math.ceil(n / 3)
 
         def produce() -> None:
             for i in range(0, n, 2):  # appends of one and two items
@@ -642,38 +779,19 @@ def test_the_window_is_never_exceeded_beyond_the_slowest_live_consumer(
                     p.extend([torch.tensor([i]), torch.tensor([i + 1])])
             p.end_epoch(last=True)
 
-        def slowly() -> list[int]:
-            got: list[int] = []
-            while True:
-                batch = slow.read(1)
-                got += [int(x[0]) for x in batch.items]
-                if batch.finished:
-                    return got
-                pause(0.01)
-
         producer = Background(produce, "producer")
-        reads = [Background(lambda: read_all(fast), "fast"), Background(slowly, "slow")]
-        held = 0
-        deadline = time.monotonic() + JOIN
-        watch = Client(HOST, server.port, timeout=TIMEOUT)
-        while producer.thread.is_alive() and time.monotonic() < deadline:
-            st = watch.stats("w")["bins"]["w"]
-            held += st["blocked"]
-            lag = st["stream"]["consumers"]["slow"]["lag"]
-            # Items: never more than the window. Positions: the epoch's mark (no item, no
-            # bytes; a stream_end is not held by the window) may be one more.
-            marks = 1 if st["stream"]["head"] > n else 0
-            assert lag is None or lag <= window + marks, st["stream"]
-            assert st["n_items"] <= window, st["stream"]
-            pause(0.002)
-        watch.close()
+        reads = [Background(lambda: read_all(fast), "fast"),
+                 Background(lambda: one_pass(slow, pace=0.02), "slow")]
+        held = watch_window(server.port, "w", "slow", window, n, producer)
         producer.result()
-        assert [r.result() for r in reads] == [list(range(n))] * 2
+        assert reads[0].result() == list(range(n))
+        check_pass(reads[1].result(), 0, n, 3)  # the slow job: each sample once, true len()
+        assert slow.finished and list(slow) == []
     assert len(beyond) == n - n // 4 and max(beyond) <= window, beyond
     assert max(kept) <= window, kept
     assert max(beyond) == window and held, (beyond, held)  # it was full, and held the producer
     fast.close(leave=True)
-    slow.close(leave=True)
+    slow.close()
 
 
 # ------------------------------------------------------------------------------ 6. server memory
@@ -870,3 +988,81 @@ def test_a_consumer_over_a_unix_socket_gets_the_same_bits_as_one_over_tcp(
                 assert torch.equal(item["i"], value["i"]), who
         shm.close(leave=True)
         tcp.close(leave=True)
+
+
+def memfd_inodes(pid: int) -> set[int]:
+    """The memfds process ``pid`` holds open, by inode: one per memory object (a process
+    may hold several descriptors of one: a mapping keeps its own)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except FileNotFoundError:  # (closed meanwhile)
+            continue
+    return found
+
+
+def mapped_inode(t: torch.Tensor) -> int | None:
+    """The inode of the memfd whose mapping in this process holds ``t``'s memory (``None``:
+    ``t`` is not in a memfd)."""
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                memfd = len(fields) > 5 and fields[5].startswith("/memfd:")
+                return int(fields[4]) if memfd else None
+    return None
+
+
+@pytest.mark.skipif(not shm_module.available(), reason="needs Linux memfd seals")
+@pytest.mark.timeout(60)
+def test_two_consumers_over_a_unix_socket_map_the_one_copy_the_server_holds(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "ts.sock")
+    k = 4
+    sent = [{"x": torch.full((MiB // 2 + i,), float(i)), "i": torch.tensor([i])}
+            for i in range(k)]
+    # The server in its own process: the memfds it holds are in its own descriptor table.
+    with ServerProcess(0, "--unix", path) as srv:
+        assert srv.proc is not None
+        pid, url = srv.proc.pid, f"unix://{path}"
+        readers = [StreamConsumer("x", who, url, timeout=TIMEOUT) for who in ("a", "b")]
+        assert all(c.client.shared_memory for c in readers)
+        assert memfd_inodes(pid) == set()
+        with StreamProducer("x", url, window=8, timeout=TIMEOUT) as p:
+            assert p.client.shared_memory
+            for value in sent:
+                p.append(value)
+            p.end_epoch(last=True)
+        held = memfd_inodes(pid)
+        assert len(held) == k  # one memfd per item, however many consumers will read it
+        got: dict[str, list[Any]] = {}
+        for c in readers:
+            got[c.consumer] = []
+            while True:
+                batch = c.read()
+                got[c.consumer] += batch.items
+                if batch.finished:
+                    break
+        inodes = {}
+        for who, items in got.items():  # every batch, whole, to each consumer
+            assert [int(it["i"][0]) for it in items] == list(range(k)), who
+            for value, item in zip(sent, items, strict=True):
+                assert torch.equal(item["x"], value["x"]), who
+            inodes[who] = [mapped_inode(it["x"]) for it in items]
+        # Both consumers map the very memory the server holds, item by item: the one copy
+        # (nothing went through the socket, and the server made no copy for either).
+        assert inodes["a"] == inodes["b"], inodes
+        assert set(inodes["a"]) == held and len(set(inodes["a"])) == k, (inodes, held)
+        assert memfd_inodes(pid) == held
+        for c in readers:
+            c.close(leave=True)
+        # Once nobody is in the stream the server lets go of every item; the consumers'
+        # mappings keep the memory they read alive and unchanged.
+        wait_until(lambda: memfd_inodes(pid) == set(), JOIN, "the server to free the items")
+        for who, items in got.items():
+            for value, item in zip(sent, items, strict=True):
+                assert torch.equal(item["x"], value["x"]), who
