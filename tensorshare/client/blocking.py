@@ -43,6 +43,7 @@ from ..errors import (
     error_from_code,
 )
 from ..memory.fdpass import ANC_SPACE, fds_of
+from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Item, Limits
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
@@ -282,6 +283,9 @@ class Client(BinClient):
             from ..memory import shm as _shm
 
             self._session.shm = _shm.available()
+        pool = receive_pool()
+        if pool is not None:  # large values land in memory a dropped value gave back
+            self._session.allocate = pool.take
         self._lock = threading.Lock()  # the session, and who reads (below)
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock

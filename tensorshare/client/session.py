@@ -276,6 +276,9 @@ class ClientSession:
         self._queue: list[Call] = []  # calls to send on the current connection, in id order
         self._out_shared: list[Any] = []  # see take_shared
         self.shm = False  # ask for memfd buffers in the handshake (a Unix socket shell)
+        # Where the large parts of received messages go (the shell's choice: a pool of
+        # reusable memory; None: a bytearray each).
+        self.allocate: Callable[[int], Any] | None = None
         self._finished_now: list[Done] = []
         self.last_loss = ""  # why the last connection was lost, for messages
 
@@ -459,7 +462,7 @@ class ClientSession:
     # -- the connection -----------------------------------------------------------------------
     def connection_made(self, now: float) -> list[BytesLike]:
         """A new connection is up: return the hello to write first."""
-        self.conn = ClientConnection(self.limits)
+        self.conn = ClientConnection(self.limits, allocate=self.allocate)
         self.generation += 1
         self.connected = False
         self.server_said = None

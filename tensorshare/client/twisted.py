@@ -44,6 +44,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
+from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Limits
 from .endpoint import Endpoint, resolve
@@ -142,6 +143,9 @@ class TxClient(Ops):
         self.session = ClientSession(address=self.address, timeout=self.timeout,
                                      reconnect=self.reconnect, name=name, session=session,
                                      heartbeat=heartbeat, token=self.endpoint.token)
+        pool = receive_pool()
+        if pool is not None:  # large values land in memory a dropped value gave back
+            self.session.allocate = pool.take
         self.protocol: TxProtocol | None = None
         self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
         self._connector = connector

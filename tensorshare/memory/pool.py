@@ -20,13 +20,17 @@ pages it uses, so the rounding costs address space, not memory.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 from typing import Any
 
-__all__ = ["BufferPool", "size_class"]
+__all__ = ["RECEIVE_POOL_ENV", "BufferPool", "receive_pool", "size_class"]
 
 MIN_PART = 64 * 1024
+#: The idle bytes a client process keeps for reuse (see :func:`receive_pool`); 0: none.
+RECEIVE_POOL_ENV = "TENSORSHARE_RECEIVE_POOL"
+_RECEIVE_POOL_DEFAULT = 128 << 20
 
 
 def size_class(n: int) -> int:
@@ -104,3 +108,30 @@ class BufferPool:
             except BufferError:  # a view was taken just now: it unmaps when that goes
                 pass
         return freed
+
+
+_receive_pool: BufferPool | None = None
+_receive_lock = threading.Lock()
+
+
+def receive_pool() -> BufferPool | None:
+    """The process's pool for the large parts a client receives (``None`` when
+    ``TENSORSHARE_RECEIVE_POOL=0``), made on first use and shared by every client of the
+    process.
+
+    A received tensor lives in its part's memory; when the caller drops it, the part goes
+    back here, so the next value of that size (a new version of the parameters, the next
+    batch) lands in memory that is already faulted in instead of fresh, zeroed pages. At
+    most ``TENSORSHARE_RECEIVE_POOL`` bytes (default 128 MiB) wait idle.
+    """
+    global _receive_pool
+    with _receive_lock:
+        if _receive_pool is None:
+            try:
+                limit = int(os.environ.get(RECEIVE_POOL_ENV, _RECEIVE_POOL_DEFAULT))
+            except ValueError:
+                limit = _RECEIVE_POOL_DEFAULT
+            if limit <= 0:
+                return None
+            _receive_pool = BufferPool(limit)
+        return _receive_pool

@@ -8,6 +8,7 @@ queues, each with a generous deadline that is never reached when things work.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import queue
@@ -858,3 +859,40 @@ def test_lz4_client_round_trips_and_the_server_stores_compressed_bytes(
     c.put("noise", noise)
     assert server.call(lambda: server.factory.store.nbytes) >= 1 * MiB
     assert_bit_exact(c.get("noise"), noise)
+
+
+def test_a_received_value_lands_in_memory_a_dropped_value_gave_back(server: Any) -> None:
+    """Large received parts come from the process's receive pool: a part returns when the
+    tensor built on it is dropped, and the next value of that size reuses it; a tensor the
+    caller still holds is never written by a later receive."""
+    from tensorshare.memory.pool import receive_pool
+
+    pool = receive_pool()
+    assert pool is not None
+    first, second = torch.arange(1 << 18, dtype=torch.float32), torch.ones(1 << 18)
+    with Client("127.0.0.1", server.port) as c:
+        c.put("v", first)
+        held = c.peek("v")  # 1 MiB: a pooled part
+        fresh, reused = pool.fresh, pool.reused
+        c.put("v", second)
+        other = c.peek("v")  # ``held`` is alive: its memory is not handed out again
+        assert pool.reused == reused and pool.fresh == fresh + 1
+        assert torch.equal(held, first) and torch.equal(other, second)
+        assert held.data_ptr() != other.data_ptr()
+        ptr = held.data_ptr()
+        del held
+        gc.collect()
+        again = c.peek("v")  # the part ``held`` gave back
+        assert pool.reused == reused + 1
+        assert again.data_ptr() == ptr and torch.equal(again, second)
+        again.add_(1)  # the caller's own memory: nothing else sees the change
+        assert torch.equal(c.peek("v"), second) and torch.equal(other, second)
+
+
+def test_the_receive_pool_can_be_turned_off() -> None:
+    code = ("from tensorshare.memory.pool import receive_pool; "
+            "assert receive_pool() is None; print('off')")
+    env = {**os.environ, "TENSORSHARE_RECEIVE_POOL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "off", out.stderr
