@@ -1,6 +1,83 @@
-"""Packaging for tensorshare. Tool settings live in pyproject.toml."""
+"""Packaging for tensorshare. Tool settings live in pyproject.toml.
 
-from setuptools import find_packages, setup
+The modules ``tensorshare/_ext.py`` lists in ``COMPILED`` are compiled from their own ``.py``
+sources by Cython when a C compiler is found: the compiled hot path, with the pure-Python
+modules as its twin. Without a compiler (or with ``TENSORSHARE_NO_EXTENSIONS=1`` set at
+install time) the install says so in one line and tensorshare runs as pure Python.
+"""
+
+import ast
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"
+
+
+def compiled_modules() -> list[str]:
+    """``COMPILED`` from tensorshare/_ext.py, read as a literal (nothing is imported or run)."""
+    with open(os.path.join("tensorshare", "_ext.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "COMPILED" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("tensorshare/_ext.py has no COMPILED tuple")
+
+
+def _pure(why: str) -> None:
+    print(f"tensorshare: {why}; installing the pure-Python modules only (same behaviour, "
+          f"slower per request)", file=sys.stderr)
+
+
+def extensions() -> list[Extension]:
+    if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
+        _pure(f"{NO_EXTENSIONS_ENV} is set")
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        _pure("Cython is not available")
+        return []
+    modules = [Extension(name, [name.replace(".", "/") + ".py"]) for name in compiled_modules()]
+    # annotation_typing=False: annotations document, they are not enforced (the pure modules
+    # accept any bytes-like where they say bytes, and so must the compiled ones).
+    return cythonize(modules, build_dir=os.path.join("build", "cython"), quiet=True,
+                     compiler_directives={"language_level": 3, "annotation_typing": False,
+                                          "binding": True})
+
+
+class OptionalBuildExt(build_ext):
+    """Build the compiled modules where a C compiler works; otherwise carry on without them."""
+
+    failed = False
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:  # one compiler per core: the modules build independently
+            self.parallel = os.cpu_count() or 1
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # no compiler, no Python headers, ...: pure Python it is
+            self._failed(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        if self.failed:
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        if not OptionalBuildExt.failed:
+            OptionalBuildExt.failed = True
+            _pure(f"the compiled hot path could not be built ({str(exc).splitlines()[0]})")
+
 
 setup(
     name="tensorshare",
@@ -42,6 +119,8 @@ setup(
                  'ray==2.60.0; python_version < "3.14"'],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
+    ext_modules=extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _ext  # noqa: F401  (first: TENSORSHARE_NO_EXTENSIONS=1, see tensorshare._ext)
 from ._version import __version__
 from .errors import (
     AuthenticationError,

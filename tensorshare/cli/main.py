@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -317,6 +318,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"metrics at {exporter.url}", flush=True)
         print(_memory_line(server.factory.config.max_memory), flush=True)
         print(_security_line(server), flush=True)
+        print(_hot_path_line(), flush=True)
         if server.factory.config.insecure and not server.factory.keys:
             print("warning: --insecure: this server accepts connections from other machines "
                   "and has no token; only use it on a trusted network", file=sys.stderr,
@@ -386,6 +388,18 @@ def _security_line(server: Any) -> str:
         "token required" + (", read-only token too" if "read" in keys else ""))
     tls = "on" if config.tls_cert else "off"
     return f"authentication: {auth}; TLS: {tls}"
+
+
+def _hot_path_line() -> str:
+    from .. import _ext
+
+    # (the wire modules only: the server runs them, and never imports the client's)
+    wire = [name for name in _ext.COMPILED if name.startswith("tensorshare.wire.")]
+    if all(_ext.compiled(wire).values()):
+        return "hot path: compiled (the wire modules; see tensorshare._ext)"
+    why = f"{_ext.NO_EXTENSIONS_ENV} is set" if os.environ.get(_ext.NO_EXTENSIONS_ENV, "") \
+        not in ("", "0") else "not built at install: no C compiler was found"
+    return f"hot path: pure Python ({why})"
 
 
 def _max_memory(value: int | str | None) -> int | None:

@@ -389,8 +389,9 @@ def _server_sources() -> str:
     import tensorshare.server as pkg
 
     root = Path(pkg.__file__).parent
+    # (the .py file, not inspect.getsource: a compiled module has no source to give)
     return "".join(f.read_text(encoding="utf-8") for f in sorted(root.glob("*.py"))) + \
-        inspect.getsource(protocol)
+        Path(protocol.__file__).with_suffix("").with_suffix(".py").read_text(encoding="utf-8")
 
 
 def test_the_server_names_error_codes_by_their_classes_and_the_doc_has_them() -> None:
