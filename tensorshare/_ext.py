@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -46,24 +47,39 @@ NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"
 
 class _PureFinder(importlib.abc.MetaPathFinder):
     """Finds the ``.py`` source of a module of :data:`COMPILED`, before the import system's
-    own finder would find the compiled module beside it."""
+    own finder would find the compiled module beside it: always (``all_pure``), or when the
+    source changed after it was compiled (an edited checkout not rebuilt yet: running a stale
+    build would run other code than the source says)."""
+
+    def __init__(self, all_pure: bool) -> None:
+        self.all_pure = all_pure
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in COMPILED or not path:
             return None
-        source = os.path.join(path[0], fullname.rpartition(".")[2] + ".py")
+        leaf = fullname.rpartition(".")[2]
+        source = os.path.join(path[0], leaf + ".py")
         if not os.path.exists(source):
             return None
+        if not self.all_pure:
+            built = [os.path.join(path[0], leaf + suffix)
+                     for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+            built = [b for b in built if os.path.exists(b)]
+            if not built or os.path.getmtime(source) <= max(map(os.path.getmtime, built)):
+                return None  # compiled and up to date (or not compiled): the usual finders
+            warnings.warn(f"{source} changed after it was compiled: running it as pure Python "
+                          f"(rebuild with pip install -e .)", RuntimeWarning, stacklevel=2)
         return importlib.util.spec_from_file_location(fullname, source)
 
 
 def install() -> None:
-    """Prefer the pure-Python modules if ``TENSORSHARE_NO_EXTENSIONS`` asks for it (called
-    first thing by ``tensorshare/__init__.py``, before any of them is imported)."""
-    if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0") and \
-            not any(isinstance(f, _PureFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PureFinder())
+    """Prefer the pure-Python modules if ``TENSORSHARE_NO_EXTENSIONS`` asks for it, or where a
+    source is newer than its compiled module (called first thing by ``tensorshare/__init__.py``,
+    before any of them is imported)."""
+    if not any(isinstance(f, _PureFinder) for f in sys.meta_path):
+        pure = os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0")
+        sys.meta_path.insert(0, _PureFinder(pure))
 
 
 def compiled(names: Sequence[str] = COMPILED) -> dict[str, bool]:

@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -59,6 +59,7 @@ from .ops import (
     check_timeout,
     gc_paused,
     make_item,
+    make_items,
 )
 from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
@@ -69,6 +70,8 @@ log = logging.getLogger("tensorshare.client")
 
 _MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
 _READ_CHUNK = 256 * 1024
+# A pipeline's requests go out in writes of at least this many items (see _run_pipeline).
+PIPELINE_FLUSH_ITEMS = 10_000
 
 class _Slot:
     """Where the reading thread leaves one reply for the thread waiting on it."""
@@ -482,6 +485,12 @@ class Client(BinClient):
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
                          share)
 
+    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
+        conn = self._session.conn
+        share = self.shm_min_bytes if conn is not None and conn.shm else None
+        return make_items(name, values, tags, self.limits, self.compress,
+                          self.compress_min_bytes, share)
+
     @property
     def shared_memory(self) -> bool:
         """Whether large tensors travel through shared memory on this connection."""
@@ -530,12 +539,29 @@ class Client(BinClient):
                                   convert=cmd.convert, extra=cmd.listener)
         return call, slot
 
-    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+    def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]
                       ) -> builtins.list[Any]:
-        calls = self._submit_many([cmd for cmd, _ in batch])
-        return pipeline.finish(outcomes_of(calls), [n for _, n in batch])
+        """Send the batch's requests as the pipeline makes them, in writes of at least
+        :data:`PIPELINE_FLUSH_ITEMS` items (a big batch of appends: the server stores one
+        request while the next is encoded), then wait for every reply."""
+        if self._forks != _FORKS:
+            raise ConnectionLost(f"the client for {self.address} was made in another process")
+        calls: builtins.list[PendingCall] = []
+        counts: builtins.list[int] = []
+        pending = 0
+        for cmd, n in batch:
+            with self._lock:
+                call, slot = self._call(cmd)
+            calls.append(PendingCall(self, call, slot))
+            counts.append(n)
+            pending += n
+            if pending >= PIPELINE_FLUSH_ITEMS:
+                self._flush()
+                pending = 0
+        self._flush()
+        return pipeline.finish(outcomes_of(calls), counts)
 
-    def _submit_many(self, cmds: Sequence[Command]) -> builtins.list[PendingCall]:
+    def _submit_many(self, cmds: Iterable[Command]) -> builtins.list[PendingCall]:
         """Add many calls to the session and send them in one write (a pipeline's batch)."""
         calls = []
         with self._lock:
@@ -1024,6 +1050,9 @@ class _Begin(Ops):
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return self._client._item(name, value, tag)
+
+    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
+        return self._client._items(name, values, tags)
 
     def _execute(self, cmd: Command) -> PendingCall:
         return self._client._submit(cmd)

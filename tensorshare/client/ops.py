@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from ..errors import LimitExceeded
-from ..wire.codec import Buffer, Encoded, decode, encode
+from ..wire.codec import Buffer, Encoded, decode_many, encode, encode_lone_tensors
 from ..wire.messages import (
     Append,
     Configure,
@@ -63,6 +63,7 @@ __all__ = [
     "decode_fetched",
     "gc_paused",
     "make_item",
+    "make_items",
 ]
 
 
@@ -144,6 +145,36 @@ def check_reconnect(reconnect: Any) -> bool | float:
     if isinstance(reconnect, bool):
         return reconnect
     return check_timeout(reconnect, "reconnect")
+
+
+#: Tensors up to this size are encoded many at a time (see :func:`make_items`): copying them
+#: once together costs less than a view of each.
+BULK_MAX_BYTES = 16 * 1024
+
+
+def make_items(name: str, values: list[Any], tags: list[int | None], limits: Limits,
+               compress: str | None, compress_min_bytes: int,
+               share_min_bytes: int | None = None) -> list[Item]:
+    """:func:`make_item` for each of ``values`` (a batch of appends to bin ``name``): small
+    tensors of one dtype and shape are encoded at once (:func:`~tensorshare.wire.codec.
+    encode_lone_tensors`), the same bytes as one by one; anything else one by one.
+
+    Raises:
+        as :func:`make_item`, for the first value that fails.
+    """
+    first = values[0]
+    torch = sys.modules.get("torch")
+    small = min(BULK_MAX_BYTES, compress_min_bytes if compress is not None else BULK_MAX_BYTES,
+                share_min_bytes if share_min_bytes is not None else BULK_MAX_BYTES)
+    if len(values) > 1 and torch is not None and type(first) is torch.Tensor and \
+            first.numel() * first.element_size() < small and \
+            all(t is None or type(t) is int for t in tags):
+        check_bin_name(name, limits.max_name_bytes)
+        encs = encode_lone_tensors(values)
+        if encs is not None and encs[0].nbytes + _FRAME_SLACK <= limits.max_frame_bytes:
+            return [Item(e, t) for e, t in zip(encs, tags, strict=True)]
+    return [make_item(name, v, t, limits, compress, compress_min_bytes, share_min_bytes)
+            for v, t in zip(values, tags, strict=True)]
 
 
 def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: str | None,
@@ -239,7 +270,7 @@ def decode_fetched(reply: Fetched[Item], max_depth: int) -> Fetched[Any]:
         return reply
     items = reply.items
     with gc_paused(len(items)):
-        values = tuple([decode(it.value, max_depth=max_depth) for it in items])
+        values = tuple(decode_many([it.value for it in items], max_depth=max_depth))
     return Fetched(reply.id, reply.kind, values, reply.version, reply.n_items, reply.dropped,
                    False, tuple([it.tag for it in items]))
 
@@ -308,6 +339,11 @@ class Ops(StreamOps, ServiceOps):
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
+
+    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
+        """:meth:`_item` for a batch of appends to one bin (see :func:`make_items`)."""
+        return make_items(name, values, tags, self.limits, self.compress,
+                          self.compress_min_bytes)
 
     def _check_name(self, name: str) -> None:
         check_bin_name(name, self.limits.max_name_bytes)

@@ -15,7 +15,7 @@ from ..wire.messages import Append, Item, Limits
 from .ops import BLOCK_SHARE, Command, Ops, _version, gc_paused, lone_cpu_tensor
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
 __all__ = ["Pipeline"]
 
@@ -32,9 +32,12 @@ class PipelineHost(Protocol):
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
-    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]) -> Any:
-        """Send every command of ``batch`` (``(command, how many results it stands for)``)
-        and return ``pipeline.finish(outcomes)`` (or a Deferred of it)."""
+    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]: ...
+
+    def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]) -> Any:
+        """Send every command of ``batch`` (``(command, how many results it stands for)``,
+        made as they are asked for) and return ``pipeline.finish(outcomes)`` (or a Deferred
+        of it)."""
         ...
 
 
@@ -46,17 +49,6 @@ class _Lazy:
 
     def __init__(self, value: Any, tag: int | None) -> None:
         self.value, self.tag = value, tag
-
-
-class _LazyAppend:
-    """``append(name, tensor)`` of a lone CPU tensor, as queued: no command is made for it
-    (a batch of them becomes one request at execute())."""
-
-    __slots__ = ("bin", "value", "tag", "item")
-
-    def __init__(self, name: str, value: Any, tag: int | None) -> None:
-        self.bin, self.value, self.tag = name, value, tag
-        self.item: Item | None = None  # once encoded (at execute)
 
 
 class Pipeline(Ops):
@@ -78,7 +70,14 @@ class Pipeline(Ops):
     def __init__(self, host: PipelineHost, raise_on_error: bool = True) -> None:
         self._host = host
         self._raise = raise_on_error
-        self._cmds: list[Command | _LazyAppend] = []
+        # A queued command, or (an int k) the k-th ``append(name, tensor)`` of a lone CPU
+        # tensor, kept in the lists below: no object per append (tens of thousands of them
+        # would keep the garbage collector busy), and a batch of them becomes one request.
+        self._cmds: list[Command | int] = []
+        self._lazy_bins: list[str] = []
+        self._lazy_values: list[Any] = []
+        self._lazy_tags: list[int | None] = []
+        self._lazy_items: list[Item | None] = []  # encoded at execute()
         self._checked = ""  # the last bin name checked by a lone-tensor append
         self._lazy_timeout: float | None = None  # (their appends' timeout, at execute)
         self.results: list[Any] | None = None
@@ -109,7 +108,10 @@ class Pipeline(Ops):
             if name != self._checked:
                 self._check_name(name)
                 self._checked = name
-            self._cmds.append(_LazyAppend(name, value, tag))
+            self._cmds.append(len(self._lazy_values))
+            self._lazy_bins.append(name)
+            self._lazy_values.append(value)
+            self._lazy_tags.append(tag)
             return len(self._cmds) - 1
         return super().append(name, value, tag=tag)
 
@@ -132,8 +134,7 @@ class Pipeline(Ops):
         if self.results is not None:
             return self.results
         with gc_paused(len(self._cmds)):  # the batch's items are encoded on the way out too
-            batch = self._batch()
-            return self._host._run_pipeline(self, batch)
+            return self._host._run_pipeline(self, self._batches())
 
     def finish(self, outcomes: Sequence[Any], counts: Sequence[int]) -> list[Any]:
         """Record each request's outcome (a result or an exception) for the calls it stood
@@ -143,26 +144,32 @@ class Pipeline(Ops):
             results.extend([outcome] * count)
         self.results = results
         self._cmds = []
+        self._lazy_bins, self._lazy_values, self._lazy_tags = [], [], []
+        self._lazy_items = []
         if self._raise:
             first = next((r for r in results if isinstance(r, BaseException)), None)
             if first is not None:
                 raise first
         return results
 
-    def _batch(self) -> list[tuple[Command, int]]:
-        """The commands to send, consecutive appends to one bin merged: ``(command, n)``.
-        Queued lone tensors are encoded here, one after another."""
+    def _batches(self) -> Iterator[tuple[Command, int]]:
+        """The commands to send, consecutive appends to one bin merged: ``(command, n)``, made
+        as they are asked for: queued lone tensors are encoded a request's worth at a time,
+        so that a host that sends each request as it comes (the blocking client) has the
+        server store one while it encodes the next."""
         cmds = self._cmds
         room = self.limits.max_frame_bytes // 2
         most = self.MAX_BATCH_ITEMS
         self._lazy_timeout = BLOCK_SHARE * self.timeout
-        out: list[tuple[Command, int]] = []
+        self._lazy_items = [None] * len(self._lazy_values)
         i, n = 0, len(cmds)
         while i < n:
+            if type(cmds[i]) is int:
+                self._encode_run(i, most)
             first = self._request(i)
             i += 1
             if first is None:
-                out.append((cast(Command, cmds[i - 1]), 1))
+                yield cast(Command, cmds[i - 1]), 1
                 continue
             name, item, timeout = first
             items, size = [item], item.value.nbytes
@@ -176,19 +183,36 @@ class Pipeline(Ops):
                 i += 1
             what = f"append to bin {name!r}" if len(items) == 1 else \
                 f"append of {len(items)} items to bin {name!r}"
-            out.append((Command(Append(0, name, items[0], timeout, tuple(items[1:])), what,
-                                _version), len(items)))
-        return out
+            yield Command(Append(0, name, items[0], timeout, tuple(items[1:])), what,
+                          _version), len(items)
+
+    def _encode_run(self, i: int, most: int) -> None:
+        """Encode the queued lone tensors appended to one bin from command ``i`` on (at most
+        ``most``: one request's worth) together (the host's ``_items``: small like tensors
+        cost one copy for the run, not a view each). The appends of a run were queued one
+        after another: their numbers are consecutive."""
+        cmds, bins = self._cmds, self._lazy_bins
+        first = cast(int, cmds[i])
+        if self._lazy_items[first] is not None:
+            return
+        j, n = i + 1, min(len(cmds), i + most)
+        while j < n and type(cmds[j]) is int and bins[cast(int, cmds[j])] == bins[first]:
+            j += 1
+        if j - i > 1:
+            end = first + (j - i)
+            self._lazy_items[first:end] = self._host._items(
+                bins[first], self._lazy_values[first:end], self._lazy_tags[first:end])
 
     def _request(self, i: int) -> tuple[str, Item, float | None] | None:
         """Queued command ``i`` as ``(bin, item, timeout)`` if it is an append (encoding a
         queued lone tensor, once: the command is replaced by its encoded form); else None."""
         cmd = self._cmds[i]
-        if type(cmd) is _LazyAppend:
-            item = cmd.item
+        if type(cmd) is int:
+            name, item = self._lazy_bins[cmd], self._lazy_items[cmd]
             if item is None:
-                item = cmd.item = self._host._item(cmd.bin, cmd.value, cmd.tag)
-            return cmd.bin, item, self._lazy_timeout
+                item = self._lazy_items[cmd] = self._host._item(name, self._lazy_values[cmd],
+                                                                self._lazy_tags[cmd])
+            return name, item, self._lazy_timeout
         req = cast(Command, cmd).request
         if type(req) is not Append:
             return None

@@ -31,7 +31,7 @@ import hashlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ConnectionLost, TensorShareError
@@ -245,6 +245,9 @@ class ShardedClient(BinClient):
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return self.client_for(name)._item(name, value, tag)
 
+    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
+        return self.client_for(name)._items(name, values, tags)
+
     def _execute(self, cmd: Command) -> Any:
         if cmd.bin is not None:
             return self._client(self._route(cmd))._execute(cmd)
@@ -271,8 +274,9 @@ class ShardedClient(BinClient):
         write, and the results come back in the order of the calls."""
         return Pipeline(self, raise_on_error)
 
-    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+    def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]
                       ) -> list[Any]:
+        batch = list(batch)
         outcomes: list[Any] = [None] * len(batch)
         shares: dict[int, list[int]] = {}
         for i, (cmd, _) in enumerate(batch):

@@ -33,7 +33,7 @@ is cancelled on the server, and the items of a get that already ran go back to t
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, gatherResults, succeed
@@ -211,8 +211,9 @@ class TxClient(Ops):
         ``execute()`` returns a Deferred that fires with the results."""
         return Pipeline(self, raise_on_error)
 
-    def _run_pipeline(self, pipeline: Pipeline, batch: Sequence[tuple[Command, int]]
+    def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]
                       ) -> Deferred[builtins.list[Any]]:
+        batch = list(batch)
         deferreds = [self._request(cmd).addErrback(_outcome) for cmd, _ in batch]
         counts = [n for _, n in batch]
         return gatherResults(deferreds).addCallback(pipeline.finish, counts)

@@ -700,3 +700,51 @@ print("ok")
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_like_tensors_encode_at_once_as_each_would_alone() -> None:
+    ts = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + i for i in range(50)]
+    encs = codec.encode_lone_tensors(ts)
+    assert encs is not None and len(encs) == 50
+    for t, e in zip(ts, encs, strict=True):
+        alone = encode(t)
+        assert e.value == alone.value and e.nbytes == alone.nbytes
+        assert [bytes(b.data) for b in e.buffers] == [bytes(b.data) for b in alone.buffers]
+        assert all(b.data.readonly and b.codec is None for b in e.buffers)
+    before = bytes(encs[0].buffers[0].data)
+    ts[0].add_(100)  # the batch was copied once: later changes to a tensor do not show
+    assert bytes(encs[0].buffers[0].data) == before
+    # Anything else is encoded one by one (None: the caller falls back).
+    for odd in ([torch.ones(2), torch.ones(3)],
+                [torch.ones(2), torch.ones(2, dtype=torch.float64)],
+                [torch.ones(2, requires_grad=True), torch.ones(2)],
+                [torch.ones(2), torch.ones(2).requires_grad_()],
+                [torch.ones(2), [1.0]],
+                [torch.ones(2, dtype=torch.bfloat16)] * 2,
+                [torch.ones(0)] * 2, []):
+        assert codec.encode_lone_tensors(odd) is None, odd
+
+
+def test_decode_many_is_decode_of_each_on_fresh_memory() -> None:
+    values = [torch.full((3,), float(i)) for i in range(5)] + [
+        {"a": torch.ones(2)}, torch.zeros(2, 2, dtype=torch.int64), 7, torch.ones(3),
+        torch.ones(3, dtype=torch.float64), np.arange(4)]
+    # as a client receives them: each buffer writable memory of its own
+    received = [Encoded(e.value, tuple(Buffer(memoryview(bytearray(b.data))) for b in e.buffers))
+                for e in (encode(v) for v in values)]
+    many = codec.decode_many(received)
+    one_by_one = [decode(e) for e in received]
+    assert len(many) == len(values)
+    for got, each, want in zip(many, one_by_one, values, strict=True):
+        assert type(got) is type(want)
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want) and got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(each, want)
+        elif isinstance(want, dict):
+            assert torch.equal(got["a"], want["a"])
+        elif isinstance(want, np.ndarray):
+            assert np.array_equal(got, want)
+        else:
+            assert got == want
+    many[0].add_(1)  # each tensor its own memory
+    assert torch.equal(many[1], values[1]) and many[0][0] == 1.0

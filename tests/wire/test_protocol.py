@@ -1261,3 +1261,39 @@ def test_import_protocol_does_not_import_threading_without_site() -> None:
     before, added = _probe("-S", env=env)
     assert "threading" not in before  # so the check below means something
     assert not _top(added) & set(FORBIDDEN), sorted(added)
+
+
+def test_a_frame_of_many_items_is_parsed_with_the_garbage_collector_paused() -> None:
+    """Tens of thousands of items would otherwise trigger collections that scan every live
+    object again and again; the collector runs again afterwards, also after a bad frame."""
+    import gc
+
+    n = 20_000
+    items = [Item(codec.encode(torch.tensor([float(i)])), i) for i in range(n)]
+    wire, conn = WireClient(), greeted()
+    data = wire.frame(Append(wire.next_id(), "q", items[0], None, tuple(items[1:])))
+    # The same items, one of whose buffers is said to lie beyond the payload: refused.
+    h = msgpack.unpackb(data[16:16 + int.from_bytes(data[4:8], "little")], raw=False)
+    h["id"], h["items"][-1][1][0][0] = 99, 1 << 40
+    packed = msgpack.packb(h, use_bin_type=True)
+    payload = data[16 + ((int.from_bytes(data[4:8], "little") + 16 + 63) & ~63) - 16:]
+    bad = b"".join(bytes(c) for c in encode_frame(packed, [payload]))
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.collect()  # (the counts start from zero: making the items above brought them near)
+    gc.callbacks.append(count)
+    try:
+        (request,) = [e for e in conn.receive_data(data) if type(e) is Append]
+        during = len(collections)
+        events = conn.receive_data(bytes(bad))
+    finally:
+        gc.callbacks.remove(count)
+    # At most the one that catches up once the pause ends (without it: dozens).
+    assert during <= 1 and gc.isenabled()
+    assert len(request.items) == n and request.items[-1].tag == n - 1
+    assert gc.isenabled() and any(type(e) in (BadRequest, ProtocolViolation) for e in events)
