@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.machinery
 import os
+import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -68,3 +70,24 @@ def test_the_wire_and_client_tests_pass_on_the_pure_path() -> None:
                          timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1], out.stdout[-500:]
+
+
+def test_a_source_changed_after_compiling_runs_as_pure_python(tmp_path: Any) -> None:
+    """An edited checkout that was not rebuilt must not run the old build: the newer
+    source runs, with a warning that says to rebuild. (The stale "compiled" module here is an
+    empty file, never loaded.)"""
+    copy = tmp_path / "tensorshare"
+    shutil.copytree(os.path.join(ROOT, "tensorshare"), copy,
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    stale = copy / "wire" / ("protocol" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    stale.write_bytes(b"")
+    os.utime(stale, (1_000_000, 1_000_000))  # older than every source
+    code = ("import warnings; warnings.simplefilter('always'); "
+            "import tensorshare.wire.protocol as p; print(p.__file__)")
+    env = {k: v for k, v in os.environ.items() if k != _ext.NO_EXTENSIONS_ENV}
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(copy / "wire" / "protocol.py")
+    assert "changed after it was compiled" in out.stderr
