@@ -209,11 +209,13 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
 
 def _shared(enc: Encoded, share_min_bytes: int) -> Encoded:
     from ..memory import shm
+    from ..memory.pool import send_pool
 
     buffers = []
     for b in enc.buffers:
         if b.codec is None and b.nbytes >= share_min_bytes:
-            mem = shm.share(b.data)
+            pool = send_pool()  # (into pages allocated beforehand)
+            mem = shm.share(b.data) if pool is None else pool.share(b.data)
             b = Buffer(mem.view, None, mem.size, mem)
         buffers.append(b)
     return Encoded(enc.value, tuple(buffers))

@@ -25,7 +25,10 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["RECEIVE_POOL_ENV", "BufferPool", "receive_pool", "size_class"]
+from . import shm
+
+__all__ = ["RECEIVE_POOL_ENV", "SEND_POOL_ENV", "BufferPool", "MemfdPool", "receive_pool",
+           "send_pool", "size_class"]
 
 MIN_PART = 64 * 1024
 #: The idle bytes a client process keeps for reuse (see :func:`receive_pool`); 0: none.
@@ -135,3 +138,155 @@ def receive_pool() -> BufferPool | None:
                 return None
             _receive_pool = BufferPool(limit)
         return _receive_pool
+
+
+class MemfdPool:
+    """Memfds whose pages are allocated before a put needs them.
+
+    A put through shared memory copies its tensor into a sealed memfd, which then belongs to
+    the server (a sealed file cannot be written again): every put needs a new one. Made on
+    the spot, the kernel allocates (and zeroes) each page as the copy reaches it, which took
+    more time than the copy itself. This pool keeps, for each size class a put has used, one
+    memfd whose pages a background thread allocated (``posix_fallocate``) while the process
+    did other things: a put takes it, shrinks it to its size, copies into pages that exist,
+    seals it, and the thread makes the next one.
+
+    Bounded: at most ``limit`` bytes wait in ready memfds (the classes used longest ago
+    give way). A forked child never takes its parent's memfds (one file in both
+    processes): it starts an empty pool. Nothing is named in ``/dev/shm``; the kernel
+    frees a memfd with the last process that holds it.
+
+    Args:
+        limit: the most bytes kept ready, all classes together.
+    """
+
+    def __init__(self, limit: int = 256 << 20) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._ready: dict[int, int] = {}  # size class -> a memfd of that size, pages allocated
+        self._wanted: list[int] = []  # classes to fill, most recently used last
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.hits = 0  # puts that found a ready memfd (statistics)
+        self.misses = 0
+        _POOLS.add(self)
+
+    def share(self, data: Any) -> shm.SharedMemory:
+        """:func:`~tensorshare.memory.shm.share`, into a ready memfd when one of the data's
+        size class waits."""
+        n = memoryview(data).nbytes
+        cls = size_class(n)
+        fd = self._take(cls)
+        return shm.share(data, fd)
+
+    def _take(self, cls: int) -> int | None:
+        with self._lock:
+            fd = self._ready.pop(cls, None)
+            if fd is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+            if cls <= self.limit:
+                if cls in self._wanted:
+                    self._wanted.remove(cls)
+                self._wanted.append(cls)
+                self._trim()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._fill, daemon=True,
+                                                name="tensorshare-memfd-pool")
+                self._thread.start()
+        self._wake.set()
+        return fd
+
+    def _trim(self) -> None:
+        """Keep the wanted classes within ``limit`` (held: ``_lock``)."""
+        while sum(self._wanted) > self.limit:
+            cls = self._wanted.pop(0)
+            fd = self._ready.pop(cls, None)
+            if fd is not None:
+                os.close(fd)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's memfds are not ours, its thread did not come
+        along, and its lock may have been held by that thread when the fork happened."""
+        for fd in self._ready.values():
+            os.close(fd)  # our copy of the descriptor only: the parent keeps its own
+        self._lock = threading.Lock()
+        self._ready, self._wanted, self._thread = {}, [], None
+        self._wake = threading.Event()
+
+    def _fill(self) -> None:
+        """The background thread: make a ready memfd for every wanted class lacking one."""
+        wake = self._wake
+        while True:
+            wake.wait()
+            wake.clear()
+            while True:
+                with self._lock:
+                    todo = [c for c in self._wanted if c not in self._ready]
+                    if not todo:
+                        break
+                    cls = todo[-1]
+                fd = self._made(cls)
+                if fd is None:
+                    break
+                with self._lock:
+                    if cls in self._wanted and cls not in self._ready:
+                        self._ready[cls] = fd
+                        fd = None
+                if fd is not None:
+                    os.close(fd)
+
+    @staticmethod
+    def _made(cls: int) -> int | None:
+        """A memfd of ``cls`` bytes with its pages allocated, or None (out of memory)."""
+        fd = shm.new_memfd()
+        try:
+            os.posix_fallocate(fd, 0, cls)
+            return fd
+        except OSError:
+            os.close(fd)
+            return None
+
+    def close(self) -> None:
+        """Give the ready memfds back (the pool may be used again)."""
+        with self._lock:
+            for fd in self._ready.values():
+                os.close(fd)
+            self._ready = {}
+            self._wanted = []
+
+
+_POOLS: weakref.WeakSet[MemfdPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _send_lock
+    _send_lock = threading.Lock()
+    for pool in list(_POOLS):
+        pool._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+SEND_POOL_ENV = "TENSORSHARE_SEND_POOL"
+_SEND_POOL_DEFAULT = 256 << 20
+_send_pool: MemfdPool | None = None
+_send_lock = threading.Lock()
+
+
+def send_pool() -> MemfdPool | None:
+    """The process's :class:`MemfdPool` (made on first use), which a client's shared-memory
+    puts are written into; at most ``TENSORSHARE_SEND_POOL`` bytes (default 256 MiB) wait
+    ready, ``0`` turns it off (``None``: each put makes its memfd on the spot)."""
+    global _send_pool
+    with _send_lock:
+        if _send_pool is None:
+            try:
+                limit = int(os.environ.get(SEND_POOL_ENV, _SEND_POOL_DEFAULT))
+            except ValueError:
+                limit = _SEND_POOL_DEFAULT
+            if limit <= 0:
+                return None
+            _send_pool = MemfdPool(limit)
+        return _send_pool

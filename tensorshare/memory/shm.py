@@ -26,7 +26,7 @@ import sys
 import weakref
 from typing import Any
 
-__all__ = ["SharedMemory", "available", "receive", "share"]
+__all__ = ["SharedMemory", "available", "new_memfd", "receive", "share"]
 
 _SEALS = 0
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -67,17 +67,27 @@ class SharedMemory:
         weakref.finalize(self, os.close, fd)
 
 
-def share(data: Any) -> SharedMemory:
-    """Write ``data`` (bytes-like) into a new sealed memfd and map it read-only.
+def new_memfd() -> int:
+    """An empty, unsealed memfd (close-on-exec, sealable)."""
+    return os.memfd_create("tensorshare", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def share(data: Any, fd: int | None = None) -> SharedMemory:
+    """Write ``data`` (bytes-like) into a sealed memfd and map it read-only.
+
+    Args:
+        fd: an unsealed memfd of at least the data's size to use (its pages allocated
+            already: see :class:`~tensorshare.memory.pool.MemfdPool`); taken over. Default: a new one.
 
     Raises:
         OSError: the memfd could not be made (e.g. out of memory).
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     n = len(view)
-    fd = os.memfd_create("tensorshare", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    if fd is None:
+        fd = new_memfd()
     try:
-        os.ftruncate(fd, n)
+        os.ftruncate(fd, n)  # (a pooled memfd shrinks to the size: its tail pages go)
         done = 0
         while done < n:  # one copy, by the kernel; no page faults in this process
             done += os.pwrite(fd, view[done:], done)

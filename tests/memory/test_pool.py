@@ -1,10 +1,20 @@
-"""The buffer pool: size classes, reuse of memory whose views are gone, limits, trimming."""
+"""The buffer pool: size classes, reuse of memory whose views are gone, limits, trimming;
+the memfd pool: ready memfds for the next shared-memory put, bounded, fork-safe."""
 
 from __future__ import annotations
 
 import gc
+import os
 
-from tensorshare.memory.pool import MIN_PART, BufferPool, size_class
+import pytest
+
+from tensorshare.memory import shm
+from tensorshare.memory.pool import MIN_PART, BufferPool, MemfdPool, size_class
+from tests.conftest import wait_until
+
+MiB = 1 << 20
+WAIT = 30.0
+needs_memfd = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd seals")
 
 
 def test_size_classes_round_up_by_at_most_a_quarter() -> None:
@@ -41,3 +51,55 @@ def test_idle_memory_beyond_the_limit_is_given_back_and_trim_makes_room() -> Non
     assert pool.trim(keep=1 << 20) == 2 * size_class(1 << 20)
     assert pool.idle == size_class(1 << 20)
     assert pool.trim() == size_class(1 << 20) and pool.idle == 0
+
+
+@needs_memfd
+def test_a_fork_while_the_pool_is_busy_leaves_the_child_a_working_pool_of_its_own() -> None:
+    """The fork happens while the pool's lock is held (as its thread holds it a moment for
+    each memfd it makes ready): the child gets a fresh lock and none of the parent's
+    memfds, and shares through its own."""
+    pool = MemfdPool(limit=8 * MiB)
+    pool.share(b"x" * MiB)
+    wait_until(lambda: bool(pool._ready), timeout=WAIT, what="a memfd made ready")
+    with pool._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if all holds
+            ok = False
+            try:
+                ok = not pool._ready and bytes(pool.share(b"y" * MiB).view) == b"y" * MiB
+            finally:
+                os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool._ready  # the parent's ready memfd is still there, and still its own
+    assert bytes(pool.share(b"z" * MiB).view) == b"z" * MiB
+    assert pool.hits == 1
+    pool.close()
+
+
+@needs_memfd
+def test_the_memfd_pool_keeps_one_ready_per_class_within_its_limit() -> None:
+    """Each put takes its class's ready memfd when there is one (its value stored as
+    written, sealed), and the pool makes the next; classes beyond ``limit`` give way, the
+    least recently used first."""
+    pool = MemfdPool(limit=6 * MiB)
+    for i in range(3):
+        mem = pool.share(bytes([i]) * (2 * MiB))
+        assert bytes(mem.view) == bytes([i]) * (2 * MiB) and mem.size == 2 * MiB
+        assert fcntl_seals(mem.fd) != 0  # sealed: nobody writes it again
+        wait_until(lambda: size_class(2 * MiB) in pool._ready, timeout=WAIT,
+                   what="the next memfd of the class made ready")
+    assert (pool.misses, pool.hits) == (1, 2)
+    pool.share(b"b" * (4 * MiB))  # 2 + 4 MiB wanted: both fit
+    wait_until(lambda: len(pool._ready) == 2, timeout=WAIT, what="both classes ready")
+    pool.share(b"c" * (3 * MiB))  # 2 + 4 + 3 > 6 MiB: the 2 MiB class goes
+    assert size_class(2 * MiB) not in pool._ready
+    assert sum(pool._wanted) <= pool.limit
+    pool.close()
+    assert not pool._ready
+
+
+def fcntl_seals(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))

@@ -166,3 +166,108 @@ def test_killed_processes_leave_no_shared_memory_behind(tmp_path: Path) -> None:
             server.kill()
             server.wait(WAIT)
     assert set(os.listdir("/dev/shm")) == before
+
+
+def _shmem() -> int:
+    """The machine's shared memory in use (memfd and tmpfs pages), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+_WARM_WRITER = """
+import sys, time, torch
+from tensorshare import Client
+from tensorshare.memory.pool import send_pool
+c = Client("unix://{path}")
+assert c.shared_memory
+c.put("v", torch.ones(12 << 20))  # 48 MiB: a memfd of that class is made ready after it
+deadline = time.monotonic() + 30
+while not send_pool()._ready and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("ready" if send_pool()._ready else "not ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_writer_frees_the_memfds_its_pool_made_ready(tmp_path: Path) -> None:
+    """The memfds a client's pool makes ready for its next put (pages allocated) have no
+    name and belong to the process: a SIGKILL frees them, nothing is left in /dev/shm or in
+    memory; the value it stored stays with the server until the bin goes."""
+    path = str(tmp_path / "ts.sock")
+    files = set(os.listdir("/dev/shm"))
+    value = 48 * MiB
+    with EmbeddedServer(port=None, unix=path) as srv:
+        base = _shmem()
+        writer = subprocess.Popen([sys.executable, "-c", _WARM_WRITER.format(path=path)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+            assert _shmem() - base >= 2 * value - 8 * MiB  # the stored value and a ready memfd
+        finally:
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait(WAIT)
+        wait_until(lambda: _shmem() - base < value + 8 * MiB, timeout=WAIT,
+                   what="the killed writer's ready memfd to be freed")
+        assert memfds(os.getpid()) >= 1  # (the server, in this process, holds the value)
+        with Client(f"unix://{path}") as c:
+            assert c.delete("v")
+        wait_until(lambda: _shmem() - base < 8 * MiB, timeout=WAIT,
+                   what="the deleted value's memfd to be freed")
+        assert srv.running
+    assert set(os.listdir("/dev/shm")) == files
+
+
+def test_a_forked_child_never_writes_into_its_parents_ready_memfd(unix_server: Any) -> None:
+    """One memfd is one file in both processes after a fork: the child starts its own pool,
+    so the parent's next put (into the memfd made ready for it) and the child's are both
+    stored as written."""
+    srv, path = unix_server
+    code = textwrap.dedent(f"""
+        import os, time, torch
+        from tensorshare import Client
+        from tensorshare.memory.pool import send_pool
+        c = Client("unix://{path}")
+        c.put("warm", torch.zeros(4 << 20))
+        deadline = time.monotonic() + 30
+        while not send_pool()._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert send_pool()._ready, "no memfd made ready"
+        twos = torch.full((4 << 20,), 2.0)  # (made before the fork: torch's thread pool is
+        pid = os.fork()                      # not usable in a forked child)
+        if pid == 0:
+            c.put("child", twos)  # its own connection and memfds
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        c.put("parent", torch.full((4 << 20,), 1.0))
+        assert send_pool().hits >= 1
+        print("done", flush=True)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+    with Client(f"unix://{path}") as c:
+        assert torch.equal(c.peek("parent"), torch.full((4 << 20,), 1.0))
+        assert torch.equal(c.peek("child"), torch.full((4 << 20,), 2.0))
+
+
+def test_send_pool_zero_turns_it_off_and_puts_still_go_through_shared_memory(
+        unix_server: Any) -> None:
+    _, path = unix_server
+    code = textwrap.dedent(f"""
+        import torch
+        from tensorshare import Client
+        from tensorshare.memory.pool import send_pool
+        assert send_pool() is None
+        with Client("unix://{path}") as c:
+            assert c.shared_memory
+            c.put("off", torch.arange(1 << 20))
+            assert torch.equal(c.peek("off"), torch.arange(1 << 20))
+        print("done", flush=True)
+        """)
+    env = {**os.environ, "TENSORSHARE_SEND_POOL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
