@@ -205,7 +205,9 @@ class Client(BinClient):
             carry on where it stopped (calls wait within their own timeout); a number: give
             up after that many seconds without a connection; ``False``: fail every call at
             the first drop, as a plain socket would.
-        compress: ``"lz4"`` to compress large tensor buffers before sending, or ``None``.
+        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
+            only large integer and bool buffers that shrink by an eighth (frames, masks;
+            never floats); ``None``: never.
         compress_min_bytes: buffers smaller than this are never compressed.
         name: how this client introduces itself in the server's log.
         session: ``True`` (default): exactly-once replay across reconnects. ``False``: no
@@ -248,8 +250,8 @@ class Client(BinClient):
                  shm_min_bytes: int = 1 << 20, tls: bool | None = None,
                  tls_ca: str | None = None, token: str | bytes | None = None,
                  token_file: str | None = None) -> None:
-        if compress not in (None, "lz4"):
-            raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
+        if compress not in (None, "lz4", "auto"):
+            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
         self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,

@@ -129,8 +129,8 @@ class TxClient(Ops):
                  name: str = "tensorshare-twisted", session: bool = True,
                  heartbeat: float | None = None,
                  connector: Callable[[TxClient], Any] | None = None) -> None:
-        if compress not in (None, "lz4"):
-            raise ValueError(f"compress must be None or 'lz4', not {compress!r}")
+        if compress not in (None, "lz4", "auto"):
+            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
         self.reactor = reactor
         self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
                                 token_file=token_file)
@@ -620,7 +620,9 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
         timeout: seconds the first connection may take (with ``reconnect`` on, attempts are
             repeated until then), and the server has to answer each request.
         reconnect: as for :class:`tensorshare.Client`.
-        compress: ``"lz4"`` to compress large tensor buffers before sending, or ``None``.
+        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
+            only large integer and bool buffers that shrink by an eighth (frames, masks;
+            never floats); ``None``: never.
         name: how this client introduces itself in the server's log.
         compress_min_bytes: buffers smaller than this are never compressed.
         session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).

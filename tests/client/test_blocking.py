@@ -861,6 +861,20 @@ def test_lz4_client_round_trips_and_the_server_stores_compressed_bytes(
     assert_bit_exact(c.get("noise"), noise)
 
 
+def test_auto_compression_takes_integer_frames_and_leaves_floats_raw(
+        server: EmbeddedServer, connect: Callable[..., Client]) -> None:
+    c = connect(server, compress="auto")
+    frames = (torch.arange(4 * MiB, dtype=torch.int64) % 3).to(torch.uint8)  # compressible
+    c.put("frames", frames)
+    assert 0 < server.call(lambda: server.factory.store.nbytes) < MiB
+    floats = torch.zeros(MiB // 4)  # compressible too, but floats are never compressed
+    c.put("floats", floats)
+    assert server.call(lambda: server.factory.store.nbytes) >= MiB
+    assert torch.equal(c.get("frames"), frames) and torch.equal(c.get("floats"), floats)
+    with pytest.raises(ValueError, match="compress must be"):
+        connect(server, compress="zstd")
+
+
 def test_a_received_value_lands_in_memory_a_dropped_value_gave_back(server: Any) -> None:
     """Large received parts come from the process's receive pool: a part returns when the
     tensor built on it is dropped, and the next value of that size reuses it; a tensor the
