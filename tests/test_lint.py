@@ -1,4 +1,5 @@
-"""Static checks the project promises: ruff and mypy are clean (see pyproject.toml)."""
+"""Static checks the project promises: ruff and mypy are clean (see pyproject.toml), and no
+function of the client, the server or rl is over 60 lines."""
 
 from __future__ import annotations
 
@@ -24,3 +25,19 @@ def test_mypy_is_clean() -> None:
     with tempfile.TemporaryDirectory() as cache:
         out = _run("mypy", "tensorshare", "--cache-dir", cache)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_no_function_in_the_client_server_or_rl_is_over_60_lines() -> None:
+    """The house's rule: functions stay small enough to read in one screen."""
+    import ast
+
+    long = []
+    for room in ("client", "server", "rl"):
+        for path in sorted((ROOT / "tensorshare" / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if lines > 60:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                    f"({lines} lines)")
+    assert not long, long

@@ -665,56 +665,63 @@ class Store:
             fresh = [e for e in entries if e.tag is not None and e.tag >= min_tag]
             dropped = len(entries) - len(fresh)
             if dropped and remove:
-                # Stale items are garbage for this caller: drop them here, never ship them.
-                self._unreported_drops[name] = self._unreported_drops.get(name, 0) + dropped
-                stale = b.nbytes - sum(e.nbytes for e in fresh)
-                self.nbytes -= stale
-                b.nbytes -= stale
-                b.entries = entries = deque(fresh)
-                fresh = entries
+                fresh = self._drop_stale(name, b, fresh, dropped)
         if len(fresh) < min_items or not fresh:
             if dropped and remove:
                 if self.journal is not None:
                     self.journal("take", name, None, {"n": 0, "min_tag": min_tag})
                 self._after_removal(name, b, 0)
             return None
-        max_items = spec.max_items
-        n = len(fresh) if (max_items is None or b.kind == "value") else min(max_items, len(fresh))
-        if max_bytes is not None and n > 1:
-            total = 0
-            for i in range(n):  # at least one item, then as many as fit
-                total += fresh[i].nbytes
-                if i and total > max_bytes:
-                    n = i
-                    break
+        n = self._how_many(b, fresh, spec.max_items, max_bytes)
         if remove:
             if self.journal is not None:
                 self.journal("take", name, ctx, {"n": n, "min_tag": min_tag})
             if self._unreported_drops:
                 dropped = self._unreported_drops.pop(name, 0)
-            items: tuple[Any, ...]
-            tags: tuple[int | None, ...]
-            if n == 1:  # (a value bin, or one item: the usual get)
-                e = entries.popleft()
-                items, tags, freed = (e.item,), (e.tag,), e.nbytes
-            else:
-                chosen = [entries.popleft() for _ in range(n)]
-                items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
-                freed = sum(e.nbytes for e in chosen)
-            b.nbytes -= freed
-            self.nbytes -= freed
-            version, left = self._after_removal(name, b, freed)
+            chosen = [b.entries.popleft() for _ in range(n)] if n > 1 else [b.entries.popleft()]
         else:
-            if n == 1:
-                e = fresh[0]
-                items, tags, freed = (e.item,), (e.tag,), e.nbytes
-            else:
-                chosen = [fresh[i] for i in range(n)]
-                items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
-                freed = sum(e.nbytes for e in chosen)
-            left = len(entries)
-            self._count(name, "peek", 0, freed)
-        return Fetched(0, b.kind, items, version, left, dropped, tags=tags, nbytes=freed)
+            chosen = [fresh[i] for i in range(n)] if n > 1 else [fresh[0]]
+        items: tuple[Any, ...]
+        tags: tuple[int | None, ...]
+        if n == 1:  # (a value bin, or one item: the usual get)
+            e = chosen[0]
+            items, tags, nbytes = (e.item,), (e.tag,), e.nbytes
+        else:
+            items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
+            nbytes = sum(e.nbytes for e in chosen)
+        if remove:
+            b.nbytes -= nbytes
+            self.nbytes -= nbytes
+            version, left = self._after_removal(name, b, nbytes)
+        else:
+            left = len(b.entries)
+            self._count(name, "peek", 0, nbytes)
+        return Fetched(0, b.kind, items, version, left, dropped, tags=tags, nbytes=nbytes)
+
+    def _drop_stale(self, name: str, b: _Bin, fresh: builtins.list[_Entry], dropped: int
+                    ) -> deque[_Entry]:
+        """A taking fetch with ``min_tag``: the stale items are garbage for this caller, so
+        they go here (counted for the next reply), never shipped."""
+        self._unreported_drops[name] = self._unreported_drops.get(name, 0) + dropped
+        stale = b.nbytes - sum(e.nbytes for e in fresh)
+        self.nbytes -= stale
+        b.nbytes -= stale
+        b.entries = deque(fresh)
+        return b.entries
+
+    @staticmethod
+    def _how_many(b: _Bin, fresh: deque[_Entry] | builtins.list[_Entry], max_items: int | None,
+                  max_bytes: int | None) -> int:
+        """How many of ``fresh`` one fetch returns: up to ``max_items`` (all of a value bin),
+        at least one, then as many as fit in ``max_bytes``."""
+        n = len(fresh) if (max_items is None or b.kind == "value") else min(max_items, len(fresh))
+        if max_bytes is not None and n > 1:
+            total = 0
+            for i in range(n):
+                total += fresh[i].nbytes
+                if i and total > max_bytes:
+                    return i
+        return n
 
     def _after_removal(self, name: str, b: _Bin, nbytes: int) -> tuple[int, int]:
         if not b.entries:

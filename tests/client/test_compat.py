@@ -186,7 +186,7 @@ def test_listen_events_arrive_in_order_with_versions(server: EmbeddedServer) -> 
 
 
 def test_server_down_at_start_raises_quickly(free_port: int) -> None:
-    ts = TensorShare("127.0.0.1", free_port, timeout=5)
+    ts = TensorShare("127.0.0.1", free_port, timeout=1)
     ts.put("x", 1)
     with pytest.raises(ConnectError, match=f"127.0.0.1:{free_port}"):
         ts.start()
