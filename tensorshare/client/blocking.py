@@ -42,7 +42,7 @@ from ..errors import (
     TensorShareError,
     error_from_code,
 )
-from ..memory.fdpass import ANC_SPACE, fds_of
+from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
 from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Item, Limits
@@ -1115,7 +1115,8 @@ def _drain(fd: int) -> None:
 def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | None = None,
              timeout: float | None = None) -> None:
     """Send every chunk on a non-blocking socket, waiting up to ``timeout`` seconds each time
-    it is full; ``fds`` (a Unix socket) go along, at most 200 per ``sendmsg``.
+    it is full; ``fds`` (a Unix socket) go along, at most ``MAX_FDS_PER_MESSAGE`` per
+    ``sendmsg``.
 
     Raises:
         TimeoutError: the socket stayed full for ``timeout`` seconds (the peer stopped reading).
@@ -1140,10 +1141,13 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
             if tls:  # no scatter/gather through TLS: one chunk at a time
                 sent = sock.send(views[i])
             elif pending:
-                sent = sock.sendmsg(views[i : i + _MAX_IOV], [(
-                    socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                    array.array("i", pending[:200]).tobytes())])
-                pending = pending[200:]
+                # At most MAX_FDS_PER_MESSAGE with one message; while more wait, a message
+                # carries one byte, so none is left behind when the data runs out.
+                now = pending[:MAX_FDS_PER_MESSAGE]
+                data = views[i : i + _MAX_IOV] if len(pending) == len(now) else [views[i][:1]]
+                sent = sock.sendmsg(data, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                            array.array("i", now).tobytes())])
+                pending = pending[len(now):]
             else:
                 sent = sock.sendmsg(views[i : i + _MAX_IOV])
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,

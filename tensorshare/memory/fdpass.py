@@ -8,11 +8,15 @@ import array
 import socket
 from typing import Any
 
-__all__ = ["ANC_SPACE", "fds_of"]
+__all__ = ["ANC_SPACE", "MAX_FDS_PER_MESSAGE", "fds_of"]
 
 
 # Linux passes at most 253 descriptors per message (SCM_MAX_FD).
 ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
+#: The most descriptors tensorshare passes with one message (docs/PROTOCOL.md §4.4): what a
+#: receiver that makes room for 64 (Twisted's default) takes whole. A frame with more memfd
+#: buffers passes them over several messages, each with at least one byte of the frame.
+MAX_FDS_PER_MESSAGE = 64
 
 
 def fds_of(ancdata: Any) -> list[int]:

@@ -56,7 +56,7 @@ from twisted.internet import main, tcp, unix
 from twisted.internet.interfaces import IProtocolFactory, IReactorFDSet, IReactorTCP
 from twisted.python import failure
 
-from ..memory.fdpass import ANC_SPACE, fds_of
+from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
 
 __all__ = [
     "BufferedProtocol",
@@ -281,7 +281,9 @@ class _ZeroCopy(_Transport):
         if fds:
             if not self._passes_fds:
                 raise TypeError("file descriptors can only be passed over a Unix socket")
-            self._fd_marks.append((self._queued_total, list(fds), owner))
+            at = self._queued_total
+            for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):  # (each mark fits one message)
+                self._fd_marks.append((at, list(fds[i : i + MAX_FDS_PER_MESSAGE]), owner))
         if views:
             self._queue_views(views, sum(v.nbytes for v in views))
 
@@ -354,7 +356,14 @@ class _ZeroCopy(_Transport):
             end = self._sent_total + total
             fds: list[int] = []
             for offset, mark_fds, _ in marks:
-                if offset >= end or len(fds) + len(mark_fds) > _MAX_FDS_PER_SEND:
+                if offset >= end:
+                    break
+                if len(fds) + len(mark_fds) > MAX_FDS_PER_MESSAGE:
+                    # The rest go with the next send: this one stops where their data
+                    # begins, or after one byte when it began already (every descriptor is
+                    # passed before its frame's last byte, and the queue never runs dry first).
+                    total = max(offset - self._sent_total, 1)
+                    buffers = _cut(buffers, total)
                     break
                 fds.extend(mark_fds)
                 sending += 1
@@ -476,8 +485,15 @@ class FastUnixServer(_ZeroCopy, unix.Server):
 
 
 
-# Linux passes at most 253 descriptors per message (SCM_MAX_FD).
-_MAX_FDS_PER_SEND = 200
+def _cut(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of ``buffers``."""
+    out: list[memoryview] = []
+    for view in buffers:
+        if nbytes <= 0:
+            break
+        out.append(view if len(view) <= nbytes else view[:nbytes])
+        nbytes -= len(view)
+    return out
 
 
 class FastPort(tcp.Port):

@@ -271,3 +271,18 @@ def test_send_pool_zero_turns_it_off_and_puts_still_go_through_shared_memory(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
+
+
+def test_more_memfds_in_one_frame_than_one_message_passes_all_arrive(unix_server: Any) -> None:
+    """A frame may use more descriptors than one message passes (64): an append of 300
+    shared tensors in one pipeline and a get of all 300 in one reply pass them over several
+    messages, none left behind, each matched to its item."""
+    _, path = unix_server
+    with Client(f"unix://{path}", timeout=WAIT) as c:
+        assert c.shared_memory
+        with c.pipeline() as p:
+            for i in range(300):
+                p.append("many", torch.full((1 << 18,), float(i)))  # 1 MiB each: shared
+        got = c.get("many", max_items=300)
+        assert [float(t[0]) for t in got] == [float(i) for i in range(300)]
+        assert all(t.numel() == 1 << 18 and bool((t == t[0]).all()) for t in got)
