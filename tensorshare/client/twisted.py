@@ -33,22 +33,34 @@ is cancelled on the server, and the items of a get that already ran go back to t
 from __future__ import annotations
 
 import builtins
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.error import ConnectionDone
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IFileDescriptorReceiver, IUNIXTransport
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
+from ..memory import shm as _shm
 from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Limits
 from .endpoint import Endpoint, resolve
-from .ops import NOWAIT, Command, FetchResult, Ops, check_reconnect, check_timeout
+from .ops import (
+    NOWAIT,
+    Command,
+    FetchResult,
+    Ops,
+    check_reconnect,
+    check_timeout,
+    make_item,
+    make_items,
+)
 from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
 
@@ -59,8 +71,10 @@ log = Logger(namespace="tensorshare.txclient")
 Listener = Callable[[dict[str, Any]], Any]
 
 
+@implementer(IFileDescriptorReceiver)
 class TxProtocol(Protocol):
-    """One connection of a :class:`TxClient`: hands bytes and events to it, nothing more."""
+    """One connection of a :class:`TxClient`: hands bytes, passed descriptors and events to
+    it, nothing more."""
 
     def __init__(self, client: TxClient) -> None:
         self.client = client
@@ -68,6 +82,10 @@ class TxProtocol(Protocol):
 
     def connectionMade(self) -> None:
         self.client._connection_made(self)
+
+    def fileDescriptorReceived(self, descriptor: int) -> None:
+        """A memfd the server passed (a Unix socket): comes before the data it came with."""
+        self.client._fd(self, descriptor)
 
     def dataReceived(self, data: bytes) -> None:
         self.client._data(self, data)
@@ -110,8 +128,9 @@ class TxClient(Ops):
         reconnect: as for :class:`tensorshare.Client`.
         tls, tls_ca, token, token_file: as for :class:`tensorshare.Client` (see
             :mod:`tensorshare.client.endpoint`).
-        compress, compress_min_bytes, name, session, heartbeat: as for
-            :class:`tensorshare.Client`.
+        compress, compress_min_bytes, name, session, heartbeat, shm, shm_min_bytes: as
+            for :class:`tensorshare.Client` (over a ``unix://`` address, tensors of at least
+            ``shm_min_bytes`` travel through shared memory both ways).
         connector: ``connector(client)`` starts a connection attempt instead of
             ``reactor.connectTCP`` (tests attach in-memory transports this way).
 
@@ -127,7 +146,8 @@ class TxClient(Ops):
                  token: str | bytes | None = None, token_file: str | None = None,
                  compress: str | None = None, compress_min_bytes: int = 64 * 1024,
                  name: str = "tensorshare-twisted", session: bool = True,
-                 heartbeat: float | None = None,
+                 heartbeat: float | None = None, shm: bool = True,
+                 shm_min_bytes: int = 1 << 20,
                  connector: Callable[[TxClient], Any] | None = None) -> None:
         if compress not in (None, "lz4", "auto"):
             raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
@@ -146,6 +166,9 @@ class TxClient(Ops):
         pool = receive_pool()
         if pool is not None:  # large values land in memory a dropped value gave back
             self.session.allocate = pool.take
+        if shm and self.path is not None and connector is None:
+            self.session.shm = _shm.available()
+        self.shm_min_bytes = shm_min_bytes
         self.protocol: TxProtocol | None = None
         self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
         self._connector = connector
@@ -191,6 +214,23 @@ class TxClient(Ops):
     def closed(self) -> bool:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
         return self.session.closed is not None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether large tensors travel through shared memory on this connection."""
+        conn = self.session.conn
+        return conn is not None and conn.shm
+
+    def _item(self, name: str, value: Any, tag: int | None) -> Any:
+        share = self.shm_min_bytes if self.shared_memory else None
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
+                         share)
+
+    def _items(self, name: str, values: builtins.list[Any], tags: builtins.list[int | None]
+               ) -> builtins.list[Any]:
+        share = self.shm_min_bytes if self.shared_memory else None
+        return make_items(name, values, tags, self.limits, self.compress,
+                          self.compress_min_bytes, share)
 
     # -- the op surface (see .ops) ----------------------------------------------------------
     def _execute(self, cmd: Command) -> Deferred[Any]:
@@ -301,7 +341,15 @@ class TxClient(Ops):
         if proto is None or proto.lost or proto.transport is None:
             return
         chunks = self.session.pop_sendable(self.reactor.seconds())
+        shared = self.session.take_shared() if self.session.has_shared else None
         self._process(self.session.take_finished())
+        if shared:
+            # Each descriptor goes with one byte of what is written next (Twisted's unix
+            # transport), so all reach the server before the frames' last bytes. The memfds
+            # stay open: the calls that carry them hold them until their replies.
+            unix = IUNIXTransport(proto.transport)
+            for mem in shared:
+                unix.sendFileDescriptor(mem.fd)
         if chunks:
             _write(proto, chunks)
 
@@ -481,6 +529,13 @@ class TxClient(Ops):
         _write(proto, self.session.connection_made(self.reactor.seconds()))
         self._reschedule()
 
+    def _fd(self, proto: TxProtocol, fd: int) -> None:
+        conn = self.session.conn
+        if proto is self.protocol and conn is not None and conn.shm:
+            conn.add_fds([fd])
+        else:  # an old connection's, or shared memory was not agreed: nobody will take it
+            os.close(fd)
+
     def _data(self, proto: TxProtocol, data: bytes) -> None:
         if proto is not self.protocol or self.session.conn is None:
             return  # an old connection's last bytes, or we are closing
@@ -611,7 +666,8 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
             name: str = "tensorshare-twisted", compress_min_bytes: int = 64 * 1024,
             session: bool = True, heartbeat: float | None = None, tls: bool | None = None,
             tls_ca: str | None = None, token: str | bytes | None = None,
-            token_file: str | None = None) -> Deferred[TxClient]:
+            token_file: str | None = None, shm: bool = True,
+            shm_min_bytes: int = 1 << 20) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
@@ -629,6 +685,8 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
         heartbeat: seconds of silence before a ping checks the connection (see
             :class:`tensorshare.Client`).
         tls, tls_ca, token, token_file: see :mod:`tensorshare.client.endpoint`.
+        shm, shm_min_bytes: over a ``unix://`` address, pass tensors of at least
+            ``shm_min_bytes`` through shared memory (see :class:`tensorshare.Client`).
 
     Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when no
     server answered within ``timeout``, or with the server's typed refusal of the handshake
@@ -641,5 +699,5 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
     client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
                       compress=compress, compress_min_bytes=compress_min_bytes, name=name,
                       session=session, heartbeat=heartbeat, tls=tls, tls_ca=tls_ca,
-                      token=token, token_file=token_file)
+                      token=token, token_file=token_file, shm=shm, shm_min_bytes=shm_min_bytes)
     return client.start()

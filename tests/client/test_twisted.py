@@ -23,6 +23,7 @@ from twisted.logger import globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.test import iosim
 
+from tensorshare import Client
 from tensorshare.client.ops import NOWAIT, FetchResult
 from tensorshare.client.twisted import TxClient, connect
 from tensorshare.errors import (
@@ -36,6 +37,7 @@ from tensorshare.errors import (
     UnsupportedVersion,
     WaitTimeout,
 )
+from tensorshare.memory import shm
 from tensorshare.server import EmbeddedServer
 from tensorshare.server.core import ServerFactory
 from tensorshare.wire.messages import (
@@ -667,6 +669,41 @@ def test_loopback_put_and_get_1_mib(client_reactor: EPollReactor,
     assert torch.equal(got.view(torch.int32), tensor.view(torch.int32))  # bit-exact
     assert bins == {}
     assert closed
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs Linux memfd seals")
+def test_over_a_unix_socket_large_tensors_travel_through_shared_memory_both_ways(
+        client_reactor: EPollReactor, tmp_path: Any) -> None:
+    """The Twisted client passes and receives memfds as the blocking client does: a put
+    stores the memfd itself (the server holds it, no bytes in the socket), a get maps the
+    server's, a pipeline of 100 shared appends (more descriptors than one message passes)
+    arrives whole, and the blocking client reads what it wrote."""
+    path = str(tmp_path / "tx.sock")
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    with EmbeddedServer(port=None, unix=path) as srv:
+
+        @defer.inlineCallbacks
+        def scenario() -> Any:
+            client = yield connect(client_reactor, f"unix://{path}", timeout=WAIT)
+            assert client.shared_memory
+            yield client.put("big", big)
+            stored = srv.call(lambda: [b.shm is not None for b in
+                                       srv.factory.store._bins["big"].entries[0].item.value.buffers])
+            got = yield client.peek("big")
+            p = client.pipeline()
+            for i in range(100):
+                p.append("many", torch.full((1 << 18,), float(i)))
+            yield p.execute()  # (a TxClient pipeline's execute fires when all are done)
+            many = yield client.get("many", max_items=100)
+            yield client.close()
+            return stored, got, many
+
+        stored, got, many = in_reactor(client_reactor, scenario)
+        assert stored == [True]  # kept as the memfd the client wrote
+        assert torch.equal(got, big)
+        assert [float(t[0]) for t in many] == [float(i) for i in range(100)]
+        with Client(f"unix://{path}", timeout=WAIT) as blocking:
+            assert torch.equal(blocking.peek("big"), big)
 
 
 def test_loopback_connection_refused(client_reactor: EPollReactor) -> None:
