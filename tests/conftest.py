@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -72,3 +76,29 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
             blob.write_to_path(paths[c], append=i > 0)
         cert.private_key_pem.write_to_path(paths[k])
     return TlsFiles(**paths)
+
+
+def faulthandler_env() -> dict[str, str]:
+    """The environment for a child process that prints every thread's stack on SIGABRT (so
+    that :func:`interrupt` can say where a child that would not stop was stuck)."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+
+
+def interrupt(proc: subprocess.Popen[Any], timeout: float = 15.0) -> int:
+    """Ctrl+C a child process and return its exit status. A child still running after
+    ``timeout`` seconds fails the test with its threads' stacks (started with
+    :func:`faulthandler_env` and ``stderr=PIPE``), and is killed."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack on stderr
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        text = err.decode(errors="replace") if isinstance(err, bytes) else err
+        pytest.fail(f"still running {timeout:g} s after SIGINT; its stderr and threads:\n"
+                    f"{text[-8000:]}")

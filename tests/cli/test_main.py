@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from tensorshare import Client, EmbeddedServer, MemoryLimitExceeded
+from tests.conftest import faulthandler_env, interrupt
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -85,12 +85,12 @@ def test_an_infinite_size_is_a_usage_error() -> None:
 
 def test_serve_stops_cleanly_on_ctrl_c() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=faulthandler_env())
     try:
         assert proc.stdout is not None
         assert "listening on 127.0.0.1:" in proc.stdout.readline()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0
+        assert interrupt(proc) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -101,7 +101,7 @@ def test_serve_on_a_unix_socket_and_ls_through_it(tmp_path: Path) -> None:
     path = tmp_path / "ts.sock"
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
                              "--unix", str(path), "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=faulthandler_env())
     try:
         assert proc.stdout is not None
         assert "listening on 127.0.0.1:" in proc.stdout.readline()
@@ -111,8 +111,7 @@ def test_serve_on_a_unix_socket_and_ls_through_it(tmp_path: Path) -> None:
         out = _cli("ls", "--host", f"unix://{path}")
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[2].split()[:3] == ["w", "value", "1"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0
+        assert interrupt(proc) == 0
         assert not path.exists()  # the server removes its socket
     finally:
         if proc.poll() is None:

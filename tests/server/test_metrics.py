@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorshare import BinNotFound, Client, EmbeddedServer
 from tensorshare.server.metrics import ServerCollector, start_metrics_server
 from tensorshare.server.stats import LATENCY_BUCKETS
+from tests.conftest import faulthandler_env, interrupt
 
 
 def _scrape(url: str) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def test_per_bin_series_can_be_turned_off(server: EmbeddedServer) -> None:
 def test_serve_metrics_port_serves_metrics_and_stops_on_ctrl_c() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
                              "--metrics-port", "0", "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=faulthandler_env())
     try:
         assert proc.stdout is not None
         listening, metrics = proc.stdout.readline(), proc.stdout.readline()
@@ -144,8 +144,7 @@ def test_serve_metrics_port_serves_metrics_and_stops_on_ctrl_c() -> None:
         assert _value(m, "tensorshare_bin_items", bin="q") == 1
         assert _value(m, "tensorshare_requests", "tensorshare_requests_total", op="append") == 1
         assert "process_resident_memory_bytes" in m  # the server process's own
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0
+        assert interrupt(proc) == 0
         assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
