@@ -276,7 +276,8 @@ def test_send_pool_zero_turns_it_off_and_puts_still_go_through_shared_memory(
 def test_more_memfds_in_one_frame_than_one_message_passes_all_arrive(unix_server: Any) -> None:
     """A frame may use more descriptors than one message passes (64): an append of 300
     shared tensors in one pipeline and a get of all 300 in one reply pass them over several
-    messages, none left behind, each matched to its item."""
+    messages, none left behind, each matched to its item; so do several replies queued at
+    once."""
     _, path = unix_server
     with Client(f"unix://{path}", timeout=WAIT) as c:
         assert c.shared_memory
@@ -286,3 +287,15 @@ def test_more_memfds_in_one_frame_than_one_message_passes_all_arrive(unix_server
         got = c.get("many", max_items=300)
         assert [float(t[0]) for t in got] == [float(i) for i in range(300)]
         assert all(t.numel() == 1 << 18 and bool((t == t[0]).all()) for t in got)
+        # Replies of 40 descriptors each, queued together: no two fit one message, so each
+        # message stops where the next reply's data begins.
+        with c.pipeline() as p:
+            for b in range(5):
+                for i in range(40):
+                    p.append(f"q{b}", torch.full((1 << 18,), float(100 * b + i)))
+        with c.pipeline() as p:
+            for b in range(5):
+                p.peek(f"q{b}", max_items=40)
+        assert p.results is not None
+        for b, values in enumerate(p.results):
+            assert [float(t[0]) for t in values] == [float(100 * b + i) for i in range(40)]
