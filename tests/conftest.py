@@ -78,16 +78,22 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return TlsFiles(**paths)
 
 
-def faulthandler_env() -> dict[str, str]:
-    """The environment for a child process that prints every thread's stack on SIGABRT (so
-    that :func:`interrupt` can say where a child that would not stop was stuck)."""
-    return {**os.environ, "PYTHONFAULTHANDLER": "1"}
+def interruptible() -> dict[str, Any]:
+    """``Popen`` arguments for a child that :func:`interrupt` stops: Ctrl+C at its default
+    (a test run started in the background, as ``cmd &`` in a script, passes SIGINT on
+    ignored, and Python then never raises KeyboardInterrupt), and every thread's stack
+    printed on SIGABRT (so that a child that would not stop says where it was stuck)."""
+    return {"env": {**os.environ, "PYTHONFAULTHANDLER": "1"}, "preexec_fn": _default_sigint}
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def interrupt(proc: subprocess.Popen[Any], timeout: float = 15.0) -> int:
     """Ctrl+C a child process and return its exit status. A child still running after
     ``timeout`` seconds fails the test with its threads' stacks (started with
-    :func:`faulthandler_env` and ``stderr=PIPE``), and is killed."""
+    :func:`interruptible` and ``stderr=PIPE``), and is killed."""
     proc.send_signal(signal.SIGINT)
     try:
         return proc.wait(timeout)

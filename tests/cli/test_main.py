@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tensorshare import Client, EmbeddedServer, MemoryLimitExceeded
-from tests.conftest import faulthandler_env, interrupt
+from tests.conftest import interrupt, interruptible
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -86,7 +86,7 @@ def test_an_infinite_size_is_a_usage_error() -> None:
 def test_serve_stops_cleanly_on_ctrl_c() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=faulthandler_env())
+                            **interruptible())
     try:
         assert proc.stdout is not None
         assert "listening on 127.0.0.1:" in proc.stdout.readline()
@@ -101,7 +101,7 @@ def test_serve_on_a_unix_socket_and_ls_through_it(tmp_path: Path) -> None:
     path = tmp_path / "ts.sock"
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
                              "--unix", str(path), "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=faulthandler_env())
+                            stderr=subprocess.PIPE, text=True, **interruptible())
     try:
         assert proc.stdout is not None
         assert "listening on 127.0.0.1:" in proc.stdout.readline()

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorshare import BinNotFound, Client, EmbeddedServer
 from tensorshare.server.metrics import ServerCollector, start_metrics_server
 from tensorshare.server.stats import LATENCY_BUCKETS
-from tests.conftest import faulthandler_env, interrupt
+from tests.conftest import interrupt, interruptible
 
 
 def _scrape(url: str) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def test_per_bin_series_can_be_turned_off(server: EmbeddedServer) -> None:
 def test_serve_metrics_port_serves_metrics_and_stops_on_ctrl_c() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
                              "--metrics-port", "0", "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=faulthandler_env())
+                            stderr=subprocess.PIPE, text=True, **interruptible())
     try:
         assert proc.stdout is not None
         listening, metrics = proc.stdout.readline(), proc.stdout.readline()
