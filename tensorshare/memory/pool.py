@@ -117,6 +117,14 @@ _receive_pool: BufferPool | None = None
 _receive_lock = threading.Lock()
 
 
+def _limit_from_env(name: str, default: int) -> int:
+    """A pool's byte limit from environment variable ``name`` (not a number: ``default``)."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 def receive_pool() -> BufferPool | None:
     """The process's pool for the large parts a client receives (``None`` when
     ``TENSORSHARE_RECEIVE_POOL=0``), made on first use and shared by every client of the
@@ -130,10 +138,7 @@ def receive_pool() -> BufferPool | None:
     global _receive_pool
     with _receive_lock:
         if _receive_pool is None:
-            try:
-                limit = int(os.environ.get(RECEIVE_POOL_ENV, _RECEIVE_POOL_DEFAULT))
-            except ValueError:
-                limit = _RECEIVE_POOL_DEFAULT
+            limit = _limit_from_env(RECEIVE_POOL_ENV, _RECEIVE_POOL_DEFAULT)
             if limit <= 0:
                 return None
             _receive_pool = BufferPool(limit)
@@ -282,10 +287,7 @@ def send_pool() -> MemfdPool | None:
     global _send_pool
     with _send_lock:
         if _send_pool is None:
-            try:
-                limit = int(os.environ.get(SEND_POOL_ENV, _SEND_POOL_DEFAULT))
-            except ValueError:
-                limit = _SEND_POOL_DEFAULT
+            limit = _limit_from_env(SEND_POOL_ENV, _SEND_POOL_DEFAULT)
             if limit <= 0:
                 return None
             _send_pool = MemfdPool(limit)
