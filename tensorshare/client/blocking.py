@@ -58,8 +58,6 @@ from .ops import (
     check_reconnect,
     check_timeout,
     gc_paused,
-    make_item,
-    make_items,
 )
 from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
@@ -481,17 +479,9 @@ class Client(BinClient):
         return f"<tensorshare.Client {self.address} {state}>"
 
     # -- requests -----------------------------------------------------------------------------
-    def _item(self, name: str, value: Any, tag: int | None) -> Item:
+    def _share_min_bytes(self) -> int | None:
         conn = self._session.conn
-        share = self.shm_min_bytes if conn is not None and conn.shm else None
-        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
-                         share)
-
-    def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
-        conn = self._session.conn
-        share = self.shm_min_bytes if conn is not None and conn.shm else None
-        return make_items(name, values, tags, self.limits, self.compress,
-                          self.compress_min_bytes, share)
+        return self.shm_min_bytes if conn is not None and conn.shm else None
 
     @property
     def shared_memory(self) -> bool:

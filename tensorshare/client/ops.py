@@ -340,12 +340,18 @@ class Ops(StreamOps, ServiceOps):
         raise NotImplementedError
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes)
+        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
+                         self._share_min_bytes())
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
         """:meth:`_item` for a batch of appends to one bin (see :func:`make_items`)."""
         return make_items(name, values, tags, self.limits, self.compress,
-                          self.compress_min_bytes)
+                          self.compress_min_bytes, self._share_min_bytes())
+
+    def _share_min_bytes(self) -> int | None:
+        """The smallest buffer this face passes through shared memory right now (``None``:
+        none; a face whose connection agreed on memfds says otherwise)."""
+        return None
 
     def _check_name(self, name: str) -> None:
         check_bin_name(name, self.limits.max_name_bytes)

@@ -58,8 +58,6 @@ from .ops import (
     Ops,
     check_reconnect,
     check_timeout,
-    make_item,
-    make_items,
 )
 from .pipeline import Pipeline
 from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
@@ -221,16 +219,8 @@ class TxClient(Ops):
         conn = self.session.conn
         return conn is not None and conn.shm
 
-    def _item(self, name: str, value: Any, tag: int | None) -> Any:
-        share = self.shm_min_bytes if self.shared_memory else None
-        return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
-                         share)
-
-    def _items(self, name: str, values: builtins.list[Any], tags: builtins.list[int | None]
-               ) -> builtins.list[Any]:
-        share = self.shm_min_bytes if self.shared_memory else None
-        return make_items(name, values, tags, self.limits, self.compress,
-                          self.compress_min_bytes, share)
+    def _share_min_bytes(self) -> int | None:
+        return self.shm_min_bytes if self.shared_memory else None
 
     # -- the op surface (see .ops) ----------------------------------------------------------
     def _execute(self, cmd: Command) -> Deferred[Any]:
