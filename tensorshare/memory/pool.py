@@ -113,16 +113,31 @@ class BufferPool:
         return freed
 
 
-_receive_pool: BufferPool | None = None
-_receive_lock = threading.Lock()
+class _OnePerProcess:
+    """A pool made on first use from its limit in the environment (``0``: none, and the
+    environment is not read again), shared by the whole process."""
+
+    def __init__(self, env: str, default: int, make: Any) -> None:
+        self.env, self.default, self.make = env, default, make
+        self.lock = threading.Lock()
+        self.pool: Any = None
+        self.off = False
+
+    def get(self) -> Any:
+        with self.lock:
+            if self.pool is None and not self.off:
+                try:
+                    limit = int(os.environ.get(self.env, self.default))
+                except ValueError:
+                    limit = self.default
+                if limit <= 0:
+                    self.off = True
+                else:
+                    self.pool = self.make(limit)
+            return self.pool
 
 
-def _limit_from_env(name: str, default: int) -> int:
-    """A pool's byte limit from environment variable ``name`` (not a number: ``default``)."""
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+_RECEIVE = _OnePerProcess(RECEIVE_POOL_ENV, _RECEIVE_POOL_DEFAULT, BufferPool)
 
 
 def receive_pool() -> BufferPool | None:
@@ -135,14 +150,8 @@ def receive_pool() -> BufferPool | None:
     batch) lands in memory that is already faulted in instead of fresh, zeroed pages. At
     most ``TENSORSHARE_RECEIVE_POOL`` bytes (default 128 MiB) wait idle.
     """
-    global _receive_pool
-    with _receive_lock:
-        if _receive_pool is None:
-            limit = _limit_from_env(RECEIVE_POOL_ENV, _RECEIVE_POOL_DEFAULT)
-            if limit <= 0:
-                return None
-            _receive_pool = BufferPool(limit)
-        return _receive_pool
+    pool: BufferPool | None = _RECEIVE.get()
+    return pool
 
 
 class MemfdPool:
@@ -264,31 +273,24 @@ class MemfdPool:
 
 _POOLS: weakref.WeakSet[MemfdPool] = weakref.WeakSet()
 
-
-def _after_fork_in_child() -> None:
-    global _send_lock
-    _send_lock = threading.Lock()
-    for pool in list(_POOLS):
-        pool._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
 SEND_POOL_ENV = "TENSORSHARE_SEND_POOL"
 _SEND_POOL_DEFAULT = 256 << 20
-_send_pool: MemfdPool | None = None
-_send_lock = threading.Lock()
+_SEND = _OnePerProcess(SEND_POOL_ENV, _SEND_POOL_DEFAULT, MemfdPool)
 
 
 def send_pool() -> MemfdPool | None:
     """The process's :class:`MemfdPool` (made on first use), which a client's shared-memory
     puts are written into; at most ``TENSORSHARE_SEND_POOL`` bytes (default 256 MiB) wait
     ready, ``0`` turns it off (``None``: each put makes its memfd on the spot)."""
-    global _send_pool
-    with _send_lock:
-        if _send_pool is None:
-            limit = _limit_from_env(SEND_POOL_ENV, _SEND_POOL_DEFAULT)
-            if limit <= 0:
-                return None
-            _send_pool = MemfdPool(limit)
-        return _send_pool
+    pool: MemfdPool | None = _SEND.get()
+    return pool
+
+
+def _after_fork_in_child() -> None:
+    for one in (_RECEIVE, _SEND):  # (a lock held by a thread the fork did not copy)
+        one.lock = threading.Lock()
+    for pool in list(_POOLS):
+        pool._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
