@@ -38,7 +38,6 @@ from ..wire.messages import (
     Challenge,
     Changed,
     ErrorReply,
-    Fetch,
     Fetched,
     Hello,
     HelloReply,
@@ -47,17 +46,17 @@ from ..wire.messages import (
 )
 from ..wire.protocol import (
     PROTOCOL_VERSIONS,
-    AckInfo,
     BadRequest,
-    ProtocolViolation,
     ServerConnection,
     encode_message,
+    encode_reply,
 )
 from .sessions import ServerSession
 from .store import Blocked, Waiter
 
 if TYPE_CHECKING:
     from .core import ServerFactory
+    from .handlers import Route
     from .transports import _ZeroCopy
 
 __all__ = ["ServerProtocol"]
@@ -93,12 +92,20 @@ class ServerProtocol(Protocol):
         self.peer = "?"
         self.session: ServerSession | None = None
         self.listening: set[str] = set()
-        self.started: dict[int, float] = {}  # request id -> when it came in (latency)
+        # Requests answered later (a waiting get, a held append): id -> when they came in.
+        self.started: dict[int, float] = {}
         self.shm = False  # the handshake agreed on memfd buffers (Unix socket)
         self._waiting: dict[int, tuple[Waiter | Blocked, IDelayedCall | None]] = {}
         self._closed = False
         self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
-        self._ack: AckInfo | None = None  # an ack that came before the hello it rode on
+        self._ack: tuple[int, tuple[int, ...]] | None = None  # an ack before the hello's end
+        # While a pass over one read runs (see _pass): the output it queued, what it answered
+        # (op -> [requests, reply bytes]), the request being served and when the read came.
+        self._out: list[BytesLike] | None = None
+        self._pass_ops: dict[str, list[int]] = {}
+        self._serving = 0
+        self._answered = 0
+        self._pass_start = 0.0
         self._paused = False  # the transport says our output backs up: see the class doc
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
@@ -146,7 +153,7 @@ class ServerProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if not self._closed:
             self.last_rx = time.monotonic()
-            self._handle(self.conn.receive_data(data))
+            self._pass(*self.conn.frames(data))
             if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
 
@@ -156,7 +163,7 @@ class ServerProtocol(Protocol):
     def buffer_updated(self, nbytes: int) -> None:
         if not self._closed:
             self.last_rx = time.monotonic()
-            self._handle(self.conn.buffer_updated(nbytes))
+            self._pass(*self.conn.buffered(nbytes))
             if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
 
@@ -213,10 +220,11 @@ class ServerProtocol(Protocol):
         st = self._st
         return 0 if st is None else int(st.queued_bytes)
 
-    # -- output -----------------------------------------------------------------------------
-    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
-                     hold: bool = False) -> None:
-        """Queue a frame; ``shared``: shared memory whose descriptors go with it.
+    # -- output: the one owner of what this connection sends -------------------------------
+    def emit(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
+             hold: bool = False) -> None:
+        """Send a frame (``shared``: shared memory whose descriptors go with it). During a
+        pass over a read, it joins the pass's output, which leaves in one write at its end.
 
         ``hold``: the reply of a write: with a data directory it leaves only once the write
         is in the data log (on disk with fsync "always"): held until the batch is committed
@@ -224,10 +232,27 @@ class ServerProtocol(Protocol):
         """
         if self._closed:
             return
-        f = self.factory
-        if hold and f.holding:
-            f.held.append((self, chunks, shared))
+        if hold and self.factory.holding:
+            self.factory.held.append((self, chunks, shared))
             return
+        out = self._out
+        if out is not None:
+            if not shared:
+                out.extend(chunks)
+                return
+            if out:  # what the pass queued goes first
+                self._out = []
+                self._write(out, None)
+        self._write(chunks, shared)
+
+    #: The name the factory and the kinds use (held output released, folded notifications).
+    write_chunks = emit
+
+    def _write(self, chunks: Sequence[BytesLike], shared: list[Any] | None) -> None:
+        """Hand a frame to the transport (closing a connection that leaves too much unread)."""
+        if self._closed:
+            return
+        f = self.factory
         st = self._st
         queued = 0 if st is None else st.queued_bytes
         limit = f.config.max_client_buffer
@@ -251,7 +276,7 @@ class ServerProtocol(Protocol):
     def notify(self, chunks: Sequence[BytesLike], msg: Changed) -> None:
         """Send a change notification, or fold it into the last one while we are paused."""
         if not self._paused:
-            self.write_chunks(chunks)
+            self.emit(chunks)
             return
         old = self._folded.pop(msg.bin, None)
         if old is not None:
@@ -261,34 +286,58 @@ class ServerProtocol(Protocol):
         self._folded[msg.bin] = msg
 
     def send(self, msg: Reply | Changed) -> None:
-        """Encode and send one message."""
+        """Encode and send one message (no bookkeeping: see :meth:`answer` for replies)."""
         shared: list[Any] | None = [] if self.shm else None
-        self.write_chunks(encode_message(msg, None, shared)[0], shared)
+        self.emit(encode_message(msg, None, shared)[0], shared)
 
-    def reply(self, msg: Request, reply: Reply, *, bin: str | None = None,
-              held: int = 0) -> None:
-        """Answer ``msg``, remembering the reply first if re-running ``msg`` would change
-        something (``bin`` and ``held``: a get's items, held for the session until acked)."""
+    def replay(self, msg: Request, reply: Reply) -> None:
+        """Answer a resent request with the reply remembered when it first ran."""
+        self._answered = msg.id
+        self.send(reply)
+
+    def answer(self, msg: Request, reply: Reply, route: Route | None = None) -> None:
+        """Answer ``msg``: the one place a reply is remembered (if re-running ``msg`` would
+        change something: a get's items stay held for the session until acknowledged),
+        encoded, counted and sent."""
         f = self.factory
-        route = f.responder.route(msg)
+        if route is None:
+            route = f.responder.route(msg)
+        cls = type(reply)
+        if cls is ErrorReply:
+            f.stats.count_error(reply.code)  # type: ignore[union-attr]
         mutating = route.mutating
-        if type(reply) is ErrorReply:
-            f.stats.count_error(reply.code)
         s = self.session
         if s is not None and mutating:
-            f.sessions.remember(s, msg.id, reply, bin, held)
+            if cls is Fetched and reply.items and msg.spec.remove:  # type: ignore[union-attr]
+                f.sessions.remember(s, msg.id, reply, msg.bin,  # type: ignore[union-attr]
+                                    reply.nbytes)  # type: ignore[union-attr]
+            else:
+                f.sessions.remember(s, msg.id, reply)
         shared: list[Any] | None = [] if self.shm else None
-        if type(reply) is Fetched and reply.items and type(msg) is Fetch and not msg.spec.remove:
+        if cls is Fetched and reply.items and not msg.spec.remove:  # type: ignore[union-attr]
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
-            chunks = f.encode_peek(msg.bin, reply, shared)
+            chunks = f.encode_peek(msg.bin, reply, shared)  # type: ignore[union-attr, arg-type]
         else:
-            chunks = encode_message(reply, None, shared)[0]
-        started = self.started.pop(msg.id, None)
-        if started is not None:
-            nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
-            f.stats.observe(route.op, nbytes, time.perf_counter() - started)
-        self.write_chunks(chunks, shared, hold=mutating)
+            chunks = encode_reply(reply, shared)
+        nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
+        rid = msg.id
+        if rid == self._serving and self._out is not None:  # counted with its pass
+            self._answered = rid
+            entry = self._pass_ops.get(route.op)
+            if entry is None:
+                self._pass_ops[route.op] = [1, nbytes]
+            else:
+                entry[0] += 1
+                entry[1] += nbytes
+        else:
+            started = self.started.pop(rid, None)
+            if started is not None:
+                f.stats.observe(route.op, nbytes, time.perf_counter() - started)
+        self.emit(chunks, shared, hold=mutating)
+
+    #: Deferred answers (a waiting get served, a held append stored, the other kinds).
+    reply = answer
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:
         """What ties a store effect to ``msg`` (for the data log's remembered replies)."""
@@ -387,6 +436,10 @@ class ServerProtocol(Protocol):
 
     def close(self) -> None:
         """Close after what is queued is sent; abort if the peer does not read it in time."""
+        out = self._out
+        if out:  # a pass's answers (the error that explains why, say) leave first
+            self._out = []
+            self._write(out, None)
         self._release()
         self._stop_timer()
         self._t.loseConnection()
@@ -417,55 +470,94 @@ class ServerProtocol(Protocol):
             self.factory.stats.counters["hello_timeouts"] += 1
             self.fail(ProtocolError(f"no hello within {self.factory.config.hello_timeout:g} s"))
 
-    # -- dispatch ---------------------------------------------------------------------------
-    def _handle(self, events: list[Any]) -> None:
-        try:
-            self._handle_events(events)
-        finally:
-            self.factory.commit()
-
-    def _handle_events(self, events: list[Any]) -> None:
+    # -- one pass per read -------------------------------------------------------------------
+    def _pass(self, frames: list[Any], error: ProtocolError | None) -> None:
+        """Serve every frame one read completed, in one loop: each parsed, routed, handled and
+        answered before the next is parsed; the pass's replies leave in one write at its end
+        (after what the data log must hold first), and its statistics are counted once."""
         f = self.factory
-        counters = f.stats.counters
-        handle = f.responder.handle
-        started = self.started
-        now = time.perf_counter()  # (the requests of one read arrived together)
-        for ev in events:
+        if frames:
+            self._out = []
+            self._pass_start = time.perf_counter()
+            try:
+                n = self._serve(frames)
+            finally:
+                out, self._out = self._out, None
+                self._serving = 0
+                f.stats.counters["requests"] += n
+                if self._pass_ops:
+                    self._count_pass(f)
+                if out:
+                    self._write(out, None)
+        if error is not None and not self._closed:
+            self.fail(ProtocolError(str(error)))
+        f.commit()
+
+    def _count_pass(self, f: ServerFactory) -> None:
+        """The requests a pass answered, by op: all read together, all written together."""
+        seconds = time.perf_counter() - self._pass_start
+        observe = f.stats.observe_many
+        for op, (n, nbytes) in self._pass_ops.items():
+            observe(op, n, nbytes, seconds)
+        self._pass_ops.clear()
+
+    def _serve(self, frames: list[Any]) -> int:
+        """The loop of :meth:`_pass`; returns how many requests it served."""
+        conn, n = self.conn, 0
+        route_of, handle = self.factory.responder.route, self.factory.responder.handle
+        for frame in frames:
             if self._closed:
-                return
-            cls = type(ev)
-            if cls is AckInfo:
+                break
+            try:
+                msg, through, open_ids = conn.parse(frame)
+            except ProtocolError as exc:
+                self.fail(exc)
+                break
+            if through >= 0:
                 if self.session is not None:
-                    f.ack(self.session, ev)
+                    self.factory.ack(self.session, through, open_ids)
                 else:
-                    self._ack = ev
+                    self._ack = (through, open_ids)
+            if isinstance(msg, BadRequest):
+                if not self._bad(msg):
+                    break
                 continue
-            if cls is ProtocolViolation:
-                self.fail(ProtocolError(ev.message))
-                return
-            if cls is BadRequest:
-                if self.version is None:
-                    self.fail(ProtocolError(f"handshake failed: {ev.message}"))
-                    return
-                log.warn("bad request from {peer}: {message}", peer=self.peer,
-                         message=ev.message)
-                f.stats.count_error(ev.code)
-                self.send(ErrorReply(ev.id, ev.code, ev.message))
-                continue
-            counters["requests"] += 1
+            n += 1
             if self.version is None:
-                if cls is Hello and self._greeting is None:
-                    self._hello(ev)
-                elif cls is Auth and self._greeting is not None:
-                    self._auth(ev)
-                else:
-                    self.fail(ProtocolError(
-                        "handshake failed: the first request must be 'hello'"
-                        + ("" if self._greeting is None else ", then 'auth'")))
-                    return
+                if not self._handshake(msg):
+                    break
                 continue
-            started[ev.id] = now
-            handle(self, ev)
+            rid = self._serving = msg.id
+            route = route_of(msg)
+            reply = handle(self, msg, route)
+            if reply is not None:
+                self.answer(msg, reply, route)
+            elif self._answered != rid:  # answered later: its latency counts from now
+                self.started[rid] = self._pass_start
+        return n
+
+    def _bad(self, ev: BadRequest) -> bool:
+        """Answer a request that cannot be served; False if the connection is closed."""
+        if self.version is None:
+            self.fail(ProtocolError(f"handshake failed: {ev.message}"))
+            return False
+        log.warn("bad request from {peer}: {message}", peer=self.peer, message=ev.message)
+        self.factory.stats.count_error(ev.code)
+        self.send(ErrorReply(ev.id, ev.code, ev.message))
+        return True
+
+    def _handshake(self, msg: Request) -> bool:
+        """A request before the handshake is done: hello, then auth; False if it failed."""
+        if type(msg) is Hello and self._greeting is None:
+            self._hello(msg)
+        elif type(msg) is Auth and self._greeting is not None:
+            self._auth(msg)
+        else:
+            self.fail(ProtocolError(
+                "handshake failed: the first request must be 'hello'"
+                + ("" if self._greeting is None else ", then 'auth'")))
+            return False
+        return True
 
     # -- handshake --------------------------------------------------------------------------
     def _hello(self, msg: Hello) -> None:
@@ -521,7 +613,7 @@ class ServerProtocol(Protocol):
                 self._refuse(rid, LimitExceeded(str(exc)))
                 return
             if self._ack is not None:
-                f.ack(self.session, self._ack)
+                f.ack(self.session, *self._ack)
                 self._ack = None
         self.version = max(set(msg.versions) & set(PROTOCOL_VERSIONS))
         self.client_name, self.role, self._greeting = msg.client, role, None

@@ -23,7 +23,6 @@ from ..memory.pool import BufferPool
 from ..wire.frames import BytesLike
 from ..wire.messages import Changed, Fetched, Limits
 from ..wire.protocol import (
-    AckInfo,
     encode_fetched_parts,
     encode_fetched_with_id,
     encode_message,
@@ -346,12 +345,12 @@ class ServerFactory(Factory):
                      "back to their bins", n=n)
         self.commit()
 
-    def ack(self, s: ServerSession, info: AckInfo) -> None:
-        """The client has the replies ``info`` names: forget them (and release their items)."""
-        if self.sessions.ack(s, info.through, info.open) and self.persist is not None:
+    def ack(self, s: ServerSession, through: int, open_ids: tuple[int, ...] = ()) -> None:
+        """The client has the replies of every request up to ``through`` but those in
+        ``open``: forget them (and release their items)."""
+        if self.sessions.ack(s, through, open_ids) and self.persist is not None:
             # Logged only when it releases get items: else a restart could give them back.
-            self.persist.session_record("ack", s.id, through=info.through,
-                                        open=list(info.open))
+            self.persist.session_record("ack", s.id, through=through, open=list(open_ids))
 
     def restore(self, name: str, reply: Fetched[Any], *, logged: bool = False) -> None:
         """Put the items of a get reply back at the front of their bin.

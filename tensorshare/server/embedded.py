@@ -15,6 +15,7 @@ from ..wire.messages import Limits
 from .auth import check_exposure
 from .config import ServerConfig
 from .core import ServerFactory
+from .reactor import LeanEPollReactor
 from .transports import listen_fast_tcp, listen_fast_unix
 
 __all__ = ["EmbeddedServer", "run_server"]
@@ -48,8 +49,6 @@ class EmbeddedServer:
     def __init__(self, port: int | None = 0, *, host: str = "127.0.0.1",
                  limits: Limits | None = None, max_memory: int | None = None,
                  config: ServerConfig | None = None, unix: str | None = None) -> None:
-        from twisted.internet.epollreactor import EPollReactor
-
         if port is None and unix is None:
             raise ValueError("give a TCP port, a Unix socket path, or both")
         if port is not None:
@@ -57,7 +56,7 @@ class EmbeddedServer:
         self.host = host
         self.unix = unix
         self._ports: list[Any] = []
-        self.reactor = EPollReactor()
+        self.reactor = LeanEPollReactor()
         self._stopping = False
         self._reactor_closed = False
         try:

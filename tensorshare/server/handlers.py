@@ -3,7 +3,8 @@
 The connection (:mod:`.connection`) parses, enforces limits and backpressure, and hands each
 request to the :class:`Responder`, which routes it by type to one handler. Handlers act on the
 server's state (the store, the sessions, the listeners: :class:`~.core.ServerFactory`) and
-answer through the connection's ``reply``.
+return what to answer; the connection alone remembers, encodes and writes it (a request
+answered later, such as a waiting get, is answered through the connection's ``answer``).
 
 The effects that change the store (:data:`EFFECTS`) are written once and used twice: by the
 handlers, and by the data log's replay at start-up (:mod:`.persist`), which turns each logged
@@ -132,7 +133,7 @@ class Route:
     """
 
     op: str
-    handler: Callable[[ServerProtocol, Any], None]
+    handler: Callable[[ServerProtocol, Any], Reply | None]
     mutating: bool
     read: bool
     store: bool
@@ -153,7 +154,7 @@ class Responder:
 
     def __init__(self, server: ServerFactory) -> None:
         self.server = server
-        self._handlers: dict[type, Callable[[ServerProtocol, Any], None]] = {
+        self._handlers: dict[type, Callable[[ServerProtocol, Any], Reply | None]] = {
             Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
             Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
             Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
@@ -183,21 +184,26 @@ class Responder:
             return self._get if msg.spec.remove else self._peek  # type: ignore[union-attr]
         return self._routes[cls]
 
-    def handle(self, conn: ServerProtocol, msg: Request) -> None:
-        """Serve one request of ``conn`` (after its handshake). Never raises: a failure
-        costs this request an error reply, never the connection or the server."""
-        route = self.route(msg)
+    def handle(self, conn: ServerProtocol, msg: Request, route: Route | None = None
+               ) -> Reply | None:
+        """Serve one request of ``conn`` (after its handshake): the reply to send, or ``None``
+        when it is answered later (a waiting get, a held append) or already was (a resent
+        request, a request of another kind). Never raises: a failure costs this request an
+        error reply, never the connection or the server.
+
+        The connection alone remembers, encodes and writes replies (:meth:`ServerProtocol.answer`).
+        """
+        if route is None:
+            route = self.route(msg)
         if not route.read and (conn.role == "read" or self.relay_of is not None):
-            self._refuse_write(conn, msg, route.op)
-            return
+            return self._refuse_write(msg, route.op)
         s = conn.session
         if s is not None and route.mutating:
             old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
-                conn.started.pop(msg.id, None)
-                conn.send(old.reply)
-                return
+                conn.replay(msg, old.reply)
+                return None
         try:
             if route.store:
                 name = msg.bin  # type: ignore[union-attr]
@@ -208,22 +214,21 @@ class Responder:
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
                     raise StorageUnavailable(why)
-            route.handler(conn, msg)
+            return route.handler(conn, msg)
         except ServerError as exc:
-            conn.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))
+            return ErrorReply(msg.id, code_for(exc), str(exc))
         except Exception:  # a bug must cost one request, never the server
             log.failure("internal error serving {op} from {peer}", op=op_name(msg),
                         peer=conn.peer)
-            conn.reply(msg, ErrorReply(msg.id, ServerError.code,
-                                       "internal server error; see the server log"))
+            return ErrorReply(msg.id, ServerError.code, "internal server error; see the server log")
 
-    def _refuse_write(self, conn: ServerProtocol, msg: Request, op: str) -> None:
-        """Answer a write that this connection's role (or a relay) does not allow."""
-        conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
+    def _refuse_write(self, msg: Request, op: str) -> ErrorReply:
+        """The answer to a write that this connection's role (or a relay) does not allow."""
+        return ErrorReply(msg.id, PermissionDenied.code, (
             f"{op} is not allowed with the read-only token (it may peek, list, stats and "
             f"listen); use the read-write token" if self.relay_of is None else
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
-            f"read-only (peek, list, stats, listen); write to that primary")))
+            f"read-only (peek, list, stats, listen); write to that primary"))
 
     def _check_kind(self, msg: Any) -> None:
         """A value or list request on a bin of another kind (a stream, a service) is refused."""
@@ -234,40 +239,40 @@ class Responder:
                                      f"operations)")
 
     # -- writes -----------------------------------------------------------------------------
-    def _put(self, conn: ServerProtocol, msg: Put) -> None:
-        conn.reply(msg, put_effect(self.server.store, msg, conn.ctx(msg)))
+    def _put(self, conn: ServerProtocol, msg: Put) -> Reply:
+        return put_effect(self.server.store, msg, conn.ctx(msg))
 
-    def _append(self, conn: ServerProtocol, msg: Append) -> None:
+    def _append(self, conn: ServerProtocol, msg: Append) -> Reply | None:
         store = self.server.store
         entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
         rid = msg.id
 
         def stored(w: Written | BaseException) -> None:
             conn.stop_waiting(rid)
-            conn.reply(msg, _stored(rid, w) if isinstance(w, Written)
-                       else ErrorReply(rid, code_for(w), str(w)))
+            conn.answer(msg, _stored(rid, w) if isinstance(w, Written)
+                        else ErrorReply(rid, code_for(w), str(w)))
 
         result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg))
         if isinstance(result, Written):
-            conn.reply(msg, _stored(rid, result))
-            return
+            return _stored(rid, result)
         # A full "block" bin: wait for room, up to the append's timeout (a cancel or a
         # disconnect withdraws it too).
         conn.wait(rid, result, msg.timeout, lambda: self._block_timed_out(conn, msg))
+        return None
 
     def _block_timed_out(self, conn: ServerProtocol, msg: Append) -> None:
-        conn.reply(msg, ErrorReply(msg.id, BinFull.code,
-                                   f"bin {msg.bin!r} stayed full for {msg.timeout:g} s "
-                                   f"(overflow='block'); nothing was stored"))
+        conn.answer(msg, ErrorReply(msg.id, BinFull.code,
+                                    f"bin {msg.bin!r} stayed full for {msg.timeout:g} s "
+                                    f"(overflow='block'); nothing was stored"))
 
-    def _delete(self, conn: ServerProtocol, msg: Delete) -> None:
-        conn.reply(msg, delete_effect(self.server.store, msg, conn.ctx(msg)))
+    def _delete(self, conn: ServerProtocol, msg: Delete) -> Reply:
+        return delete_effect(self.server.store, msg, conn.ctx(msg))
 
-    def _configure(self, conn: ServerProtocol, msg: Configure) -> None:
-        conn.reply(msg, configure_effect(self.server.store, msg, conn.ctx(msg)))
+    def _configure(self, conn: ServerProtocol, msg: Configure) -> Reply:
+        return configure_effect(self.server.store, msg, conn.ctx(msg))
 
     # -- reads ------------------------------------------------------------------------------
-    def _fetch(self, conn: ServerProtocol, msg: Fetch) -> None:
+    def _fetch(self, conn: ServerProtocol, msg: Fetch) -> Reply | None:
         f = self.server
         spec = msg.spec
         max_bytes = f.max_reply_bytes
@@ -282,79 +287,69 @@ class Responder:
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
         if not spec.wait:
-            self._fetched(conn, msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
-            return
+            return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
         rid = msg.id
 
         def served(taken: Fetched[Any]) -> None:
             conn.stop_waiting(rid)
-            self._fetched(conn, msg, taken)
+            conn.answer(msg, _fetched(msg, taken))
 
         result = f.store.fetch_or_wait(msg.bin, spec, served, max_bytes, conn.ctx(msg))
         if isinstance(result, Fetched):
-            self._fetched(conn, msg, result)
-        elif result.active:  # else served at once, through ``served``, behind earlier waiters
+            return _fetched(msg, result)
+        if result.active:  # else served at once, through ``served``, behind earlier waiters
             conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
-
-    def _fetched(self, conn: ServerProtocol, msg: Fetch, taken: Fetched[Any]) -> None:
-        # (dataclasses.replace, generic, cost more than the rest of this per fetch)
-        reply = Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,
-                        taken.dropped, taken.unchanged, taken.tags, taken.nbytes)
-        if msg.spec.remove and taken.items:
-            conn.reply(msg, reply, bin=msg.bin, held=taken.nbytes)
-        else:
-            conn.reply(msg, reply)
+        return None
 
     def _timed_out(self, conn: ServerProtocol, msg: Fetch) -> None:
         what = "newer data" if msg.spec.newer_than is not None else "data"
-        conn.reply(msg, ErrorReply(msg.id, WaitTimeout.code,
-                                   f"no {what} in bin {msg.bin!r} within "
-                                   f"{msg.spec.timeout or 0.0:g} s"))
+        conn.answer(msg, ErrorReply(msg.id, WaitTimeout.code,
+                                    f"no {what} in bin {msg.bin!r} within "
+                                    f"{msg.spec.timeout or 0.0:g} s"))
 
-    def _list(self, conn: ServerProtocol, msg: ListBins) -> None:
-        conn.reply(msg, Listing(msg.id, self.server.store.list()))
+    def _list(self, conn: ServerProtocol, msg: ListBins) -> Reply:
+        return Listing(msg.id, self.server.store.list())
 
-    def _stats(self, conn: ServerProtocol, msg: Stats) -> None:
+    def _stats(self, conn: ServerProtocol, msg: Stats) -> Reply:
         f = self.server
-        conn.reply(msg, StatsReply(msg.id, f.server_stats(), f.bin_stats(msg.glob)))
+        return StatsReply(msg.id, f.server_stats(), f.bin_stats(msg.glob))
 
     # -- listeners and the rest -------------------------------------------------------------
-    def _listen(self, conn: ServerProtocol, msg: Listen) -> None:
+    def _listen(self, conn: ServerProtocol, msg: Listen) -> Reply:
         store = self.server.store
         conn.listening.add(msg.bin)
         self.server.subscribe(msg.bin, conn)
-        conn.reply(msg, Listening(msg.id, store.version(msg.bin), store.n_items(msg.bin)))
+        return Listening(msg.id, store.version(msg.bin), store.n_items(msg.bin))
 
-    def _unlisten(self, conn: ServerProtocol, msg: Unlisten) -> None:
+    def _unlisten(self, conn: ServerProtocol, msg: Unlisten) -> Reply:
         was = msg.bin in conn.listening
         conn.listening.discard(msg.bin)
         self.server.unsubscribe(msg.bin, conn)
-        conn.reply(msg, Acked(msg.id, was))
+        return Acked(msg.id, was)
 
-    def _unexpected(self, conn: ServerProtocol, msg: Request) -> None:
-        conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code,
-                                   f"{op_name(msg)} is not expected after the handshake"))
+    def _unexpected(self, conn: ServerProtocol, msg: Request) -> Reply:
+        return ErrorReply(msg.id, InvalidRequest.code,
+                          f"{op_name(msg)} is not expected after the handshake")
 
-    def _hello_again(self, conn: ServerProtocol, msg: Hello) -> None:
-        conn.reply(msg, ErrorReply(msg.id, InvalidRequest.code, "handshake already done"))
+    def _hello_again(self, conn: ServerProtocol, msg: Hello) -> Reply:
+        return ErrorReply(msg.id, InvalidRequest.code, "handshake already done")
 
     def _bye(self, conn: ServerProtocol, msg: Bye) -> None:
         s, conn.session = conn.session, None
         if s is not None:
             self.server.end_session(s)
-        conn.reply(msg, Acked(msg.id, s is not None))
+        conn.answer(msg, Acked(msg.id, s is not None))
         conn.close()
 
-    def _ping(self, conn: ServerProtocol, msg: Ping) -> None:
-        conn.reply(msg, Acked(msg.id, True))
+    def _ping(self, conn: ServerProtocol, msg: Ping) -> Reply:
+        return Acked(msg.id, True)
 
-    def _cancel(self, conn: ServerProtocol, msg: Cancel) -> None:
+    def _cancel(self, conn: ServerProtocol, msg: Cancel) -> Reply:
         f = self.server
         target = msg.target
         cancelled = conn.cancel_wait(target)
         if cancelled is not None:
-            conn.reply(msg, Acked(msg.id, cancelled))
-            return
+            return Acked(msg.id, cancelled)
         # A get that already ran, whose reply the client will not take: its items go back.
         # (Other remembered replies stay: a resent put must still not run twice.)
         s = conn.session
@@ -365,6 +360,12 @@ class Responder:
                 f.persist.session_record("forget", s.id, id=target)
             f.sessions.forget(s, target)
             f.restore(done.bin, done.reply, logged=True)
-            conn.reply(msg, Acked(msg.id, True))
-            return
-        conn.reply(msg, Acked(msg.id, False))
+            return Acked(msg.id, True)
+        return Acked(msg.id, False)
+
+
+def _fetched(msg: Fetch, taken: Fetched[Any]) -> Fetched[Any]:
+    """The store's record of a fetch as the reply to ``msg``."""
+    # (dataclasses.replace, generic, cost more than the rest of this per fetch)
+    return Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,
+                   taken.dropped, taken.unchanged, taken.tags, taken.nbytes)

@@ -144,10 +144,6 @@ class SessionTable:
         s = self.sessions[sid] = ServerSession(sid)
         return s
 
-    def can_hold(self, s: ServerSession, nbytes: int) -> bool:
-        """Whether ``s`` may hold ``nbytes`` more of get items."""
-        return s.held + nbytes <= self.max_session_bytes
-
     def remember(self, s: ServerSession, rid: int, reply: Reply, bin: str | None = None,
                  held: int = 0) -> None:
         """Remember the reply to ``rid`` (a get that returned items names its bin and size)."""
@@ -166,6 +162,8 @@ class SessionTable:
             How many bytes of held items this released.
         """
         replies, order = s.replies, s.order
+        if not order or order[0] > through:
+            return 0  # (the usual case between two requests: nothing this old is remembered)
         gone: list[int] = []
         kept: list[int] = []
         while order and order[0] <= through:

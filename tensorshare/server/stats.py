@@ -63,6 +63,20 @@ class ServerStats:
         h[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         h[-1] += int(seconds * 1e6)
 
+    def observe_many(self, op: str, n: int, bytes_out: int, seconds: float) -> None:
+        """Count ``n`` requests of one op answered together (one pass over a read: they
+        arrived together and their replies left together, so they share one latency)."""
+        keys = self._keys.get(op)
+        if keys is None:
+            keys = self._keys[op] = (f"op.{op}", f"bytes_out.{op}")
+            self.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+        c = self.counters
+        c[keys[0]] += n
+        c[keys[1]] += bytes_out
+        h = self.latency[op]
+        h[bisect_left(LATENCY_BUCKETS, seconds)] += n
+        h[-1] += int(seconds * 1e6) * n
+
     def add_bytes_in(self, by_op: dict[str, int]) -> None:
         """Fold a connection's received bytes (by op) into the totals, and clear them."""
         for op, n in by_op.items():

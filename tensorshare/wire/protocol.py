@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import gc
 import math
+import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeGuard, Union
+from typing import Any, TypeGuard, Union, cast
 
 import msgpack
 
@@ -43,6 +44,8 @@ from ..errors import (
 from .auth import MECH, NONCE_BYTES
 from .codec import Buffer, encoded_of, raw_buffer, validate
 from .frames import (
+    FORMAT_VERSION,
+    MAGIC,
     Budget,
     BytesLike,
     Frame,
@@ -104,16 +107,19 @@ __all__ = [
     "Orphan",
     "ProtocolViolation",
     "ServerConnection",
+    "acked_frame",
     "check_bin_name",
     "encode_fetched_parts",
     "encode_fetched_with_id",
     "encode_message",
+    "encode_reply",
     "item_wire_size",
     "items_header",
     "op_name",
     "parse_items",
     "register",
     "register_reply",
+    "stored_frame",
 ]
 
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
@@ -726,6 +732,51 @@ def encode_fetched_with_id(rid: int, tail: bytes, buffers: list[BytesLike],
     return encode_frame(header, buffers)
 
 
+# -- replies from prepared pieces ---------------------------------------------------------------
+# The most common replies are written from pre-packed msgpack pieces: the fixed keys once, the
+# integers packed per reply, the frame prefix in the same step. The keys come in the order the
+# general encoder writes them, so the bytes are the same (tests/wire/test_protocol.py checks it
+# byte for byte against encode_message's dict path, for any id and version).
+_FRAME_HEAD = struct.Struct("<2sBBIQ")
+_STORED_OK = (_packb("op") + _packb("reply") + _packb("id"), _packb("ok") + b"\xc3"
+              + _packb("version"), _packb("n_items"), _packb("dropped"))
+_ACKED_OK = (b"\x84" + _PACKED_REPLY_OK, _packb("ok") + b"\xc3" + _packb("flag"))
+
+
+def stored_frame(rid: int, version: int, n_items: int, dropped: int = 0) -> bytes:
+    """The frame of a :class:`Stored` reply (what a put or an append answers)."""
+    head, mid, n_key, d_key = _STORED_OK
+    if dropped:
+        header = b"".join((b"\x86", head, _packb(rid), mid, _packb(version), n_key,
+                           _packb(n_items), d_key, _packb(dropped)))
+    else:
+        header = b"".join((b"\x85", head, _packb(rid), mid, _packb(version), n_key,
+                           _packb(n_items)))
+    return _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header
+
+
+def acked_frame(rid: int, flag: bool) -> bytes:
+    """The frame of an :class:`Acked` reply (ping, cancel, unlisten, bye)."""
+    head, mid = _ACKED_OK
+    header = b"".join((head, _packb(rid), mid, b"\xc3" if flag else b"\xc2"))
+    return _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header
+
+
+def encode_reply(msg: Reply, shared: list[Any] | None = None) -> list[BytesLike]:
+    """A reply's frame chunks: the common ones from prepared pieces, the others through
+    :func:`encode_message`."""
+    cls = type(msg)
+    if cls is Stored:
+        return [stored_frame(msg.id, msg.version, msg.n_items, msg.dropped)]  # type: ignore[union-attr]
+    if cls is Acked:
+        return [acked_frame(msg.id, msg.flag)]  # type: ignore[union-attr]
+    if cls is Fetched and not shared and msg.items:  # type: ignore[union-attr]
+        f: Fetched[Any] = msg  # type: ignore[assignment]
+        tail, buffers, fields = encode_fetched_parts(f, None)
+        return encode_fetched_with_id(f.id, tail, buffers, fields)
+    return encode_message(msg, None, shared)[0]
+
+
 def encode_message(msg: Message, extra: dict[str, Any] | None = None,
                    shared: list[Any] | None = None) -> tuple[list[BytesLike], int]:
     """Serialise one message into frame chunks (buffers are not copied).
@@ -969,6 +1020,20 @@ def _header_map(frame: Frame | OversizedFrame) -> dict[str, Any]:
     return header
 
 
+def _ack_of(h: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
+    """A request's acknowledgement fields as ``(through, open)``; ``through`` is -1 when they
+    are malformed (ignored: replies are kept a little longer)."""
+    through, open_ids = h["ack"], h.get("open")
+    if type(through) is not int or through < 0:
+        return -1, ()
+    if open_ids is None or open_ids == []:  # (the usual case: nothing below it is still open)
+        return through, ()
+    if (type(open_ids) is not list or len(open_ids) > MAX_OPEN_ACKS
+            or not all(type(i) is int for i in open_ids)):
+        return -1, ()
+    return through, tuple(open_ids)
+
+
 # -- the two sides ----------------------------------------------------------------------------
 ServerEvent = Union[Request, AckInfo, BadRequest, ProtocolViolation]
 ClientEvent = Union[Reply, Changed, Orphan, ProtocolViolation]
@@ -1054,71 +1119,98 @@ class ServerConnection(_Side):
         self._decoder.max_frame_bytes = self.limits.max_frame_bytes
         self._decoder.max_header_bytes = self.limits.max_header_bytes
 
+    def frames(self, data: BytesLike) -> tuple[list[Frame | OversizedFrame],
+                                                ProtocolError | None]:
+        """Feed received bytes: the frames they complete, and the error that ends the stream
+        (after those frames) if the peer broke the format. Each frame is then given to
+        :meth:`parse`, in order: the server handles one before parsing the next."""
+        return self._frames(data, 0)
+
+    def buffered(self, nbytes: int) -> tuple[list[Frame | OversizedFrame],
+                                             ProtocolError | None]:
+        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`frames`)."""
+        return self._frames(None, nbytes)
+
+    def parse(self, frame: Frame | OversizedFrame
+              ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
+        """One frame's request, and the acknowledgement it carried.
+
+        Returns:
+            ``(request, through, open)``: the request (or a :class:`BadRequest` to answer
+            with an error), and what the client says it has received: the replies of every
+            request up to ``through`` except those in ``open`` (``through`` is -1 when the
+            frame says nothing, or says it malformed: then replies are kept a little longer).
+
+        Raises:
+            ProtocolError: the frame breaks the format: the connection must be closed.
+        """
+        fds = self.fds
+        token = _PARSING_FDS.set(fds) if fds.queue else None
+        try:
+            if len(frame.header) < _GC_PAUSE_HEADER:
+                return self._parse_frame(frame)
+            with _GcPaused():
+                return self._parse_frame(frame)
+        finally:
+            if token is not None:
+                _PARSING_FDS.reset(token)
+
     def receive_data(self, data: BytesLike) -> list[ServerEvent]:
-        """Feed received bytes; return the requests they complete, in order.
+        """Feed received bytes; return the requests they complete, in order, each preceded
+        by its :class:`AckInfo` (the event form of :meth:`frames` and :meth:`parse`).
 
         Never raises for bad input: if the peer broke the wire format, the last event is a
         :class:`ProtocolViolation` and the connection must be closed.
         """
-        return self._parse(*self._frames(data, 0))
+        return self._events(*self._frames(data, 0))
 
     def buffer_updated(self, nbytes: int) -> list[ServerEvent]:
         """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
-        return self._parse(*self._frames(None, nbytes))
+        return self._events(*self._frames(None, nbytes))
 
     def send(self, msg: Message) -> list[BytesLike]:
         """Serialise a reply or notification into frame chunks (buffers are not copied)."""
         return encode_message(msg)[0]
 
-    def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
-               ) -> list[ServerEvent]:
-        """Parse each frame; a :class:`ProtocolViolation` ends the list if the peer broke
-        the format, after what was complete before it. (The client's ``_parse`` is the same
-        loop: written out in each, as it runs on every read.)"""
+    def _events(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
+                ) -> list[ServerEvent]:
         out: list[ServerEvent] = []
-        # (set only while descriptors wait: otherwise it is None, as parsing leaves it)
-        token = _PARSING_FDS.set(self.fds) if self.fds.queue else None
         try:
             for frame in frames:
-                if len(frame.header) < _GC_PAUSE_HEADER:
-                    self._parse_frame(frame, out)
-                    continue
-                with _GcPaused():
-                    self._parse_frame(frame, out)
+                msg, through, open_ids = self.parse(frame)
+                if through >= 0:
+                    out.append(AckInfo(through, open_ids))
+                out.append(msg)
         except ProtocolError as exc:
             error = exc
-        finally:
-            if token is not None:
-                _PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out
 
-    def _parse_frame(self, frame: Frame | OversizedFrame, out: list[ServerEvent]) -> None:
+    def _parse_frame(self, frame: Frame | OversizedFrame
+                     ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
         h = _header_map(frame)
         rid = h.get("id")
         if type(rid) is not int or rid < 1:  # (an int, never a bool: msgpack keeps them apart)
             raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
                                 f"op {h.get('op')!r})")
         if type(frame) is OversizedFrame:
-            out.append(self._oversized(rid, frame))
-            return
+            return self._oversized(rid, frame), -1, ()
         assert type(frame) is Frame
+        through, open_ids = -1, cast(tuple[int, ...], ())
         if "ack" in h:
-            ack = self._ack(h)
-            if ack is not None:
-                out.append(ack)
+            through, open_ids = _ack_of(h)
         op = OPS.get(h.get("op"))  # type: ignore[arg-type]
         if op is None:
-            out.append(BadRequest(rid, InvalidRequest.code, f"unknown op {h.get('op')!r}"))
-            return
+            return BadRequest(rid, InvalidRequest.code, f"unknown op {h.get('op')!r}"), \
+                through, open_ids
         name = op.name
         by_op = self.bytes_in
         by_op[name] = by_op.get(name, 0) + len(frame.header) + len(frame.payload) + 16
         try:
-            out.append(op.parse(rid, h, frame.payload, self.limits))
+            return op.parse(rid, h, frame.payload, self.limits), through, open_ids
         except _Invalid as exc:
-            out.append(BadRequest(rid, exc.code, str(exc)))
+            return BadRequest(rid, exc.code, str(exc)), through, open_ids
 
     def _oversized(self, rid: int, frame: OversizedFrame) -> BadRequest:
         """The answer to a request whose payload was refused (over a limit, or no memory)."""
@@ -1133,19 +1225,6 @@ class ServerConnection(_Side):
         return BadRequest(rid, LimitExceeded.code,
                           f"frame of {frame.payload_len} payload bytes exceeds the "
                           f"server's max_frame_bytes={frame.limit}; nothing was stored")
-
-    @staticmethod
-    def _ack(h: dict[str, Any]) -> AckInfo | None:
-        through, open_ids = h["ack"], h.get("open")
-        if type(through) is not int or through < 0:
-            return None  # a malformed ack is ignored: replies are kept a little longer
-        if open_ids is None:  # (the usual case: nothing below ``through`` is still open)
-            return AckInfo(through)
-        if (type(open_ids) is not list or len(open_ids) > MAX_OPEN_ACKS
-                or not all(type(i) is int for i in open_ids)):
-            return None
-        return AckInfo(through, tuple(open_ids)) if open_ids else AckInfo(through)
-
 
 class ClientConnection(_Side):
     """The client side of one connection: requests -> bytes; bytes in -> replies and events.

@@ -751,3 +751,43 @@ def test_stats_reply(factory: ServerFactory) -> None:
     assert type(reply) is StatsReply and reply.server["connections"] == 1
     assert reply.bins["w"]["first"] == "{a: float32[2,3]}"
     assert reply.bins["w"]["kind"] == "value" and reply.bins["w"]["version"] == 1
+
+
+# ------------------------------------------------------------------- one pass per read
+
+
+def test_the_replies_to_one_read_leave_in_one_write(factory: ServerFactory) -> None:
+    """Every request a read completes is served in one pass; their replies go out together,
+    in order, with one write to the transport (one sendmsg on a socket)."""
+    p = Peer(factory)
+    writes: list[int] = []
+    write = p.transport.write
+    p.transport.writeSequence = lambda chunks: (writes.append(len(chunks)),  # type: ignore
+                                                write(b"".join(map(bytes, chunks))))
+    item = Item(codec.encode(torch.arange(4)))
+    ids = [p.rid() for _ in range(4)]
+    data = b"".join(b"".join(map(bytes, p.conn.send(m))) for m in (
+        Put(ids[0], "a", item), Put(ids[1], "b", item), Get(ids[2], "a"), Ping(ids[3])))
+    p.transport.clear()
+    p.proto.dataReceived(data)
+    assert len(writes) == 1
+    replies = p.received()
+    assert [r.id for r in replies] == ids
+    assert [type(r) for r in replies] == [Stored, Stored, Fetched, Acked]
+    stats = factory.stats.counters
+    assert stats["op.put"] == 2 and stats["op.get"] == 1 and stats["op.ping"] == 1
+    assert sum(factory.stats.latency["put"][:-1]) == 2
+
+
+def test_an_error_during_a_pass_still_answers_what_came_before(factory: ServerFactory) -> None:
+    """A pass whose read ends in garbage sends the replies of the good frames before it, then
+    the error that closes the connection."""
+    p = Peer(factory)
+    rid = p.rid()
+    p.transport.clear()
+    p.proto.dataReceived(b"".join(map(bytes, p.conn.send(Ping(rid))))
+                         + b"garbage that is no frame at all")
+    replies = p.received()
+    assert type(replies[0]) is Acked and replies[0].id == rid
+    assert type(replies[-1]) is ErrorReply and replies[-1].id == 0
+    assert p.transport.disconnecting

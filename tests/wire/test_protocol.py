@@ -1297,3 +1297,55 @@ def test_a_frame_of_many_items_is_parsed_with_the_garbage_collector_paused() -> 
     assert during <= 1 and gc.isenabled()
     assert len(request.items) == n and request.items[-1].tag == n - 1
     assert gc.isenabled() and any(type(e) in (BadRequest, ProtocolViolation) for e in events)
+
+
+# -- replies from prepared pieces -------------------------------------------------------------
+def _general_frame(msg: Any) -> bytes:
+    """A reply encoded the general way: its header as the table builds it, then packed."""
+    from tensorshare.wire.protocol import _header_of, _items_header
+
+    header, items = _header_of(msg)
+    buffers: list[Any] = []
+    if items:
+        header["items"] = _items_header(items, buffers, None)
+    return b"".join(bytes(c) for c in encode_frame(msgpack.packb(header, use_bin_type=True),
+                                                     buffers))
+
+
+_IDS = (1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1)
+
+
+@pytest.mark.parametrize("rid", _IDS)
+@pytest.mark.parametrize("version", (0, 1, 200, 70000, 2**40))
+@pytest.mark.parametrize("dropped", (0, 3, 300))
+def test_stored_frames_from_prepared_pieces_match_the_general_encoder(
+        rid: int, version: int, dropped: int) -> None:
+    from tensorshare.wire.protocol import encode_reply, stored_frame
+
+    msg = Stored(rid, version, version % 1000, dropped)
+    assert stored_frame(rid, version, version % 1000, dropped) == _general_frame(msg)
+    assert b"".join(bytes(c) for c in encode_reply(msg)) == _general_frame(msg)
+
+
+@pytest.mark.parametrize("rid", _IDS)
+@pytest.mark.parametrize("flag", (True, False))
+def test_acked_frames_from_prepared_pieces_match_the_general_encoder(rid: int,
+                                                                      flag: bool) -> None:
+    from tensorshare.wire.protocol import acked_frame, encode_reply
+
+    assert acked_frame(rid, flag) == _general_frame(Acked(rid, flag))
+    assert b"".join(bytes(c) for c in encode_reply(Acked(rid, flag))) == \
+        _general_frame(Acked(rid, flag))
+
+
+@pytest.mark.parametrize("rid", (1, 300, 2**40))
+@pytest.mark.parametrize("value", [torch.ones(3), {"a": torch.arange(5), "b": "x"}, 7, None])
+@pytest.mark.parametrize("n", (1, 3))
+def test_fetched_frames_from_prepared_pieces_match_the_general_encoder(
+        rid: int, value: Any, n: int) -> None:
+    from tensorshare.wire.protocol import encode_reply
+
+    items = tuple(Item(codec.encode(value), tag) for tag in range(n))
+    for msg in (Fetched(rid, "list", items, 9, n, 2), Fetched(rid, "value", items[:1], 4, 1, 0),
+                Fetched(rid, "value", (), 4, 1, 0, unchanged=True)):
+        assert b"".join(bytes(c) for c in encode_reply(msg)) == _general_frame(msg)
