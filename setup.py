@@ -1,14 +1,20 @@
 """Packaging for tensorshare. Tool settings live in pyproject.toml.
 
-The modules ``tensorshare/_ext.py`` lists in ``COMPILED`` are compiled from their own ``.py``
-sources by Cython when a C compiler is found: the compiled hot path, with the pure-Python
-modules as its twin. Without a compiler (or with ``TENSORSHARE_NO_EXTENSIONS=1`` set at
-install time) the install says so in one line and tensorshare runs as pure Python.
+The modules ``tensorshare/_ext.py`` lists in ``TWINS`` are compiled by Cython from their own
+``.py`` sources, each under its twin's name (``frames.py`` -> ``frames_c``) and typed by the
+``.pxd`` of that name beside it (a dependency of the build: changing only a ``.pxd`` rebuilds
+its module). Where a C compiler is found, a module that fails to compile fails the install:
+it never installs quietly slower. Without a compiler (or Cython, or with
+``TENSORSHARE_NO_EXTENSIONS=1`` set at install time) the install says so in one line and
+tensorshare runs as pure Python, with the same behaviour.
 """
 
 import ast
 import os
+import shlex
+import shutil
 import sys
+import sysconfig
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -16,15 +22,24 @@ from setuptools.command.build_ext import build_ext
 NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"
 
 
-def compiled_modules() -> list[str]:
-    """``COMPILED`` from tensorshare/_ext.py, read as a literal (nothing is imported or run)."""
+class ParallelBuildExt(build_ext):
+    """One compiler per core: the modules build independently."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
+def twin_modules() -> list[str]:
+    """``TWINS`` from tensorshare/_ext.py, read as a literal (nothing is imported or run)."""
     with open(os.path.join("tensorshare", "_ext.py"), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "COMPILED" for t in node.targets):
+                isinstance(t, ast.Name) and t.id == "TWINS" for t in node.targets):
             return list(ast.literal_eval(node.value))
-    raise RuntimeError("tensorshare/_ext.py has no COMPILED tuple")
+    raise RuntimeError("tensorshare/_ext.py has no TWINS tuple")
 
 
 def _pure(why: str) -> None:
@@ -32,51 +47,42 @@ def _pure(why: str) -> None:
           f"slower per request)", file=sys.stderr)
 
 
+def _compiler() -> str | None:
+    """The C compiler this Python builds extensions with, if it is on this machine."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(shlex.split(cc)[0]) if cc.strip() else None
+
+
 def extensions() -> list[Extension]:
     if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
         _pure(f"{NO_EXTENSIONS_ENV} is set")
+        return []
+    if _compiler() is None:
+        _pure("no C compiler was found")
         return []
     try:
         from Cython.Build import cythonize
     except ImportError:
         _pure("Cython is not available")
         return []
-    modules = [Extension(name, [name.replace(".", "/") + ".py"]) for name in compiled_modules()]
-    # annotation_typing=False: annotations document, they are not enforced (the pure modules
-    # accept any bytes-like where they say bytes, and so must the compiled ones).
-    return cythonize(modules, build_dir=os.path.join("build", "cython"), quiet=True,
+    modules = []
+    build_dir = os.path.join("build", "twins")
+    for name in twin_modules():
+        source = name.replace(".", "/")
+        pxd = f"{source}_c.pxd"
+        depends = [pxd] if os.path.exists(pxd) else []
+        # cythonize looks at the .py's own dependencies only (cython#1428): a .pxd newer than
+        # the C file it generated makes it generate that file again.
+        generated = os.path.join(build_dir, f"{source}.c")
+        if depends and os.path.exists(generated) and \
+                os.path.getmtime(pxd) > os.path.getmtime(generated):
+            os.remove(generated)
+        modules.append(Extension(f"{name}_c", [f"{source}.py"], depends=depends))
+    # annotation_typing=False: annotations document, the .pxd types (the pure modules accept
+    # any bytes-like where they say bytes, and so must the compiled ones).
+    return cythonize(modules, build_dir=build_dir, quiet=True,
                      compiler_directives={"language_level": 3, "annotation_typing": False,
                                           "binding": True})
-
-
-class OptionalBuildExt(build_ext):
-    """Build the compiled modules where a C compiler works; otherwise carry on without them."""
-
-    failed = False
-
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        if not self.parallel:  # one compiler per core: the modules build independently
-            self.parallel = os.cpu_count() or 1
-
-    def run(self) -> None:
-        try:
-            super().run()
-        except Exception as exc:  # no compiler, no Python headers, ...: pure Python it is
-            self._failed(exc)
-
-    def build_extension(self, ext: Extension) -> None:
-        if self.failed:
-            return
-        try:
-            super().build_extension(ext)
-        except Exception as exc:
-            self._failed(exc)
-
-    def _failed(self, exc: Exception) -> None:
-        if not OptionalBuildExt.failed:
-            OptionalBuildExt.failed = True
-            _pure(f"the compiled hot path could not be built ({str(exc).splitlines()[0]})")
 
 
 setup(
@@ -120,7 +126,7 @@ setup(
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
     ext_modules=extensions(),
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": ParallelBuildExt},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

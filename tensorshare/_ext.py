@@ -1,38 +1,39 @@
-"""The compiled hot path and its pure-Python twin.
+"""The compiled hot path and its pure-Python twin, chosen in this one place.
 
-The modules in :data:`COMPILED` are compiled by Cython when the package is installed and a C
-compiler is found (``setup.py`` builds them from these very ``.py`` files: the source is the
-reference, and the compiled module is that source, compiled). Python then imports the
-compiled module in place of the ``.py``. Where no compiler was found the install says so in
-one line and the package runs as pure Python, with the same behaviour.
+Each module of :data:`TWINS` is one ``.py`` source, the reference, which runs as it is. Where
+the package was installed with a C compiler, ``setup.py`` also compiled that same source with
+Cython under its own name, the module's name with ``_c`` appended
+(``tensorshare/wire/frames.py`` -> ``tensorshare.wire.frames_c``), typed by the augmenting
+``.pxd`` of that name beside it (``frames_c.pxd``: cdef classes with declared attributes,
+typed locals; the ``.py`` needs no ``import cython``). As aiohttp does with its WebSocket
+reader (``reader_py.py`` compiled as ``reader_c``), the twin is a second *build*, never a
+second implementation.
 
-Setting ``TENSORSHARE_NO_EXTENSIONS=1`` before tensorshare is imported forces the pure-Python
-modules even where the compiled ones are built (as ``AIOHTTP_NO_EXTENSIONS`` does for
-aiohttp): the test suite runs the wire and client tests both ways, and a suspected
-difference between the two can be checked in a minute. :func:`compiled` says which modules
-run compiled in this process.
+Importing a module of :data:`TWINS` by its own name gives its compiled twin where one was
+built, else the ``.py``; ``TENSORSHARE_NO_EXTENSIONS=1`` (set before tensorshare is imported)
+forces the ``.py`` modules (as ``AIOHTTP_NO_EXTENSIONS`` does): the test command runs the wire,
+client and server tests both ways. A twin can also be imported by its own name beside the
+``.py`` module (tests compare the two). :func:`compiled` says which modules run compiled.
 
-Which modules: those that run on every request and gain from compilation as they are, measured
-(callgrind instruction counts, ``benchmarks/README.md``): the frame layer and the protocol's
-message encoding and parsing (both sides), and the client's session, read election, op surface
-and blocking client. The server's other modules gained nothing measurable compiled.
+Which modules: those callgrind shows on every request (``benchmarks/instructions.py``), in
+an order where each comes after the twins whose types its ``.pxd`` uses.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
-__all__ = ["COMPILED", "NO_EXTENSIONS_ENV", "compiled", "install"]
+__all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 
-#: The modules compiled at install time (``setup.py`` reads this tuple without importing it).
-COMPILED = (
+#: The modules with a compiled twin (``setup.py`` reads this tuple without importing it).
+TWINS = (
     "tensorshare.wire.frames",
     "tensorshare.wire.protocol",
     "tensorshare.client.session",
@@ -40,55 +41,65 @@ COMPILED = (
     "tensorshare.client.ops",
     "tensorshare.client.blocking",
 )
-
 #: Set (to anything but ``""`` or ``"0"``) to run the pure-Python modules only.
 NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"
 
 
-class _PureFinder(importlib.abc.MetaPathFinder):
-    """Finds the ``.py`` source of a module of :data:`COMPILED`, before the import system's
-    own finder would find the compiled module beside it: always (``all_pure``), or when the
-    source changed after it was compiled (an edited checkout not rebuilt yet: running a stale
-    build would run other code than the source says)."""
+def twin_of(name: str) -> str:
+    """The compiled twin's module name of module ``name``."""
+    return name + "_c"
 
-    def __init__(self, all_pure: bool) -> None:
-        self.all_pure = all_pure
+
+class _TwinLoader(importlib.abc.Loader):
+    """Loads a module of :data:`TWINS` as its compiled twin (the same module object)."""
+
+    def __init__(self, twin: str) -> None:
+        self.twin = twin
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.twin)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # (the twin ran when it was imported)
+
+
+class _TwinFinder(importlib.abc.MetaPathFinder):
+    """Finds the compiled twin of a module of :data:`TWINS`, when one was built."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in COMPILED or not path:
+        if fullname not in _TWIN_SET or not path:
             return None
-        leaf = fullname.rpartition(".")[2]
-        source = os.path.join(path[0], leaf + ".py")
-        if not os.path.exists(source):
-            return None
-        if not self.all_pure:
-            built = [os.path.join(path[0], leaf + suffix)
-                     for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-            built = [b for b in built if os.path.exists(b)]
-            if not built or os.path.getmtime(source) <= max(map(os.path.getmtime, built)):
-                return None  # compiled and up to date (or not compiled): the usual finders
-            warnings.warn(f"{source} changed after it was compiled: running it as pure Python "
-                          f"(rebuild with pip install -e .)", RuntimeWarning, stacklevel=2)
-        return importlib.util.spec_from_file_location(fullname, source)
+        twin = twin_of(fullname)
+        leaf = twin.rpartition(".")[2]
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            built = os.path.join(path[0], leaf + suffix)
+            if os.path.exists(built):
+                return importlib.machinery.ModuleSpec(fullname, _TwinLoader(twin),
+                                                      origin=built)
+        return None  # not built here: the .py
+
+
+_TWIN_SET = frozenset(TWINS)
 
 
 def install() -> None:
-    """Prefer the pure-Python modules if ``TENSORSHARE_NO_EXTENSIONS`` asks for it, or where a
-    source is newer than its compiled module (called first thing by ``tensorshare/__init__.py``,
-    before any of them is imported)."""
-    if not any(isinstance(f, _PureFinder) for f in sys.meta_path):
-        pure = os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0")
-        sys.meta_path.insert(0, _PureFinder(pure))
+    """Let the modules of :data:`TWINS` load as their compiled twins, unless
+    ``TENSORSHARE_NO_EXTENSIONS`` says otherwise (called first thing by
+    ``tensorshare/__init__.py``, before any of them is imported)."""
+    if os.environ.get(NO_EXTENSIONS_ENV, "") not in ("", "0"):
+        return
+    if not any(isinstance(f, _TwinFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TwinFinder())
 
 
-def compiled(names: Sequence[str] = COMPILED) -> dict[str, bool]:
-    """Each of ``names`` (modules of :data:`COMPILED`): whether it runs compiled in this
-    process (it is imported here to find out)."""
+def compiled(names: Sequence[str] = TWINS) -> dict[str, bool]:
+    """Each of ``names`` (modules of :data:`TWINS`): whether it runs compiled in this process
+    (it is imported here to find out)."""
     out = {}
     for name in names:
-        module = importlib.import_module(name)
-        out[name] = not (getattr(module, "__file__", "") or "").endswith(".py")
+        module: Any = importlib.import_module(name)
+        out[name] = module.__name__ == twin_of(name)
     return out
 
 

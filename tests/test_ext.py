@@ -1,17 +1,16 @@
 """The compiled hot path and its pure-Python twin (tensorshare._ext).
 
-The modules of ``COMPILED`` run compiled wherever the install built them, and as the pure
-``.py`` files with ``TENSORSHARE_NO_EXTENSIONS=1``; the wire and client tests, malformed frames
-and limits included, pass both ways (the second way in a subprocess, below)."""
+The modules of ``TWINS`` run as their compiled twins wherever the install built them, and as
+the pure ``.py`` files with ``TENSORSHARE_NO_EXTENSIONS=1``; the wire, client and server tests,
+malformed frames and limits included, pass both ways (the second way in a subprocess,
+below)."""
 
 from __future__ import annotations
 
 import importlib.machinery
 import os
-import shutil
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 
@@ -25,21 +24,39 @@ TWIN_TESTS = [
     # (first: with the variable set it asserts that nothing runs compiled in that process)
     "tests/test_ext.py::test_each_module_runs_compiled_exactly_where_it_was_built",
     "tests/wire", "tests/client/test_session.py", "tests/client/test_election.py",
-              "tests/client/test_blocking_scripted.py", "tests/client/test_pipeline.py",
-              "tests/client/test_fork_and_takeover.py"]
+    "tests/client/test_blocking_scripted.py", "tests/client/test_pipeline.py",
+    "tests/client/test_fork_and_takeover.py", "tests/server/test_connection.py",
+    "tests/server/test_store.py", "tests/server/test_session_table.py",
+    "tests/server/test_limits.py", "tests/server/test_transports.py"]
 
 
 def _built(name: str) -> bool:
-    """Whether the install compiled module ``name`` (its extension lies beside the .py)."""
+    """Whether the install compiled module ``name``'s twin (it lies beside the .py)."""
     folder = os.path.join(ROOT, *name.split(".")[:-1])
-    leaf = name.rpartition(".")[2]
+    leaf = _ext.twin_of(name).rpartition(".")[2]
     return any(os.path.exists(os.path.join(folder, leaf + suffix))
                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
 def test_each_module_runs_compiled_exactly_where_it_was_built() -> None:
     forced = os.environ.get(_ext.NO_EXTENSIONS_ENV, "") not in ("", "0")
-    assert _ext.compiled() == {name: _built(name) and not forced for name in _ext.COMPILED}
+    assert _ext.compiled() == {name: _built(name) and not forced for name in _ext.TWINS}
+
+
+def test_a_twin_and_its_source_load_side_by_side() -> None:
+    """Where a twin was built it is the module its name imports (the same object), and the
+    ``.py`` it was compiled from can still be loaded on its own for comparison."""
+    import importlib.util
+
+    for name in _ext.TWINS:
+        module = importlib.import_module(name)
+        if _built(name) and os.environ.get(_ext.NO_EXTENSIONS_ENV, "") in ("", "0"):
+            assert module is importlib.import_module(_ext.twin_of(name))
+            assert not module.__file__.endswith(".py")
+        else:
+            assert module.__file__.endswith(".py")
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
 
 
 def test_no_extensions_runs_the_pure_python_modules() -> None:
@@ -54,9 +71,10 @@ def test_no_extensions_runs_the_pure_python_modules() -> None:
 def test_the_server_says_which_hot_path_it_runs() -> None:
     from tensorshare.cli.main import _hot_path_line
 
-    wire = [name for name in _ext.COMPILED if name.startswith("tensorshare.wire.")]
+    mine = [name for name in _ext.TWINS if name.startswith(("tensorshare.wire.",
+                                                            "tensorshare.server."))]
     line = _hot_path_line()
-    assert line.startswith("hot path: compiled" if all(_ext.compiled(wire).values())
+    assert line.startswith("hot path: compiled" if all(_ext.compiled(mine).values())
                            else "hot path: pure Python")
 
 
@@ -72,22 +90,11 @@ def test_the_wire_and_client_tests_pass_on_the_pure_path() -> None:
     assert " passed" in out.stdout.splitlines()[-1], out.stdout[-500:]
 
 
-def test_a_source_changed_after_compiling_runs_as_pure_python(tmp_path: Any) -> None:
-    """An edited checkout that was not rebuilt must not run the old build: the newer
-    source runs, with a warning that says to rebuild. (The stale "compiled" module here is an
-    empty file, never loaded.)"""
-    copy = tmp_path / "tensorshare"
-    shutil.copytree(os.path.join(ROOT, "tensorshare"), copy,
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    stale = copy / "wire" / ("protocol" + importlib.machinery.EXTENSION_SUFFIXES[0])
-    stale.write_bytes(b"")
-    os.utime(stale, (1_000_000, 1_000_000))  # older than every source
-    code = ("import warnings; warnings.simplefilter('always'); "
-            "import tensorshare.wire.protocol as p; print(p.__file__)")
-    env = {k: v for k, v in os.environ.items() if k != _ext.NO_EXTENSIONS_ENV}
-    env["PYTHONPATH"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=str(tmp_path))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(copy / "wire" / "protocol.py")
-    assert "changed after it was compiled" in out.stderr
+def test_every_twin_has_its_pxd_and_the_build_lists_it() -> None:
+    """A twin is typed by the .pxd named after it; the build depends on that file, so that
+    changing only the .pxd rebuilds the module."""
+    setup_py = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
+    assert "depends=" in setup_py
+    for name in _ext.TWINS:
+        pxd = os.path.join(ROOT, *_ext.twin_of(name).split(".")) + ".pxd"
+        assert os.path.exists(pxd), f"{name} has no {os.path.basename(pxd)}"

@@ -393,10 +393,11 @@ def _security_line(server: Any) -> str:
 def _hot_path_line() -> str:
     from .. import _ext
 
-    # (the wire modules only: the server runs them, and never imports the client's)
-    wire = [name for name in _ext.COMPILED if name.startswith("tensorshare.wire.")]
-    if all(_ext.compiled(wire).values()):
-        return "hot path: compiled (the wire modules; see tensorshare._ext)"
+    # (the server's and the wire's: the server runs them, and never imports the client's)
+    mine = [name for name in _ext.TWINS if name.startswith(("tensorshare.wire.",
+                                                            "tensorshare.server."))]
+    if all(_ext.compiled(mine).values()):
+        return "hot path: compiled (see tensorshare._ext)"
     why = f"{_ext.NO_EXTENSIONS_ENV} is set" if os.environ.get(_ext.NO_EXTENSIONS_ENV, "") \
         not in ("", "0") else "not built at install: no C compiler was found"
     return f"hot path: pure Python ({why})"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol, Union
 
 from ..errors import ProtocolError
@@ -94,23 +93,48 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
-@dataclass(frozen=True, slots=True)
 class Frame:
     """One complete frame: the header bytes and the payload section (empty if none)."""
 
-    header: bytes
-    payload: Payload
+    __slots__ = ("header", "payload")
+
+    def __init__(self, header: bytes, payload: Payload) -> None:
+        self.header = header
+        self.payload = payload
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Frame and (self.header, self.payload) == (
+            other.header, other.payload)  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Frame(header={self.header!r}, payload={self.payload!r})"
 
 
-@dataclass(frozen=True, slots=True)
 class OversizedFrame:
     """A frame whose payload was refused and skipped, never stored: over the frame limit
     (``limit``), or, with ``reason`` set, over the receiver's memory budget."""
 
-    header: bytes
-    payload_len: int
-    limit: int
-    reason: str = ""
+    __slots__ = ("header", "payload_len", "limit", "reason")
+
+    def __init__(self, header: bytes, payload_len: int, limit: int, reason: str = "") -> None:
+        self.header = header
+        self.payload_len = payload_len
+        self.limit = limit
+        self.reason = reason
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is OversizedFrame and self._key() == other._key()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def _key(self) -> tuple[bytes, int, int, str]:
+        return self.header, self.payload_len, self.limit, self.reason
+
+    def __repr__(self) -> str:
+        return (f"OversizedFrame(header={self.header!r}, payload_len={self.payload_len}, "
+                f"limit={self.limit}, reason={self.reason!r})")
 
 
 def payload_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -261,7 +285,7 @@ class FrameDecoder:
         while n - i >= PREFIX:
             magic, version, flags, header_len, payload_len = unpack(view, i)
             if (magic != MAGIC or version != FORMAT_VERSION or flags or not header_len
-                    or header_len > max_header):
+                    or header_len > max_header or payload_len > max_frame):
                 break
             head_end = i + PREFIX + header_len
             if payload_len:

@@ -939,7 +939,7 @@ class _GcPaused:
             gc.enable()
 
 
-def _parse_items(h: dict[str, Any], payload: Payload, max_depth: int, *,
+def _parse_items(h: dict[str, Any], payload: Payload, max_depth: int,
                  client: bool = False) -> list[Item]:
     raw_items = h.get("items")
     if not isinstance(raw_items, list):
@@ -1028,9 +1028,11 @@ def _ack_of(h: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
         return -1, ()
     if open_ids is None or open_ids == []:  # (the usual case: nothing below it is still open)
         return through, ()
-    if (type(open_ids) is not list or len(open_ids) > MAX_OPEN_ACKS
-            or not all(type(i) is int for i in open_ids)):
+    if type(open_ids) is not list or len(open_ids) > MAX_OPEN_ACKS:
         return -1, ()
+    for i in open_ids:
+        if type(i) is not int:
+            return -1, ()
     return through, tuple(open_ids)
 
 
@@ -1302,12 +1304,14 @@ class ClientConnection(_Side):
         Never raises for bad input: if the server broke the wire format, the last event is
         a :class:`ProtocolViolation` and the connection must be closed.
         """
-        return self._parse(*self._frames(data, 0), op_of)
+        frames, error = self._frames(data, 0)
+        return self._parse(frames, error, op_of)
 
     def buffer_updated(self, nbytes: int, op_of: Callable[[int], str | None]
                        ) -> list[ClientEvent]:
         """Account for bytes received into :meth:`get_buffer`'s view."""
-        return self._parse(*self._frames(None, nbytes), op_of)
+        frames, error = self._frames(None, nbytes)
+        return self._parse(frames, error, op_of)
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:

@@ -391,7 +391,7 @@ def _server_sources() -> str:
     root = Path(pkg.__file__).parent
     # (the .py file, not inspect.getsource: a compiled module has no source to give)
     return "".join(f.read_text(encoding="utf-8") for f in sorted(root.glob("*.py"))) + \
-        Path(protocol.__file__).with_suffix("").with_suffix(".py").read_text(encoding="utf-8")
+        (Path(protocol.__file__).parent / "protocol.py").read_text(encoding="utf-8")
 
 
 def test_the_server_names_error_codes_by_their_classes_and_the_doc_has_them() -> None:
