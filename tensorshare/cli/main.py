@@ -379,15 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
         ready = _relaying(args, ready)
     dashboards: list[Any] = []
     if args.dashboard_port is not None:
-        generated = config.token and not config.read_token
-        if generated:
-            # The dashboard connects with a read-only token, never the read-write one: a
-            # server without one gets one for this run, which only the dashboard knows.
-            import dataclasses
-            import secrets
-
-            config = dataclasses.replace(config, read_token=secrets.token_urlsafe(32))
-        ready = _beside(args, config, ready, dashboards, show_token=bool(generated))
+        config, ready = _with_dashboard(args, config, ready, dashboards)
     try:
         return _run_server(args, ready, config, running)
     finally:
@@ -417,6 +409,20 @@ def _relaying(args: argparse.Namespace, ready: Any) -> Any:
         print(f"relaying {', '.join(relay.globs)} of {relay.upstream} (read-only)", flush=True)
 
     return start
+
+
+def _with_dashboard(args: argparse.Namespace, config: Any, ready: Any,
+                    dashboards: list[Any]) -> tuple[Any, Any]:
+    """``serve --dashboard-port``: the config (with a read-only token made for this run when
+    the server has a token but no read-only one: the dashboard connects with a read-only
+    token, never the read-write one, and only it knows this one) and ``ready``."""
+    generated = bool(config.token and not config.read_token)
+    if generated:
+        import dataclasses
+        import secrets
+
+        config = dataclasses.replace(config, read_token=secrets.token_urlsafe(32))
+    return config, _beside(args, config, ready, dashboards, show_token=generated)
 
 
 def _beside(args: argparse.Namespace, config: Any, ready: Any, dashboards: list[Any], *,

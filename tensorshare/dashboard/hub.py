@@ -261,7 +261,10 @@ class Upstream:
         def refused(failure: Failure) -> None:
             self.listening.pop(name, None)
 
-        c.listen(name, changed).addErrback(refused)
+        try:
+            c.listen(name, changed).addErrback(refused)
+        except (ValueError, TypeError):  # a name this client would not send: ticks only
+            self.listening.pop(name, None)
 
     def _unlisten(self, name: str) -> None:
         if self.listening.pop(name, 0) == 0:

@@ -333,6 +333,40 @@ def test_roles_and_relay_lag_from_the_stats_alone() -> None:
     assert rows[1]["behind"] == 2 and "behind" not in rows[0] and "behind" not in rows[2]
 
 
+def test_the_ops_table_rates_and_latency_quantiles() -> None:
+    from tensorshare.dashboard.snapshot import ops_table
+
+    server = {"uptime": 12.0, "requests": {"put": 30, "get": 4},
+              "bytes_in": {"put": 3000, "get": 40}, "bytes_out": {"put": 300, "get": 4000},
+              "latency": {"buckets": [0.001, 0.01], "sum_us": {"put": 60_000, "get": 80_000},
+                          "ops": {"put": [15, 15, 0], "get": [0, 1, 3]}}}
+    ops = ops_table(server, (10.0, {"put": 10}))
+    assert ops["put"] == {"requests": 30, "per_s": 10.0, "bytes_in": 3000, "bytes_out": 300,
+                          "mean_ms": 2.0, "p50_ms": 1.0, "p50_above": False, "p99_ms": 10.0,
+                          "p99_above": False}
+    assert ops["get"]["per_s"] == 2.0  # 4 since the last look, which had none
+    assert ops["get"]["p99_ms"] is None and ops["get"]["p99_above"]  # past the last bound
+    assert ops_table(server, None)["put"]["per_s"] is None  # a first look: no rate yet
+
+
+def test_the_readme_dashboard_section_runs_real_options_and_shows_a_test_screenshot() -> None:
+    import re
+    import shlex
+
+    from tensorshare.cli.main import _parser
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Dashboard", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^tensorshare (.+?)(?:\s+#.*)?$", section, flags=re.M)
+    assert len(commands) == 2
+    for command in commands:
+        _parser().parse_args(shlex.split(command))
+    assert "](docs/dashboard.png)" in section
+    assert (root / "docs" / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "TENSORSHARE_DASHBOARD_SCREENSHOT=docs/dashboard.png" in section
+
+
 # -- the commands --------------------------------------------------------------------------------
 def _until(proc: subprocess.Popen[str], prefix: str) -> str:
     assert proc.stdout is not None
