@@ -39,7 +39,7 @@ from zope.interface import implementer
 from .._version import __version__
 from ..client.rates import Rates
 from ..client.twisted import TxClient
-from ..errors import TensorShareError
+from ..errors import AuthenticationError, TensorShareError, UnsupportedVersion
 from .snapshot import bin_rows, ops_table, relay_lag, roles, server_view
 
 __all__ = ["MAX_LISTENS", "RETRY", "Hub", "Subscriber", "Upstream"]
@@ -88,7 +88,8 @@ class Upstream:
     Attributes:
         reply: its last ``stats`` reply (bins cut to ``max_bins``), ``None`` before one.
         error: why it does not answer now (``None`` while it does).
-        fatal: the error will not go away by retrying (the token may write).
+        fatal: the error will not go away by retrying (a token refused, or one that may
+            write): the dashboard no longer tries this server.
         read_only: whether the connection has the read-only role (``False`` on a server
             without tokens, where every connection may write; the dashboard still only reads).
         listening: the bins listened to -> when they were first seen empty (``None``: not
@@ -149,8 +150,11 @@ class Upstream:
 
     def _start_failed(self, failure: Failure) -> None:
         self.client = None
-        self._fail(_message(failure), fatal=False)
-        if not self._stopped:
+        # A refused token, or no common protocol version: trying again would not help (and
+        # a server slows down a peer that keeps failing to authenticate).
+        fatal = failure.check(AuthenticationError, UnsupportedVersion) is not None
+        self._fail(_message(failure), fatal=fatal)
+        if not fatal and not self._stopped:
             self._retry = self.reactor.callLater(RETRY, self.start)
 
     def _fail(self, error: str, *, fatal: bool) -> None:

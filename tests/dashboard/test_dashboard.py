@@ -203,6 +203,9 @@ def test_a_token_that_may_write_is_refused(secured: EmbeddedServer, tmp_path: Pa
         with Events(dash.url, log_in(dash.url, WRITE_TOKEN)) as events:
             (server,) = events.next()["servers"]
             assert not server["up"] and "read-only token" in server["error"]
+    with Dashboard(f"127.0.0.1:{secured.port}", port=0, read_token="a wrong one") as dash:
+        (error,) = dash.first_contact(10)
+        assert error is not None and dash.upstreams[0].fatal  # not tried again and again
     token = tmp_path / "token"
     token.write_text(WRITE_TOKEN + "\n")
     out = subprocess.run([sys.executable, "-m", "tensorshare", "dashboard", "--server",
