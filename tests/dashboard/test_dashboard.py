@@ -413,7 +413,9 @@ def test_serve_with_dashboard_port_serves_it_with_a_read_only_token_of_its_own(
 
 @pytest.mark.timeout(90)
 def test_the_dashboard_command_watches_servers_given_with_commas_or_repeated(
-        secured: EmbeddedServer, server: EmbeddedServer, tmp_path: Path) -> None:
+        secured: EmbeddedServer, tmp_path: Path) -> None:
+    server = EmbeddedServer(port=0, config=ServerConfig(token=WRITE_TOKEN,
+                                                        read_token=READ_TOKEN))
     token = tmp_path / "read-token"
     token.write_text(READ_TOKEN + "\n")
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "dashboard", "--server",
@@ -435,6 +437,7 @@ def test_the_dashboard_command_watches_servers_given_with_commas_or_repeated(
             f"tensorshare://127.0.0.1:{secured.port}", f"tensorshare://127.0.0.1:{server.port}",
             "tensorshare://127.0.0.1:1"]
         assert snap["servers"][0]["up"] and not snap["servers"][2]["up"]
+        assert [s["role"] for s in snap["servers"]] == ["shard", "shard", "shard"]
         assert interrupt(proc) == 0
         assert "warning: tensorshare://127.0.0.1:1:" in (proc.stderr.read() if proc.stderr
                                                            else "")
@@ -442,4 +445,5 @@ def test_the_dashboard_command_watches_servers_given_with_commas_or_repeated(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        server.stop()
 
