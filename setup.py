@@ -95,7 +95,10 @@ setup(
     license="MIT",
     python_requires=">=3.11",
     packages=find_packages(include=["tensorshare", "tensorshare.*"]),
-    package_data={"tensorshare": ["py.typed"]},
+    # The dashboard's page, script and style ship with the package (no build step, no CDN).
+    package_data={"tensorshare": ["py.typed"],
+                  "tensorshare.dashboard": ["static/*.html", "static/*.js", "static/*.css",
+                                            "static/*.svg"]},
     install_requires=[
         # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity.
         "twisted[tls]>=23.10",
@@ -122,7 +125,10 @@ setup(
                  "trustme",
                  "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
                  # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
-                 'ray==2.60.0; python_version < "3.14"'],
+                 'ray==2.60.0; python_version < "3.14"',
+                 # drives the dashboard in Debian's Chromium (.ci/run installs it; the tests
+                 # never download a browser)
+                 "playwright>=1.50"],
     },
     entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
     ext_modules=extensions(),

@@ -1,5 +1,5 @@
 """The ``tensorshare`` command: ``serve``, ``relay``, ``ls``, ``peek``, ``watch``, ``monitor``,
-``stats``, ``health``, ``rebalance``, ``demo``.
+``stats``, ``dashboard``, ``health``, ``rebalance``, ``demo``.
 
 This module parses the arguments and dispatches; the inspection commands live in
 :mod:`tensorshare.tools`, the Prometheus exporter in :mod:`tensorshare.metrics`.
@@ -148,6 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
                    help="also export one series per bin (default on; turn it off for "
                         "servers with very many bins)")
+    s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                   help="also serve the web dashboard on 127.0.0.1:PORT (0 picks a free "
+                        "one), connected to this server with its read-only token; off by "
+                        "default (see tensorshare dashboard)")
     sub.add_parser("serve", parents=[s], help="run a server (until Ctrl+C)")
     r = sub.add_parser("relay", parents=[s], help="serve another server's bins read-only, "
                        "downloading each new version once (parameter fan-out; until Ctrl+C)")
@@ -220,6 +224,32 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", parents=[conn], help="the server: uptime, connections, "
                         "memory, requests and counters since start")
     st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
+
+    db = sub.add_parser("dashboard", help="a live, read-only web page of one or more servers "
+                        "(until Ctrl+C)")
+    db.add_argument("--server", action="append", default=None, metavar="URL",
+                    help="a server to watch: HOST:PORT, tensorshare://HOST:PORT, "
+                         "tensorshare+tls://HOST:PORT or unix://PATH; repeat it or separate "
+                         "with commas for shards and relays (default: TENSORSHARE_URL, else "
+                         "127.0.0.1:8000)")
+    db.add_argument("--read-token-file", default=None, metavar="PATH",
+                    help="the servers' read-only token: the dashboard connects with it, and "
+                         "browsers log in with it once (open the page with ?token=TOKEN)")
+    db.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080; 0 picks "
+                    "a free one)")
+    db.add_argument("--host", default="127.0.0.1",
+                    help="interface to bind (default 127.0.0.1; another needs a token)")
+    db.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                    help="seconds between snapshots (default 1)")
+    db.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                    help="seconds a server has to answer (default 5)")
+    db.add_argument("--tls-ca", default=None, metavar="PEM",
+                    help="the CA that signed the servers' certificates (default: "
+                         "TENSORSHARE_TLS_CA, else the system's)")
+    db.add_argument("--max-bins", type=_count, default=1000, metavar="N",
+                    help="bins shown per server, the first by name (default 1000)")
+    db.add_argument("--insecure", action="store_true",
+                    help="serve on an address other machines can reach without a token")
 
     rb = sub.add_parser("rebalance", help="move the value and list bins of a sharded set to "
                         "the servers that own them now (after servers were added, or before "
@@ -347,11 +377,16 @@ def _serve(args: argparse.Namespace) -> int:
                           relay_of=_upstream(args))
     if config.relay_of is not None:
         ready = _relaying(args, ready)
+    dashboards: list[Any] = []
+    if args.dashboard_port is not None:
+        config, ready = _with_dashboard(args, config, ready, dashboards)
     try:
         return _run_server(args, ready, config, running)
     finally:
         if exporter is not None:
             exporter.stop()
+        for dash in dashboards:
+            dash.stop()
 
 
 def _upstream(args: argparse.Namespace) -> str | None:
@@ -374,6 +409,91 @@ def _relaying(args: argparse.Namespace, ready: Any) -> Any:
         print(f"relaying {', '.join(relay.globs)} of {relay.upstream} (read-only)", flush=True)
 
     return start
+
+
+def _with_dashboard(args: argparse.Namespace, config: Any, ready: Any,
+                    dashboards: list[Any]) -> tuple[Any, Any]:
+    """``serve --dashboard-port``: the config (with a read-only token made for this run when
+    the server has a token but no read-only one: the dashboard connects with a read-only
+    token, never the read-write one, and only it knows this one) and ``ready``."""
+    generated = bool(config.token and not config.read_token)
+    if generated:
+        import dataclasses
+        import secrets
+
+        config = dataclasses.replace(config, read_token=secrets.token_urlsafe(32))
+    return config, _beside(args, config, ready, dashboards, show_token=generated)
+
+
+def _beside(args: argparse.Namespace, config: Any, ready: Any, dashboards: list[Any], *,
+            show_token: bool) -> Any:
+    """``ready`` for ``serve --dashboard-port``: start the dashboard once the server listens,
+    on 127.0.0.1, connected to it over loopback (its Unix socket when it has one) with the
+    read-only token; print its address (with the token to log in with, when this run made
+    it: ``show_token``)."""
+
+    def start(server: Any) -> None:
+        from ..dashboard import Dashboard
+
+        ready(server)
+        if server.unix is not None:
+            where = f"unix://{server.unix}"
+        elif config.tls_cert:
+            raise RuntimeError("--dashboard-port with --tls-cert needs --unix PATH too (the "
+                               "dashboard connects over the Unix socket)")
+        else:
+            host = "127.0.0.1" if server.host in ("0.0.0.0", "", "::", "localhost") \
+                else server.host
+            where = f"tensorshare://{host if ':' not in host else f'[{host}]'}:{server.port}"
+        try:
+            dash = Dashboard(where, port=args.dashboard_port, read_token=config.read_token)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve the dashboard on 127.0.0.1:"
+                               f"{args.dashboard_port}: {exc}") from None
+        dashboards.append(dash)
+        if show_token or config.read_token is None:
+            print(f"dashboard at {dash.login_url}", flush=True)
+        else:
+            print(f"dashboard at {dash.url} (log in once with ?token=<the read-only token>)",
+                  flush=True)
+
+    return start
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    """``tensorshare dashboard``: serve the page until Ctrl+C."""
+    import threading
+
+    from ..dashboard import Dashboard
+
+    servers = args.server or [os.environ.get("TENSORSHARE_URL") or "127.0.0.1:8000"]
+    try:
+        token = _read(args.read_token_file) if args.read_token_file is not None else None
+        dash = Dashboard(servers, port=args.port, host=args.host, read_token=token,
+                         tls_ca=args.tls_ca, timeout=args.timeout, interval=args.interval,
+                         insecure=args.insecure, max_bins=args.max_bins)
+    except (ValueError, OSError) as exc:
+        print(f"tensorshare dashboard: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    try:
+        for up, error in zip(dash.upstreams, dash.first_contact(args.timeout + 1), strict=True):
+            if error is not None and up.fatal:
+                print(f"tensorshare dashboard: {up.address}: {error}", file=sys.stderr)
+                return 2
+            if error is not None:
+                print(f"warning: {up.address}: {error} (the page shows it until it answers)",
+                      file=sys.stderr, flush=True)
+        print(f"dashboard at {dash.url} watching {', '.join(u.address for u in dash.upstreams)}"
+              + ("; log in once with ?token=<the read-only token>" if token else ""),
+              flush=True)
+        stop = threading.Event()
+        while dash.running and not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dash.stop()
+    return 0
 
 
 def _read(path: str) -> str:
@@ -570,4 +690,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _health(args)
     if args.command == "rebalance":
         return _rebalance(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     return _tool(args)

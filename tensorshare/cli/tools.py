@@ -20,12 +20,13 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..client.rates import RATES as _RATES
+from ..client.rates import Rates, quantile
 from ..errors import Timeout, TransportError
 
 if TYPE_CHECKING:
@@ -566,75 +567,8 @@ def _scan(c: Client, globs: list[str], listened: set[str],
 
 # --------------------------------------------------------------------------- monitor
 
-_RATES = ("put", "append", "get", "in", "out")  # ops/s of three ops, then MB/s in and out
-
-
-class _Rates:
-    """Per-bin and server-wide rates from successive stats snapshots, with a short history.
-
-    The server lists only bins that hold something, so a queue that its consumers drain
-    comes and goes between snapshots. Such a bin stays in the table (as empty) for
-    ``history`` samples; when it is back, its rate over the whole gap is known again (the
-    bin's counters kept counting) and fills the samples it missed. The server row comes
-    from the server's own per-op counters: all bins, never missing one.
-    """
-
-    def __init__(self, history: int) -> None:
-        self.history = history
-        self.server_id: str | None = None
-        self.seen: dict[str, tuple[float, dict[str, float]]] = {}  # bin -> (uptime, counts)
-        self.missing: dict[str, int] = {}  # bin -> snapshots since it was last listed
-        self.rates: dict[str, dict[str, float]] = {}  # bin ('' = server) -> rate -> now
-        self.hist: dict[str, dict[str, deque[float]]] = {}  # bin -> rate -> history
-        self.req_rate: float | None = None
-
-    @staticmethod
-    def _bin_counts(b: dict[str, Any]) -> dict[str, float]:
-        ops = b["ops"]
-        return {"put": ops.get("put", 0), "append": ops.get("append", 0),
-                "get": ops.get("get", 0), "in": b["bytes_in"] / 1e6,
-                "out": b["bytes_out"] / 1e6}
-
-    @staticmethod
-    def _server_counts(s: dict[str, Any]) -> dict[str, float]:
-        req, b_in, b_out = s["requests"], s["bytes_in"], s["bytes_out"]
-        return {"put": req.get("put", 0), "append": req.get("append", 0),
-                "get": req.get("get", 0),
-                "in": (b_in.get("put", 0) + b_in.get("append", 0)) / 1e6,
-                "out": (b_out.get("get", 0) + b_out.get("peek", 0)) / 1e6,
-                "requests": sum(req.values())}
-
-    def _record(self, name: str, rates: dict[str, float], samples: int = 1) -> None:
-        self.rates[name] = rates
-        hist = self.hist.setdefault(name, {k: deque(maxlen=self.history) for k in _RATES})
-        for k in _RATES:
-            hist[k].extend([rates[k]] * samples)
-
-    def update(self, snap: dict[str, Any]) -> None:
-        """Take in one ``Client.stats()`` result."""
-        server, bins = snap["server"], snap["bins"]
-        up = server["uptime"]
-        if server["server_id"] != self.server_id or up < self.seen.get("", (0.0, {}))[0]:
-            # First look, or another server (a restart): counters start again.
-            self.server_id = server["server_id"]
-            self.seen, self.missing, self.hist = {}, {}, {}
-        self.rates = {}
-        for name, counts in [("", self._server_counts(server))] + [
-                (n, self._bin_counts(b)) for n, b in bins.items()]:
-            last = self.seen.get(name)
-            if last is not None and up > last[0]:
-                dt = up - last[0]
-                rates = {k: max(counts[k] - last[1][k], 0) / dt for k in counts}
-                self._record(name, rates, samples=self.missing.pop(name, 0) + 1)
-                if not name:
-                    self.req_rate = rates["requests"]
-            self.seen[name] = (up, counts)
-        for name in list(self.seen):
-            if name and name not in bins:
-                self.missing[name] = gone = self.missing.get(name, 0) + 1
-                if gone > self.history:  # deleted for good, most likely: drop it
-                    for table in (self.seen, self.missing, self.hist):
-                        table.pop(name, None)
+class _Rates(Rates):
+    """:class:`~tensorshare.client.rates.Rates` (shared with the dashboard), drawn as text."""
 
     def cell(self, name: str, rate: str) -> str:
         """A rate's history, then its value now (``-`` when not known this time)."""
@@ -740,19 +674,6 @@ def run_monitor(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- stats
 
 
-def _quantile(bounds: list[float], counts: list[int], q: float) -> float | None:
-    """The upper bound of the bucket holding the ``q`` quantile (inf past the last)."""
-    total = sum(counts)
-    if not total:
-        return None
-    seen = 0
-    for i, n in enumerate(counts):
-        seen += n
-        if seen >= q * total:
-            return bounds[i] if i < len(bounds) else math.inf
-    return math.inf
-
-
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.3g} ms"
 
@@ -805,8 +726,8 @@ def run_stats(args: argparse.Namespace) -> int:
         mean = lat["sum_us"].get(op, 0) / 1e6 / n if n else None
         ops.add_row(op, str(n), fmt_bytes(s["bytes_in"].get(op, 0)),
                     fmt_bytes(s["bytes_out"].get(op, 0)), _ms(mean),
-                    _bucket(_quantile(bounds, counts, 0.5), bounds),
-                    _bucket(_quantile(bounds, counts, 0.99), bounds))
+                    _bucket(quantile(bounds, counts, 0.5), bounds),
+                    _bucket(quantile(bounds, counts, 0.99), bounds))
 
     events = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     events.add_column("counter")
