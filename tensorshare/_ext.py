@@ -36,6 +36,11 @@ __all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 TWINS = (
     "tensorshare.wire.frames",
     "tensorshare.wire.protocol",
+    "tensorshare.server.store",
+    "tensorshare.server.sessions",
+    "tensorshare.server.stats",
+    "tensorshare.server.handlers",
+    "tensorshare.server.connection",
     "tensorshare.client.session",
     "tensorshare.client.election",
     "tensorshare.client.ops",

@@ -68,19 +68,15 @@ log = Logger(namespace="tensorshare.server")
 CLOSE_GRACE_SECONDS = 10.0
 
 
-class ServerProtocol(Protocol):
-    """One client connection. Implements the zero-copy read hooks of :mod:`.transports`.
-
-    It is also the streaming producer of its own transport: when more than the transport's
-    buffer size is queued for a client (it reads slower than we write), the transport pauses
-    us. While paused we stop reading that client's requests (so it cannot make us queue
-    more replies), and fold its notifications per bin (the latest wins, counting the ones
-    it skipped), so a listener that does not keep up learns the newest state without a
-    backlog. Past ``max_client_buffer`` queued bytes the connection is closed.
-    """
+class Connection:
+    """What one connection does on every read (the hot half of :class:`ServerProtocol`,
+    typed for the compiler: a cdef class in the compiled twin, see ``connection_c.pxd``):
+    one pass per read, and the one owner of its output. :class:`ServerProtocol` adds the
+    Twisted hooks, the handshake, waiting requests and closing."""
 
     def __init__(self, factory: ServerFactory) -> None:
         self.factory = factory
+        self.transport: Any = None
         self.conn = ServerConnection(factory.config.limits,
                                      pre_hello_max_bytes=factory.config.pre_hello_bytes,
                                      allocate=factory.pool.take, budget=factory.budget)
@@ -111,44 +107,10 @@ class ServerProtocol(Protocol):
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
         self._greeting: tuple[Hello, bytes] | None = None  # a hello and our challenge's nonce
         self.role = "write"  # what the handshake allowed: "write", or "read" (read-only token)
-
-    @property
-    def _t(self) -> _ZeroCopy:
-        """Our transport: a zero-copy one (see :mod:`.transports`), or TLS over one."""
-        return cast("_ZeroCopy", self.transport)
-
-    @property
-    def _socket(self) -> _ZeroCopy:
-        """The transport on the socket itself (under TLS, the one TLS writes to)."""
-        t: Any = self.transport
-        # (On the class: a TLS wrapper forwards unknown attributes to the protocol it wraps.)
-        while getattr(type(t), "queued_bytes", None) is None and \
-                getattr(t, "transport", None) is not None:
-            t = t.transport
-        return cast("_ZeroCopy", t)
-
-    # -- Twisted hooks ----------------------------------------------------------------------
-    def connectionMade(self) -> None:
-        # Looked up once: every write asks the socket's transport how much is queued.
-        sock = self._socket
-        self._st = sock if getattr(type(sock), "queued_bytes", None) is not None else None
-        if self._st is not None and hasattr(self._st, "attach_ledger"):
-            self._st.attach_ledger(self.factory.ledger)
-        peer = self._t.getPeer()
-        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-        self.peer = f"{host}:{port}" if host is not None else str(getattr(peer, "name", "?"))
-        f = self.factory
-        f.connections.add(self)
-        f.stats.counters["connections_total"] += 1
-        if len(f.connections) > f.config.max_connections:
-            f.stats.counters["connections_refused"] += 1
-            self.fail(LimitExceeded(
-                f"the server is at its max_connections={f.config.max_connections}; try "
-                f"again later or raise --max-connections"))
-            return
-        self._timer = f.reactor.callLater(f.config.hello_timeout, self._hello_overdue)
-        self._t.registerProducer(self, True)
-        log.debug("connection from {peer}", peer=self.peer)
+        # The server's parts every request meets, looked up once.
+        self._responder = factory.responder
+        self._sessions = factory.sessions
+        self._stats = factory.stats
 
     def dataReceived(self, data: bytes) -> None:
         if not self._closed:
@@ -167,59 +129,6 @@ class ServerProtocol(Protocol):
             if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
 
-    def _watch_stall(self) -> None:
-        """While a large frame holds memory it reserved, it must keep arriving: one with no
-        new bytes for ``frame_timeout`` closes the connection (releasing the memory)."""
-        self._stall = None
-        if self._closed or not self.conn.reserved:
-            return
-        limit = self.factory.config.frame_timeout
-        idle = time.monotonic() - self.last_rx
-        if idle >= limit:
-            self.factory.stats.counters["stalled_frames"] += 1
-            self.fail(ProtocolError(f"no bytes of a {self.conn.reserved}-byte frame part for "
-                                    f"{limit:g} s (frame_timeout); the connection is closed"))
-            return
-        self._stall = self.factory.reactor.callLater(limit - idle, self._watch_stall)
-
-    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
-        self._release()
-        self.factory.connections.discard(self)
-        self._stop_timer()
-        why = reason.getErrorMessage() if reason else "closed"
-        if self.version is None:
-            log.debug("connection from {peer} closed before hello: {why}", peer=self.peer,
-                      why=why)
-        else:
-            log.info("{client!r} at {peer} disconnected: {why}", client=self.client_name,
-                     peer=self.peer, why=why)
-
-    # -- flow control (IPushProducer, called by our transport) ------------------------------
-    def pauseProducing(self) -> None:
-        if not self._paused and not self._closed:
-            self._paused = True
-            self.factory.stats.counters["client_paused"] += 1
-            self._socket.pauseProducing()  # stop reading
-
-    def resumeProducing(self) -> None:
-        if not self._paused or self._closed:
-            return
-        self._paused = False
-        folded, self._folded = self._folded, {}
-        for msg in folded.values():
-            self.write_chunks(encode_message(msg)[0])
-        if not self._paused:
-            self._socket.resumeProducing()
-
-    def stopProducing(self) -> None:
-        pass
-
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes written to this connection and not yet sent."""
-        st = self._st
-        return 0 if st is None else int(st.queued_bytes)
-
     # -- output: the one owner of what this connection sends -------------------------------
     def emit(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
              hold: bool = False) -> None:
@@ -233,7 +142,7 @@ class ServerProtocol(Protocol):
         if self._closed:
             return
         if hold and self.factory.holding:
-            self.factory.held.append((self, chunks, shared))
+            self.factory.held.append((self, chunks, shared))  # type: ignore[arg-type]
             return
         out = self._out
         if out is not None:
@@ -245,8 +154,10 @@ class ServerProtocol(Protocol):
                 self._write(out, None)
         self._write(chunks, shared)
 
-    #: The name the factory and the kinds use (held output released, folded notifications).
-    write_chunks = emit
+    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
+                     hold: bool = False) -> None:
+        """:meth:`emit` (the name the factory uses for held output it releases)."""
+        self.emit(chunks, shared, hold=hold)
 
     def _write(self, chunks: Sequence[BytesLike], shared: list[Any] | None) -> None:
         """Hand a frame to the transport (closing a connection that leaves too much unread)."""
@@ -301,18 +212,18 @@ class ServerProtocol(Protocol):
         encoded, counted and sent."""
         f = self.factory
         if route is None:
-            route = f.responder.route(msg)
+            route = self._responder.route(msg)
         cls = type(reply)
         if cls is ErrorReply:
-            f.stats.count_error(reply.code)  # type: ignore[union-attr]
+            self._stats.count_error(reply.code)  # type: ignore[union-attr]
         mutating = route.mutating
         s = self.session
         if s is not None and mutating:
             if cls is Fetched and reply.items and msg.spec.remove:  # type: ignore[union-attr]
-                f.sessions.remember(s, msg.id, reply, msg.bin,  # type: ignore[union-attr]
-                                    reply.nbytes)  # type: ignore[union-attr]
+                self._sessions.remember(s, msg.id, reply, msg.bin,  # type: ignore[union-attr]
+                                        reply.nbytes)  # type: ignore[union-attr]
             else:
-                f.sessions.remember(s, msg.id, reply)
+                self._sessions.remember(s, msg.id, reply)
         shared: list[Any] | None = [] if self.shm else None
         if cls is Fetched and reply.items and not msg.spec.remove:  # type: ignore[union-attr]
             # Many readers of one version (parameters fanned out to every worker): the
@@ -333,16 +244,211 @@ class ServerProtocol(Protocol):
         else:
             started = self.started.pop(rid, None)
             if started is not None:
-                f.stats.observe(route.op, nbytes, time.perf_counter() - started)
+                self._stats.observe(route.op, nbytes, time.perf_counter() - started)
         self.emit(chunks, shared, hold=mutating)
 
-    #: Deferred answers (a waiting get served, a held append stored, the other kinds).
-    reply = answer
+    def reply(self, msg: Request, reply: Reply) -> None:
+        """:meth:`answer` (the name the other kinds' handlers use)."""
+        self.answer(msg, reply)
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:
         """What ties a store effect to ``msg`` (for the data log's remembered replies)."""
         s = self.session
         return None if s is None else (s.id, msg.id)
+
+    # -- one pass per read -------------------------------------------------------------------
+    def _pass(self, frames: list[Any], error: ProtocolError | None) -> None:
+        """Serve every frame one read completed, in one loop: each parsed, routed, handled and
+        answered before the next is parsed; the pass's replies leave in one write at its end
+        (after what the data log must hold first), and its statistics are counted once."""
+        f = self.factory
+        if frames:
+            self._out = []
+            self._pass_start = time.perf_counter()
+            try:
+                n = self._serve(frames)
+            finally:
+                out, self._out = self._out, None
+                self._serving = 0
+                self._stats.counters["requests"] += n
+                if self._pass_ops:
+                    self._count_pass()
+                if out:
+                    self._write(out, None)
+        if error is not None and not self._closed:
+            self.fail(ProtocolError(str(error)))
+        f.commit()
+
+    def _count_pass(self) -> None:
+        """The requests a pass answered, by op: all read together, all written together."""
+        seconds = time.perf_counter() - self._pass_start
+        stats = self._stats
+        for op, (n, nbytes) in self._pass_ops.items():
+            stats.observe_many(op, n, nbytes, seconds)
+        self._pass_ops.clear()
+
+    def _serve(self, frames: list[Any]) -> int:
+        """The loop of :meth:`_pass`; returns how many requests it served."""
+        conn, n = self.conn, 0
+        responder = self._responder
+        for frame in frames:
+            if self._closed:
+                break
+            try:
+                msg, through, open_ids = conn.parse(frame)
+            except ProtocolError as exc:
+                self.fail(exc)
+                break
+            if through >= 0:
+                if self.session is not None:
+                    self.factory.ack(self.session, through, open_ids)
+                else:
+                    self._ack = (through, open_ids)
+            if isinstance(msg, BadRequest):
+                if not self._bad(msg):
+                    break
+                continue
+            n += 1
+            if self.version is None:
+                if not self._handshake(msg):
+                    break
+                continue
+            rid = self._serving = msg.id
+            route = responder.route(msg)
+            reply = responder.handle(self, msg, route)  # type: ignore[arg-type]
+            if reply is not None:
+                self.answer(msg, reply, route)
+            elif self._answered != rid:  # answered later: its latency counts from now
+                self.started[rid] = self._pass_start
+        return n
+
+    # -- what the Twisted side (ServerProtocol) provides -------------------------------------
+    def fail(self, error: TensorShareError) -> None:
+        """Tell the peer why, then close this connection (see ServerProtocol)."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Close at once, dropping what is queued (see ServerProtocol)."""
+        raise NotImplementedError
+
+    def _watch_stall(self) -> None:
+        raise NotImplementedError
+
+    def _handshake(self, msg: Request) -> bool:
+        raise NotImplementedError
+
+    def _bad(self, ev: BadRequest) -> bool:
+        """Answer a request that cannot be served; False if the connection is closed."""
+        if self.version is None:
+            self.fail(ProtocolError(f"handshake failed: {ev.message}"))
+            return False
+        log.warn("bad request from {peer}: {message}", peer=self.peer, message=ev.message)
+        self._stats.count_error(ev.code)
+        self.send(ErrorReply(ev.id, ev.code, ev.message))
+        return True
+
+
+class ServerProtocol(Connection, Protocol):
+    """One client connection. Implements the zero-copy read hooks of :mod:`.transports`.
+
+    It is also the streaming producer of its own transport: when more than the transport's
+    buffer size is queued for a client (it reads slower than we write), the transport pauses
+    us. While paused we stop reading that client's requests (so it cannot make us queue
+    more replies), and fold its notifications per bin (the latest wins, counting the ones
+    it skipped), so a listener that does not keep up learns the newest state without a
+    backlog. Past ``max_client_buffer`` queued bytes the connection is closed.
+    """
+
+    @property
+    def _t(self) -> _ZeroCopy:
+        """Our transport: a zero-copy one (see :mod:`.transports`), or TLS over one."""
+        return cast("_ZeroCopy", self.transport)
+
+    @property
+    def _socket(self) -> _ZeroCopy:
+        """The transport on the socket itself (under TLS, the one TLS writes to)."""
+        t: Any = self.transport
+        # (On the class: a TLS wrapper forwards unknown attributes to the protocol it wraps.)
+        while getattr(type(t), "queued_bytes", None) is None and \
+                getattr(t, "transport", None) is not None:
+            t = t.transport
+        return cast("_ZeroCopy", t)
+
+    # -- Twisted hooks ----------------------------------------------------------------------
+    def connectionMade(self) -> None:
+        # Looked up once: every write asks the socket's transport how much is queued.
+        sock = self._socket
+        self._st = sock if getattr(type(sock), "queued_bytes", None) is not None else None
+        if self._st is not None and hasattr(self._st, "attach_ledger"):
+            self._st.attach_ledger(self.factory.ledger)
+        peer = self._t.getPeer()
+        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+        self.peer = f"{host}:{port}" if host is not None else str(getattr(peer, "name", "?"))
+        f = self.factory
+        f.connections.add(self)
+        f.stats.counters["connections_total"] += 1
+        if len(f.connections) > f.config.max_connections:
+            f.stats.counters["connections_refused"] += 1
+            self.fail(LimitExceeded(
+                f"the server is at its max_connections={f.config.max_connections}; try "
+                f"again later or raise --max-connections"))
+            return
+        self._timer = f.reactor.callLater(f.config.hello_timeout, self._hello_overdue)
+        self._t.registerProducer(self, True)
+        log.debug("connection from {peer}", peer=self.peer)
+
+    def _watch_stall(self) -> None:
+        """While a large frame holds memory it reserved, it must keep arriving: one with no
+        new bytes for ``frame_timeout`` closes the connection (releasing the memory)."""
+        self._stall = None
+        if self._closed or not self.conn.reserved:
+            return
+        limit = self.factory.config.frame_timeout
+        idle = time.monotonic() - self.last_rx
+        if idle >= limit:
+            self.factory.stats.counters["stalled_frames"] += 1
+            self.fail(ProtocolError(f"no bytes of a {self.conn.reserved}-byte frame part for "
+                                    f"{limit:g} s (frame_timeout); the connection is closed"))
+            return
+        self._stall = self.factory.reactor.callLater(limit - idle, self._watch_stall)
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+        self._release()
+        self.factory.connections.discard(self)
+        self._stop_timer()
+        why = reason.getErrorMessage() if reason else "closed"
+        if self.version is None:
+            log.debug("connection from {peer} closed before hello: {why}", peer=self.peer,
+                      why=why)
+        else:
+            log.info("{client!r} at {peer} disconnected: {why}", client=self.client_name,
+                     peer=self.peer, why=why)
+
+    # -- flow control (IPushProducer, called by our transport) ------------------------------
+    def pauseProducing(self) -> None:
+        if not self._paused and not self._closed:
+            self._paused = True
+            self.factory.stats.counters["client_paused"] += 1
+            self._socket.pauseProducing()  # stop reading
+
+    def resumeProducing(self) -> None:
+        if not self._paused or self._closed:
+            return
+        self._paused = False
+        folded, self._folded = self._folded, {}
+        for msg in folded.values():
+            self.write_chunks(encode_message(msg)[0])
+        if not self._paused:
+            self._socket.resumeProducing()
+
+    def stopProducing(self) -> None:
+        pass
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes written to this connection and not yet sent."""
+        st = self._st
+        return 0 if st is None else int(st.queued_bytes)
 
     def fds_received(self, fds: list[int]) -> None:
         """Descriptors the client passed (Unix socket): its ``memfd`` buffers."""
@@ -469,82 +575,6 @@ class ServerProtocol(Protocol):
         if self.version is None and not self._closed:
             self.factory.stats.counters["hello_timeouts"] += 1
             self.fail(ProtocolError(f"no hello within {self.factory.config.hello_timeout:g} s"))
-
-    # -- one pass per read -------------------------------------------------------------------
-    def _pass(self, frames: list[Any], error: ProtocolError | None) -> None:
-        """Serve every frame one read completed, in one loop: each parsed, routed, handled and
-        answered before the next is parsed; the pass's replies leave in one write at its end
-        (after what the data log must hold first), and its statistics are counted once."""
-        f = self.factory
-        if frames:
-            self._out = []
-            self._pass_start = time.perf_counter()
-            try:
-                n = self._serve(frames)
-            finally:
-                out, self._out = self._out, None
-                self._serving = 0
-                f.stats.counters["requests"] += n
-                if self._pass_ops:
-                    self._count_pass(f)
-                if out:
-                    self._write(out, None)
-        if error is not None and not self._closed:
-            self.fail(ProtocolError(str(error)))
-        f.commit()
-
-    def _count_pass(self, f: ServerFactory) -> None:
-        """The requests a pass answered, by op: all read together, all written together."""
-        seconds = time.perf_counter() - self._pass_start
-        observe = f.stats.observe_many
-        for op, (n, nbytes) in self._pass_ops.items():
-            observe(op, n, nbytes, seconds)
-        self._pass_ops.clear()
-
-    def _serve(self, frames: list[Any]) -> int:
-        """The loop of :meth:`_pass`; returns how many requests it served."""
-        conn, n = self.conn, 0
-        route_of, handle = self.factory.responder.route, self.factory.responder.handle
-        for frame in frames:
-            if self._closed:
-                break
-            try:
-                msg, through, open_ids = conn.parse(frame)
-            except ProtocolError as exc:
-                self.fail(exc)
-                break
-            if through >= 0:
-                if self.session is not None:
-                    self.factory.ack(self.session, through, open_ids)
-                else:
-                    self._ack = (through, open_ids)
-            if isinstance(msg, BadRequest):
-                if not self._bad(msg):
-                    break
-                continue
-            n += 1
-            if self.version is None:
-                if not self._handshake(msg):
-                    break
-                continue
-            rid = self._serving = msg.id
-            route = route_of(msg)
-            reply = handle(self, msg, route)
-            if reply is not None:
-                self.answer(msg, reply, route)
-            elif self._answered != rid:  # answered later: its latency counts from now
-                self.started[rid] = self._pass_start
-        return n
-
-    def _bad(self, ev: BadRequest) -> bool:
-        """Answer a request that cannot be served; False if the connection is closed."""
-        if self.version is None:
-            self.fail(ProtocolError(f"handshake failed: {ev.message}"))
-            return False
-        log.warn("bad request from {peer}: {message}", peer=self.peer, message=ev.message)
-        self.factory.stats.count_error(ev.code)
-        self.send(ErrorReply(ev.id, ev.code, ev.message))
-        return True
 
     def _handshake(self, msg: Request) -> bool:
         """A request before the handshake is done: hello, then auth; False if it failed."""

@@ -14,7 +14,6 @@ record back into the request it was and runs it through the same table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from twisted.logger import Logger
@@ -119,25 +118,33 @@ def _stored(rid: int, w: Written) -> Stored:
 _STORE_OPS = frozenset({Put, Append, Fetch, Delete, Configure})
 
 
-@dataclass(frozen=True, slots=True)
 class Route:
     """How the server serves one op, looked up once per request (see :meth:`Responder.route`).
 
     Attributes:
         op: the wire op.
-        handler: serves the request (and answers it, now or later).
+        handler: serves the request: returns its reply, or ``None`` when it is answered
+            later (or was already).
         mutating: its reply is remembered for the session (exactly once across reconnects).
         read: allowed with the read-only token and on a relay.
         store: a request on a value or list bin (a bin of another kind refuses it).
         logged: it writes to the data log, so a full disk refuses it first.
     """
 
-    op: str
-    handler: Callable[[ServerProtocol, Any], Reply | None]
-    mutating: bool
-    read: bool
-    store: bool
-    logged: bool
+    __slots__ = ("op", "handler", "mutating", "read", "store", "logged")
+
+    def __init__(self, op: str, handler: Callable[[ServerProtocol, Any], Reply | None],
+                 mutating: bool, read: bool, store: bool, logged: bool) -> None:
+        self.op = op
+        self.handler = handler
+        self.mutating = mutating
+        self.read = read
+        self.store = store
+        self.logged = logged
+
+    def __repr__(self) -> str:
+        return f"Route({self.op!r}, mutating={self.mutating}, read={self.read})"
+
 
 #: Request type -> its effect on the store (see the module docstring).
 EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {

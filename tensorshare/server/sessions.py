@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire.messages import Fetched, Reply
@@ -28,7 +27,6 @@ from ..wire.messages import Fetched, Reply
 __all__ = ["Remembered", "ServerSession", "SessionTable"]
 
 
-@dataclass(slots=True)
 class Remembered:
     """One remembered reply.
 
@@ -38,12 +36,17 @@ class Remembered:
         held: bytes of items this reply holds (they left the bin and wait for an ack).
     """
 
-    reply: Reply
-    bin: str | None = None
-    held: int = 0
+    __slots__ = ("reply", "bin", "held")
+
+    def __init__(self, reply: Reply, bin: str | None = None, held: int = 0) -> None:
+        self.reply = reply
+        self.bin = bin
+        self.held = held
+
+    def __repr__(self) -> str:
+        return f"Remembered({self.reply!r}, bin={self.bin!r}, held={self.held})"
 
 
-@dataclass(eq=False, slots=True)
 class ServerSession:
     """One client session.
 
@@ -52,17 +55,26 @@ class ServerSession:
         replies: request id -> remembered reply, in the order they were made.
         held: bytes of get items held for this session.
         attached: the connection currently serving the session (opaque), or ``None``.
+        remembered_bytes: rough size of the remembered replies themselves.
+        order: the ids of ``replies`` as a min-heap, so an ack finds what it releases
+            without scanning every remembered reply (a pipelining client may have
+            thousands in flight). Entries of replies dropped another way are skipped when
+            they surface.
     """
 
-    id: bytes
-    replies: dict[int, Remembered] = field(default_factory=dict)
-    held: int = 0
-    attached: Any = None
-    remembered_bytes: int = 0  # rough size of the remembered replies themselves
-    # The ids of ``replies`` as a min-heap, so an ack finds what it releases without scanning
-    # every remembered reply (a pipelining client may have thousands in flight). Entries of
-    # replies dropped another way are skipped when they surface.
-    order: list[int] = field(default_factory=list)
+    __slots__ = ("id", "replies", "held", "attached", "remembered_bytes", "order")
+
+    def __init__(self, id: bytes) -> None:
+        self.id = id
+        self.replies: dict[int, Remembered] = {}
+        self.held = 0
+        self.attached: Any = None
+        self.remembered_bytes = 0
+        self.order: list[int] = []
+
+    def __repr__(self) -> str:
+        return (f"ServerSession({self.id.hex()}, {len(self.replies)} replies, "
+                f"held={self.held})")
 
     def lookup(self, rid: int) -> Reply | None:
         """The remembered reply to request ``rid``, if it ran already."""

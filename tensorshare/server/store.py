@@ -27,8 +27,8 @@ import builtins
 import fnmatch
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import BinFull, BinNotFound, MemoryLimitExceeded
 from ..wire.messages import Fetched, FetchSpec
@@ -42,13 +42,28 @@ JournalHook = Callable[[str, str, Any, dict[str, Any]], None]
 OVERFLOWS = ("reject", "drop_oldest", "block")
 
 
-class Written(NamedTuple):
+class Written:
     """The outcome of a put or append: the bin's version and items after it, and how many
     old items a ``drop_oldest`` bin pushed out to make room."""
 
-    version: int
-    n_items: int
-    dropped: int = 0
+    __slots__ = ("version", "n_items", "dropped")
+
+    def __init__(self, version: int, n_items: int, dropped: int = 0) -> None:
+        self.version = version
+        self.n_items = n_items
+        self.dropped = dropped
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a Written, or to the tuple ``(version, n_items, dropped)``."""
+        mine = (self.version, self.n_items, self.dropped)
+        if type(other) is Written:
+            return mine == (other.version, other.n_items, other.dropped)
+        return isinstance(other, tuple) and mine == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Written({self.version}, {self.n_items}, {self.dropped})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,53 +91,66 @@ class BinConfig:
 _UNBOUNDED = BinConfig()
 
 
-@dataclass(slots=True)
 class _Entry:
-    item: Any
-    nbytes: int
-    tag: int | None
+    __slots__ = ("item", "nbytes", "tag")
+
+    def __init__(self, item: Any, nbytes: int, tag: int | None) -> None:
+        self.item = item
+        self.nbytes = nbytes
+        self.tag = tag
 
 
-@dataclass(slots=True)
 class _Bin:
-    kind: str  # "value" or "list"
-    entries: deque[_Entry] = field(default_factory=deque)
-    nbytes: int = 0
+    __slots__ = ("kind", "entries", "nbytes")
+
+    def __init__(self, kind: str, entries: deque[_Entry] | None = None,
+                 nbytes: int = 0) -> None:
+        self.kind = kind  # "value" or "list"
+        self.entries: deque[_Entry] = deque() if entries is None else entries
+        self.nbytes = nbytes
 
 
-@dataclass(slots=True)
 class _Meta:
     """What the store keeps per name, whether or not the bin holds anything now."""
 
-    version: int = 0
-    config: BinConfig = _UNBOUNDED
-    changed_at: float = 0.0
-    ops: dict[str, int] = field(default_factory=dict)  # op -> count
-    bytes_in: int = 0
-    bytes_out: int = 0
+    __slots__ = ("version", "config", "changed_at", "ops", "bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.config = _UNBOUNDED
+        self.changed_at = 0.0
+        self.ops: dict[str, int] = {}  # op -> count
+        self.bytes_in = 0
+        self.bytes_out = 0
 
 
-@dataclass(eq=False, slots=True)
 class Waiter:
     """A pending fetch. ``callback(Fetched)`` is called once when it is served."""
 
-    name: str
-    spec: FetchSpec
-    max_bytes: int | None
-    callback: Callable[[Fetched], None]
-    ctx: Any = None
-    active: bool = True
+    __slots__ = ("name", "spec", "max_bytes", "callback", "ctx", "active")
+
+    def __init__(self, name: str, spec: FetchSpec, max_bytes: int | None,
+                 callback: Callable[[Fetched], None], ctx: Any = None) -> None:
+        self.name = name
+        self.spec = spec
+        self.max_bytes = max_bytes
+        self.callback = callback
+        self.ctx = ctx
+        self.active = True
 
 
-@dataclass(eq=False, slots=True)
 class Blocked:
     """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served."""
 
-    name: str
-    entries: list[tuple[Any, int, int | None]]
-    callback: Callable[[Written], None]
-    ctx: Any = None
-    active: bool = True
+    __slots__ = ("name", "entries", "callback", "ctx", "active")
+
+    def __init__(self, name: str, entries: list[tuple[Any, int, int | None]],
+                 callback: Callable[[Written], None], ctx: Any = None) -> None:
+        self.name = name
+        self.entries = entries
+        self.callback = callback
+        self.ctx = ctx
+        self.active = True
 
 
 class Store:
@@ -687,8 +715,10 @@ class Store:
             e = chosen[0]
             items, tags, nbytes = (e.item,), (e.tag,), e.nbytes
         else:
-            items, tags = tuple(e.item for e in chosen), tuple(e.tag for e in chosen)
-            nbytes = sum(e.nbytes for e in chosen)
+            items, tags = tuple([e.item for e in chosen]), tuple([e.tag for e in chosen])
+            nbytes = 0
+            for e in chosen:
+                nbytes += e.nbytes
         if remove:
             b.nbytes -= nbytes
             self.nbytes -= nbytes

@@ -40,7 +40,8 @@ from tensorshare.errors import (
     UnsupportedType,
 )
 from tensorshare.server import EmbeddedServer
-from tensorshare.wire.messages import Fetched, Hello, Limits
+from tensorshare.wire.messages import Hello, Limits
+from tests.conftest import wait_until
 from tests.rawwire import WireClient
 
 WAIT = 20.0  # safety deadline; never reached when things work
@@ -123,20 +124,30 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, threading.Event,
     return t, done, box
 
 
-def waiter_registered(server: EmbeddedServer) -> threading.Event:
-    """An Event set when the server's store next registers a waiting fetch."""
-    event = threading.Event()
-    store = server.factory.store
-    original = store.fetch_or_wait
+class _WaiterRegistered:
+    """Becomes set when the server's store holds more waiting fetches than it did when this
+    was made (a condition polled with a deadline, read in the server's own thread)."""
 
-    def spy(*args: Any, **kw: Any) -> Any:
-        result = original(*args, **kw)
-        if not isinstance(result, Fetched):
-            event.set()
-        return result
+    def __init__(self, server: EmbeddedServer) -> None:
+        self.server = server
+        self.store = server.factory.store
+        self.before = server.call(lambda: self.store.n_waiters)
 
-    server.call(setattr, store, "fetch_or_wait", spy)
-    return event
+    def is_set(self) -> bool:
+        return bool(self.server.call(lambda: self.store.n_waiters) > self.before)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            wait_until(self.is_set, 30.0 if timeout is None else timeout,
+                       "the server to register a waiting fetch")
+        except AssertionError:
+            return False
+        return True
+
+
+def waiter_registered(server: EmbeddedServer) -> _WaiterRegistered:
+    """Set once the server's store next registers a waiting fetch."""
+    return _WaiterRegistered(server)
 
 
 def server_state(server: EmbeddedServer) -> tuple[dict[str, int], int, int]:
