@@ -14,6 +14,7 @@ import argparse
 import inspect
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -524,6 +525,23 @@ def _health(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """Prints a rebalance's progress on stderr, at most once every ``every`` seconds (and
+    nothing for work done within the first ``every``)."""
+
+    every = 1.0
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int, name: str, where: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            print(f"tensorshare rebalance: {done}/{total} bins moved ({name!r} -> {where})",
+                  file=sys.stderr, flush=True)
+
+
 def _rebalance(args: argparse.Namespace) -> int:
     """``tensorshare rebalance``: move bins to their owners (ShardedClient.rebalance)."""
     from ..client.sharded import ShardedClient
@@ -531,7 +549,7 @@ def _rebalance(args: argparse.Namespace) -> int:
     try:
         with ShardedClient(args.servers, timeout=args.timeout,
                            token_file=args.token_file) as c:
-            moved = c.rebalance(args.drain)
+            moved = c.rebalance(args.drain, progress=_Progress())
     except (ValueError, OSError) as exc:
         print(f"tensorshare rebalance: {exc}", file=sys.stderr)
         return 1

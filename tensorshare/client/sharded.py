@@ -31,14 +31,26 @@ import hashlib
 import os
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ConnectionLost, TensorShareError
 from ..wire.address import Address, parse_address
-from ..wire.messages import Fetch, Item, Limits, ListBins, Listen, Ping, Stats, Unlisten
+from ..wire.messages import (
+    Append,
+    Fetch,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Ping,
+    Put,
+    Stats,
+    Unlisten,
+)
 from .blocking import Client, PendingCall, Pipeline, outcomes_of
-from .ops import BinClient, Command, Ops
+from .ops import BLOCK_SHARE, BinClient, Command, Ops, _version
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -302,48 +314,105 @@ class ShardedClient(BinClient):
             for i, outcome in zip(share, outcomes_of(sent[index]), strict=True):
                 outcomes[i] = outcome
 
-    def rebalance(self, drain: Sequence[str] | str = ()) -> dict[str, str]:
+    def rebalance(self, drain: Sequence[str] | str = (), *,
+                  progress: Callable[[int, int, str, str], Any] | None = None
+                  ) -> dict[str, str]:
         """Move every value and list bin to the server that owns it now (after servers were
         added or removed: construct this client with the new list). Returns ``{bin: the
         address it moved to}``.
 
         Args:
             drain: servers leaving the set (before scaling down): their bins move too.
+            progress: called as ``progress(done, total, bin, address)`` after each bin
+                moved (``tensorshare rebalance`` prints it).
 
-        A value moves as peek, put on its new server, delete on the old; a list's items as
-        one get of them all and one append (their order and tags kept). Run it while no one
-        writes to the bins that move: a write in between lands on one side or the other. A
-        moved bin's version starts again on its new server. Stream and service bins are not
-        moved (they live as long as their members).
+        A bin moves with its version: on its new server it is at least at the version it
+        had (a put or append with ``min_version``, docs/PROTOCOL.md §3.2.2), so versions
+        never go backwards for a reader (``RLWorker`` waits for a newer one). A value
+        moves as peek, put on its new server, delete on the old; a list's items as gets
+        and appends of as many as one request carries (their order and tags kept). Run it
+        while no one writes to the bins that move: a write in between lands on one side or
+        the other. Stream and service bins are not moved (they live as long as their
+        members).
+
+        Warns:
+            RuntimeWarning: a new server ignored ``min_version`` (an older server): the
+                bin moved, but its version started again there.
         """
-        moved: dict[str, str] = {}
-        for index in range(len(self.servers)):
-            self._move_from(self._client(index), index, moved)
-        for url in expand_servers(drain) if drain else []:
+        leaving = [Client(url, **self._options) for url in self._drained(drain)]
+        try:
+            plan = [(here, name, kind) for index, here in
+                    [(i, self._client(i)) for i in range(len(self.servers))]
+                    + [(None, c) for c in leaving]
+                    for name, kind in self._to_move(here, index)]
+            moved: dict[str, str] = {}
+            for here, name, kind in plan:
+                home = owner(name, self.servers)
+                self._move(here, self._client(home), name, kind)
+                moved[name] = self.servers[home]
+                if progress is not None:
+                    progress(len(moved), len(plan), name, self.servers[home])
+            return moved
+        finally:
+            for c in leaving:
+                c.close()
+
+    def _drained(self, drain: Sequence[str] | str) -> list[str]:
+        urls = expand_servers(drain) if drain else []
+        for url in urls:
             if url in self.servers:
                 raise ValueError(f"{url} is one of this client's servers: it cannot be drained")
-            leaving = Client(url, **self._options)
-            try:
-                self._move_from(leaving, None, moved)
-            finally:
-                leaving.close()
-        return moved
+        return urls
 
-    def _move_from(self, here: Client, index: int | None, moved: dict[str, str]) -> None:
-        for name, kind in ((n, b["kind"]) for n, b in here.stats()["bins"].items()):
-            home = owner(name, self.servers)
-            if home == index or kind not in ("value", "list"):
-                continue
-            there = self._client(home)
-            if kind == "value":
-                there.put(name, here.peek(name))
-                here.delete(name)
-            else:
-                res = here.fetch(name, remove=True, max_items=None)
-                with there.pipeline() as p:
-                    for item, tag in zip(res.value, res.tags, strict=True):
-                        p.append(name, item, tag=tag)
-            moved[name] = self.servers[home]
+    def _to_move(self, here: Client, index: int | None) -> list[tuple[str, str]]:
+        """The value and list bins on ``here`` (server ``index``) that another server owns."""
+        return [(name, b["kind"]) for name, b in here.stats()["bins"].items()
+                if b["kind"] in ("value", "list") and owner(name, self.servers) != index]
+
+    def _move(self, here: Client, there: Client, name: str, kind: str) -> None:
+        """Move bin ``name`` from ``here`` to ``there`` with its version."""
+        if kind == "value":
+            res = here.fetch(name, remove=False)
+            item = there._item(name, res.value, res.tags[0] if res.tags else None)
+            self._stored(there, Command(Put(0, name, item, res.version),
+                                        f"put to bin {name!r}", _version), name, res.version)
+            here.delete(name)
+            return
+        while True:
+            res = here.fetch(name, remove=True, max_items=None)
+            try:
+                self._append_moved(there, name, list(res.value), list(res.tags), res.version)
+            except BaseException as exc:
+                _give_back(here, name, res, exc)
+                raise
+            if not res.n_items:
+                return
+
+    def _append_moved(self, there: Client, name: str, values: list[Any],
+                      tags: list[int | None], version: int) -> None:
+        """Append ``values`` to ``there`` in requests of what one carries, the bin at least
+        at ``version`` after the first."""
+        room, most = there.limits.max_frame_bytes // 2, Pipeline.MAX_BATCH_ITEMS
+        items = there._items(name, values, tags) if values else []
+        i = 0
+        while i < len(items):
+            j, size = i + 1, items[i].value.nbytes
+            while j < len(items) and j - i < most and size + items[j].value.nbytes < room:
+                size += items[j].value.nbytes
+                j += 1
+            append = Append(0, name, items[i], BLOCK_SHARE * there.timeout,
+                            tuple(items[i + 1:j]), version)
+            self._stored(there, Command(append, f"append to bin {name!r}", _version), name,
+                         version)
+            i = j
+
+    @staticmethod
+    def _stored(there: Client, cmd: Command, name: str, version: int) -> None:
+        got = there._execute(cmd)
+        if got < version:
+            warnings.warn(f"bin {name!r} moved to {there.address}, whose server ignored "
+                          f"min_version (an older server): its version went from {version} "
+                          f"to {got}", RuntimeWarning, stacklevel=4)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("begin_") and name != "begin_":
@@ -366,6 +435,23 @@ class ShardedClient(BinClient):
 
     def __repr__(self) -> str:
         return f"<tensorshare.ShardedClient over {len(self.servers)} servers>"
+
+
+def _give_back(here: Client, name: str, res: Any, exc: BaseException) -> None:
+    """Items a rebalance took from ``here`` and could not store on their new server go back
+    to the end of their bin (the exception says whether they could)."""
+    values = list(res.value)
+    try:
+        if values:
+            with here.pipeline() as p:
+                for value, tag in zip(values, res.tags, strict=True):
+                    p.append(name, value, tag=tag)
+    except BaseException as again:
+        exc.add_note(f"{len(values)} items taken from bin {name!r} could not be stored on "
+                     f"either server ({again!r}): they are lost")
+        return
+    exc.add_note(f"the {len(values)} items taken from bin {name!r} were appended back to "
+                 f"its old server")
 
 
 class _ShardedBegin(Ops):

@@ -71,14 +71,15 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 # -- effects: the changes to the store, shared with the data log's replay --------------------
 def put_effect(store: Store, msg: Put, ctx: Ctx = None) -> Stored:
     """Replace a bin's content with the put's item."""
-    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx)
+    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx,
+                  msg.min_version)
     return Stored(msg.id, w.version, w.n_items)
 
 
 def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:
     """Append the items now (a replayed append, or one to a bin that does not block)."""
     entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
-    return _stored(msg.id, store.append_many(msg.bin, entries, ctx))
+    return _stored(msg.id, store.append_many(msg.bin, entries, ctx, msg.min_version))
 
 
 def delete_effect(store: Store, msg: Delete, ctx: Ctx = None) -> Deleted:
@@ -247,7 +248,7 @@ class Responder:
             conn.reply(msg, _stored(rid, w) if isinstance(w, Written)
                        else ErrorReply(rid, code_for(w), str(w)))
 
-        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg))
+        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg), msg.min_version)
         if isinstance(result, Written):
             conn.reply(msg, _stored(rid, result))
             return

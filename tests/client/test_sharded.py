@@ -476,9 +476,56 @@ def test_rebalance_moves_only_the_bins_whose_owner_changed_and_keeps_their_conte
             assert all(new.owner(n) == new.servers[k] for n in new._client(k).list())
 
 
+def test_a_moved_bin_keeps_its_version_and_a_reader_waiting_for_newer_waits_on(
+        three: list[EmbeddedServer]) -> None:
+    first_two = _addresses(three[:2])
+    with ShardedClient(first_two, timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        moving = [n for n in (f"w{i}" for i in range(60)) if new.owner(n) == new.servers[2]]
+        lists = [n for n in (f"q{i}" for i in range(60)) if new.owner(n) == new.servers[2]]
+        name, queue = moving[0], lists[0]
+        for step in range(3):
+            old.put(name, torch.tensor([step]), tag=step)  # version 3
+        for step in range(5):
+            old.append(queue, step, tag=step)
+        old.get(queue, max_items=1)  # version 6, four items left
+        seen: list[tuple[int, int, str, str]] = []
+        moved = new.rebalance(progress=lambda *a: seen.append(a))
+        assert moved == {name: new.servers[2], queue: new.servers[2]}
+        assert [s[:2] for s in seen] == [(1, 2), (2, 2)]
+        res = new.fetch(name, remove=False)
+        assert res.version == 3 and res.value.tolist() == [2] and list(res.tags) == [2]
+        # A reader that had version 3 on the old server has it already: nothing newer.
+        assert new.fetch(name, remove=False, newer_than=3).unchanged
+        new.put(name, torch.tensor([3]))
+        assert new.fetch(name, remove=False, newer_than=3).version == 4
+        res = new.fetch(queue, remove=False, max_items=None)
+        assert res.value == [1, 2, 3, 4] and list(res.tags) == [1, 2, 3, 4]
+        assert res.version >= 6  # at least where it was: never backwards
+
+
+def test_a_list_too_large_for_one_request_moves_in_several_keeping_order_and_version(
+        three: list[EmbeddedServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.client.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "MAX_BATCH_ITEMS", 7)  # (the rebalance's per-request cap)
+    with ShardedClient(_addresses(three[:2]), timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        queue = next(n for n in (f"q{i}" for i in range(60)) if new.owner(n) == new.servers[2])
+        for i in range(30):
+            old.append(queue, torch.tensor([i]), tag=i)
+        assert new.rebalance() == {queue: new.servers[2]}
+        res = new.fetch(queue, remove=False, max_items=None)
+        assert [int(t) for t in res.value] == list(range(30)) and list(res.tags) == list(range(30))
+        assert res.version >= 31  # 30 appends and the get that took them
+
+
 def test_the_rebalance_command_drains_a_shard_before_it_leaves(
-        three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str]) -> None:
-    from tensorshare.cli.main import main
+        three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.cli.main import _Progress, main
+
+    monkeypatch.setattr(_Progress, "every", 0.0)  # (a line per bin: as if each took long)
 
     with ShardedClient(_addresses(three), timeout=TIMEOUT) as old:
         for i in range(30):
@@ -488,8 +535,11 @@ def test_the_rebalance_command_drains_a_shard_before_it_leaves(
     staying = ",".join(_addresses(three[:2]))
     assert main(["rebalance", "--servers", staying, "--drain",
                  _addresses(three[2:])[0]]) == 0
-    out = capsys.readouterr().out
-    assert f"moved {len(leaving)} bins" in out
+    printed = capsys.readouterr()
+    assert f"moved {len(leaving)} bins" in printed.out
+    progress = [line for line in printed.err.splitlines() if "bins moved" in line]
+    assert [line.split()[2] for line in progress] == \
+        [f"{i}/{len(leaving)}" for i in range(1, len(leaving) + 1)]
     with ShardedClient(staying, timeout=TIMEOUT) as new:
         for i in range(30):
             assert torch.equal(new.peek(f"v{i}"), torch.tensor([i]))

@@ -445,8 +445,8 @@ def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
         "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True)],
-        "put": [Put(2, "w", item)],
-        "append": [Append(2, "w", item, 1.5)],
+        "put": [Put(2, "w", item, 4)],
+        "append": [Append(2, "w", item, 1.5, (), 4)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
         "peek": [Peek(3, "w", 2, True, 1.5, 1, 4, 2)],
         "list": [ListBins(4)],
