@@ -35,7 +35,13 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import ConnectionLost, TensorShareError
+from ..errors import (
+    ConnectError,
+    ConnectionLost,
+    ShardsUnavailable,
+    TensorShareError,
+    TransportError,
+)
 from ..wire.address import Address, parse_address
 from ..wire.messages import (
     Append,
@@ -151,8 +157,14 @@ class ShardedClient(BinClient):
     created on the shard appears on the relay at its next listing, a delete there is not
     relayed, and list bins are not relayed at all: name value bins only (parameters).
 
+    ``list``, ``stats`` and ``ping`` ask every server: when some do not answer within the
+    timeout they raise :class:`~tensorshare.errors.ShardsUnavailable` (a ``ConnectionLost``)
+    carrying the others' answer, merged, as ``result`` and the missing servers as
+    ``missing``. The client is made as long as one server can be reached.
+
     Raises:
         ValueError: no servers, the same one twice, or ``relay`` without ``relay_bins``.
+        ConnectError: no server could be reached.
     """
 
     def __init__(self, servers: Sequence[str] | str | None = None, *,
@@ -169,11 +181,30 @@ class ShardedClient(BinClient):
         self._clients: dict[int, Client] = {}
         self._lock = threading.Lock()
         self._closed = False
-        first = self._client(0)
+        self._first = 0
+        first = self._first_client()
         self.timeout = first.timeout
         self.compress = first.compress
         self.compress_min_bytes = first.compress_min_bytes
         self.begin = _ShardedBegin(self)
+
+    def _first_client(self) -> Client:
+        """The client of the first server that can be reached (the client's settings and
+        limits are read from it): one server down does not stop the others' use.
+
+        Raises:
+            ConnectError: no server can be reached (the first one's error).
+        """
+        errors: list[ConnectError] = []
+        for i in range(len(self.servers)):
+            try:
+                client = self._client(i)
+            except ConnectError as exc:
+                errors.append(exc)
+                continue
+            self._first = i
+            return client
+        raise errors[0]
 
     def _client(self, index: int) -> Client:
         """The client of server ``index`` (of the relay for :data:`RELAY`), made on first
@@ -252,7 +283,7 @@ class ShardedClient(BinClient):
 
     @property
     def limits(self) -> Limits:
-        return self._client(0).limits
+        return self._client(self._first).limits
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return self.client_for(name)._item(name, value, tag)
@@ -263,23 +294,50 @@ class ShardedClient(BinClient):
     def _execute(self, cmd: Command) -> Any:
         if cmd.bin is not None:
             return self._client(self._route(cmd))._execute(cmd)
-        calls = [self._client(i).begin._execute(cmd) for i in range(len(self.servers))]
-        return self._merge(cmd, [call.result() for call in calls])
+        answers, missing = self._ask_every_server(cmd)
+        merged = self._merge(cmd, answers)
+        if missing:
+            why = "; ".join(f"{where}: {exc}" for where, exc in missing.items())
+            raise ShardsUnavailable(
+                f"{cmd.what}: {len(missing)} of {len(self.servers)} servers did not answer "
+                f"({why}); the answer of the others is this error's .result",
+                merged, missing)
+        return merged
 
-    def _merge(self, cmd: Command, answers: list[Any]) -> Any:
+    def _ask_every_server(self, cmd: Command
+                          ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Send ``cmd`` to every server at once; ``(answers, missing)`` by address: a server
+        that cannot be reached (or does not answer in time) is missing, not fatal."""
+        calls: dict[str, PendingCall] = {}
+        missing: dict[str, BaseException] = {}
+        for i, where in enumerate(self.servers):
+            try:
+                calls[where] = self._client(i).begin._execute(cmd)
+            except TransportError as exc:
+                if self._closed:
+                    raise
+                missing[where] = exc
+        answers: dict[str, Any] = {}
+        for where, call in calls.items():
+            try:
+                answers[where] = call.result()
+            except TransportError as exc:
+                missing[where] = exc
+        return answers, missing
+
+    def _merge(self, cmd: Command, answers: dict[str, Any]) -> Any:
         request = cmd.request
         if isinstance(request, ListBins):
             merged: dict[str, int] = {}
-            for bins in answers:
+            for bins in answers.values():
                 merged.update(bins)
             return merged
         if isinstance(request, Stats):
-            return {"servers": dict(zip(self.servers, (a["server"] for a in answers),
-                                        strict=True)),
-                    "bins": {k: v for a in answers for k, v in a["bins"].items()}}
+            return {"servers": {where: a["server"] for where, a in answers.items()},
+                    "bins": {k: v for a in answers.values() for k, v in a["bins"].items()}}
         if isinstance(request, Ping):
             return None
-        return answers
+        return list(answers.values())
 
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """As :meth:`Client.pipeline`: each server gets its share of the requests in one

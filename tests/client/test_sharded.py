@@ -17,7 +17,7 @@ import torch
 
 from tensorshare import Client, EmbeddedServer
 from tensorshare.client.sharded import ShardedClient, bin_key, expand_servers, owner
-from tensorshare.errors import BinNotFound, ConnectionLost, WaitTimeout
+from tensorshare.errors import BinNotFound, ConnectionLost, ShardsUnavailable, WaitTimeout
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 
 SERVERS = [f"tensorshare://shard-{i}.tensorshare:7000" for i in range(3)]  # names: no connect
@@ -545,6 +545,32 @@ def test_the_rebalance_command_drains_a_shard_before_it_leaves(
             assert torch.equal(new.peek(f"v{i}"), torch.tensor([i]))
     with Client("127.0.0.1", three[2].port) as gone:
         assert gone.list() == {}  # nothing left on the shard that leaves
+
+
+def test_with_a_shard_down_list_and_stats_answer_from_the_others_and_name_it(
+        three: list[EmbeddedServer]) -> None:
+    addresses = _addresses(three)
+    with ShardedClient(addresses, timeout=TIMEOUT) as c:
+        for i in range(30):
+            c.put(f"v{i}", i)
+        gone = c.servers[0]
+        living = {f"v{i}": 1 for i in range(30) if c.owner(f"v{i}") != gone}
+        assert 0 < len(living) < 30
+    three[0].stop()  # its port closed, every connection cut
+    # (a short timeout: a server that is down costs each call that long)
+    with ShardedClient(addresses, timeout=0.5) as c:  # made while the first is down
+        answers = {}
+        for call in (c.list, c.stats, c.begin.list):
+            with pytest.raises(ShardsUnavailable) as info:
+                call()
+            err = info.value
+            assert isinstance(err, ConnectionLost)  # what a down server gave before
+            assert list(err.missing) == [gone] and gone in str(err)
+            answers[call.__name__] = err.result
+        assert answers["list"] == living
+        assert set(answers["stats"]["servers"]) == set(c.servers[1:])
+        assert set(answers["stats"]["bins"]) == set(living)
+        assert c.peek(next(iter(living))) is not None  # the live shards serve on
 
 
 @pytest.mark.long
