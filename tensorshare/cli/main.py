@@ -170,10 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--host", default=None,
-                      help="server address, or a URL: tensorshare://HOST:PORT, "
+                      help="server host, or an address: HOST:PORT, tensorshare://HOST:PORT, "
                            "tensorshare+tls://HOST:PORT, unix://PATH (default: TENSORSHARE_URL, "
                            "else 127.0.0.1)")
-    conn.add_argument("--port", type=int, default=None, help="server port (default 8000)")
+    conn.add_argument("--port", type=int, default=None,
+                      help="server port (default 8000; a port in --host wins)")
     conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
                       help="seconds the server has to answer (default 5)")
     conn.add_argument("--tls", action="store_true", default=None,
@@ -254,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--env", default=None,
                    help="Gymnasium id or builtin-CartPole (default Acrobot-v1 with Gymnasium)")
     d.add_argument("--server", default=None, metavar="HOST:PORT",
-                   help="use this running server instead of hosting one")
+                   help="use this running server instead of hosting one (HOST:PORT, or a "
+                        "tensorshare://, tensorshare+tls:// or unix:// URL)")
     d.add_argument("--warmup", type=float, default=None,
                    help="seconds of 1-worker warm-up (default: 2 with more than one worker)")
     return p
