@@ -272,6 +272,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from ..server import ServerConfig
+    from ..server.auth import check_exposure
     from ..wire.messages import Limits
 
     level = LogLevel.warn if args.quiet else LogLevel.info
@@ -350,6 +351,11 @@ def _serve(args: argparse.Namespace) -> int:
                           relay_of=_upstream(args))
     if config.relay_of is not None:
         ready = _relaying(args, ready)
+    try:
+        check_exposure(args.host, config, cli=True)  # (in the command line's terms)
+    except ValueError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 2
     try:
         return _run_server(args, ready, config, running)
     finally:
