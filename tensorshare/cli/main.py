@@ -67,6 +67,27 @@ def _count(text: str) -> int:
     return value
 
 
+def _disk_options() -> argparse.ArgumentParser:
+    """``serve``'s persistence options (a relay has none: it keeps nothing on disk)."""
+    d = argparse.ArgumentParser(add_help=False)
+    g = d.add_argument_group("persistence (without --data-dir: in memory only)")
+    g.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
+                        "without it the server holds everything in memory only")
+    g.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
+                   help="when the data log reaches the disk: before each reply (always), "
+                        "every second (everysec, the default) or when the OS decides (no)")
+    g.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="write a snapshot (and drop the log it covers) this often "
+                        "(default 300)")
+    g.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="also write one once the log has grown this much (default 1G)")
+    g.add_argument("--truncate-corrupt-log", action="store_true",
+                   help="start even if the data log is corrupt in the middle, dropping it "
+                        "from the bad record on (the start-up error tells you when)")
+    return d
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorshare", description="Share PyTorch tensors "
                                 "between processes and machines.")
@@ -106,20 +127,6 @@ def _parser() -> argparse.ArgumentParser:
                         "disconnected (default 64M)")
     s.add_argument("--max-session-bytes", type=_size, default=1 << 30, metavar="BYTES",
                    help="bytes of unacknowledged get items one session may hold (default 1G)")
-    s.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
-                        "without it the server holds everything in memory only")
-    s.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
-                   help="when the data log reaches the disk: before each reply (always), "
-                        "every second (everysec, the default) or when the OS decides (no)")
-    s.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
-                   help="write a snapshot (and drop the log it covers) this often "
-                        "(default 300)")
-    s.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
-                   help="also write one once the log has grown this much (default 1G)")
-    s.add_argument("--truncate-corrupt-log", action="store_true",
-                   help="start even if the data log is corrupt in the middle, dropping it "
-                        "from the bad record on (the start-up error tells you when)")
     s.add_argument("--frame-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="close a connection that leaves a large frame half sent for this "
                         "long, releasing the memory it reserved (default 60)")
@@ -149,11 +156,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
                    help="also export one series per bin (default on; turn it off for "
                         "servers with very many bins)")
-    sub.add_parser("serve", parents=[s], help="run a server (until Ctrl+C)")
+    sub.add_parser("serve", parents=[s, _disk_options()], help="run a server (until Ctrl+C)")
     r = sub.add_parser("relay", parents=[s], help="serve another server's bins read-only, "
                        "downloading each new version once (parameter fan-out; until Ctrl+C)")
+    # A relay keeps nothing on disk (it copies its upstream again when it starts).
+    r.set_defaults(**{a.dest: a.default for a in _disk_options()._actions})
     r.add_argument("--upstream", required=True, metavar="URL",
-                   help="the server to relay: tensorshare://HOST:PORT, "
+                   help="the server to relay: HOST:PORT, tensorshare://HOST:PORT, "
                         "tensorshare+tls://HOST:PORT or unix://PATH (a primary or a relay)")
     r.add_argument("--bins", action="append", default=None, metavar="GLOB",
                    help="relay the value bins matching this pattern (repeat for more; "
@@ -247,7 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
     # _demo passes each one run_demo accepts).
     d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
-                       "one with --server): a smoke test of a deployment; about a minute")
+                       "one with --server): a smoke test of a deployment; under a minute "
+                       "(about half a minute on 2 cores)")
     d.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     d.add_argument("--max-seconds", type=float, default=90.0, help="stop after this long")
     d.add_argument("--target", type=float, default=None,

@@ -68,6 +68,27 @@ def test_the_no_token_refusal_names_the_command_lines_options() -> None:
     assert "token=" not in err and "insecure=True" not in err  # (Python's spelling)
 
 
+def test_a_relay_offers_no_disk_options_and_serve_does() -> None:
+    from tensorshare.cli.main import _parser
+
+    disk = ("--data-dir", "--fsync", "--snapshot-every", "--snapshot-log-bytes",
+            "--truncate-corrupt-log")
+    relay, serve = _cli("relay", "--help").stdout, _cli("serve", "--help").stdout
+    assert all(o not in relay for o in disk) and all(o in serve for o in disk)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["relay", "--upstream", "h:1", "--data-dir", "/tmp/x"])
+    args = _parser().parse_args(["relay", "--upstream", "h:1"])
+    assert args.data_dir is None  # (what serve's code reads: nothing kept)
+
+
+def test_the_demos_duration_is_told_alike_in_help_and_readme() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    intro = readme.split("**tensorshare shares", 1)[0]
+    helptext = " ".join(_cli("--help").stdout.split())
+    assert "under a minute" in intro and "under a minute" in helptext
+    assert "about a minute" not in helptext and "ten seconds" not in intro
+
+
 def test_serve_with_max_memory_refuses_what_does_not_fit() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
                              "--max-memory", "64K", "-q"], stdout=subprocess.PIPE, text=True)
