@@ -428,6 +428,26 @@ def test_remembered_ops_are_named_in_the_sessions_section() -> None:
     assert f"**{listed}**" in " ".join(DOC.split()), listed
 
 
+def _ops_between(start: str, end: str) -> set[str]:
+    """The `code` names in the doc's text from ``start`` (which must occur once) to ``end``,
+    but for the fields and values these sentences also name."""
+    text = " ".join(DOC.split())
+    assert text.count(start) == 1, f"{start!r} should appear once in {DOC_PATH}"
+    part = text.split(start, 1)[1].split(end, 1)[0]
+    return set(re.findall(r"`(\w+)`", part)) - {"resumed", "true", "false"}
+
+
+@pytest.mark.parametrize("start, end, remembered", [
+    ("* The other ops (", ") are not remembered", False),  # §9.4
+    ("4. After a reconnect: if `resumed`", "5. When giving up", True),  # §9.9 step 4
+    ("11. After a reconnect, read `resumed`", "12. ", True),  # Appendix A #11
+])
+def test_every_list_of_remembered_ops_is_the_op_tables(start: str, end: str,
+                                                       remembered: bool) -> None:
+    expected = {name for name, op in OPS.items() if op.mutating == remembered}
+    assert _ops_between(start, end) == expected
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_each_op_has_a_table_listing_exactly_its_fields(op: str) -> None:
     assert documented_fields(op) == set(OPS[op].fields)
@@ -651,6 +671,30 @@ def test_server_settings_table_matches_the_defaults_and_the_cli() -> None:
         else:
             assert code_cell(row[2]) == f"--{name.replace('_', '-')}", name
             assert serve[name] == value, f"the CLI default of {name} differs"
+
+
+def test_the_service_limits_are_the_codes() -> None:
+    """§3.2.23 / §3.2.24: the bounds a host's take and reply are held to."""
+    from tensorshare.wire import services as svc
+
+    take = {code_cell(r[0]): " ".join(r[1:]) for r in table("<!-- fields: service_take -->")}
+    reply = {code_cell(r[0]): " ".join(r[1:]) for r in table("<!-- fields: service_reply -->")}
+    assert svc.MAX_BATCH == protocol.MAX_APPEND_ITEMS
+    assert f"1 to {svc.MAX_BATCH} (`services.MAX_BATCH`" in take["max_batch"]
+    assert f"at most {svc.MAX_BATCH}, `services.MAX_BATCH`" in reply["items"]
+    assert f"0 to {svc.MAX_WAIT_MS:g}" in take["max_wait_ms"]
+    assert f"at most {svc.MAX_LEASE:g}" in take["lease"]
+    assert f"1 to {svc.MAX_QUEUE} (default {svc.DEFAULT_MAX_QUEUE})" in take["max_queue"]
+    assert f"cut to {svc.MAX_ERROR_CHARS} characters" in reply["error"]
+    # The server holds to them: one more is refused.
+    conn = ServerConnection()
+    conn.handshake_done()
+    for header in ({"op": "service_take", "id": 7, "bin": "s", "max_batch": svc.MAX_BATCH},
+                   {"op": "service_take", "id": 7, "bin": "s",
+                    "max_batch": svc.MAX_BATCH + 1}):
+        (out,) = conn.receive_data(b"".join(bytes(c) for c in encode_frame(
+            msgpack.packb(header))))
+        assert isinstance(out, BadRequest) == (header["max_batch"] > svc.MAX_BATCH), out
 
 
 def test_constants_the_doc_states() -> None:
