@@ -67,6 +67,12 @@ def _count(text: str) -> int:
     return value
 
 
+def _read_ops() -> str:
+    from ..server.auth import read_ops_text
+
+    return read_ops_text()
+
+
 def _disk_options() -> argparse.ArgumentParser:
     """``serve``'s persistence options (a relay has none: it keeps nothing on disk)."""
     d = argparse.ArgumentParser(add_help=False)
@@ -137,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                           "crosses the wire); default: TENSORSHARE_TOKEN or the file "
                           "TENSORSHARE_TOKEN_FILE names")
     sec.add_argument("--read-token-file", default=None, metavar="PATH",
-                     help="a second token that may only peek, list, stats and listen "
-                          "(dashboards, monitors, evaluation jobs)")
+                     help=f"a second token that may only {_read_ops()} (dashboards, "
+                          f"monitors, evaluation jobs)")
     sec.add_argument("--tls-cert", default=None, metavar="PEM",
                      help="serve TLS with this certificate (its chain after it); clients use "
                           "tensorshare+tls://HOST:PORT. Default: TENSORSHARE_TLS_CERT")

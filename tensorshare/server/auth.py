@@ -14,7 +14,24 @@ from collections import OrderedDict
 from ..wire.auth import token_bytes
 from .config import ServerConfig
 
-__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of"]
+__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of", "read_ops",
+           "read_ops_text"]
+
+
+def read_ops() -> list[str]:
+    """The ops a connection with the read-only token (or any client of a relay) may send
+    after the handshake: those the op table marks ``read`` (``hello`` and ``auth`` are the
+    handshake's own)."""
+    from ..wire import services, streams  # noqa: F401  (their ops join the table at import)
+    from ..wire.protocol import OPS
+
+    return [name for name, op in OPS.items() if op.read and name not in ("hello", "auth")]
+
+
+def read_ops_text() -> str:
+    """:func:`read_ops` as a phrase: ``"peek, list, ... and bye"``."""
+    ops = read_ops()
+    return f"{', '.join(ops[:-1])} and {ops[-1]}"
 
 
 def keys_of(config: ServerConfig) -> dict[str, bytes]:

@@ -55,6 +55,7 @@ from ..wire.messages import (
     Unlisten,
 )
 from ..wire.protocol import OPS, item_wire_size, op_name
+from .auth import read_ops_text
 from .store import BinConfig, Store, Written
 
 if TYPE_CHECKING:
@@ -221,10 +222,10 @@ class Responder:
     def _refuse_write(self, conn: ServerProtocol, msg: Request, op: str) -> None:
         """Answer a write that this connection's role (or a relay) does not allow."""
         conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
-            f"{op} is not allowed with the read-only token (it may peek, list, stats and "
-            f"listen); use the read-write token" if self.relay_of is None else
+            f"{op} is not allowed with the read-only token (it may {read_ops_text()}); use "
+            f"the read-write token" if self.relay_of is None else
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
-            f"read-only (peek, list, stats, listen); write to that primary")))
+            f"read-only ({read_ops_text()}); write to that primary")))
 
     def _check_kind(self, msg: Any) -> None:
         """A value or list request on a bin of another kind (a stream, a service) is refused."""

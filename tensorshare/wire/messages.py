@@ -277,7 +277,7 @@ class HelloReply:
         shm: buffers may travel as sealed memfds on this connection, both ways.
         proof: after a challenge, the server's proof that it knows the token too.
         role: what the connection may do: ``"write"`` (everything) or ``"read"`` (the
-            read-only token: peek, list, stats, listen).
+            read-only token: the ops the op table marks ``read``).
     """
 
     id: int
