@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import (
+    BinNotFound,
     ConnectError,
     ConnectionLost,
     ShardsUnavailable,
@@ -404,12 +405,12 @@ class ShardedClient(BinClient):
                     + [(None, c) for c in leaving]
                     for name, kind in self._to_move(here, index)]
             moved: dict[str, str] = {}
-            for here, name, kind in plan:
+            for done, (here, name, kind) in enumerate(plan, 1):
                 home = owner(name, self.servers)
-                self._move(here, self._client(home), name, kind)
-                moved[name] = self.servers[home]
+                if self._move(here, self._client(home), name, kind):
+                    moved[name] = self.servers[home]
                 if progress is not None:
-                    progress(len(moved), len(plan), name, self.servers[home])
+                    progress(done, len(plan), name, self.servers[home])
             return moved
         finally:
             for c in leaving:
@@ -427,24 +428,28 @@ class ShardedClient(BinClient):
         return [(name, b["kind"]) for name, b in here.stats()["bins"].items()
                 if b["kind"] in ("value", "list") and owner(name, self.servers) != index]
 
-    def _move(self, here: Client, there: Client, name: str, kind: str) -> None:
-        """Move bin ``name`` from ``here`` to ``there`` with its version."""
+    def _move(self, here: Client, there: Client, name: str, kind: str) -> bool:
+        """Move bin ``name`` from ``here`` to ``there`` with its version; whether there was
+        anything to move (a bin emptied since it was listed is not)."""
+        try:
+            res = here.fetch(name, remove=kind != "value", max_items=None)
+        except BinNotFound:
+            return False
         if kind == "value":
-            res = here.fetch(name, remove=False)
             item = there._item(name, res.value, res.tags[0] if res.tags else None)
             self._stored(there, Command(Put(0, name, item, res.version),
                                         f"put to bin {name!r}", _version), name, res.version)
             here.delete(name)
-            return
+            return True
         while True:
-            res = here.fetch(name, remove=True, max_items=None)
             try:
                 self._append_moved(there, name, list(res.value), list(res.tags), res.version)
             except BaseException as exc:
                 _give_back(here, name, res, exc)
                 raise
             if not res.n_items:
-                return
+                return True
+            res = here.fetch(name, remove=True, max_items=None)
 
     def _append_moved(self, there: Client, name: str, values: list[Any],
                       tags: list[int | None], version: int) -> None:

@@ -520,6 +520,24 @@ def test_a_list_too_large_for_one_request_moves_in_several_keeping_order_and_ver
         assert res.version >= 31  # 30 appends and the get that took them
 
 
+def test_a_bin_gone_before_its_turn_is_skipped_not_an_error(
+        three: list[EmbeddedServer]) -> None:
+    with ShardedClient(_addresses(three[:2]), timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        names = [n for n in (f"w{i}" for i in range(60)) if new.owner(n) == new.servers[2]][:2]
+        for name in names:
+            old.put(name, 1)
+        seen: list[tuple[int, int, str, str]] = []
+
+        def progress(*report: Any) -> None:
+            seen.append(report)
+            for name in names:
+                old.delete(name)  # what had not moved yet is gone
+
+        moved = new.rebalance(progress=progress)
+        assert len(moved) == 1 and [s[:2] for s in seen] == [(1, 2), (2, 2)]
+
+
 def test_the_rebalance_command_drains_a_shard_before_it_leaves(
         three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
