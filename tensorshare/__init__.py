@@ -32,6 +32,7 @@ from .errors import (
     ServiceFailed,
     SessionLost,
     SessionTakenOver,
+    ShardsUnavailable,
     StorageUnavailable,
     TensorShareError,
     Timeout,
@@ -68,6 +69,7 @@ __all__ = [
     "SessionLost",
     "SessionTakenOver",
     "ShardedClient",
+    "ShardsUnavailable",
     "StorageUnavailable",
     "TensorShare",
     "TensorShareError",
@@ -107,7 +109,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # The public names (loaded or not) and the module's own dunders; not the helpers this
+    # file imports (Any, TYPE_CHECKING, importlib, ...) nor submodules loaded on the way.
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
 
 
 if TYPE_CHECKING:

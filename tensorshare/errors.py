@@ -17,8 +17,11 @@
     │       ├── SessionLost                the server forgot this client's session (it was
     │       │                              restarted without persistence): the outcome of the
     │       │                              request cannot be known
-    │       └── SessionTakenOver           another connection took this client's session over
-    │                                      (two processes share one session id); not retried
+    │       ├── SessionTakenOver           another connection took this client's session over
+    │       │                              (two processes share one session id); not retried
+    │       └── ShardsUnavailable          a ShardedClient's list/stats/ping: some servers did
+    │                                      not answer (``result``: the others' answer merged,
+    │                                      ``missing``: which servers, and why)
     └── ServerError                        the server answered a request with an error
         ├── BinNotFound (LookupError)      the bin is missing or empty
         ├── InvalidRequest (ValueError)    a malformed request, a bad bin name, an unknown op
@@ -68,6 +71,7 @@ __all__ = [
     "ServiceFailed",
     "SessionLost",
     "SessionTakenOver",
+    "ShardsUnavailable",
     "StorageUnavailable",
     "TensorShareError",
     "Timeout",
@@ -151,6 +155,23 @@ class SessionTakenOver(ConnectionLost):
     """
 
     code = "session_taken_over"
+
+
+class ShardsUnavailable(ConnectionLost):
+    """Some servers of a :class:`~tensorshare.ShardedClient` did not answer a request that
+    asks every server (``list``, ``stats``, ``ping``); the others did.
+
+    Attributes:
+        result: what the call returns, merged from the servers that answered (for ``stats``,
+            ``"servers"`` holds only those).
+        missing: ``{address: the error}`` for each server that did not answer.
+    """
+
+    def __init__(self, message: str, result: object = None,
+                 missing: dict[str, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.missing: dict[str, BaseException] = dict(missing or {})
 
 
 class Timeout(TensorShareError, TimeoutError):

@@ -14,6 +14,7 @@ import argparse
 import inspect
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,33 @@ def _count(text: str) -> int:
     return value
 
 
+def _read_ops() -> str:
+    from ..server.auth import read_ops_text
+
+    return read_ops_text()
+
+
+def _disk_options() -> argparse.ArgumentParser:
+    """``serve``'s persistence options (a relay has none: it keeps nothing on disk)."""
+    d = argparse.ArgumentParser(add_help=False)
+    g = d.add_argument_group("persistence (without --data-dir: in memory only)")
+    g.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
+                        "without it the server holds everything in memory only")
+    g.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
+                   help="when the data log reaches the disk: before each reply (always), "
+                        "every second (everysec, the default) or when the OS decides (no)")
+    g.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
+                   help="write a snapshot (and drop the log it covers) this often "
+                        "(default 300)")
+    g.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
+                   help="also write one once the log has grown this much (default 1G)")
+    g.add_argument("--truncate-corrupt-log", action="store_true",
+                   help="start even if the data log is corrupt in the middle, dropping it "
+                        "from the bad record on (the start-up error tells you when)")
+    return d
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorshare", description="Share PyTorch tensors "
                                 "between processes and machines.")
@@ -105,20 +133,6 @@ def _parser() -> argparse.ArgumentParser:
                         "disconnected (default 64M)")
     s.add_argument("--max-session-bytes", type=_size, default=1 << 30, metavar="BYTES",
                    help="bytes of unacknowledged get items one session may hold (default 1G)")
-    s.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="keep the data in DIR (a data log and snapshots) and load it at start; "
-                        "without it the server holds everything in memory only")
-    s.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec",
-                   help="when the data log reaches the disk: before each reply (always), "
-                        "every second (everysec, the default) or when the OS decides (no)")
-    s.add_argument("--snapshot-every", type=_seconds, default=300.0, metavar="SECONDS",
-                   help="write a snapshot (and drop the log it covers) this often "
-                        "(default 300)")
-    s.add_argument("--snapshot-log-bytes", type=_size, default=1 << 30, metavar="BYTES",
-                   help="also write one once the log has grown this much (default 1G)")
-    s.add_argument("--truncate-corrupt-log", action="store_true",
-                   help="start even if the data log is corrupt in the middle, dropping it "
-                        "from the bad record on (the start-up error tells you when)")
     s.add_argument("--frame-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="close a connection that leaves a large frame half sent for this "
                         "long, releasing the memory it reserved (default 60)")
@@ -129,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                           "crosses the wire); default: TENSORSHARE_TOKEN or the file "
                           "TENSORSHARE_TOKEN_FILE names")
     sec.add_argument("--read-token-file", default=None, metavar="PATH",
-                     help="a second token that may only peek, list, stats and listen "
-                          "(dashboards, monitors, evaluation jobs)")
+                     help=f"a second token that may only {_read_ops()} (dashboards, "
+                          f"monitors, evaluation jobs)")
     sec.add_argument("--tls-cert", default=None, metavar="PEM",
                      help="serve TLS with this certificate (its chain after it); clients use "
                           "tensorshare+tls://HOST:PORT. Default: TENSORSHARE_TLS_CERT")
@@ -152,11 +166,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="also serve the web dashboard on 127.0.0.1:PORT (0 picks a free "
                         "one), connected to this server with its read-only token; off by "
                         "default (see tensorshare dashboard)")
-    sub.add_parser("serve", parents=[s], help="run a server (until Ctrl+C)")
+    sub.add_parser("serve", parents=[s, _disk_options()], help="run a server (until Ctrl+C)")
     r = sub.add_parser("relay", parents=[s], help="serve another server's bins read-only, "
                        "downloading each new version once (parameter fan-out; until Ctrl+C)")
+    # A relay keeps nothing on disk (it copies its upstream again when it starts).
+    r.set_defaults(**{a.dest: a.default for a in _disk_options()._actions})
     r.add_argument("--upstream", required=True, metavar="URL",
-                   help="the server to relay: tensorshare://HOST:PORT, "
+                   help="the server to relay: HOST:PORT, tensorshare://HOST:PORT, "
                         "tensorshare+tls://HOST:PORT or unix://PATH (a primary or a relay)")
     r.add_argument("--bins", action="append", default=None, metavar="GLOB",
                    help="relay the value bins matching this pattern (repeat for more; "
@@ -173,10 +189,11 @@ def _parser() -> argparse.ArgumentParser:
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--host", default=None,
-                      help="server address, or a URL: tensorshare://HOST:PORT, "
+                      help="server host, or an address: HOST:PORT, tensorshare://HOST:PORT, "
                            "tensorshare+tls://HOST:PORT, unix://PATH (default: TENSORSHARE_URL, "
                            "else 127.0.0.1)")
-    conn.add_argument("--port", type=int, default=None, help="server port (default 8000)")
+    conn.add_argument("--port", type=int, default=None,
+                      help="server port (default 8000; a port in --host wins)")
     conn.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
                       help="seconds the server has to answer (default 5)")
     conn.add_argument("--tls", action="store_true", default=None,
@@ -275,7 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
     # _demo passes each one run_demo accepts).
     d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
-                       "one with --server): a smoke test of a deployment; about a minute")
+                       "one with --server): a smoke test of a deployment; under a minute "
+                       "(about half a minute on 2 cores)")
     d.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     d.add_argument("--max-seconds", type=float, default=90.0, help="stop after this long")
     d.add_argument("--target", type=float, default=None,
@@ -283,7 +301,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--env", default=None,
                    help="Gymnasium id or builtin-CartPole (default Acrobot-v1 with Gymnasium)")
     d.add_argument("--server", default=None, metavar="HOST:PORT",
-                   help="use this running server instead of hosting one")
+                   help="use this running server instead of hosting one (HOST:PORT, or a "
+                        "tensorshare://, tensorshare+tls:// or unix:// URL)")
     d.add_argument("--warmup", type=float, default=None,
                    help="seconds of 1-worker warm-up (default: 2 with more than one worker)")
     return p
@@ -299,6 +318,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     from ..server import ServerConfig
+    from ..server.auth import check_exposure
     from ..wire.messages import Limits
 
     level = LogLevel.warn if args.quiet else LogLevel.info
@@ -380,6 +400,11 @@ def _serve(args: argparse.Namespace) -> int:
     dashboards: list[Any] = []
     if args.dashboard_port is not None:
         config, ready = _with_dashboard(args, config, ready, dashboards)
+    try:
+        check_exposure(args.host, config, cli=True)  # (in the command line's terms)
+    except ValueError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 2
     try:
         return _run_server(args, ready, config, running)
     finally:
@@ -645,6 +670,23 @@ def _health(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """Prints a rebalance's progress on stderr, at most once every ``every`` seconds (and
+    nothing for work done within the first ``every``)."""
+
+    every = 1.0
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int, name: str, where: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            print(f"tensorshare rebalance: {done}/{total} bins moved ({name!r} -> {where})",
+                  file=sys.stderr, flush=True)
+
+
 def _rebalance(args: argparse.Namespace) -> int:
     """``tensorshare rebalance``: move bins to their owners (ShardedClient.rebalance)."""
     from ..client.sharded import ShardedClient
@@ -652,7 +694,7 @@ def _rebalance(args: argparse.Namespace) -> int:
     try:
         with ShardedClient(args.servers, timeout=args.timeout,
                            token_file=args.token_file) as c:
-            moved = c.rebalance(args.drain)
+            moved = c.rebalance(args.drain, progress=_Progress())
     except (ValueError, OSError) as exc:
         print(f"tensorshare rebalance: {exc}", file=sys.stderr)
         return 1

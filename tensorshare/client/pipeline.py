@@ -41,16 +41,6 @@ class PipelineHost(Protocol):
         ...
 
 
-class _Lazy:
-    """A lone CPU tensor queued for append, encoded at execute() (many at a time, with the
-    garbage collector paused) rather than at the call."""
-
-    __slots__ = ("value", "tag")
-
-    def __init__(self, value: Any, tag: int | None) -> None:
-        self.value, self.tag = value, tag
-
-
 class Pipeline(Ops):
     """Requests queued locally and sent together (see ``Client.pipeline()``).
 
@@ -116,9 +106,8 @@ class Pipeline(Ops):
         return super().append(name, value, tag=tag)
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        if lone_cpu_tensor(value, tag):
-            self._check_name(name)
-            return cast(Item, _Lazy(value, tag))
+        # Encoded now, as the client encodes: only append's own queue above defers lone
+        # tensors (a put, a stream append or a service call goes as it is, never merged).
         return self._host._item(name, value, tag)
 
     def execute(self) -> Any:
@@ -216,11 +205,6 @@ class Pipeline(Ops):
         req = cast(Command, cmd).request
         if type(req) is not Append:
             return None
-        if type(req.item) is _Lazy:
-            lazy = cast(_Lazy, req.item)
-            item = self._host._item(req.bin, lazy.value, lazy.tag)
-            self._cmds[i] = Command(Append(0, req.bin, item, req.timeout), "", _version)
-            return req.bin, item, req.timeout
         return req.bin, req.item, req.timeout
 
     def __enter__(self) -> Pipeline:

@@ -31,14 +31,33 @@ import hashlib
 import os
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..errors import ConnectionLost, TensorShareError
+from ..errors import (
+    BinNotFound,
+    ConnectError,
+    ConnectionLost,
+    ShardsUnavailable,
+    TensorShareError,
+    TransportError,
+)
 from ..wire.address import Address, parse_address
-from ..wire.messages import Fetch, Item, Limits, ListBins, Listen, Ping, Stats, Unlisten
+from ..wire.messages import (
+    Append,
+    Fetch,
+    Item,
+    Limits,
+    ListBins,
+    Listen,
+    Ping,
+    Put,
+    Stats,
+    Unlisten,
+)
 from .blocking import Client, PendingCall, Pipeline, outcomes_of
-from .ops import BinClient, Command, Ops
+from .ops import BLOCK_SHARE, BinClient, Command, Ops, _version
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -139,8 +158,14 @@ class ShardedClient(BinClient):
     created on the shard appears on the relay at its next listing, a delete there is not
     relayed, and list bins are not relayed at all: name value bins only (parameters).
 
+    ``list``, ``stats`` and ``ping`` ask every server: when some do not answer within the
+    timeout they raise :class:`~tensorshare.errors.ShardsUnavailable` (a ``ConnectionLost``)
+    carrying the others' answer, merged, as ``result`` and the missing servers as
+    ``missing``. The client is made as long as one server can be reached.
+
     Raises:
         ValueError: no servers, the same one twice, or ``relay`` without ``relay_bins``.
+        ConnectError: no server could be reached.
     """
 
     def __init__(self, servers: Sequence[str] | str | None = None, *,
@@ -157,11 +182,30 @@ class ShardedClient(BinClient):
         self._clients: dict[int, Client] = {}
         self._lock = threading.Lock()
         self._closed = False
-        first = self._client(0)
+        self._first = 0
+        first = self._first_client()
         self.timeout = first.timeout
         self.compress = first.compress
         self.compress_min_bytes = first.compress_min_bytes
         self.begin = _ShardedBegin(self)
+
+    def _first_client(self) -> Client:
+        """The client of the first server that can be reached (the client's settings and
+        limits are read from it): one server down does not stop the others' use.
+
+        Raises:
+            ConnectError: no server can be reached (the first one's error).
+        """
+        errors: list[ConnectError] = []
+        for i in range(len(self.servers)):
+            try:
+                client = self._client(i)
+            except ConnectError as exc:
+                errors.append(exc)
+                continue
+            self._first = i
+            return client
+        raise errors[0]
 
     def _client(self, index: int) -> Client:
         """The client of server ``index`` (of the relay for :data:`RELAY`), made on first
@@ -240,7 +284,7 @@ class ShardedClient(BinClient):
 
     @property
     def limits(self) -> Limits:
-        return self._client(0).limits
+        return self._client(self._first).limits
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return self.client_for(name)._item(name, value, tag)
@@ -251,23 +295,50 @@ class ShardedClient(BinClient):
     def _execute(self, cmd: Command) -> Any:
         if cmd.bin is not None:
             return self._client(self._route(cmd))._execute(cmd)
-        calls = [self._client(i).begin._execute(cmd) for i in range(len(self.servers))]
-        return self._merge(cmd, [call.result() for call in calls])
+        answers, missing = self._ask_every_server(cmd)
+        merged = self._merge(cmd, answers)
+        if missing:
+            why = "; ".join(f"{where}: {exc}" for where, exc in missing.items())
+            raise ShardsUnavailable(
+                f"{cmd.what}: {len(missing)} of {len(self.servers)} servers did not answer "
+                f"({why}); the answer of the others is this error's .result",
+                merged, missing)
+        return merged
 
-    def _merge(self, cmd: Command, answers: list[Any]) -> Any:
+    def _ask_every_server(self, cmd: Command
+                          ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Send ``cmd`` to every server at once; ``(answers, missing)`` by address: a server
+        that cannot be reached (or does not answer in time) is missing, not fatal."""
+        calls: dict[str, PendingCall] = {}
+        missing: dict[str, BaseException] = {}
+        for i, where in enumerate(self.servers):
+            try:
+                calls[where] = self._client(i).begin._execute(cmd)
+            except TransportError as exc:
+                if self._closed:
+                    raise
+                missing[where] = exc
+        answers: dict[str, Any] = {}
+        for where, call in calls.items():
+            try:
+                answers[where] = call.result()
+            except TransportError as exc:
+                missing[where] = exc
+        return answers, missing
+
+    def _merge(self, cmd: Command, answers: dict[str, Any]) -> Any:
         request = cmd.request
         if isinstance(request, ListBins):
             merged: dict[str, int] = {}
-            for bins in answers:
+            for bins in answers.values():
                 merged.update(bins)
             return merged
         if isinstance(request, Stats):
-            return {"servers": dict(zip(self.servers, (a["server"] for a in answers),
-                                        strict=True)),
-                    "bins": {k: v for a in answers for k, v in a["bins"].items()}}
+            return {"servers": {where: a["server"] for where, a in answers.items()},
+                    "bins": {k: v for a in answers.values() for k, v in a["bins"].items()}}
         if isinstance(request, Ping):
             return None
-        return answers
+        return list(answers.values())
 
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """As :meth:`Client.pipeline`: each server gets its share of the requests in one
@@ -302,48 +373,109 @@ class ShardedClient(BinClient):
             for i, outcome in zip(share, outcomes_of(sent[index]), strict=True):
                 outcomes[i] = outcome
 
-    def rebalance(self, drain: Sequence[str] | str = ()) -> dict[str, str]:
+    def rebalance(self, drain: Sequence[str] | str = (), *,
+                  progress: Callable[[int, int, str, str], Any] | None = None
+                  ) -> dict[str, str]:
         """Move every value and list bin to the server that owns it now (after servers were
         added or removed: construct this client with the new list). Returns ``{bin: the
         address it moved to}``.
 
         Args:
             drain: servers leaving the set (before scaling down): their bins move too.
+            progress: called as ``progress(done, total, bin, address)`` after each bin
+                moved (``tensorshare rebalance`` prints it).
 
-        A value moves as peek, put on its new server, delete on the old; a list's items as
-        one get of them all and one append (their order and tags kept). Run it while no one
-        writes to the bins that move: a write in between lands on one side or the other. A
-        moved bin's version starts again on its new server. Stream and service bins are not
-        moved (they live as long as their members).
+        A bin moves with its version: on its new server it is at least at the version it
+        had (a put or append with ``min_version``, docs/PROTOCOL.md §3.2.2), so versions
+        never go backwards for a reader (``RLWorker`` waits for a newer one). A value
+        moves as peek, put on its new server, delete on the old; a list's items as gets
+        and appends of as many as one request carries (their order and tags kept). Run it
+        while no one writes to the bins that move: a write in between lands on one side or
+        the other. Stream and service bins are not moved (they live as long as their
+        members).
+
+        Warns:
+            RuntimeWarning: a new server ignored ``min_version`` (an older server): the
+                bin moved, but its version started again there.
         """
-        moved: dict[str, str] = {}
-        for index in range(len(self.servers)):
-            self._move_from(self._client(index), index, moved)
-        for url in expand_servers(drain) if drain else []:
+        leaving = [Client(url, **self._options) for url in self._drained(drain)]
+        try:
+            plan = [(here, name, kind) for index, here in
+                    [(i, self._client(i)) for i in range(len(self.servers))]
+                    + [(None, c) for c in leaving]
+                    for name, kind in self._to_move(here, index)]
+            moved: dict[str, str] = {}
+            for done, (here, name, kind) in enumerate(plan, 1):
+                home = owner(name, self.servers)
+                if self._move(here, self._client(home), name, kind):
+                    moved[name] = self.servers[home]
+                if progress is not None:
+                    progress(done, len(plan), name, self.servers[home])
+            return moved
+        finally:
+            for c in leaving:
+                c.close()
+
+    def _drained(self, drain: Sequence[str] | str) -> list[str]:
+        urls = expand_servers(drain) if drain else []
+        for url in urls:
             if url in self.servers:
                 raise ValueError(f"{url} is one of this client's servers: it cannot be drained")
-            leaving = Client(url, **self._options)
-            try:
-                self._move_from(leaving, None, moved)
-            finally:
-                leaving.close()
-        return moved
+        return urls
 
-    def _move_from(self, here: Client, index: int | None, moved: dict[str, str]) -> None:
-        for name, kind in ((n, b["kind"]) for n, b in here.stats()["bins"].items()):
-            home = owner(name, self.servers)
-            if home == index or kind not in ("value", "list"):
-                continue
-            there = self._client(home)
-            if kind == "value":
-                there.put(name, here.peek(name))
-                here.delete(name)
-            else:
-                res = here.fetch(name, remove=True, max_items=None)
-                with there.pipeline() as p:
-                    for item, tag in zip(res.value, res.tags, strict=True):
-                        p.append(name, item, tag=tag)
-            moved[name] = self.servers[home]
+    def _to_move(self, here: Client, index: int | None) -> list[tuple[str, str]]:
+        """The value and list bins on ``here`` (server ``index``) that another server owns."""
+        return [(name, b["kind"]) for name, b in here.stats()["bins"].items()
+                if b["kind"] in ("value", "list") and owner(name, self.servers) != index]
+
+    def _move(self, here: Client, there: Client, name: str, kind: str) -> bool:
+        """Move bin ``name`` from ``here`` to ``there`` with its version; whether there was
+        anything to move (a bin emptied since it was listed is not)."""
+        try:
+            res = here.fetch(name, remove=kind != "value", max_items=None)
+        except BinNotFound:
+            return False
+        if kind == "value":
+            item = there._item(name, res.value, res.tags[0] if res.tags else None)
+            self._stored(there, Command(Put(0, name, item, res.version),
+                                        f"put to bin {name!r}", _version), name, res.version)
+            here.delete(name)
+            return True
+        while True:
+            try:
+                self._append_moved(there, name, list(res.value), list(res.tags), res.version)
+            except BaseException as exc:
+                _give_back(here, name, res, exc)
+                raise
+            if not res.n_items:
+                return True
+            res = here.fetch(name, remove=True, max_items=None)
+
+    def _append_moved(self, there: Client, name: str, values: list[Any],
+                      tags: list[int | None], version: int) -> None:
+        """Append ``values`` to ``there`` in requests of what one carries, the bin at least
+        at ``version`` after the first."""
+        room, most = there.limits.max_frame_bytes // 2, Pipeline.MAX_BATCH_ITEMS
+        items = there._items(name, values, tags) if values else []
+        i = 0
+        while i < len(items):
+            j, size = i + 1, items[i].value.nbytes
+            while j < len(items) and j - i < most and size + items[j].value.nbytes < room:
+                size += items[j].value.nbytes
+                j += 1
+            append = Append(0, name, items[i], BLOCK_SHARE * there.timeout,
+                            tuple(items[i + 1:j]), version)
+            self._stored(there, Command(append, f"append to bin {name!r}", _version), name,
+                         version)
+            i = j
+
+    @staticmethod
+    def _stored(there: Client, cmd: Command, name: str, version: int) -> None:
+        got = there._execute(cmd)
+        if got < version:
+            warnings.warn(f"bin {name!r} moved to {there.address}, whose server ignored "
+                          f"min_version (an older server): its version went from {version} "
+                          f"to {got}", RuntimeWarning, stacklevel=4)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("begin_") and name != "begin_":
@@ -366,6 +498,23 @@ class ShardedClient(BinClient):
 
     def __repr__(self) -> str:
         return f"<tensorshare.ShardedClient over {len(self.servers)} servers>"
+
+
+def _give_back(here: Client, name: str, res: Any, exc: BaseException) -> None:
+    """Items a rebalance took from ``here`` and could not store on their new server go back
+    to the end of their bin (the exception says whether they could)."""
+    values = list(res.value)
+    try:
+        if values:
+            with here.pipeline() as p:
+                for value, tag in zip(values, res.tags, strict=True):
+                    p.append(name, value, tag=tag)
+    except BaseException as again:
+        exc.add_note(f"{len(values)} items taken from bin {name!r} could not be stored on "
+                     f"either server ({again!r}): they are lost")
+        return
+    exc.add_note(f"the {len(values)} items taken from bin {name!r} were appended back to "
+                 f"its old server")
 
 
 class _ShardedBegin(Ops):

@@ -131,7 +131,10 @@ class InferenceClient:
 
         Raises:
             WaitTimeout: no answer within ``timeout``.
-            ServiceFailed: the host's model failed on this input.
+            ServiceFailed: the host's model raised on this input (only this call fails:
+                the host runs its batch again in halves, down to the inputs it raises on,
+                and answers the other calls), or the input was not a batch of rows (with
+                ``batched``: first dimension, one row as shape ``(1, ...)``).
             BinFull: the service's queue was full and this call did not wait for room
                 (``wait_room`` false), or as many calls already wait for room as it queues.
         """

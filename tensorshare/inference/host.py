@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,33 @@ def _rows_of(value: Any) -> int:
     if len(sizes) != 1:
         raise ValueError(f"the tensors of one input have different batch sizes: {sorted(sizes)}")
     return sizes.pop()
+
+
+_EXPECTED = ("an input must be a tensor, or a dict of tensors, whose first dimension is the "
+             "call's batch of rows: shape (rows, ...); one row is shape (1, ...)")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor)
+                                                 for v in value.values()):
+        return "a dict of tensors of shapes " + ", ".join(
+            f"{k}: {tuple(v.shape)}" for k, v in value.items())
+    return f"a {type(value).__name__}"
+
+
+def _input_problem(value: Any, rows: int) -> str | None:
+    """Why a call's input (a tensor or dict of tensors of at least one dimension) does not
+    fit the call's ``rows``; ``None`` if it does."""
+    try:
+        n = _rows_of(value)
+    except ValueError as exc:
+        return f"{exc}: {_EXPECTED}"
+    if n != rows:
+        return (f"{_EXPECTED}; the call has rows={rows} but the input's first dimension is "
+                f"{n} ({_describe(value)})")
+    return None
 
 
 def stack_inputs(values: list[Any], device: torch.device | None = None) -> Any:
@@ -91,7 +119,9 @@ class InferenceHost:
         name: the service bin (callers use the same name in :class:`InferenceClient`).
         model: any callable taking the stacked batch (a tensor, or a dict of tensors, batch
             dimension first) and returning a tensor, a tuple or a dict of tensors with the
-            batch dimension first (an ``nn.Module``, say).
+            batch dimension first (an ``nn.Module``, say). When it raises on a batch, the
+            calls are run again in halves down to the ones it raises on: only those get
+            ``ServiceFailed`` (docs/PROTOCOL.md §14.3).
         host, port: the server (several servers: ``"h1:7000,h2:7000"``), or ``client``.
         max_batch: the most rows per batch.
         max_wait_ms: with fewer than ``max_batch`` rows queued, wait at most this long after
@@ -220,37 +250,60 @@ class InferenceHost:
             groups: dict[Any, list[int]] = {}
             for i, v in enumerate(values):
                 sig = _signature(v)
-                if sig is None:
-                    failed[i] = (f"an input must be a tensor or a dict of tensors with a batch "
-                                 f"dimension, not {type(v).__name__}")
-                    continue
-                try:
-                    if _rows_of(v) != rows[i]:
-                        raise ValueError(f"the input has {_rows_of(v)} rows, the call said "
-                                         f"{rows[i]}")
-                except ValueError as exc:
-                    failed[i] = str(exc)
+                problem = _input_problem(v, rows[i]) if sig is not None else \
+                    f"{_EXPECTED} (rows={rows[i]}), not {_describe(v)}"
+                if problem is not None:
+                    failed[i] = problem
                     continue
                 groups.setdefault(sig, []).append(i)
             for idx in groups.values():
-                try:
-                    with torch.inference_mode():
-                        out = self.model(stack_inputs([values[i] for i in idx], self.device))
-                    parts = split_outputs(_to_cpu(out), [rows[i] for i in idx])
-                except Exception as exc:  # the model's failure fails these calls, not the host
-                    log.warning("model failed on a batch of %d calls of %r: %r", len(idx),
-                                self.name, exc)
-                    for i in idx:
-                        failed[i] = f"{type(exc).__name__}: {exc}"
-                    continue
-                for i, p in zip(idx, parts, strict=True):
-                    outs[i] = p
+                self._run_isolating(values, rows, idx, outs, failed)
             self.batches += 1
             self.calls += len(values)
             self.rows += sum(rows)
             return self._shard.service_reply_command(self.name, batch.batch, outs,
                                                      version=self.version, failed=failed,
                                                      compress=self.compress)
+
+    def _run_model(self, values: list[Any], rows: list[int], idx: list[int]) -> list[Any]:
+        """The model's output for calls ``idx`` run together, split per call."""
+        with torch.inference_mode():
+            out = self.model(stack_inputs([values[i] for i in idx], self.device))
+        return split_outputs(_to_cpu(out), [rows[i] for i in idx])
+
+    def _run_isolating(self, values: list[Any], rows: list[int], idx: list[int],
+                       outs: list[Any], failed: dict[int, str]) -> None:
+        """Run calls ``idx`` together; if the model raises, only the calls it raises on
+        fail: the calls are run again in halves, down to the failing ones alone (a few
+        more runs for one bad input among many; at most twice the calls' runs when every
+        input fails). A failing call gets the model's error as its ``ServiceFailed``. After
+        half the lease, the calls of a part that fails fail together (the message says so),
+        so that the answer comes before the lease ends."""
+        todo, bad = [idx], 0
+        deadline = time.monotonic() + 0.5 * self.lease
+        while todo:
+            part = todo.pop()
+            try:
+                parts = self._run_model(values, rows, part)
+            except Exception as exc:  # the model's failure fails these calls, not the host
+                alone = len(part) == 1
+                if not alone and time.monotonic() < deadline:
+                    half = len(part) // 2
+                    todo += [part[half:], part[:half]]
+                    continue
+                for i in part:
+                    failed[i] = f"{type(exc).__name__}: {exc}" if alone else \
+                        (f"{type(exc).__name__}: {exc} (the model failed on these "
+                         f"{len(part)} calls together; no time was left to find which)")
+                if not bad:
+                    log.warning("model failed on a call of %r: %r", self.name, exc)
+                bad += len(part)
+                continue
+            for i, p in zip(part, parts, strict=True):
+                outs[i] = p
+        if bad > 1:
+            log.warning("model failed on %d of %d calls of %r (the others were answered)",
+                        bad, len(idx), self.name)
 
     def start(self) -> InferenceHost:
         """Serve in a daemon thread; returns self."""

@@ -449,10 +449,20 @@ def _wait_for_ready(client: BinClient, bins: Bins, n: int, procs: Sequence[subpr
 
 
 def _parse_server(server: str) -> tuple[str, int]:
-    host, sep, port = server.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--server wants HOST:PORT, not {server!r}")
-    return host, int(port)
+    """``--server`` as the clients spell an address (``HOST:PORT`` or a URL), as ``(host,
+    port)`` for the trainer and the workers (a URL stays the host: its scheme counts)."""
+    from ..client.endpoint import resolve
+
+    where = None
+    if "://" in server or ":" in server:
+        try:
+            where = resolve(server).address
+        except ValueError:
+            pass
+    if where is None or (where.path is None and not 0 < where.port < 65536):
+        raise ValueError(f"--server wants HOST:PORT, tensorshare://HOST:PORT, "
+                         f"tensorshare+tls://HOST:PORT or unix://PATH, not {server!r}")
+    return (server if "://" in server else where.host), where.port
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,24 @@ from collections import OrderedDict
 from ..wire.auth import token_bytes
 from .config import ServerConfig
 
-__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of"]
+__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of", "read_ops",
+           "read_ops_text"]
+
+
+def read_ops() -> list[str]:
+    """The ops a connection with the read-only token (or any client of a relay) may send
+    after the handshake: those the op table marks ``read`` (``hello`` and ``auth`` are the
+    handshake's own)."""
+    from ..wire import services, streams  # noqa: F401  (their ops join the table at import)
+    from ..wire.protocol import OPS
+
+    return [name for name, op in OPS.items() if op.read and name not in ("hello", "auth")]
+
+
+def read_ops_text() -> str:
+    """:func:`read_ops` as a phrase: ``"peek, list, ... and bye"``."""
+    ops = read_ops()
+    return f"{', '.join(ops[:-1])} and {ops[-1]}"
 
 
 def keys_of(config: ServerConfig) -> dict[str, bytes]:
@@ -41,20 +58,26 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-def check_exposure(host: str, config: ServerConfig) -> None:
+def check_exposure(host: str, config: ServerConfig, *, cli: bool = False) -> None:
     """Protected mode: refuse to listen beyond loopback without a token.
 
     Raises:
         ValueError: ``host`` is not a loopback address, the server has no token, and
-            ``config.insecure`` was not given; the message says what to do.
+            ``config.insecure`` was not given; the message says what to do, in the terms
+            of the command line (``cli``) or of Python (``EmbeddedServer`` / ``run_server``).
     """
     if is_loopback(host) or config.token or config.insecure:
         return
-    raise ValueError(
-        f"refusing to listen on {host} without a token: anyone who can reach it could read, "
-        f"overwrite or delete every bin. Give the server a token (tensorshare serve "
-        f"--token-file PATH, or TENSORSHARE_TOKEN; clients then need the same token), or "
-        f"pass --insecure (insecure=True) if this network is trusted")
+    if cli:
+        how = ("Give the server a token (--token-file PATH, or TENSORSHARE_TOKEN / "
+               "TENSORSHARE_TOKEN_FILE in its environment; clients then need the same token), "
+               "or pass --insecure if this network is trusted")
+    else:
+        how = ("Give the server a token (token=... or token_file=PATH, or TENSORSHARE_TOKEN / "
+               "TENSORSHARE_TOKEN_FILE in the environment; clients then need the same token), "
+               "or pass insecure=True if this network is trusted")
+    raise ValueError(f"refusing to listen on {host} without a token: anyone who can reach it "
+                     f"could read, overwrite or delete every bin. {how}")
 
 
 class FailedAttempts:

@@ -80,7 +80,8 @@ class ServerConfig:
         token: the read-write token every client must prove it knows (the handshake never
             sends it); default: ``TENSORSHARE_TOKEN`` or the file ``TENSORSHARE_TOKEN_FILE``
             names. ``None``: no authentication.
-        read_token: a second token that may only peek, list, stat and listen.
+        read_token: a second token that may only send the ops the op table marks ``read``
+            (peek, list, listen, unlisten, ping, cancel, stats, bye).
         insecure: listen beyond loopback without a token (protected mode refuses otherwise).
         tls_cert, tls_key: PEM files of the server's certificate (its chain after it) and
             private key: the TCP port speaks TLS (clients use ``tensorshare+tls://``).

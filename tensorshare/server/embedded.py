@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from dataclasses import replace
 from typing import Any
 
 from twisted.logger import Logger
@@ -31,26 +32,43 @@ class EmbeddedServer:
         with EmbeddedServer(port=0) as server:
             client = Client("127.0.0.1", server.port)
 
+        # reachable from other machines: clients need the same token
+        EmbeddedServer(8000, host="0.0.0.0", token_file="/etc/tensorshare/token")
+
     Args:
         port: TCP port; 0 picks a free one (read it back from ``.port``); ``None``: no TCP
             (then ``unix`` must be given).
-        host: interface to bind; 127.0.0.1 unless you mean to accept other machines.
+        host: interface to bind; 127.0.0.1 unless you mean to accept other machines (then
+            give it a token, or ``insecure=True``: protected mode refuses otherwise).
         limits: hard limits (see :class:`~tensorshare.messages.Limits`).
         max_memory: refuse values that would take the bytes held above this.
         config: every other setting (:class:`ServerConfig`).
         unix: also listen on this Unix socket path (same-host clients: ``unix://PATH``;
             they may pass large tensors through shared memory). Readable and writable by
             its owner only; removed when the server stops.
+        token: the token every client must prove it knows (the handshake never sends it);
+            default: ``config.token``, which defaults to ``TENSORSHARE_TOKEN`` or the file
+            ``TENSORSHARE_TOKEN_FILE`` names.
+        token_file: read the token from this file instead (surrounding whitespace is not
+            part of it).
+        insecure: listen beyond loopback without a token (on a network you trust).
 
     Raises:
-        OSError: the port or path could not be bound (e.g. it is in use).
+        OSError: the port or path could not be bound (e.g. it is in use), or ``token_file``
+            cannot be read.
+        ValueError: protected mode (``host`` reaches other machines, no token, not
+            ``insecure``; the message says what to pass), both ``token`` and ``token_file``,
+            or an empty token.
     """
 
     def __init__(self, port: int | None = 0, *, host: str = "127.0.0.1",
                  limits: Limits | None = None, max_memory: int | None = None,
-                 config: ServerConfig | None = None, unix: str | None = None) -> None:
+                 config: ServerConfig | None = None, unix: str | None = None,
+                 token: str | None = None, token_file: str | None = None,
+                 insecure: bool = False) -> None:
         if port is None and unix is None:
             raise ValueError("give a TCP port, a Unix socket path, or both")
+        config = secured(config, token, token_file, insecure)
         if port is not None:
             check_exposure(host, config or ServerConfig())
         self.host = host
@@ -176,19 +194,45 @@ class EmbeddedServer:
         self.stop()
 
 
+def secured(config: ServerConfig | None, token: str | None, token_file: str | None,
+            insecure: bool) -> ServerConfig | None:
+    """``config`` with the token and ``insecure`` given as arguments (they win over its
+    own); ``config`` itself when none is given.
+
+    Raises:
+        ValueError: both ``token`` and ``token_file``. OSError: the file cannot be read.
+    """
+    if token is None and token_file is None and not insecure:
+        return config
+    if token is not None and token_file is not None:
+        raise ValueError("give the server's token as token= or token_file=, not both")
+    if token_file is not None:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read()
+    changes: dict[str, Any] = {"insecure": True} if insecure else {}
+    if token is not None:
+        changes["token"] = token
+    return replace(config or ServerConfig(), **changes)
+
+
 def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
                limits: Limits | None = None, max_memory: int | None = None, ready: Any = None,
-               config: ServerConfig | None = None, unix: str | None = None) -> None:
-    """Run a server until interrupted (Ctrl+C). This blocks, as in the seed.
+               config: ServerConfig | None = None, unix: str | None = None,
+               token: str | None = None, token_file: str | None = None,
+               insecure: bool = False) -> None:
+    """Run a server until interrupted (Ctrl+C). This blocks, as in the seed
+    (``run_server(8000)``, ``run_server(8000, "0.0.0.0", token_file=...)``).
 
     Args:
         port: TCP port (0 picks a free one; it is logged and passed to ``ready``).
-        host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines.
-        limits, max_memory, config, unix: see :class:`EmbeddedServer`.
+        host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines
+            (with ``token``/``token_file``, or ``insecure=True``).
+        limits, max_memory, config, unix, token, token_file, insecure: see
+            :class:`EmbeddedServer`.
         ready: optional callable ``ready(server)`` called once the port is bound.
     """
     server = EmbeddedServer(port, host=host, limits=limits, max_memory=max_memory, config=config,
-                            unix=unix)
+                            unix=unix, token=token, token_file=token_file, insecure=insecure)
     # This process is the server: tune the cyclic garbage collector for it. What is loaded
     # at start (a data directory) is frozen out of every collection, and collections come
     # less often: a batch of 50,000 small items would otherwise trigger hundreds, each

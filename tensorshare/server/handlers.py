@@ -55,6 +55,7 @@ from ..wire.messages import (
     Unlisten,
 )
 from ..wire.protocol import OPS, item_wire_size, op_name
+from .auth import read_ops_text
 from .store import BinConfig, Store, Written
 
 if TYPE_CHECKING:
@@ -71,14 +72,15 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 # -- effects: the changes to the store, shared with the data log's replay --------------------
 def put_effect(store: Store, msg: Put, ctx: Ctx = None) -> Stored:
     """Replace a bin's content with the put's item."""
-    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx)
+    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx,
+                  msg.min_version)
     return Stored(msg.id, w.version, w.n_items)
 
 
 def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:
     """Append the items now (a replayed append, or one to a bin that does not block)."""
     entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
-    return _stored(msg.id, store.append_many(msg.bin, entries, ctx))
+    return _stored(msg.id, store.append_many(msg.bin, entries, ctx, msg.min_version))
 
 
 def delete_effect(store: Store, msg: Delete, ctx: Ctx = None) -> Deleted:
@@ -232,10 +234,10 @@ class Responder:
     def _refuse_write(self, msg: Request, op: str) -> ErrorReply:
         """The answer to a write that this connection's role (or a relay) does not allow."""
         return ErrorReply(msg.id, PermissionDenied.code, (
-            f"{op} is not allowed with the read-only token (it may peek, list, stats and "
-            f"listen); use the read-write token" if self.relay_of is None else
+            f"{op} is not allowed with the read-only token (it may {read_ops_text()}); use "
+            f"the read-write token" if self.relay_of is None else
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
-            f"read-only (peek, list, stats, listen); write to that primary"))
+            f"read-only ({read_ops_text()}); write to that primary"))
 
     def _check_kind(self, msg: Any) -> None:
         """A value or list request on a bin of another kind (a stream, a service) is refused."""
@@ -259,7 +261,7 @@ class Responder:
             conn.answer(msg, _stored(rid, w) if isinstance(w, Written)
                         else ErrorReply(rid, code_for(w), str(w)))
 
-        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg))
+        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg), msg.min_version)
         if isinstance(result, Written):
             return _stored(rid, result)
         # A full "block" bin: wait for room, up to the append's timeout (a cancel or a

@@ -459,6 +459,8 @@ class Persistence:
             h["items"] = items_header([fields["item"]], buffers)
         elif op == "append":
             h["items"] = items_header([e[0] for e in fields["entries"]], buffers)
+        if fields.get("min_version") is not None:
+            h["min_version"] = fields["min_version"]
         elif op == "take":
             h["n"] = fields["n"]
             if fields["min_tag"] is not None:
@@ -736,18 +738,25 @@ class _Rec:
     def items(self) -> list[Item]:
         return parse_items(self.h, self.payload, self.max_depth)
 
+    def min_version(self) -> int | None:
+        v = self.h.get("min_version")
+        if v is not None and (type(v) is not int or v < 1):
+            raise TypeError("'min_version' must be an int >= 1")
+        return v
+
     def session(self) -> ServerSession | None:
         return self.sessions.get(self.sid)
 
 
 def _put(r: _Rec) -> Reply:
     (item,) = r.items()
-    return EFFECTS[Put](r.store, Put(r.rid, r.name, item), None)
+    return EFFECTS[Put](r.store, Put(r.rid, r.name, item, r.min_version()), None)
 
 
 def _append(r: _Rec) -> Reply:
     first, *rest = r.items()
-    return EFFECTS[Append](r.store, Append(r.rid, r.name, first, None, tuple(rest)), None)
+    return EFFECTS[Append](r.store, Append(r.rid, r.name, first, None, tuple(rest),
+                                           r.min_version()), None)
 
 
 def _delete(r: _Rec) -> Reply:

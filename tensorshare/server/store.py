@@ -142,15 +142,17 @@ class Waiter:
 class Blocked:
     """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served."""
 
-    __slots__ = ("name", "entries", "callback", "ctx", "active")
+    __slots__ = ("name", "entries", "callback", "ctx", "active", "min_version")
 
     def __init__(self, name: str, entries: list[tuple[Any, int, int | None]],
-                 callback: Callable[[Written], None], ctx: Any = None) -> None:
+                 callback: Callable[[Written], None], ctx: Any = None,
+                 min_version: int | None = None) -> None:
         self.name = name
         self.entries = entries
         self.callback = callback
         self.ctx = ctx
         self.active = True
+        self.min_version = min_version
 
 
 class Store:
@@ -300,8 +302,9 @@ class Store:
 
     # -- changes ----------------------------------------------------------------------------
     def put(self, name: str, item: Any, nbytes: int, tag: int | None = None,
-            ctx: Any = None) -> Written:
-        """Replace the bin's content with one value.
+            ctx: Any = None, min_version: int | None = None) -> Written:
+        """Replace the bin's content with one value (as version ``max(current + 1,
+        min_version)``).
 
         Raises:
             BinFull: the value alone is larger than the bin's ``max_bytes``.
@@ -314,12 +317,13 @@ class Store:
         old = self._bins.get(name)
         self._check_memory(name, nbytes - (old.nbytes if old else 0), nbytes)
         if self.journal is not None:
-            self.journal("put", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag})
+            self.journal("put", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag,
+                                            "min_version": min_version})
         b = _Bin("value", deque([_Entry(item, nbytes, tag)]), nbytes)
         self.nbytes += nbytes - (old.nbytes if old else 0)
         self._bins[name] = b
         self._count(name, "put", nbytes, 0)
-        version, n = self._changed(name, "put", b)
+        version, n = self._changed(name, "put", b, 0, min_version)
         if old is not None and name in self._blocked:
             self._serve_blocked(name)  # a put may shrink a bin: room for blocked appends
         return Written(version, n)
@@ -366,8 +370,9 @@ class Store:
         return self.append_many(name, [(item, nbytes, tag)], ctx)
 
     def append_many(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
-                    ctx: Any = None) -> Written:
-        """Add several items at the end of the bin, all or none, as one change (one version).
+                    ctx: Any = None, min_version: int | None = None) -> Written:
+        """Add several items at the end of the bin, all or none, as one change (one version:
+        ``max(current + 1, min_version)``).
 
         Raises:
             as :meth:`append`, for the items together: nothing is stored then.
@@ -383,7 +388,7 @@ class Store:
         freed = sum(b.entries[i].nbytes for i in range(drop)) if (b and drop) else 0
         self._check_memory(name, nbytes - freed, nbytes)
         if self.journal is not None:
-            self.journal("append", name, ctx, {"entries": entries})
+            self.journal("append", name, ctx, {"entries": entries, "min_version": min_version})
         if b is None:
             b = self._bins[name] = _Bin("list")
         for _ in range(drop):
@@ -397,12 +402,12 @@ class Store:
         b.nbytes += nbytes
         self.nbytes += nbytes
         self._count(name, "append", nbytes, 0)
-        version, n = self._changed(name, "append", b, drop)
+        version, n = self._changed(name, "append", b, drop, min_version)
         return Written(version, n, drop)
 
     def append_or_wait(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
-                       callback: Callable[[Written], None], ctx: Any = None
-                       ) -> Written | Blocked:
+                       callback: Callable[[Written], None], ctx: Any = None,
+                       min_version: int | None = None) -> Written | Blocked:
         """Append now if the bin has room (or is not a ``block`` bin), else wait for room.
 
         Args:
@@ -417,11 +422,11 @@ class Store:
         """
         cfg = self.config(name)
         if cfg.overflow != "block" or not cfg.bounded:
-            return self.append_many(name, entries, ctx)
+            return self.append_many(name, entries, ctx, min_version)
         queue = self._blocked.get(name)
         if not queue and not self._room(name, self._bins.get(name), cfg, entries):
-            return self.append_many(name, entries, ctx)
-        blocked = Blocked(name, entries, callback, ctx)
+            return self.append_many(name, entries, ctx, min_version)
+        blocked = Blocked(name, entries, callback, ctx, min_version=min_version)
         self._blocked.setdefault(name, deque()).append(blocked)
         return blocked
 
@@ -606,11 +611,14 @@ class Store:
             return f"bin {name!r} holds no items tagged >= {min_tag}"
         return f"bin {name!r} does not exist or is empty"
 
-    def _changed(self, name: str, op: str, b: _Bin | None, dropped: int = 0) -> tuple[int, int]:
+    def _changed(self, name: str, op: str, b: _Bin | None, dropped: int = 0,
+                 min_version: int | None = None) -> tuple[int, int]:
         m = self._meta.get(name)
         if m is None:
             m = self._meta[name] = _Meta()
         m.version += 1
+        if min_version is not None and min_version > m.version:
+            m.version = min_version
         version = m.version
         if self.clock is not None:
             m.changed_at = self.clock()
@@ -657,8 +665,8 @@ class Store:
             q.popleft()
             blk.active = False
             try:
-                written: Written | BaseException = self.append_many(name, blk.entries,
-                                                                    blk.ctx)
+                written: Written | BaseException = self.append_many(
+                    name, blk.entries, blk.ctx, blk.min_version)
             except (BinFull, MemoryLimitExceeded) as exc:
                 written = exc
             blk.callback(written)  # type: ignore[arg-type]

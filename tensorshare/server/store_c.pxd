@@ -39,7 +39,7 @@ cdef class Waiter:
 cdef class Blocked:
     cdef public str name
     cdef public list entries
-    cdef public object callback, ctx
+    cdef public object callback, ctx, min_version
     cdef public bint active
 
 
@@ -50,11 +50,13 @@ cdef class Store:
     @cython.locals(m=_Meta)
     cpdef object config(self, str name)
     @cython.locals(old=_Bin, b=_Bin)
-    cpdef Written put(self, str name, object item, object nbytes, object tag=*, object ctx=*)
+    cpdef Written put(self, str name, object item, object nbytes, object tag=*, object ctx=*,
+                      object min_version=*)
     @cython.locals(m=_Meta)
     cpdef _count(self, str name, str op, object bytes_in, object bytes_out)
     @cython.locals(m=_Meta)
-    cpdef tuple _changed(self, str name, str op, _Bin b, object dropped=*)
+    cpdef tuple _changed(self, str name, str op, _Bin b, object dropped=*,
+                         object min_version=*)
     cpdef _check_memory(self, str name, object growth, object nbytes)
     @cython.locals(b=_Bin, e=_Entry, n=Py_ssize_t, chosen=list)
     cpdef object _try_fetch(self, str name, object spec, object min_items, object max_bytes,

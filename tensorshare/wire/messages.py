@@ -151,9 +151,16 @@ class Auth:
 
 @dataclass(frozen=True, slots=True)
 class Put:
+    """Replace a bin's content with ``item``.
+
+    ``min_version``: the bin's new version is at least this (``max(current + 1,
+    min_version)``): a bin moved to another server keeps its version (``rebalance``).
+    """
+
     id: int
     bin: str
     item: Item
+    min_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +168,7 @@ class Append:
     """Add items to a bin: ``item``, then those in ``rest``, all or none, as one change.
 
     ``timeout``: how long an append to a full ``block`` bin may wait for room (``None``:
-    until the client cancels it or disconnects).
+    until the client cancels it or disconnects). ``min_version``: as :class:`Put`'s.
     """
 
     id: int
@@ -169,6 +176,7 @@ class Append:
     item: Item
     timeout: float | None = None
     rest: tuple[Item, ...] = ()
+    min_version: int | None = None
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -269,7 +277,7 @@ class HelloReply:
         shm: buffers may travel as sealed memfds on this connection, both ways.
         proof: after a challenge, the server's proof that it knows the token too.
         role: what the connection may do: ``"write"`` (everything) or ``"read"`` (the
-            read-only token: peek, list, stats, listen).
+            read-only token: the ops the op table marks ``read``).
     """
 
     id: int

@@ -93,6 +93,7 @@ from .messages import (
 __all__ = [
     "MAX_APPEND_ITEMS",
     "MAX_OPEN_ACKS",
+    "MAX_VERSION",
     "OPS",
     "OVERFLOW_POLICIES",
     "PRE_HELLO_MAX_BYTES",
@@ -132,6 +133,8 @@ SESSION_ID_BYTES = 16
 MAX_OPEN_ACKS = 64
 # The most items one append may carry (a pipeline sends larger batches as several appends).
 MAX_APPEND_ITEMS = 100_000
+# The largest ``min_version`` a put or append may ask for (a version fits an int64).
+MAX_VERSION = (1 << 63) - 1
 OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
 _ALIGN_MASK = 63
 
@@ -306,9 +309,19 @@ class Op:
 
 
 def _store_header(m: Put | Append) -> dict[str, Any]:
+    h: dict[str, Any] = {"bin": m.bin}
     if type(m) is Append and m.timeout is not None:
-        return {"bin": m.bin, "timeout": m.timeout}
-    return {"bin": m.bin}
+        h["timeout"] = m.timeout
+    if m.min_version is not None:
+        h["min_version"] = m.min_version
+    return h
+
+
+def _min_version(h: dict[str, Any]) -> int | None:
+    v = _opt_int(h, "min_version", minimum=1)
+    if v is not None and v > MAX_VERSION:
+        raise _Invalid(f"'min_version' must be at most {MAX_VERSION}")
+    return v
 
 
 def _timeout(h: dict[str, Any]) -> float | None:
@@ -332,10 +345,11 @@ def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
         if cls is Append:
             if not items:
                 raise _Invalid("append carries at least one item")
-            return Append(rid, name, items[0], _timeout(h), tuple(items[1:]))
+            return Append(rid, name, items[0], _timeout(h), tuple(items[1:]),
+                          _min_version(h))
         if len(items) != 1:
             raise _Invalid(f"put carries exactly one item, got {len(items)}")
-        return Put(rid, name, items[0])
+        return Put(rid, name, items[0], _min_version(h))
     return parse
 
 
@@ -538,9 +552,10 @@ _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", 
 OPS: dict[str, Op] = {op.name: op for op in (
     _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
         "versions", "client", "auth", "session", "resume", "shm"),
-    _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items"),
+    _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items",
+        "min_version"),
     _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
-        "bin", "items", "timeout"),
+        "bin", "items", "timeout", "min_version"),
     _op("get", Fetch, _fetch_header, _parse_fetch(True), _reply_fetched, True, *_FETCH_FIELDS),
     _op("peek", Fetch, _fetch_header, _parse_fetch(False), _reply_fetched, False,
         *_FETCH_FIELDS),
@@ -631,6 +646,8 @@ def _fetched_reply(m: Fetched) -> tuple[dict[str, Any], Sequence[Item]]:
 
 
 def _put_request(m: Put) -> tuple[dict[str, Any], Sequence[Item]]:
+    if m.min_version is not None:
+        return {"op": "put", "id": m.id, "bin": m.bin, "min_version": m.min_version}, (m.item,)
     return {"op": "put", "id": m.id, "bin": m.bin}, (m.item,)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,39 @@ def test_client_commands_take_the_connection_options() -> None:
         assert (args.host, args.port, args.timeout) == ("10.1.2.3", 9, 2.5)
     out = _cli("ls", "--timeout", "0")
     assert out.returncode == 2 and "seconds must be positive" in out.stderr
+
+
+def test_the_no_token_refusal_names_the_command_lines_options() -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TENSORSHARE_TOKEN", "TENSORSHARE_TOKEN_FILE")}
+    out = subprocess.run([sys.executable, "-m", "tensorshare", "serve", "--host", "0.0.0.0",
+                          "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    err = out.stderr
+    assert err.startswith("tensorshare serve: refusing to listen on 0.0.0.0 without a token")
+    assert "--token-file PATH" in err and "--insecure" in err and err.count("\n") == 1
+    assert "token=" not in err and "insecure=True" not in err  # (Python's spelling)
+
+
+def test_a_relay_offers_no_disk_options_and_serve_does() -> None:
+    from tensorshare.cli.main import _parser
+
+    disk = ("--data-dir", "--fsync", "--snapshot-every", "--snapshot-log-bytes",
+            "--truncate-corrupt-log")
+    relay, serve = _cli("relay", "--help").stdout, _cli("serve", "--help").stdout
+    assert all(o not in relay for o in disk) and all(o in serve for o in disk)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["relay", "--upstream", "h:1", "--data-dir", "/tmp/x"])
+    args = _parser().parse_args(["relay", "--upstream", "h:1"])
+    assert args.data_dir is None  # (what serve's code reads: nothing kept)
+
+
+def test_the_demos_duration_is_told_alike_in_help_and_readme() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    intro = readme.split("**tensorshare shares", 1)[0]
+    helptext = " ".join(_cli("--help").stdout.split())
+    assert "under a minute" in intro and "under a minute" in helptext
+    assert "about a minute" not in helptext and "ten seconds" not in intro
 
 
 def test_serve_with_max_memory_refuses_what_does_not_fit() -> None:

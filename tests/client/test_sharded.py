@@ -17,7 +17,7 @@ import torch
 
 from tensorshare import Client, EmbeddedServer
 from tensorshare.client.sharded import ShardedClient, bin_key, expand_servers, owner
-from tensorshare.errors import BinNotFound, ConnectionLost, WaitTimeout
+from tensorshare.errors import BinNotFound, ConnectionLost, ShardsUnavailable, WaitTimeout
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 
 SERVERS = [f"tensorshare://shard-{i}.tensorshare:7000" for i in range(3)]  # names: no connect
@@ -476,9 +476,74 @@ def test_rebalance_moves_only_the_bins_whose_owner_changed_and_keeps_their_conte
             assert all(new.owner(n) == new.servers[k] for n in new._client(k).list())
 
 
+def test_a_moved_bin_keeps_its_version_and_a_reader_waiting_for_newer_waits_on(
+        three: list[EmbeddedServer]) -> None:
+    first_two = _addresses(three[:2])
+    with ShardedClient(first_two, timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        moving = [n for n in (f"w{i}" for i in range(60)) if new.owner(n) == new.servers[2]]
+        lists = [n for n in (f"q{i}" for i in range(60)) if new.owner(n) == new.servers[2]]
+        name, queue = moving[0], lists[0]
+        for step in range(3):
+            old.put(name, torch.tensor([step]), tag=step)  # version 3
+        for step in range(5):
+            old.append(queue, step, tag=step)
+        old.get(queue, max_items=1)  # version 6, four items left
+        seen: list[tuple[int, int, str, str]] = []
+        moved = new.rebalance(progress=lambda *a: seen.append(a))
+        assert moved == {name: new.servers[2], queue: new.servers[2]}
+        assert [s[:2] for s in seen] == [(1, 2), (2, 2)]
+        res = new.fetch(name, remove=False)
+        assert res.version == 3 and res.value.tolist() == [2] and list(res.tags) == [2]
+        # A reader that had version 3 on the old server has it already: nothing newer.
+        assert new.fetch(name, remove=False, newer_than=3).unchanged
+        new.put(name, torch.tensor([3]))
+        assert new.fetch(name, remove=False, newer_than=3).version == 4
+        res = new.fetch(queue, remove=False, max_items=None)
+        assert res.value == [1, 2, 3, 4] and list(res.tags) == [1, 2, 3, 4]
+        assert res.version >= 6  # at least where it was: never backwards
+
+
+def test_a_list_too_large_for_one_request_moves_in_several_keeping_order_and_version(
+        three: list[EmbeddedServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.client.pipeline import Pipeline
+
+    monkeypatch.setattr(Pipeline, "MAX_BATCH_ITEMS", 7)  # (the rebalance's per-request cap)
+    with ShardedClient(_addresses(three[:2]), timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        queue = next(n for n in (f"q{i}" for i in range(60)) if new.owner(n) == new.servers[2])
+        for i in range(30):
+            old.append(queue, torch.tensor([i]), tag=i)
+        assert new.rebalance() == {queue: new.servers[2]}
+        res = new.fetch(queue, remove=False, max_items=None)
+        assert [int(t) for t in res.value] == list(range(30)) and list(res.tags) == list(range(30))
+        assert res.version >= 31  # 30 appends and the get that took them
+
+
+def test_a_bin_gone_before_its_turn_is_skipped_not_an_error(
+        three: list[EmbeddedServer]) -> None:
+    with ShardedClient(_addresses(three[:2]), timeout=TIMEOUT) as old, \
+            ShardedClient(_addresses(three), timeout=TIMEOUT) as new:
+        names = [n for n in (f"w{i}" for i in range(60)) if new.owner(n) == new.servers[2]][:2]
+        for name in names:
+            old.put(name, 1)
+        seen: list[tuple[int, int, str, str]] = []
+
+        def progress(*report: Any) -> None:
+            seen.append(report)
+            for name in names:
+                old.delete(name)  # what had not moved yet is gone
+
+        moved = new.rebalance(progress=progress)
+        assert len(moved) == 1 and [s[:2] for s in seen] == [(1, 2), (2, 2)]
+
+
 def test_the_rebalance_command_drains_a_shard_before_it_leaves(
-        three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str]) -> None:
-    from tensorshare.cli.main import main
+        three: list[EmbeddedServer], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.cli.main import _Progress, main
+
+    monkeypatch.setattr(_Progress, "every", 0.0)  # (a line per bin: as if each took long)
 
     with ShardedClient(_addresses(three), timeout=TIMEOUT) as old:
         for i in range(30):
@@ -488,13 +553,42 @@ def test_the_rebalance_command_drains_a_shard_before_it_leaves(
     staying = ",".join(_addresses(three[:2]))
     assert main(["rebalance", "--servers", staying, "--drain",
                  _addresses(three[2:])[0]]) == 0
-    out = capsys.readouterr().out
-    assert f"moved {len(leaving)} bins" in out
+    printed = capsys.readouterr()
+    assert f"moved {len(leaving)} bins" in printed.out
+    progress = [line for line in printed.err.splitlines() if "bins moved" in line]
+    assert [line.split()[2] for line in progress] == \
+        [f"{i}/{len(leaving)}" for i in range(1, len(leaving) + 1)]
     with ShardedClient(staying, timeout=TIMEOUT) as new:
         for i in range(30):
             assert torch.equal(new.peek(f"v{i}"), torch.tensor([i]))
     with Client("127.0.0.1", three[2].port) as gone:
         assert gone.list() == {}  # nothing left on the shard that leaves
+
+
+def test_with_a_shard_down_list_and_stats_answer_from_the_others_and_name_it(
+        three: list[EmbeddedServer]) -> None:
+    addresses = _addresses(three)
+    with ShardedClient(addresses, timeout=TIMEOUT) as c:
+        for i in range(30):
+            c.put(f"v{i}", i)
+        gone = c.servers[0]
+        living = {f"v{i}": 1 for i in range(30) if c.owner(f"v{i}") != gone}
+        assert 0 < len(living) < 30
+    three[0].stop()  # its port closed, every connection cut
+    # (a short timeout: a server that is down costs each call that long)
+    with ShardedClient(addresses, timeout=0.5) as c:  # made while the first is down
+        answers = {}
+        for call in (c.list, c.stats, c.begin.list):
+            with pytest.raises(ShardsUnavailable) as info:
+                call()
+            err = info.value
+            assert isinstance(err, ConnectionLost)  # what a down server gave before
+            assert list(err.missing) == [gone] and gone in str(err)
+            answers[call.__name__] = err.result
+        assert answers["list"] == living
+        assert set(answers["stats"]["servers"]) == set(c.servers[1:])
+        assert set(answers["stats"]["bins"]) == set(living)
+        assert c.peek(next(iter(living))) is not None  # the live shards serve on
 
 
 @pytest.mark.long

@@ -80,12 +80,27 @@ def _mount_of(pod: dict[str, Any], container: dict[str, Any], path: str) -> tupl
     raise AssertionError(f"{path} is on no volume of container {container['name']}")
 
 
+# The Secret and key the README's kubectl create secret makes (no manifest holds a token).
+TOKEN_SECRET = ("tensorshare-token", "token")
+
+
+def _token_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """The (Secret, key) a container's ``--token-file`` reads; the Secret must exist for the
+    pod to start (not optional)."""
+    volume, mount = _mount_of(pod, container, path)
+    (secret_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == volume]
+    assert not secret_volume["secret"].get("optional", False)
+    return secret_volume["secret"]["secretName"], os.path.relpath(path, mount)
+
+
 # --------------------------------------------------------------------------- the schema
 
 
 def test_the_manifests_are_there() -> None:
     kinds = sorted(d["kind"] for _, d in _all())
-    assert kinds == sorted(["DaemonSet", "PodDisruptionBudget", "Secret", "Service", "Service",
+    # No Secret: a placeholder token in the applied directory would overwrite the real one
+    # (made with kubectl create secret, see test_the_token_secret_is_made_before_the_apply).
+    assert kinds == sorted(["DaemonSet", "PodDisruptionBudget", "Service", "Service",
                             "StatefulSet"])
     assert (K8S / "relay-daemonset.yaml").exists()  # in its own file: it can be left out
     assert {d["kind"] for d in _docs(K8S / "relay-daemonset.yaml")} == {"DaemonSet", "Service"}
@@ -123,10 +138,7 @@ def test_the_shards_run_tensorshare_serve_as_the_cli_parses_it() -> None:
     assert volume in {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
     # The token is a file of the Secret (the server refuses 0.0.0.0 without one).
     assert args.token_file is not None and not args.insecure
-    volume, mount = _mount_of(pod, container, args.token_file)
-    (secret_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == volume]
-    secret = _one("Secret", secret_volume["secret"]["secretName"])
-    assert os.path.relpath(args.token_file, mount) in secret["stringData"]
+    assert _token_secret(pod, container, args.token_file) == TOKEN_SECRET
     # Metrics: the port the server serves them on is the one annotated for Prometheus.
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
@@ -262,6 +274,26 @@ def test_the_relays_command_line_parses() -> None:
     args = _parse(argv, "relay-daemonset.yaml")
     assert args.command == "relay" and args.bins == ["rl/parameters"]  # RLTrainer's bin
     assert args.upstream.startswith("tensorshare://") and args.token_file
+    # (the upstream's token is the shards' Secret)
+    assert _token_secret(ds["spec"]["template"], container, args.token_file) == TOKEN_SECRET
+
+
+def test_the_token_secret_is_made_before_the_apply_and_nothing_applied_overwrites_it() -> None:
+    """The README makes the Secret the pods mount, with the key their --token-file reads,
+    before ``kubectl apply -f deploy/k8s/``; no manifest that apply applies holds a Secret
+    (it would put a placeholder over the real token), and a pod does not start without it."""
+    readme = (K8S / "README.md").read_text(encoding="utf-8")
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).replace("\\\n", " ")
+    create = [line for line in blocks.splitlines() if "kubectl create secret" in line]
+    assert len(create) == 1, create
+    argv = shlex.split(create[0])
+    name, key = TOKEN_SECRET
+    assert argv[:4] == ["kubectl", "create", "secret", "generic"] and argv[4] == name
+    assert any(a.startswith(f"--from-literal={key}=") or a.startswith(f"--from-file={key}=")
+               for a in argv[5:])
+    assert blocks.index("kubectl create secret") < blocks.index("kubectl apply -f deploy/k8s/")
+    applied = [p for p in K8S.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
+    assert applied and all(d["kind"] != "Secret" for p in applied for d in _docs(p))
 
 
 # --------------------------------------------------------------------------- SIGTERM

@@ -112,6 +112,58 @@ def test_a_bad_input_fails_alone(server: EmbeddedServer) -> None:
         assert pc.predict(torch.randn(8)).shape == (4,)  # the host serves on
 
 
+class Embedder(torch.nn.Module):
+    """Token ids to scores: an id out of the vocabulary makes the embedding raise
+    (IndexError), as a real model does on a bad input of the right shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(dim=1))
+
+
+@pytest.mark.timeout(60)
+def test_one_poisoned_input_fails_only_its_own_call(server: EmbeddedServer) -> None:
+    model = Embedder()
+    inputs = [torch.tensor([i % 10, (i + 3) % 10, 7]) for i in range(24)]
+    poisoned = {5, 17}
+    for i in poisoned:
+        inputs[i] = torch.tensor([1, 99, 2])  # the same shape, an id out of range
+    with InferenceClient("embed", "127.0.0.1", server.port, timeout=DEADLINE) as pc:
+        futs = [pc.predict_async(x) for x in inputs]
+        # Every call is queued before the host starts: they are one batch.
+        wait_until(lambda: _service(server, "embed").get("service", {}).get("queue") == 24,
+                   what="the 24 calls to queue")
+        with InferenceHost("embed", model, "127.0.0.1", server.port, max_batch=64):
+            for i, fut in enumerate(futs):
+                if i in poisoned:
+                    with pytest.raises(ServiceFailed, match="IndexError"):
+                        fut.result(DEADLINE)
+                    continue
+                with torch.no_grad():
+                    want = model(inputs[i][None])[0]
+                assert torch.allclose(fut.result(DEADLINE), want, atol=1e-6)
+    st = _service(server, "embed")["service"]
+    assert st["batches"] == 1 and st["answered"] == 22 and st["failed"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_an_input_without_its_batch_dimension_is_told_the_shape(
+        server: EmbeddedServer) -> None:
+    with InferenceHost("policy", _mlp(), "127.0.0.1", server.port), \
+            Client("127.0.0.1", server.port) as c:
+        with pytest.raises(ServiceFailed, match=r"shape \(rows, \.\.\.\).*rows=1.*is 8"):
+            c.service_call("policy", torch.randn(8), rows=1, timeout=DEADLINE)
+        with pytest.raises(ServiceFailed, match=r"shape \(rows, \.\.\.\).*rows=1.*\(\)"):
+            c.service_call("policy", torch.tensor(1.0), rows=1, timeout=DEADLINE)
+        assert c.service_call("policy", torch.randn(1, 8), rows=1,
+                              timeout=DEADLINE).value.shape == (1, 4)
+
+
 @pytest.mark.timeout(30)
 def test_no_host_means_a_timeout_not_a_hang(server: EmbeddedServer) -> None:
     with InferenceClient("nobody", "127.0.0.1", server.port, timeout=0.5) as pc:

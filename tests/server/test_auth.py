@@ -141,3 +141,43 @@ def test_protected_mode_refuses_an_open_address_without_a_token() -> None:
     check_exposure("0.0.0.0", ServerConfig(token="t"))
     with EmbeddedServer(port=0, host="0.0.0.0", config=ServerConfig(token="t")) as srv:
         assert srv.port
+
+
+def test_python_secures_a_server_with_token_token_file_or_insecure(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare import AuthenticationError, Client
+    from tensorshare.server import run_server
+
+    monkeypatch.delenv("TENSORSHARE_TOKEN", raising=False)
+    monkeypatch.delenv("TENSORSHARE_TOKEN_FILE", raising=False)
+    # The refusal names what Python takes, not the command line's options.
+    with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0") as info:
+        EmbeddedServer(port=0, host="0.0.0.0")
+    text = str(info.value)
+    assert "token=" in text and "token_file=" in text and "insecure=True" in text
+    assert "--token-file" not in text and "--insecure" not in text
+    path = os.path.join(tmp_path, "token")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("s3cret\n")
+    with EmbeddedServer(port=0, host="0.0.0.0", token_file=path) as srv:
+        with Client("127.0.0.1", srv.port, timeout=10, token="s3cret") as c:
+            assert c.put("w", 1) == 1
+        with pytest.raises(AuthenticationError):
+            Client("127.0.0.1", srv.port, timeout=10, reconnect=False)
+    with EmbeddedServer(port=0, host="0.0.0.0", token="t", config=ServerConfig(token="old")) \
+            as srv, Client("127.0.0.1", srv.port, timeout=10, token="t") as c:
+        assert c.ping() is None  # the argument wins over the config's token
+    with EmbeddedServer(port=0, host="0.0.0.0", insecure=True) as srv:
+        assert srv.factory.config.insecure and not srv.factory.keys
+    with pytest.raises(ValueError, match="not both"):
+        EmbeddedServer(port=0, token="a", token_file=path)
+    # The seed's call, with the same keywords: serves until stopped.
+    seen: list[int] = []
+
+    def ready(server: EmbeddedServer) -> None:
+        with Client("127.0.0.1", server.port, timeout=10, token="s3cret") as c:
+            seen.append(c.put("x", 2))
+        server.stop()
+
+    run_server(0, "0.0.0.0", token_file=path, ready=ready)
+    assert seen == [1]

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorshare import BinNotFound, Client, EmbeddedServer
 from tensorshare.server.metrics import ServerCollector, start_metrics_server
 from tensorshare.server.stats import LATENCY_BUCKETS
-from tests.conftest import interrupt, interruptible
+from tests.conftest import interrupt, interruptible, wait_until
 
 
 def _scrape(url: str) -> dict[str, Any]:
@@ -196,6 +196,9 @@ def test_services_export_their_queue_hosts_calls_and_batches(server: EmbeddedSer
                 Client("127.0.0.1", server.port) as host:
             futs = [caller._submit_future(caller.service_call_command("policy", torch.zeros(2)))
                     for _ in range(3)]
+            # (all three queued before the take, which takes what is there: two of them)
+            wait_until(lambda: server.call(lambda: server.factory.kinds[1].describe(None)).get(
+                "policy", {}).get("service", {}).get("queue") == 3, what="3 calls queued")
             b = host.service_take("policy", max_wait_ms=0, max_batch=2, timeout=5)
             host.service_reply("policy", b.batch, b.values)
             assert len([f.result(5) for f in futs[:2]]) == 2

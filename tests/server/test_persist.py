@@ -148,6 +148,30 @@ def test_a_snapshot_plus_the_log_after_it_is_the_same(tmp_path: Path) -> None:
     assert state(g) == before
 
 
+def test_a_min_version_is_kept_across_a_restart(tmp_path: Path) -> None:
+    f = factory_at(tmp_path)
+    w = Peer(f)
+    assert w.request(Put(w.rid(), "v", Item(codec.encode(1)), 40)).version == 40
+    assert w.request(Append(w.rid(), "q", Item(codec.encode(1)), None, (), 9)).version == 9
+    assert w.request(Append(w.rid(), "q", Item(codec.encode(2)), None, (), 3)).version == 10
+    # A blocked append keeps its min_version until it is stored.
+    w.request(Configure(w.rid(), "blk", 1, None, "block"))
+    w.request(Append(w.rid(), "blk", Item(codec.encode("first"))))
+    blocked = w.rid()
+    w.send(Append(blocked, "blk", Item(codec.encode("second")), 30.0, (), 50))
+    assert w.received() == []
+    w.send(Get(w.rid(), "blk"))
+    stored, got = w.received()  # the get made room: the blocked append is stored
+    assert values(got) == ["first"]
+    assert type(stored) is Stored and stored.id == blocked and stored.version == 50
+    f.commit()
+    before = state(f)
+    g = restart(f, tmp_path)
+    assert state(g) == before
+    assert [(n, v) for n, v, _, _ in g.store.metas() if n in ("v", "q", "blk")] == \
+        [("v", 40), ("q", 10), ("blk", 50)]
+
+
 def test_resumed_sessions_answer_from_memory_after_a_restart(tmp_path: Path) -> None:
     f = factory_at(tmp_path)
     peer = Peer(f, session=SID)

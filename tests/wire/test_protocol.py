@@ -1349,3 +1349,19 @@ def test_fetched_frames_from_prepared_pieces_match_the_general_encoder(
     for msg in (Fetched(rid, "list", items, 9, n, 2), Fetched(rid, "value", items[:1], 4, 1, 0),
                 Fetched(rid, "value", (), 4, 1, 0, unchanged=True)):
         assert b"".join(bytes(c) for c in encode_reply(msg)) == _general_frame(msg)
+
+
+def test_min_version_round_trips_on_put_and_append_and_bad_ones_are_refused() -> None:
+    client, server = WireClient(), greeted()
+    item = item_of(torch.arange(3))
+    put = one(c2s(client, server, Put(client.next_id(), "b", item, 7)))
+    assert type(put) is Put and put.min_version == 7
+    plain = one(c2s(client, server, Put(client.next_id(), "b", item)))
+    assert plain.min_version is None
+    app = one(c2s(client, server, Append(client.next_id(), "b", item, 1.0, (item,), 9)))
+    assert type(app) is Append and app.min_version == 9 and len(app.items) == 2
+    for bad, match in ((0, "at least 1"), (True, "integer"), (1.5, "integer"),
+                       (1 << 63, "at most")):
+        frame = raw_frame({"op": "put", "id": 5, "bin": "b", "min_version": bad,
+                           "items": [[msgpack.packb(1), [], None]]})
+        assert_bad(server, frame, 5, "invalid_request", match)

@@ -428,6 +428,26 @@ def test_remembered_ops_are_named_in_the_sessions_section() -> None:
     assert f"**{listed}**" in " ".join(DOC.split()), listed
 
 
+def _ops_between(start: str, end: str) -> set[str]:
+    """The `code` names in the doc's text from ``start`` (which must occur once) to ``end``,
+    but for the fields and values these sentences also name."""
+    text = " ".join(DOC.split())
+    assert text.count(start) == 1, f"{start!r} should appear once in {DOC_PATH}"
+    part = text.split(start, 1)[1].split(end, 1)[0]
+    return set(re.findall(r"`(\w+)`", part)) - {"resumed", "true", "false"}
+
+
+@pytest.mark.parametrize("start, end, remembered", [
+    ("* The other ops (", ") are not remembered", False),  # §9.4
+    ("4. After a reconnect: if `resumed`", "5. When giving up", True),  # §9.9 step 4
+    ("11. After a reconnect, read `resumed`", "12. ", True),  # Appendix A #11
+])
+def test_every_list_of_remembered_ops_is_the_op_tables(start: str, end: str,
+                                                       remembered: bool) -> None:
+    expected = {name for name, op in OPS.items() if op.mutating == remembered}
+    assert _ops_between(start, end) == expected
+
+
 @pytest.mark.parametrize("op", list(OPS))
 def test_each_op_has_a_table_listing_exactly_its_fields(op: str) -> None:
     assert documented_fields(op) == set(OPS[op].fields)
@@ -445,8 +465,8 @@ def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
         "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True)],
-        "put": [Put(2, "w", item)],
-        "append": [Append(2, "w", item, 1.5)],
+        "put": [Put(2, "w", item, 4)],
+        "append": [Append(2, "w", item, 1.5, (), 4)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
         "peek": [Peek(3, "w", 2, True, 1.5, 1, 4, 2)],
         "list": [ListBins(4)],
@@ -651,6 +671,30 @@ def test_server_settings_table_matches_the_defaults_and_the_cli() -> None:
         else:
             assert code_cell(row[2]) == f"--{name.replace('_', '-')}", name
             assert serve[name] == value, f"the CLI default of {name} differs"
+
+
+def test_the_service_limits_are_the_codes() -> None:
+    """§3.2.23 / §3.2.24: the bounds a host's take and reply are held to."""
+    from tensorshare.wire import services as svc
+
+    take = {code_cell(r[0]): " ".join(r[1:]) for r in table("<!-- fields: service_take -->")}
+    reply = {code_cell(r[0]): " ".join(r[1:]) for r in table("<!-- fields: service_reply -->")}
+    assert svc.MAX_BATCH == protocol.MAX_APPEND_ITEMS
+    assert f"1 to {svc.MAX_BATCH} (`services.MAX_BATCH`" in take["max_batch"]
+    assert f"at most {svc.MAX_BATCH}, `services.MAX_BATCH`" in reply["items"]
+    assert f"0 to {svc.MAX_WAIT_MS:g}" in take["max_wait_ms"]
+    assert f"at most {svc.MAX_LEASE:g}" in take["lease"]
+    assert f"1 to {svc.MAX_QUEUE} (default {svc.DEFAULT_MAX_QUEUE})" in take["max_queue"]
+    assert f"cut to {svc.MAX_ERROR_CHARS} characters" in reply["error"]
+    # The server holds to them: one more is refused.
+    conn = ServerConnection()
+    conn.handshake_done()
+    for header in ({"op": "service_take", "id": 7, "bin": "s", "max_batch": svc.MAX_BATCH},
+                   {"op": "service_take", "id": 7, "bin": "s",
+                    "max_batch": svc.MAX_BATCH + 1}):
+        (out,) = conn.receive_data(b"".join(bytes(c) for c in encode_frame(
+            msgpack.packb(header))))
+        assert isinstance(out, BadRequest) == (header["max_batch"] > svc.MAX_BATCH), out
 
 
 def test_constants_the_doc_states() -> None:
@@ -858,3 +902,111 @@ def test_the_authentication_example_is_what_the_code_computes() -> None:
     assert f"`{server_proof(*args).hex()}`" in DOC
     assert "`74656e736f7273686172652d617574682d763100` `01`×32 `02`×32 `00` `00000002` " \
         "`6578`" in DOC
+
+
+# --------------------------------------------------------------------------- handshake rules
+
+
+class _Raw:
+    """A connection to a ServerFactory that writes whatever frames a test gives it."""
+
+    def __init__(self, factory: server_core.ServerFactory) -> None:
+        addr = IPv4Address("TCP", "127.0.0.1", next(Peer._ports))
+        self.proto = factory.buildProtocol(addr)
+        self.transport = StringTransport(peerAddress=addr)
+        self.proto.makeConnection(self.transport)
+        self.wire = WireClient()
+
+    def write(self, *msgs: Any) -> list[Any]:
+        """Send ``msgs`` in one write; everything the server wrote back, parsed."""
+        self.proto.dataReceived(b"".join(self.wire.frame(m) for m in msgs))
+        data = self.transport.value()
+        self.transport.clear()
+        return self.wire.receive_data(data)
+
+
+NONCE = bytes(32 * [9])
+
+
+def _with_token(clock: MemoryReactorClock, **kw: Any) -> server_core.ServerFactory:
+    return server_core.ServerFactory(clock, config=server.ServerConfig(token="tok", **kw))
+
+
+def test_doc_8_1_pipelining_follows_the_handshakes_last_request(
+        factory: server_core.ServerFactory, clock: MemoryReactorClock) -> None:
+    from tensorshare.wire.auth import client_proof, token_bytes
+
+    # Without a token: requests right after the hello are served after it.
+    raw = _Raw(factory)
+    out = raw.write(Hello(1, (1,), "doc"), Ping(2), ListBins(3))
+    assert [type(m) for m in out] == [HelloReply, Acked, Listing]
+    # With a token: after a hello that asks for a challenge, nothing but auth (fatal) ...
+    raw = _Raw(_with_token(clock))
+    out = raw.write(Hello(1, (1,), "doc", NONCE), Ping(2))
+    assert [type(m) for m in out] == [Challenge, ErrorReply]
+    assert out[1].id == 0 and out[1].code == "protocol_error"
+    assert "then 'auth'" in out[1].message and raw.transport.disconnecting
+    # ... and requests pipelined after the auth are served after it.
+    raw = _Raw(_with_token(clock))
+    (challenge,) = raw.write(Hello(1, (1,), "doc", NONCE))
+    proof = client_proof(token_bytes("tok"), NONCE, challenge.nonce, None, "doc")
+    out = raw.write(Auth(2, proof), Ping(3), ListBins(4))
+    assert [type(m) for m in out] == [HelloReply, Acked, Listing]
+    text = " ".join(DOC.split())
+    assert "the `hello` of a client without a token, and the `auth` of one with a token" in text
+
+
+def test_doc_3_2_15_an_auth_after_the_handshake_is_invalid_and_the_connection_stays(
+        factory: server_core.ServerFactory) -> None:
+    raw = _Raw(factory)
+    raw.write(Hello(1, (1,), "doc"))
+    (out,) = raw.write(Auth(2, b"p" * 32))
+    assert isinstance(out, ErrorReply) and out.id == 2 and out.code == "invalid_request"
+    assert out.message == "auth is not expected after the handshake"
+    assert f'("{out.message}")' in DOC  # §3.2.15 and the table of §3.4 quote it
+    assert [type(m) for m in raw.write(Ping(3))] == [Acked]
+
+
+def test_doc_8_2_the_read_only_ops_are_the_op_tables_everywhere(
+        clock: MemoryReactorClock, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorshare.server.auth import read_ops, read_ops_text
+    from tensorshare.wire.auth import client_proof, token_bytes
+
+    ops = [name for name, op in OPS.items() if op.read and name not in ("hello", "auth")]
+    assert read_ops() == ops and len(ops) == 8
+    listed = ", ".join(f"`{n}`" for n in ops[:-1]) + f" and `{ops[-1]}`"
+    section = " ".join(DOC.split()).split("**Read-only connections**", 1)[1]
+    assert set(re.findall(r"`(\w+)`", section.split(";", 1)[0])) - {"role"} == set(ops)
+    readme = " ".join((DOC_PATH.parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert f"may {listed}" in readme
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--help"])
+    assert f"may only {read_ops_text()}" in " ".join(capsys.readouterr().out.split())
+    # The server's refusal names the same ops.
+    raw = _Raw(_with_token(clock, read_token="ro"))
+    (challenge,) = raw.write(Hello(1, (1,), "doc", NONCE))
+    proof = client_proof(token_bytes("ro"), NONCE, challenge.nonce, None, "doc")
+    raw.write(Auth(2, proof))
+    (out,) = raw.write(Put(3, "w", Item(codec.encode(1))))
+    assert out.code == "permission_denied" and f"(it may {read_ops_text()})" in out.message
+
+
+def test_the_test_files_the_docs_name_exist() -> None:
+    root = DOC_PATH.parents[1]
+    for doc in (DOC_PATH, root / "README.md", root / "docs" / "ARCHITECTURE.md"):
+        for path in re.findall(r"`(tests/[\w/]+\.py)`", doc.read_text(encoding="utf-8")):
+            assert (root / path).exists(), f"{doc.name} names {path}, which does not exist"
+
+
+def test_doc_14_3_the_input_an_inference_host_expects_is_what_it_says() -> None:
+    pytest.importorskip("torch")
+    from tensorshare.inference.host import _EXPECTED, _input_problem
+
+    section = " ".join(DOC.split("### 14.3", 1)[1].split("\n### ", 1)[0].split())
+    assert "**first dimension is the call's `rows`**" in section and "`(1, ...)`" in section
+    assert "shape (rows, ...)" in _EXPECTED and "(1, ...)" in _EXPECTED
+    import torch
+
+    assert _input_problem(torch.zeros(1, 8), 1) is None
+    problem = _input_problem(torch.zeros(8), 1)
+    assert problem is not None and _EXPECTED in problem and "rows=1" in problem
