@@ -29,6 +29,8 @@ Streams live in memory only (they are not in the data log).
 from __future__ import annotations
 
 import fnmatch
+import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -200,6 +202,10 @@ class Stream:
         self.ops: dict[str, int] = {}
         self.bytes_in = 0
         self.bytes_out = 0
+        # Kept by the server's kind: the cost it counted for this stream, and the deadline
+        # it has in its heap for it (never later than :meth:`next_deadline`).
+        self.counted = 0
+        self.due: float | None = None
 
     # -- settings and queries ---------------------------------------------------------------
     @property
@@ -796,6 +802,14 @@ class StreamKind:
         self._held: dict[str, list[_Waiting]] = {}
         self._reads: dict[str, list[_Waiting]] = {}
         self._timer: IDelayedCall | None = None
+        # Every op and every tick looks at the streams it concerns only, never at all of
+        # them: the bytes all streams cost (kept as each changes), their deadlines in a heap
+        # (deadline, sequence, stream; an entry is stale once its stream's ``due`` moved),
+        # and the streams each owner (session or connection) is a member of.
+        self._cost = 0
+        self._deadlines: list[tuple[float, int, Stream]] = []
+        self._seq = itertools.count()
+        self._by_owner: dict[Any, set[str]] = {}
         # The last version of each name whose stream was removed, so that a listener never
         # sees a version go backwards when a stream of that name comes back.
         self._versions: dict[str, int] = {}
@@ -809,9 +823,8 @@ class StreamKind:
 
     @property
     def nbytes(self) -> int:
-        if not self.streams:  # (asked on every write: no generator when there is nothing)
-            return 0
-        return sum(st.cost for st in self.streams.values())
+        """What every stream costs (asked on every write: kept, never summed)."""
+        return self._cost
 
     # -- helpers ----------------------------------------------------------------------------
     def _now(self) -> float:
@@ -822,6 +835,13 @@ class StreamKind:
         """Whom a member belongs to: its client's session (so that it survives the
         client's reconnects), or the connection of a client without one."""
         return conn.session.id if conn.session is not None else conn
+
+    def _member(self, st: Stream, conn: ServerProtocol) -> Any:
+        """The owner of ``conn``, noted as a member of ``st`` (so that its connection's or
+        session's end looks at the streams it is in, not at every stream)."""
+        owner = self._owner(conn)
+        self._by_owner.setdefault(owner, set()).add(st.name)
+        return owner
 
     def _conn_of(self, owner: Any) -> Any:
         if isinstance(owner, bytes):
@@ -877,13 +897,16 @@ class StreamKind:
 
     def _after(self, st: Stream, events: list[Event]) -> None:
         """After a change: notify listeners, serve what waits, drop an idle stream, and
-        keep the lease timer right."""
+        keep its cost and its deadline right."""
         for op, n in events:
             self._notify(st, op, n)
         self._pump(st)
-        if st.idle and st.name in self.streams:
+        if self.streams.get(st.name) is not st:
+            return
+        if st.idle:
             self._remove(st)
-        self._schedule()
+        else:
+            self._track(st)
 
     def _notify(self, st: Stream, op: str, n: int = 0) -> None:
         st.version += 1
@@ -892,6 +915,14 @@ class StreamKind:
 
     def _remove(self, st: Stream) -> None:
         del self.streams[st.name]
+        self._cost -= st.counted
+        st.counted, st.due = 0, None
+        for m in st.members():
+            names = self._by_owner.get(m.owner)
+            if names is not None:
+                names.discard(st.name)
+                if not names:
+                    del self._by_owner[m.owner]
         self._versions[st.name] = st.version
         if len(self._versions) > 100_000:  # a bound: the oldest names are forgotten
             del self._versions[next(iter(self._versions))]
@@ -924,7 +955,7 @@ class StreamKind:
         if msg.producer not in st.producers:
             self._check_memory(CONSUMER_COST, f"a producer of stream {msg.bin!r}")
         try:
-            reply, events = st.open(msg.producer, self._owner(conn), settings, msg.lease,
+            reply, events = st.open(msg.producer, self._member(st, conn), settings, msg.lease,
                                     msg.samples, self._now())
         except ServerError:
             self._after(st, [])
@@ -955,6 +986,7 @@ class StreamKind:
         msg: StreamAppend = w.msg
         self._check_memory(sum(n for _, n, _ in w.entries), f"an append to stream {st.name!r}")
         pos = st.append(msg.producer, w.entries, self._now())
+        self._recount(st)
         self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
 
     def _hold(self, st: Stream, w: _Waiting) -> None:
@@ -962,7 +994,7 @@ class StreamKind:
         msg = w.msg
         w.conn.wait(msg.id, w, msg.timeout, lambda: self._held_out(st, w))  # type: ignore[arg-type]
         self._held.setdefault(st.name, []).append(w)
-        self._schedule()
+        self._track(st)
 
     def _held_out(self, st: Stream, w: _Waiting) -> None:
         msg = w.msg
@@ -994,7 +1026,7 @@ class StreamKind:
         if msg.consumer not in st.consumers:
             self._check_memory(CONSUMER_COST, f"a consumer of stream {msg.bin!r}")
         try:
-            reply, events = st.join(msg.consumer, self._owner(conn), msg.start, msg.lease,
+            reply, events = st.join(msg.consumer, self._member(st, conn), msg.start, msg.lease,
                                     msg.resume, self._now())
         except ServerError:
             self._after(st, [])
@@ -1006,7 +1038,7 @@ class StreamKind:
     def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:
         st = self._stream(msg.bin, False)
         now = self._now()
-        c, events = st.consumer(msg.consumer, self._owner(conn), now)
+        c, events = st.consumer(msg.consumer, self._member(st, conn), now)
         st.ack(c, msg.at, now)
         for op, n in events:
             self._notify(st, op, n)
@@ -1121,48 +1153,88 @@ class StreamKind:
             self._error(w, exc)
         return True
 
-    # -- leases -----------------------------------------------------------------------------
-    def _schedule(self) -> None:
-        """Keep one timer, at the earliest lease or stall deadline of any stream."""
-        due = min((d for st in self.streams.values()
-                   if (d := st.next_deadline()) is not None), default=None)
+    # -- leases ---------------------------------------------------------------------------
+    def _recount(self, st: Stream) -> None:
+        """Keep the cost of every stream together right after ``st`` changed."""
+        cost = st.cost
+        self._cost += cost - st.counted
+        st.counted = cost
+
+    def _track(self, st: Stream) -> None:
+        """After ``st`` changed: its cost, and its next deadline in the heap if it is earlier
+        than the one there (a later one is found when the earlier fires)."""
+        self._recount(st)
+        due = st.next_deadline()
+        if due is not None and (st.due is None or due < st.due):
+            st.due = due
+            heapq.heappush(self._deadlines, (due, next(self._seq), st))
+            if len(self._deadlines) > 2 * len(self.streams) + 64:  # mostly stale entries
+                self._deadlines = [(d, next(self._seq), x) for x in self.streams.values()
+                                   if (d := x.due) is not None]
+                heapq.heapify(self._deadlines)
+        self._arm()
+
+    def _current(self, entry: tuple[float, int, Stream]) -> bool:
+        due, _, st = entry
+        return st.due == due and self.streams.get(st.name) is st
+
+    def _arm(self) -> None:
+        """Keep one timer, at the earliest deadline of any stream."""
+        heap = self._deadlines
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
         timer = self._timer
-        if due is None:
+        if not heap:
             if timer is not None and timer.active():
                 timer.cancel()
             self._timer = None
             return
+        # A little late rather than early: a lease runs out at its deadline, not before.
+        at = heap[0][0] + 0.001
         if timer is not None and timer.active():
-            if timer.getTime() <= due:
-                return  # fires first; it reschedules for the rest
+            if timer.getTime() <= at:
+                return  # fires first; it looks at the rest
             timer.cancel()
         reactor = self.server.reactor
-        # A little late rather than early: a lease runs out at its deadline, not before.
-        self._timer = reactor.callLater(max(due - reactor.seconds(), 0.0) + 0.001, self._tick)
+        self._timer = reactor.callLater(max(at - reactor.seconds(), 0.0), self._tick)
 
     def _tick(self) -> None:
+        """The streams whose deadline came (only those) check their leases and stalls."""
         self._timer = None
         now = self._now()
-        for st in list(self.streams.values()):
-            due = st.next_deadline()
-            if due is not None and due <= now:
+        heap, due = self._deadlines, []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._current(entry):
+                entry[2].due = None
+                due.append(entry[2])
+        for st in due:
+            if self.streams.get(st.name) is st:
                 self._after(st, st.check(now, self._heard))
-        self._schedule()
+        self._arm()
 
     def connection_lost(self, conn: ServerProtocol) -> None:
         now = self._now()
-        for st in self.streams.values():
-            st.lost(lambda owner: self._conn_of(owner) is conn, now)
+        owner = self._owner(conn)
+        names = self._by_owner.get(owner, set())
+        if owner is conn:  # (no session: this owner never comes back)
+            self._by_owner.pop(conn, None)
+        for name in list(names):
+            st = self.streams.get(name)
+            if st is not None:
+                st.lost(lambda o: self._conn_of(o) is conn, now)
+                self._track(st)
         # Its waiting requests were withdrawn by the connection (marked inactive); they are
         # dropped from the queues the next time those are served.
-        self._schedule()
 
     def session_ended(self, sid: bytes) -> None:
         now = self._now()
-        for st in list(self.streams.values()):
-            events = st.ended(sid, now)
-            if events:
-                self._after(st, events)
+        for name in self._by_owner.pop(sid, ()):
+            st = self.streams.get(name)
+            if st is not None:
+                events = st.ended(sid, now)
+                if events:
+                    self._after(st, events)
 
     # -- statistics -------------------------------------------------------------------------
     def describe(self, glob: str | None) -> dict[str, dict[str, Any]]:

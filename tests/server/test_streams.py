@@ -825,3 +825,67 @@ def test_a_listener_hears_joins_leaves_and_lag_end_to_end(server: EmbeddedServer
         assert heard("join", "leave", "lag") == [("join", 0), ("join", 0), ("lag", 2),
                                                  ("lag", 4), ("leave", 0), ("leave", 0)]
         assert {e["bin"] for e in events} == {"ev"}
+
+
+# ------------------------------------------------------------------------ many bins
+
+
+class Looks:
+    """Counts how often the server looks at a stream's deadline and cost, and at a
+    service's cost: what an op or a tick costs in the number of bins it looks at."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tensorshare.server.services import Service
+
+        self.n = 0
+        for cls, attr in ((Stream, "next_deadline"), (Stream, "cost"), (Service, "cost")):
+            original = cls.__dict__[attr]
+            if isinstance(original, property):
+                monkeypatch.setattr(cls, attr, property(self._counted(original.fget)))
+            else:
+                monkeypatch.setattr(cls, attr, self._counted(original))
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            self.n += 1
+            return fn(*args)
+        return counted
+
+    def __call__(self, action: Callable[[], Any]) -> int:
+        """How many looks ``action`` took."""
+        self.n = 0
+        action()
+        return self.n
+
+
+def test_no_op_and_no_tick_looks_at_every_stream_or_service(
+        factory: ServerFactory, clock: MemoryReactorClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.wire.services import ServiceTake
+
+    owner, other = Peer(factory), Peer(factory)
+    n = 300
+    for i in range(n):  # each producer's lease ends 10 ms after the one before
+        reply = owner.request(StreamOpen(owner.rid(), f"s{i}", lease=5.0))
+        assert type(reply) is StreamOpened
+        clock.advance(0.01)
+    for i in range(n):  # idle services stay listed (with their statistics)
+        owner.request(ServiceTake(owner.rid(), f"svc{i}", timeout=0))
+    other.request(StreamJoin(other.rid(), "s7", "c", "now", 5.0))
+    kinds = factory.kinds
+    assert kinds[0].nbytes == sum(st.cost for st in kinds[0].streams.values())
+    assert kinds[1].nbytes == sum(svc.cost for svc in kinds[1].services.values())
+    looks = Looks(monkeypatch)
+    # An op on one stream, a new stream, a write that checks the memory limit, a
+    # connection's end: each looks at the bins it concerns, not at the n others.
+    assert looks(lambda: owner.request(StreamOpen(owner.rid(), "new"))) <= 4
+    assert looks(lambda: owner.request(StreamAppend(owner.rid(), "s3", 0, 0,
+                                                    tensor_item(1)))) <= 4
+    assert looks(lambda: owner.request(Put(owner.rid(), "v", tensor_item(2)))) <= 2
+    assert looks(other.lose) <= 4
+    # The leases of the first streams end (the owner's connection was silent): the tick
+    # looks at those streams only, each once or twice.
+    due = 5.0 - n * 0.01 + 0.05  # (the first six or so)
+    assert 0 < looks(lambda: clock.advance(due)) <= 2 * 10
+    assert kinds[0].nbytes == sum(st.cost for st in kinds[0].streams.values())
+    assert kinds[1].nbytes == sum(svc.cost for svc in kinds[1].services.values())
