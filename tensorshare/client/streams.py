@@ -277,7 +277,8 @@ class StreamOps:
                 many positions its slowest live consumer has not acknowledged.
             on_lag: ``"wait"``: everyone keeps the slowest consumer's pace; ``"detach"``: a
                 consumer that held the window full for ``max_stall`` seconds (default 10)
-                stops holding the others back (it later gets ``Lagged``).
+                stops holding the others back; its next read skips what was freed (it
+                gets ``Lagged``) and it holds the window again from there.
             replay: ``"epoch"`` keeps the current epoch's items for consumers that join at
                 ``"epoch_start"``; ``"none"`` frees items once every consumer has them.
             lease: seconds this producer may be unreachable before it counts as gone (its

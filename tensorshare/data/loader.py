@@ -83,7 +83,8 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             the server holds its batches beyond that.
         on_lag: ``"wait"``: everyone keeps the slowest consumer's pace (one DataLoader);
             ``"detach"``: a consumer that held the window full for ``max_stall`` seconds
-            stops holding the others back (it gets ``Lagged`` when it comes back).
+            stops holding the others back; when it reads again it gets ``Lagged`` once and
+            holds the window again, like the others.
         replay: ``"epoch"`` keeps the current epoch on the server for consumers that join
             with ``start="epoch_start"`` (it costs an epoch of memory).
         producers, producer: ``producers=k`` means k processes each call this with their

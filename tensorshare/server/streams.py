@@ -18,7 +18,9 @@ everything before it) and gets the items of one epoch from there, never across a
   instead of waiting, until a producer opens the stream again, which ends the broken epoch
   as *aborted* and starts a new one.
 * **Lag.** Under ``on_lag="detach"`` a consumer that held the window full for longer than
-  ``max_stall`` seconds is detached: it no longer holds anyone back until it catches up.
+  ``max_stall`` seconds is detached: it no longer holds anyone back. Its next read brings it
+  back: it skips what was freed meanwhile (the read reports it ``missed``) and holds the
+  window again, like every other consumer.
 
 :class:`Stream` is the bookkeeping of one stream, a pure data structure (the time is passed
 in; no connections, no timers) tested on its own; :class:`StreamKind` is the server's kind of
@@ -539,8 +541,14 @@ class Stream:
         self._settle(now)
 
     def _reattach(self, c: Consumer) -> None:
-        if c.detached and c.acked is not None and self.head - c.acked < self.cfg.window:
-            c.detached = False  # caught up: it counts again
+        """A detached consumer reads again: it is back, a consumer like the others. It holds
+        the window again from where it is, or from the oldest item kept if what it had not
+        acknowledged was freed meanwhile (its read skips those and reports them missed),
+        and its stall clock starts afresh."""
+        if c.detached:
+            c.detached = False
+            if c.acked is not None and c.acked < self.base:
+                c.acked = self.base
 
     def read(self, name: str, pos: int | None, max_items: int | None, max_bytes: int,
              now: float) -> StreamItems | None:

@@ -92,7 +92,8 @@ class StreamOpen:
         window: a producer's append is held while the stream holds more than this many
             positions the slowest live consumer has not acknowledged.
         on_lag: ``"wait"`` (everyone keeps the slowest consumer's pace) or ``"detach"`` (a
-            consumer that held the window full longer than ``max_stall`` stops counting).
+            consumer that held the window full longer than ``max_stall`` stops counting
+            until it reads again).
         max_stall: with ``on_lag="detach"``: seconds; ``None``: 10 s.
         replay: ``"epoch"`` keeps the current epoch's items for consumers that join at
             ``"epoch_start"``; ``"none"`` frees items once every consumer read them.

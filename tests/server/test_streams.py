@@ -375,6 +375,27 @@ def test_under_detach_a_stalled_consumer_stops_holding_the_others_and_learns_it_
     assert described["missed"] == 4 and described["stall_total_s"] == 5.0
 
 
+def test_under_detach_a_consumer_that_reads_again_holds_the_window_like_the_others() -> None:
+    st = opened(window=4, on_lag="detach", max_stall=1.0)
+    st.join("slow", "S", "now", 60.0, True, 0.0)
+    st.join("fast", "F", "now", 60.0, True, 0.0)
+    append(st, 0, 1, 2, 3)
+    read(st, "fast", 4)
+    assert st.check(1.0, lambda owner: 0.0) == [("lag", 4)]  # it stalls a second: detached
+    append(st, 4, 5, 6, 7, now=1.0)
+    read(st, "fast", 8, now=1.0)
+    append(st, 8, 9, 10, 11, now=1.0)  # the window is full again, for the fast consumer
+    got = read(st, "slow", now=2.0)  # it is back: what was freed is skipped...
+    assert got is not None and got.missed == 8 and values(got) == [8, 9, 10, 11]
+    slow = st.consumers["slow"]
+    assert slow.holds and not slow.detached  # ...and it holds the window again at once,
+    read(st, "fast", 12, now=2.0)
+    assert not st.append_ready(0, 1)  # so the producer waits for it, not only for the other
+    read(st, "slow", 12, now=2.1)
+    assert st.append_ready(0, 4)
+    assert st.describe(2.1)["stream"]["consumers"]["slow"]["state"] == "live"
+
+
 def test_under_wait_a_stalled_consumer_holds_everyone_forever() -> None:
     st = opened(window=1)
     st.join("slow", "S", "now", 60.0, True, 0.0)
