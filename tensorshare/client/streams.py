@@ -110,6 +110,8 @@ class StreamJoinResult:
         epoch_samples: the samples that epoch has (``None``: not known yet).
         head: the stream's next position.
         resumed: the stream knew this consumer; it goes on from what it acknowledged.
+        finished: the stream is finished and this consumer is at its end: nothing is left
+            for it (until a producer opens the stream again).
     """
 
     position: int | None
@@ -118,6 +120,7 @@ class StreamJoinResult:
     epoch_samples: int | None
     head: int
     resumed: bool
+    finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,7 @@ def _ended(reply: Any) -> StreamEndResult:
 
 def _joined(reply: Any) -> StreamJoinResult:
     return StreamJoinResult(reply.position, reply.epoch, reply.offset, reply.epoch_samples,
-                            reply.head, reply.resumed)
+                            reply.head, reply.resumed, reply.finished)
 
 
 def _left(reply: Any) -> bool:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..client import Client
-from ..client.streams import ProducerGone, StreamBatch
+from ..client.streams import Lagged, ProducerGone, StreamBatch
+from ..errors import StreamFinished
 from .batching import Rebatcher, sample_count
 from .stream import StreamConsumer, StreamProducer
 
@@ -145,27 +146,30 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
 
 
 class _Pass:
-    """One pass of a :class:`SharedLoader` over (the rest of) an epoch."""
+    """One pass of a :class:`SharedLoader` over (the rest of) an epoch: the samples of the
+    epoch read so far and what the re-batcher still holds of them."""
 
     def __init__(self, batch_size: int | None, drop_last: bool, epoch: int, offset: int,
                  epoch_samples: int | None) -> None:
         self.rebatcher = Rebatcher(batch_size, drop_last)
         self.epoch = epoch  # the epoch it goes through
-        self.offset = offset  # samples of the epoch before this pass
+        self.read_to = offset  # samples of the epoch before the next one to read
         self.total = epoch_samples  # samples of the epoch, once known
-        self.items = 0  # producer batches taken in
         self.done = False  # the epoch's end was read
 
     def add(self, got: StreamBatch) -> None:
-        if not self.items and got.items:
-            self.offset = got.offset
         for x in got.items:
             self.rebatcher.add(x)
-        self.items += len(got.items)
+        self.read_to = got.offset + sum(sample_count(x) or 1 for x in got.items)
         if got.end is not None:
-            self.total, self.done = got.end, True
+            self.total, self.done, self.read_to = got.end, True, got.end
         elif got.epoch_samples is not None:
             self.total = got.epoch_samples
+
+    @property
+    def over(self) -> bool:
+        """Its end was read and every batch of it taken."""
+        return self.done and not self.rebatcher.held
 
 
 class SharedLoader:
@@ -223,6 +227,7 @@ class SharedLoader:
         self._pass: _Pass | None = None
         self._restart = False  # after ProducerGone: the next pass starts at the next epoch
         self._item_samples: int | None = None  # samples of a producer batch (seen)
+        self._yielded = 0  # batches the loop under way yielded
         self.passes = 0  # passes completed
 
     @property
@@ -240,54 +245,117 @@ class SharedLoader:
 
     def _iterate(self) -> Iterator[Any]:
         cons = self._consumer
+        self._yielded = 0  # (what len() counts as taken in this loop)
+        try:
+            p = self._pass_to_go()
+            while True:
+                while p.rebatcher.ready:
+                    self._yielded += 1
+                    yield p.rebatcher.pop()
+                if p.done:
+                    tail = p.rebatcher.flush()
+                    if tail is not None:
+                        self._yielded += 1
+                        yield tail  # (len() still counts this pass's batches here)
+                    self._end_pass()
+                    return
+                try:
+                    got = cons.read(self.max_items)
+                except Lagged as exc:
+                    tail = self._lagged(p)
+                    if tail is not None:
+                        self._yielded += 1
+                        yield tail  # (what it held of the epoch it lagged out of)
+                    raise exc
+                if got.items and self._item_samples is None:
+                    self._item_samples = sample_count(got.items[0])
+                if got.finished and got.end is None and not got.items:
+                    self._pass = None  # at the end of a finished stream: nothing will come
+                    raise self._finished_error()
+                if got.epoch != p.epoch:
+                    # The epoch this pass went through ended without its mark reaching this
+                    # job (freed before it read it): what came belongs to the next pass.
+                    cons.unread(got)
+                    p.done = True
+                    continue
+                p.add(got)
+        except ProducerGone:
+            self._restart, self._pass = True, None
+            raise
+        finally:
+            self._yielded = 0
+
+    def _pass_to_go(self) -> _Pass:
+        """The pass a loop goes through: the one under way (cut short by ``Lagged``, or a
+        loop that stopped early), else a new one from where this job is.
+
+        Raises:
+            StreamFinished: the stream is finished and this job read all of it.
+        """
+        cons = self._consumer
         if self._restart:
             self._restart, self._pass = False, None
             cons.rejoin("next_epoch")
-        if self._pass is not None and self._pass.done and not self._pass.rebatcher.n and \
-                not self._pass.rebatcher.ready:
+        if self._pass is not None and self._pass.over:
             self._end_pass()  # (its last batch was taken by a loop that stopped there)
         if self._pass is None:
-            if cons.finished:
-                return
-            self._pass = _Pass(self.batch_size, self.drop_last, cons.epoch, cons.offset,
-                               cons.epoch_samples)
-        p = self._pass
-        while True:
-            while p.rebatcher.ready:
-                yield p.rebatcher.pop()
-            if p.done:
-                tail = p.rebatcher.flush()
-                if tail is not None:
-                    yield tail  # (len() still counts this pass's batches here)
+            if cons.finished and cons.stashed is None:
+                raise self._finished_error()
+            self._pass = _Pass(self.batch_size, self.drop_last, *self._start())
+        return self._pass
+
+    def _start(self) -> tuple[int, int, int | None]:
+        """Where the next pass starts: its epoch, the samples of it before, and how many
+        samples the epoch has (``None``: not known yet)."""
+        cons = self._consumer
+        b = cons.stashed  # (given back, or held back to raise Lagged first)
+        if b is not None:
+            return b.epoch, b.offset, b.end if b.end is not None else b.epoch_samples
+        return cons.epoch, cons.offset, cons.epoch_samples
+
+    def _lagged(self, p: _Pass) -> Any | None:
+        """After ``Lagged``: what the next pass is, and what this one still yields."""
+        b = self._consumer.stashed  # what comes after the items missed
+        self._yielded = 0
+        if b is None:
+            return None
+        if b.epoch == p.epoch:
+            # The next loop goes on with this epoch, after the items missed; if nothing of
+            # it is left for this job, it goes on with the next epoch instead.
+            p.read_to = b.offset
+            if not b.items and b.end is not None and not p.rebatcher.held:
+                self._consumer.read()  # (the epoch's end, given back: taken)
                 self._end_pass()
-                return
-            try:
-                got = cons.read(self.max_items)
-            except ProducerGone:
-                self._restart, self._pass = True, None
-                raise
-            if got.items and self._item_samples is None:
-                self._item_samples = sample_count(got.items[0])
-            if got.finished and got.end is None and not got.items:
-                self._pass = None  # nothing more will come
-                return
-            if got.epoch != p.epoch:
-                # This job lagged past the end of its epoch (the items and the mark were
-                # freed): that pass is over; what came belongs to the next one.
-                cons.unread(got)
-                p.done = True
-                continue
-            p.add(got)
+            return None
+        # It lagged out of this pass's epoch: what the pass holds of it ends the pass.
+        self._end_pass()
+        return p.rebatcher.flush()
+
+    def _finished_error(self) -> StreamFinished:
+        cons = self._consumer
+        n = cons.epoch
+        return StreamFinished(
+            f"stream {self.stream!r} is finished: its producers ended it after {n} "
+            f"epoch{'' if n == 1 else 's'} and job {self.name!r} has read all of it (a "
+            f"producer that opens the stream again starts a new run)",
+            stream=self.stream, epochs=n)
 
     def _end_pass(self) -> None:
         self._pass = None
         self.passes += 1
 
     def __len__(self) -> int:
-        p = self._pass
+        """The batches of the pass being iterated (all of them, those taken included), or,
+        between passes, of the next one; 0 once the stream is finished and read."""
         cons = self._consumer
-        total, offset = (p.total, p.offset) if p is not None else \
-            (cons.epoch_samples, cons.offset)
+        p = self._pass
+        if p is None:
+            if cons.finished and cons.stashed is None:
+                return 0
+            _, read_to, total = self._start()
+            held = 0
+        else:
+            read_to, total, held = p.read_to, p.total, p.rebatcher.held
         if total is None and cons.expected is None:
             cons.refresh()  # the producer may have said since this job joined
         for guess in (cons.expected, cons.last_epoch_samples):
@@ -297,12 +365,21 @@ class SharedLoader:
             raise TypeError(f"the number of batches of stream {self.stream!r} is not known "
                             f"yet: its producer did not say how many samples an epoch has "
                             f"(serve_loader(samples_per_epoch=...)) and no epoch ended yet")
-        n = max(total - offset, 0)
-        size = self.batch_size if self.batch_size is not None else self._item_samples
-        if size is None:
-            raise TypeError("the number of batches is not known before the first batch "
-                            "when batch_size=None (the producer's batches): give batch_size")
-        return n // size if self.drop_last else math.ceil(n / size)
+        return self._yielded + self._batches(held, max(total - read_to, 0))
+
+    def _batches(self, held: int, unread: int) -> int:
+        """The batches still to come of ``held`` (samples held; the producer's batches
+        held, with ``batch_size=None``) and ``unread`` samples."""
+        if self.batch_size is None:
+            if not unread:
+                return held
+            if self._item_samples is None:
+                raise TypeError("the number of batches is not known before the first batch "
+                                "when batch_size=None (the producer's batches): give "
+                                "batch_size")
+            return held + math.ceil(unread / self._item_samples)
+        n = held + unread
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def close(self, leave: bool = True) -> None:
         """Leave the stream (unless ``leave=False``: the job may come back under its name

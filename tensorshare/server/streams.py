@@ -34,7 +34,7 @@ import fnmatch
 import heapq
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,8 +74,8 @@ if TYPE_CHECKING:
     from .core import ServerFactory
     from .kinds import Handler
 
-__all__ = ["CONSUMER_COST", "MAX_CONSUMERS", "STREAM_COST", "Settings", "Stream",
-           "StreamKind"]
+__all__ = ["CONSUMER_COST", "FINISHED_TTL", "MAX_CONSUMERS", "MAX_FINISHED_STREAMS",
+           "STREAM_COST", "Settings", "Stream", "StreamKind"]
 
 #: The most consumers one stream keeps (dropped ones included, the oldest dropped go first).
 MAX_CONSUMERS = 1024
@@ -87,6 +87,11 @@ CONSUMER_COST = 512
 EPOCHS_KEPT = 64
 #: ``max_stall`` of an ``on_lag="detach"`` stream that did not say.
 DEFAULT_MAX_STALL = 10.0
+#: Seconds a finished stream that nobody is in stays listed (so that a job that joins late
+#: learns it is finished, and how many epochs it had, instead of finding a new, empty one).
+FINISHED_TTL = 3600.0
+#: The most finished streams kept that nobody is in; beyond, the longest kept go first.
+MAX_FINISHED_STREAMS = 1024
 
 Event = tuple[str, int]  # (notification op, count it reports in ``dropped``)
 
@@ -208,6 +213,8 @@ class Stream:
         # it has in its heap for it (never later than :meth:`next_deadline`).
         self.counted = 0
         self.due: float | None = None
+        # A finished stream nobody is in is kept (listed, with its epochs) until this time.
+        self.kept_until: float | None = None
 
     # -- settings and queries ---------------------------------------------------------------
     @property
@@ -479,7 +486,7 @@ class Stream:
             c.cursor = c.acked
             where = self.position(c.cursor)
             return StreamJoined(0, c.cursor, where.epoch, where.offset, where.epoch_samples,
-                                self.head, True), events
+                                self.head, True, self._at_end(c.cursor)), events
         pos = self._start(start)
         if c is None:
             self._make_room()
@@ -487,7 +494,11 @@ class Stream:
         self._settle(now)
         where = self.position(pos)
         return StreamJoined(0, pos, where.epoch, where.offset, where.epoch_samples, self.head,
-                            False), [("join", 0)]
+                            False, self._at_end(pos)), [("join", 0)]
+
+    def _at_end(self, pos: int | None) -> bool:
+        """Whether a consumer at ``pos`` has read all of a finished stream."""
+        return self.finished and pos is not None and pos >= self.head
 
     def _start(self, start: str) -> int | None:
         if start == "now":
@@ -682,8 +693,11 @@ class Stream:
         return events
 
     def next_deadline(self) -> float | None:
-        """When :meth:`check` has something to do next (``None``: never)."""
+        """When :meth:`check` (or, for a finished stream nobody is in, its removal) has
+        something to do next (``None``: never)."""
         due = [m.seen + m.lease for m in self.members() if m.state in ("live", "away")]
+        if self.kept_until is not None:
+            due.append(self.kept_until)
         if self.cfg.on_lag == "detach":
             due += [c.stall_since + self.cfg.stall_limit for c in self.consumers.values()
                     if c.holds and c.stall_since is not None]
@@ -818,6 +832,7 @@ class StreamKind:
         self._deadlines: list[tuple[float, int, Stream]] = []
         self._seq = itertools.count()
         self._by_owner: dict[Any, set[str]] = {}
+        self._kept: OrderedDict[str, None] = OrderedDict()  # finished, idle: oldest first
         # The last version of each name whose stream was removed, so that a listener never
         # sees a version go backwards when a stream of that name comes back.
         self._versions: dict[str, int] = {}
@@ -911,10 +926,32 @@ class StreamKind:
         self._pump(st)
         if self.streams.get(st.name) is not st:
             return
-        if st.idle:
-            self._remove(st)
-        else:
+        if not st.idle:
+            if st.kept_until is not None:
+                st.kept_until = None
+                self._kept.pop(st.name, None)
             self._track(st)
+        elif st.finished and self._keep(st):
+            self._track(st)
+        else:
+            self._remove(st)
+
+    def _keep(self, st: Stream) -> bool:
+        """Whether ``st``, finished and nobody in it, stays listed: for
+        :data:`FINISHED_TTL` seconds from when its last member left, the
+        :data:`MAX_FINISHED_STREAMS` most recent only. What it keeps of its consumers is
+        those that have not read all of it (one that comes back learns what it missed)."""
+        now = self._now()
+        if st.kept_until is None:
+            st.kept_until = now + FINISHED_TTL
+            st.consumers = {n: c for n, c in st.consumers.items()
+                            if c.acked is None or c.acked < st.head}
+            self._kept[st.name] = None
+            while len(self._kept) > MAX_FINISHED_STREAMS:
+                old = self.streams.get(self._kept.popitem(last=False)[0])
+                if old is not None and old is not st:
+                    self._remove(old)
+        return now < st.kept_until
 
     def _notify(self, st: Stream, op: str, n: int = 0) -> None:
         st.version += 1
@@ -923,6 +960,7 @@ class StreamKind:
 
     def _remove(self, st: Stream) -> None:
         del self.streams[st.name]
+        self._kept.pop(st.name, None)
         self._cost -= st.counted
         st.counted, st.due = 0, None
         for m in st.members():
@@ -1040,7 +1078,8 @@ class StreamKind:
             self._after(st, [])
             raise
         _respond(conn, msg, StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
-                                     reply.epoch_samples, reply.head, reply.resumed))
+                                         reply.epoch_samples, reply.head, reply.resumed,
+                                         reply.finished))
         self._after(st, events)
 
     def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:

@@ -250,6 +250,8 @@ class StreamJoined:
             producers announced; ``None``: unknown).
         head: the stream's next position. resumed: the stream knew the consumer and kept
             its position.
+        finished: the stream is finished and the consumer is at its end: nothing is left
+            for it to read (until a producer opens the stream again).
     """
 
     id: int
@@ -259,6 +261,7 @@ class StreamJoined:
     epoch_samples: int | None = None
     head: int = 0
     resumed: bool = False
+    finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +428,7 @@ def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 def _reply_joined(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     return StreamJoined(rid, _opt_int(h, "position"), _int(h, "epoch"),
                         _opt_int(h, "offset") or 0, _opt_int(h, "epoch_samples"),
-                        _opt_int(h, "head") or 0, _bool(h, "resumed"))
+                        _opt_int(h, "head") or 0, _bool(h, "resumed"), _bool(h, "finished"))
 
 
 # -- stream_read ----------------------------------------------------------------------------
@@ -509,7 +512,14 @@ register_reply(StreamOpened, lambda m: {"epoch": m.epoch, "head": m.head, "sent"
 register_reply(StreamAppended, lambda m: {"position": m.position, "head": m.head})
 register_reply(StreamEnded, lambda m: {"epoch": m.epoch, "complete": m.complete,
                                        "finished": m.finished})
-register_reply(StreamJoined, lambda m: {"position": m.position, "epoch": m.epoch,
-                                        "offset": m.offset, "epoch_samples": m.epoch_samples,
-                                        "head": m.head, "resumed": m.resumed})
+def _joined_header(m: StreamJoined) -> dict[str, Any]:
+    h: dict[str, Any] = {"position": m.position, "epoch": m.epoch, "offset": m.offset,
+                         "epoch_samples": m.epoch_samples, "head": m.head,
+                         "resumed": m.resumed}
+    if m.finished:
+        h["finished"] = True
+    return h
+
+
+register_reply(StreamJoined, _joined_header)
 register_reply(StreamItems, _items_header, items=lambda m: m.items)

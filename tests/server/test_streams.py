@@ -29,7 +29,7 @@ from tensorshare.errors import BinNotFound, InvalidRequest, LimitExceeded
 from tensorshare.server import ServerConfig
 from tensorshare.server.connection import ServerProtocol
 from tensorshare.server.core import ServerFactory
-from tensorshare.server.streams import MAX_CONSUMERS, Settings, Stream
+from tensorshare.server.streams import FINISHED_TTL, MAX_CONSUMERS, Settings, Stream
 from tensorshare.wire import codec
 from tensorshare.wire.messages import (
     Acked,
@@ -737,7 +737,7 @@ def test_stats_describe_each_stream(factory: ServerFactory) -> None:
     assert (a["state"], a["position"], a["lag"], a["lease"]) == ("live", 0, 1, 4.0)
 
 
-def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in_it(
+def test_end_waits_for_the_other_producers_and_a_finished_stream_stays_listed_a_while(
         factory: ServerFactory, clock: MemoryReactorClock) -> None:
     p0, p1, cons = Peer(factory), Peer(factory), Peer(factory)
     cons.request(StreamJoin(cons.rid(), "s", "a", "now", 3.0))
@@ -757,8 +757,39 @@ def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in
     assert factory.kinds[0].owns("s")  # a consumer is still in it
     cons.lose()
     clock.advance(3.01)
-    assert not factory.kinds[0].owns("s")  # nobody left in it: it is gone
-    assert factory.kinds[0].nbytes == 0
+    kind = factory.kinds[0]
+    # Nobody is left in it, but it is finished: it stays listed for FINISHED_TTL, so that a
+    # job that comes late learns that it is finished (and after how many epochs).
+    assert kind.owns("s") and factory.bin_stats()["s"]["stream"]["finished"]
+    late = Peer(factory)
+    joined = late.request(StreamJoin(late.rid(), "s", "late", "next_epoch", 3.0))
+    assert type(joined) is StreamJoined and joined.finished and joined.epoch == 2
+    got = late.request(StreamRead(late.rid(), "s", "late", joined.position, timeout=5.0))
+    assert type(got) is StreamItems and got.finished and got.items == () and got.epoch == 2
+    late.request(StreamLeave(late.rid(), "s", "late"))
+    clock.advance(FINISHED_TTL - 1.0)
+    assert kind.owns("s")
+    clock.advance(1.01)
+    assert not kind.owns("s") and kind.nbytes == 0  # then it is gone
+
+
+def test_at_most_max_finished_streams_stay_listed_the_oldest_go_first(
+        factory: ServerFactory, clock: MemoryReactorClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.server import streams as streams_module
+
+    monkeypatch.setattr(streams_module, "MAX_FINISHED_STREAMS", 3)
+    prod = Peer(factory)
+    for i in range(5):
+        prod.request(StreamOpen(prod.rid(), f"f{i}"))
+        assert prod.request(StreamEnd(prod.rid(), f"f{i}", 0, 0, 0, True)).finished
+        clock.advance(1.0)
+    prod.request(StreamOpen(prod.rid(), "live"))  # (not finished: stays while it is open)
+    prod.lose()
+    clock.advance(10.01)  # the producers' leases: every stream is empty now
+    kind = factory.kinds[0]
+    assert sorted(kind.streams) == ["f2", "f3", "f4"]
+    assert kind.nbytes == sum(st.cost for st in kind.streams.values())
 
 
 def test_an_end_whose_mark_has_no_room_in_the_window_is_held_until_a_consumer_reads_on(
