@@ -68,8 +68,10 @@ class StreamOpenResult:
         sent: samples this producer already appended to ``epoch`` (a reopen of the same
             client; 0 otherwise).
         consumers: consumers in the stream now.
-        broken: a producer of the stream is gone: appends raise ``ProducerGone`` until it
-            opens the stream again.
+        broken: after this open, a producer of the stream is still gone: appends raise
+            ``ProducerGone`` until it opens the stream again.
+        aborted: the epoch this open ended as aborted (a producer had died in it), if it
+            ended one: every producer sends ``epoch`` from its start.
     """
 
     epoch: int
@@ -77,6 +79,7 @@ class StreamOpenResult:
     sent: int
     consumers: int
     broken: bool
+    aborted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +163,8 @@ class StreamBatch:
 
 
 def _opened(reply: Any) -> StreamOpenResult:
-    return StreamOpenResult(reply.epoch, reply.head, reply.sent, reply.consumers, reply.broken)
+    return StreamOpenResult(reply.epoch, reply.head, reply.sent, reply.consumers, reply.broken,
+                            reply.aborted)
 
 
 def _appended(reply: Any) -> StreamAppendResult:

@@ -292,22 +292,28 @@ class Stream:
         events: list[Event] = [("open", 0)]
         repair = any(q.state == "gone" for q in self.producers.values())
         self.producers[index] = Producer(index, owner, lease, now, self.epoch, hint=hint)
+        aborted = None
         if repair:
-            events += self._repair(now)
-        return self._opened(self.producers[index]), events
+            aborted, more = self._repair(now)
+            events += more
+        return self._opened(self.producers[index], aborted), events
 
-    def _opened(self, p: Producer) -> StreamOpened:
-        return StreamOpened(0, p.epoch, self.head, p.sent, self.live_consumers(), self.broken)
+    def _opened(self, p: Producer, aborted: int | None = None) -> StreamOpened:
+        return StreamOpened(0, p.epoch, self.head, p.sent, self.live_consumers(), self.broken,
+                            aborted)
 
-    def _repair(self, now: float) -> list[Event]:
+    def _repair(self, now: float) -> tuple[int | None, list[Event]]:
         """A producer came back: the epoch a gone producer broke ends as aborted (if anything
         of it was sent) and every producer starts the next one, those that had ended the
         aborted epoch as their last included: an epoch ends only when every producer marked
         it, so they must send it again (one that no longer answers is gone after its lease,
-        and consumers get ``ProducerGone`` instead of waiting for it)."""
+        and consumers get ``ProducerGone`` instead of waiting for it). Returns the epoch it
+        ended as aborted (``None``: nothing of it was sent, it goes on) and the events."""
         events: list[Event] = []
         marked = set(self.marked)
+        aborted = None
         if self.epoch_start < self.head or self.marked:
+            aborted = self.epoch
             self._close_epoch(now, aborted=True)
             events.append(("epoch", 0))
         for p in self.producers.values():
@@ -315,7 +321,7 @@ class Stream:
                 p.state, p.seen = "away", now  # its lease runs from now
             if p.state != "done":
                 p.epoch, p.sent = self.epoch, 0
-        return events
+        return aborted, events
 
     def _producer(self, index: int, owner: Any, epoch: int) -> Producer:
         """The producer ``index`` of ``owner``, checked to be appending to ``epoch``.
@@ -505,11 +511,15 @@ class Stream:
             return self.head
         if start == "next_epoch":
             return self.head if self.epoch_start == self.head else None
-        if self.epoch_start < self.base:
+        # "epoch_start" needs the epoch kept (replay="epoch"): never by chance, because its
+        # first items happen not to be freed yet. (A stream no producer opened yet has sent
+        # nothing: its first epoch starts where a consumer joining now starts.)
+        if self.settings is not None and self.cfg.replay != "epoch" or \
+                self.epoch_start < self.base:
             raise InvalidRequest(
-                f"the start of epoch {self.epoch} of stream {self.name!r} is no longer kept "
-                f"(its producer opened it with replay={self.cfg.replay!r}; replay='epoch' "
-                f"keeps it): join at 'now' or 'next_epoch'")
+                f"stream {self.name!r} does not keep the start of its epochs (its producers "
+                f"opened it with replay={self.cfg.replay!r}; replay='epoch' keeps it): join "
+                f"at 'now' or 'next_epoch'")
         return self.epoch_start
 
     def _make_room(self) -> None:
@@ -1007,7 +1017,7 @@ class StreamKind:
             self._after(st, [])
             raise
         _respond(conn, msg, StreamOpened(msg.id, reply.epoch, reply.head, reply.sent,
-                                     reply.consumers, reply.broken))
+                                         reply.consumers, reply.broken, reply.aborted))
         self._after(st, events)
 
     def _append(self, conn: ServerProtocol, msg: StreamAppend) -> None:

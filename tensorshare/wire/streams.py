@@ -183,8 +183,8 @@ class StreamRead:
     """A consumer reads up to ``max_items`` items from position ``at`` (``None``: from where
     its last read ended), which acknowledges every position before ``at``.
 
-    ``timeout``: seconds to wait on the server when nothing is there yet (``0``: do not
-    wait; ``None``: no limit).
+    ``timeout``: seconds to wait on the server when nothing is there yet (``0``, the
+    default, and absent or nil on the wire: answer at once).
     """
 
     id: int
@@ -192,7 +192,7 @@ class StreamRead:
     consumer: str
     at: int | None = None
     max_items: int | None = None
-    timeout: float | None = 0.0
+    timeout: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +208,8 @@ class StreamLeave:
 class StreamOpened:
     """Reply to stream_open: the epoch this producer appends to, the stream's next position,
     the samples this producer already sent in that epoch (a reopen by the same session), the
-    live consumers, and whether the stream is broken (a producer is gone)."""
+    live consumers, whether the stream is still broken after this open (a producer is gone),
+    and the epoch this open ended as aborted, if it ended one (``None``: none)."""
 
     id: int
     epoch: int
@@ -216,6 +217,7 @@ class StreamOpened:
     sent: int = 0
     consumers: int = 0
     broken: bool = False
+    aborted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +361,7 @@ def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 def _reply_opened(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     return StreamOpened(rid, _int(h, "epoch"), _int(h, "head"),
                         _opt_int(h, "sent") or 0, _opt_int(h, "consumers") or 0,
-                        _bool(h, "broken"))
+                        _bool(h, "broken"), _opt_int(h, "aborted", minimum=0))
 
 
 # -- stream_append --------------------------------------------------------------------------
@@ -443,9 +445,10 @@ def _read_header(m: StreamRead) -> dict[str, Any]:
 
 
 def _parse_read(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    # (A read without a timeout answers at once: there is no unlimited wait for it.)
     return StreamRead(rid, _name(h, limits), _consumer(h, limits),
                       _opt_int(h, "at", minimum=0), _opt_int(h, "max_items", minimum=1),
-                      _timeout(h))
+                      _timeout(h) or 0.0)
 
 
 def _items_header(m: StreamItems) -> dict[str, Any]:
@@ -507,8 +510,15 @@ register(_row("stream_read", StreamRead, _read_header, _parse_read, _reply_items
 register(_row("stream_leave", StreamLeave, _leave_header, _parse_leave, _reply_acked, False,
               "bin", "consumer"))
 
-register_reply(StreamOpened, lambda m: {"epoch": m.epoch, "head": m.head, "sent": m.sent,
-                                        "consumers": m.consumers, "broken": m.broken})
+def _opened_header(m: StreamOpened) -> dict[str, Any]:
+    h: dict[str, Any] = {"epoch": m.epoch, "head": m.head, "sent": m.sent,
+                         "consumers": m.consumers, "broken": m.broken}
+    if m.aborted is not None:
+        h["aborted"] = m.aborted
+    return h
+
+
+register_reply(StreamOpened, _opened_header)
 register_reply(StreamAppended, lambda m: {"position": m.position, "head": m.head})
 register_reply(StreamEnded, lambda m: {"epoch": m.epoch, "complete": m.complete,
                                        "finished": m.finished})
