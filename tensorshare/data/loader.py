@@ -18,12 +18,14 @@ reads at its own pace within the stream's ``window`` and re-batches to its own b
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
 import socket
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,8 @@ from .batching import Rebatcher, sample_count
 from .stream import StreamConsumer, StreamProducer
 
 __all__ = ["ServeReport", "SharedLoader", "serve_loader"]
+
+log = logging.getLogger("tensorshare.data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                  producers: int = 1, producer: int = 0, lease: float = 10.0,
                  timeout: float = 60.0, wait_for: int = 0,
                  samples_per_epoch: int | None = None, client: Client | None = None,
+                 progress: bool | Callable[[str], None] | None = None,
                  **client_options: Any) -> ServeReport:
     """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
     consumer (:class:`SharedLoader`) of the stream gets every batch.
@@ -99,6 +104,12 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
         samples_per_epoch: the samples this producer sends per epoch (default: from the
             loader's sampler and batch size, when it has them).
         client, client_options: a client to use, or more arguments for a new one.
+        progress: where its progress goes, a line at a time: one when it starts, one per
+            epoch sent (batches, samples, seconds, and how long the consumers held it
+            back), one every 30 s within a long epoch, one for an epoch sent again after a
+            producer died, one at the end. ``None`` (default): the logger
+            ``tensorshare.data`` at INFO (seen once logging is configured); ``True``:
+            printed to stderr; a callable: called with each line; ``False``: nowhere.
 
     With several producers it returns once the stream finished (every producer ended its
     last epoch): another producer that dies in the last epoch aborts it, and every producer,
@@ -117,17 +128,22 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
     hint = samples_per_epoch if samples_per_epoch is not None else loader_samples(loader)
     started = time.monotonic()
     batches = samples = restarts = 0
+    say = _Progress(name, epochs, progress, loader)
     with StreamProducer(name, host, port, producer=producer, producers=producers,
                         window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
                         lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
                         **client_options) as prod:
+        say.start(prod, wait_for)
         if wait_for:
             prod.wait_for_consumers(wait_for, timeout)
         done = 0
         while done < epochs:
             try:
+                say.epoch_start(done)
                 for batch in loader:
+                    t0 = time.monotonic()
                     prod.append(batch)
+                    say.batch(time.monotonic() - t0)
                     batches += 1
                 sent, last = prod.sent, done == epochs - 1
                 if not prod.end_epoch(last=last).finished and last:
@@ -136,13 +152,74 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                     prod.wait_finished()
                 samples += sent
                 done += 1
-            except ProducerGone:
+                say.epoch_done(sent)
+            except ProducerGone as exc:
                 # A producer died mid-epoch (this one was away too long, or another, or the
                 # server restarted): once the stream is whole again, this epoch starts over;
                 # consumers saw it end as aborted (or get ProducerGone).
                 restarts += 1
+                say.line(f"epoch {done + 1}/{epochs} cut short ({exc}); sending it again once "
+                         f"the stream is whole")
                 prod.reopen(timeout)
-    return ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+    report = ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+    say.line(f"done: {report.epochs} epochs, {report.batches} batches, {report.samples} "
+             f"samples in {report.seconds:.1f} s ({restarts} epochs sent again)")
+    return report
+
+
+class _Progress:
+    """The progress lines of :func:`serve_loader` (see its ``progress``)."""
+
+    EVERY = 30.0  # seconds between lines within an epoch
+
+    def __init__(self, name: str, epochs: int, progress: bool | Callable[[str], None] | None,
+                 loader: Any) -> None:
+        self.name, self.epochs, self.progress = name, epochs, progress
+        try:
+            self.per_epoch: int | None = len(loader)
+        except TypeError:
+            self.per_epoch = None
+        self.epoch = self.batches = 0
+        self.started = self.last = self.held = 0.0
+
+    def line(self, text: str) -> None:
+        if self.progress is False:
+            return
+        text = f"serve_loader {self.name!r}: {text}"
+        if self.progress is None:
+            log.info("%s", text)
+        elif self.progress is True:
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.progress(text)
+
+    def start(self, prod: StreamProducer, wait_for: int) -> None:
+        waits = f"; waiting for {wait_for} consumers" if wait_for else ""
+        self.line(f"producing {self.epochs} epochs as producer {prod.producer} (epoch "
+                  f"{prod.epoch} of the stream next, {prod.opened.consumers} consumers in "
+                  f"it){waits}")
+
+    def epoch_start(self, done: int) -> None:
+        self.epoch, self.batches, self.held = done + 1, 0, 0.0
+        self.started = self.last = time.monotonic()
+
+    def batch(self, held: float) -> None:
+        self.batches += 1
+        self.held += held
+        now = time.monotonic()
+        if now - self.last >= self.EVERY:
+            self.last = now
+            of = f" of {self.per_epoch}" if self.per_epoch is not None else ""
+            self.line(f"epoch {self.epoch}/{self.epochs}: {self.batches}{of} batches in "
+                      f"{now - self.started:.0f} s")
+
+    def epoch_done(self, samples: int) -> None:
+        took = max(time.monotonic() - self.started, 1e-9)
+        self.line(f"epoch {self.epoch}/{self.epochs} sent: {self.batches} batches, {samples} "
+                  f"samples in {took:.1f} s ({samples / took:.0f} samples/s; held back by "
+                  f"the consumers {self.held:.1f} s)")
+
+
 
 
 class _Pass:

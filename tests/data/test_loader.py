@@ -416,3 +416,30 @@ def test_a_job_that_comes_after_the_stream_finished_gets_stream_finished(
                 pass
         assert (finished.value.stream, finished.value.epochs) == ("over", 2)
     job.close()
+
+
+def test_serve_loader_says_how_it_is_going(server: EmbeddedServer,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    job = SharedLoader("p", "127.0.0.1", server.port, batch_size=25, name="job",
+                       timeout=TIMEOUT)
+    lines: list[str] = []
+    producer = Background(lambda: serve_loader(data(), "p", "127.0.0.1", server.port,
+                                               epochs=2, wait_for=1, progress=lines.append))
+    for _ in range(2):
+        assert len(one_pass(job)[0]) == N
+    report = producer.result()
+    assert len(lines) == 4, lines  # it starts, each epoch, the end
+    assert lines[0].startswith("serve_loader 'p': producing 2 epochs as producer 0")
+    assert "waiting for 1 consumers" in lines[0]
+    for e in (1, 2):
+        assert lines[e].startswith(f"serve_loader 'p': epoch {e}/2 sent: 7 batches, 100 "
+                                   f"samples in "), lines[e]
+        assert "held back by the consumers" in lines[e]
+    assert lines[3].startswith(f"serve_loader 'p': done: 2 epochs, 14 batches, 200 samples "
+                               f"in {report.seconds:.1f} s")
+    # progress=True prints the same lines to stderr; False prints nothing.
+    serve_loader(data(), "q", "127.0.0.1", server.port, progress=True)
+    serve_loader(data(), "r", "127.0.0.1", server.port, progress=False)
+    err = capsys.readouterr().err
+    assert "serve_loader 'q': epoch 1/1 sent: 7 batches" in err and "'r'" not in err
+    job.close()
