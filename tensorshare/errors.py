@@ -7,6 +7,8 @@
     │   ├── UnsupportedType (TypeError)    a value holds a type we refuse to send
     │   └── NestingTooDeep                 a value nests deeper than max_depth
     ├── ProtocolError                      the peer broke the wire format
+    ├── StreamFinished                     a stream's producers ended it and this job read
+    │                                      all of it: no pass is left (never from the wire)
     ├── Timeout (TimeoutError)             something did not happen in the time allowed
     │   ├── ReplyTimeout  (TransportError) the server did not answer in time
     │   └── WaitTimeout   (ServerError)    a waiting get/peek found no data in time
@@ -73,6 +75,7 @@ __all__ = [
     "SessionTakenOver",
     "ShardsUnavailable",
     "StorageUnavailable",
+    "StreamFinished",
     "TensorShareError",
     "Timeout",
     "TransportError",
@@ -294,6 +297,23 @@ class ProducerGone(ServerError):
     """
 
     code = "producer_gone"
+
+
+class StreamFinished(TensorShareError):
+    """A pass over a finished stream: its producers ended their last epoch (the stream
+    is finished) and this job has read all of it, so no batch will ever come. Raised by
+    :class:`~tensorshare.data.SharedLoader` at the start of such a pass, never a silent
+    empty epoch. A producer that opens the stream again starts a new run.
+
+    Attributes:
+        stream: the stream's name.
+        epochs: how many epochs the stream had (aborted ones included).
+    """
+
+    def __init__(self, message: str = "", *, stream: str = "", epochs: int = 0) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.epochs = epochs
 
 
 class ServiceFailed(ServerError):

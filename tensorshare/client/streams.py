@@ -68,8 +68,10 @@ class StreamOpenResult:
         sent: samples this producer already appended to ``epoch`` (a reopen of the same
             client; 0 otherwise).
         consumers: consumers in the stream now.
-        broken: a producer of the stream is gone: appends raise ``ProducerGone`` until it
-            opens the stream again.
+        broken: after this open, a producer of the stream is still gone: appends raise
+            ``ProducerGone`` until it opens the stream again.
+        aborted: the epoch this open ended as aborted (a producer had died in it), if it
+            ended one: every producer sends ``epoch`` from its start.
     """
 
     epoch: int
@@ -77,6 +79,7 @@ class StreamOpenResult:
     sent: int
     consumers: int
     broken: bool
+    aborted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,8 @@ class StreamJoinResult:
         epoch_samples: the samples that epoch has (``None``: not known yet).
         head: the stream's next position.
         resumed: the stream knew this consumer; it goes on from what it acknowledged.
+        finished: the stream is finished and this consumer is at its end: nothing is left
+            for it (until a producer opens the stream again).
     """
 
     position: int | None
@@ -118,6 +123,7 @@ class StreamJoinResult:
     epoch_samples: int | None
     head: int
     resumed: bool
+    finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +163,8 @@ class StreamBatch:
 
 
 def _opened(reply: Any) -> StreamOpenResult:
-    return StreamOpenResult(reply.epoch, reply.head, reply.sent, reply.consumers, reply.broken)
+    return StreamOpenResult(reply.epoch, reply.head, reply.sent, reply.consumers, reply.broken,
+                            reply.aborted)
 
 
 def _appended(reply: Any) -> StreamAppendResult:
@@ -170,7 +177,7 @@ def _ended(reply: Any) -> StreamEndResult:
 
 def _joined(reply: Any) -> StreamJoinResult:
     return StreamJoinResult(reply.position, reply.epoch, reply.offset, reply.epoch_samples,
-                            reply.head, reply.resumed)
+                            reply.head, reply.resumed, reply.finished)
 
 
 def _left(reply: Any) -> bool:
@@ -277,7 +284,8 @@ class StreamOps:
                 many positions its slowest live consumer has not acknowledged.
             on_lag: ``"wait"``: everyone keeps the slowest consumer's pace; ``"detach"``: a
                 consumer that held the window full for ``max_stall`` seconds (default 10)
-                stops holding the others back (it later gets ``Lagged``).
+                stops holding the others back; its next read skips what was freed (it
+                gets ``Lagged``) and it holds the window again from there.
             replay: ``"epoch"`` keeps the current epoch's items for consumers that join at
                 ``"epoch_start"``; ``"none"`` frees items once every consumer has them.
             lease: seconds this producer may be unreachable before it counts as gone (its

@@ -130,6 +130,11 @@ class Rebatcher:
             self.n += n
 
     @property
+    def held(self) -> int:
+        """What it holds: samples, or with ``batch_size=None`` batches."""
+        return len(self._pieces) if self.batch_size is None else self.n
+
+    @property
     def ready(self) -> bool:
         """Whether a full batch can be taken out."""
         if self.batch_size is None:

@@ -18,21 +18,26 @@ reads at its own pace within the stream's ``window`` and re-batches to its own b
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
 import socket
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..client import Client
-from ..client.streams import ProducerGone, StreamBatch
+from ..client.streams import Lagged, ProducerGone, StreamBatch
+from ..errors import StreamFinished
 from .batching import Rebatcher, sample_count
 from .stream import StreamConsumer, StreamProducer
 
 __all__ = ["ServeReport", "SharedLoader", "serve_loader"]
+
+log = logging.getLogger("tensorshare.data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                  producers: int = 1, producer: int = 0, lease: float = 10.0,
                  timeout: float = 60.0, wait_for: int = 0,
                  samples_per_epoch: int | None = None, client: Client | None = None,
+                 progress: bool | Callable[[str], None] | None = None,
                  **client_options: Any) -> ServeReport:
     """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
     consumer (:class:`SharedLoader`) of the stream gets every batch.
@@ -83,7 +89,8 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             the server holds its batches beyond that.
         on_lag: ``"wait"``: everyone keeps the slowest consumer's pace (one DataLoader);
             ``"detach"``: a consumer that held the window full for ``max_stall`` seconds
-            stops holding the others back (it gets ``Lagged`` when it comes back).
+            stops holding the others back; when it reads again it gets ``Lagged`` once and
+            holds the window again, like the others.
         replay: ``"epoch"`` keeps the current epoch on the server for consumers that join
             with ``start="epoch_start"`` (it costs an epoch of memory).
         producers, producer: ``producers=k`` means k processes each call this with their
@@ -97,6 +104,12 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
         samples_per_epoch: the samples this producer sends per epoch (default: from the
             loader's sampler and batch size, when it has them).
         client, client_options: a client to use, or more arguments for a new one.
+        progress: where its progress goes, a line at a time: one when it starts, one per
+            epoch sent (batches, samples, seconds, and how long the consumers held it
+            back), one every 30 s within a long epoch, one for an epoch sent again after a
+            producer died, one at the end. ``None`` (default): the logger
+            ``tensorshare.data`` at INFO (seen once logging is configured); ``True``:
+            printed to stderr; a callable: called with each line; ``False``: nowhere.
 
     With several producers it returns once the stream finished (every producer ended its
     last epoch): another producer that dies in the last epoch aborts it, and every producer,
@@ -115,17 +128,22 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
     hint = samples_per_epoch if samples_per_epoch is not None else loader_samples(loader)
     started = time.monotonic()
     batches = samples = restarts = 0
+    say = _Progress(name, epochs, progress, loader)
     with StreamProducer(name, host, port, producer=producer, producers=producers,
                         window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
                         lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
                         **client_options) as prod:
+        say.start(prod, wait_for)
         if wait_for:
             prod.wait_for_consumers(wait_for, timeout)
         done = 0
         while done < epochs:
             try:
+                say.epoch_start(done)
                 for batch in loader:
+                    t0 = time.monotonic()
                     prod.append(batch)
+                    say.batch(time.monotonic() - t0)
                     batches += 1
                 sent, last = prod.sent, done == epochs - 1
                 if not prod.end_epoch(last=last).finished and last:
@@ -134,37 +152,101 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                     prod.wait_finished()
                 samples += sent
                 done += 1
-            except ProducerGone:
+                say.epoch_done(sent)
+            except ProducerGone as exc:
                 # A producer died mid-epoch (this one was away too long, or another, or the
                 # server restarted): once the stream is whole again, this epoch starts over;
                 # consumers saw it end as aborted (or get ProducerGone).
                 restarts += 1
+                say.line(f"epoch {done + 1}/{epochs} cut short ({exc}); sending it again once "
+                         f"the stream is whole")
                 prod.reopen(timeout)
-    return ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+    report = ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+    say.line(f"done: {report.epochs} epochs, {report.batches} batches, {report.samples} "
+             f"samples in {report.seconds:.1f} s ({restarts} epochs sent again)")
+    return report
+
+
+class _Progress:
+    """The progress lines of :func:`serve_loader` (see its ``progress``)."""
+
+    EVERY = 30.0  # seconds between lines within an epoch
+
+    def __init__(self, name: str, epochs: int, progress: bool | Callable[[str], None] | None,
+                 loader: Any) -> None:
+        self.name, self.epochs, self.progress = name, epochs, progress
+        try:
+            self.per_epoch: int | None = len(loader)
+        except TypeError:
+            self.per_epoch = None
+        self.epoch = self.batches = 0
+        self.started = self.last = self.held = 0.0
+
+    def line(self, text: str) -> None:
+        if self.progress is False:
+            return
+        text = f"serve_loader {self.name!r}: {text}"
+        if self.progress is None:
+            log.info("%s", text)
+        elif self.progress is True:
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.progress(text)
+
+    def start(self, prod: StreamProducer, wait_for: int) -> None:
+        waits = f"; waiting for {wait_for} consumers" if wait_for else ""
+        self.line(f"producing {self.epochs} epochs as producer {prod.producer} (epoch "
+                  f"{prod.epoch} of the stream next, {prod.opened.consumers} consumers in "
+                  f"it){waits}")
+
+    def epoch_start(self, done: int) -> None:
+        self.epoch, self.batches, self.held = done + 1, 0, 0.0
+        self.started = self.last = time.monotonic()
+
+    def batch(self, held: float) -> None:
+        self.batches += 1
+        self.held += held
+        now = time.monotonic()
+        if now - self.last >= self.EVERY:
+            self.last = now
+            of = f" of {self.per_epoch}" if self.per_epoch is not None else ""
+            self.line(f"epoch {self.epoch}/{self.epochs}: {self.batches}{of} batches in "
+                      f"{now - self.started:.0f} s")
+
+    def epoch_done(self, samples: int) -> None:
+        took = max(time.monotonic() - self.started, 1e-9)
+        self.line(f"epoch {self.epoch}/{self.epochs} sent: {self.batches} batches, {samples} "
+                  f"samples in {took:.1f} s ({samples / took:.0f} samples/s; held back by "
+                  f"the consumers {self.held:.1f} s)")
+
+
 
 
 class _Pass:
-    """One pass of a :class:`SharedLoader` over (the rest of) an epoch."""
+    """One pass of a :class:`SharedLoader` over (the rest of) an epoch: the samples of the
+    epoch read so far and what the re-batcher still holds of them."""
 
     def __init__(self, batch_size: int | None, drop_last: bool, epoch: int, offset: int,
                  epoch_samples: int | None) -> None:
         self.rebatcher = Rebatcher(batch_size, drop_last)
         self.epoch = epoch  # the epoch it goes through
-        self.offset = offset  # samples of the epoch before this pass
+        self.read_to = offset  # samples of the epoch before the next one to read
         self.total = epoch_samples  # samples of the epoch, once known
-        self.items = 0  # producer batches taken in
         self.done = False  # the epoch's end was read
 
     def add(self, got: StreamBatch) -> None:
-        if not self.items and got.items:
-            self.offset = got.offset
         for x in got.items:
             self.rebatcher.add(x)
-        self.items += len(got.items)
+        self.read_to = got.offset + sum(sample_count(x) or 1 for x in got.items)
         if got.end is not None:
-            self.total, self.done = got.end, True
+            self.total, self.done, self.read_to = got.end, True, got.end
         elif got.epoch_samples is not None:
             self.total = got.epoch_samples
+
+    @property
+    def over(self) -> bool:
+        """Its end was read and every batch of it taken."""
+        return self.done and not self.rebatcher.held
 
 
 class SharedLoader:
@@ -222,6 +304,7 @@ class SharedLoader:
         self._pass: _Pass | None = None
         self._restart = False  # after ProducerGone: the next pass starts at the next epoch
         self._item_samples: int | None = None  # samples of a producer batch (seen)
+        self._yielded = 0  # batches the loop under way yielded
         self.passes = 0  # passes completed
 
     @property
@@ -239,54 +322,117 @@ class SharedLoader:
 
     def _iterate(self) -> Iterator[Any]:
         cons = self._consumer
+        self._yielded = 0  # (what len() counts as taken in this loop)
+        try:
+            p = self._pass_to_go()
+            while True:
+                while p.rebatcher.ready:
+                    self._yielded += 1
+                    yield p.rebatcher.pop()
+                if p.done:
+                    tail = p.rebatcher.flush()
+                    if tail is not None:
+                        self._yielded += 1
+                        yield tail  # (len() still counts this pass's batches here)
+                    self._end_pass()
+                    return
+                try:
+                    got = cons.read(self.max_items)
+                except Lagged as exc:
+                    tail = self._lagged(p)
+                    if tail is not None:
+                        self._yielded += 1
+                        yield tail  # (what it held of the epoch it lagged out of)
+                    raise exc
+                if got.items and self._item_samples is None:
+                    self._item_samples = sample_count(got.items[0])
+                if got.finished and got.end is None and not got.items:
+                    self._pass = None  # at the end of a finished stream: nothing will come
+                    raise self._finished_error()
+                if got.epoch != p.epoch:
+                    # The epoch this pass went through ended without its mark reaching this
+                    # job (freed before it read it): what came belongs to the next pass.
+                    cons.unread(got)
+                    p.done = True
+                    continue
+                p.add(got)
+        except ProducerGone:
+            self._restart, self._pass = True, None
+            raise
+        finally:
+            self._yielded = 0
+
+    def _pass_to_go(self) -> _Pass:
+        """The pass a loop goes through: the one under way (cut short by ``Lagged``, or a
+        loop that stopped early), else a new one from where this job is.
+
+        Raises:
+            StreamFinished: the stream is finished and this job read all of it.
+        """
+        cons = self._consumer
         if self._restart:
             self._restart, self._pass = False, None
             cons.rejoin("next_epoch")
-        if self._pass is not None and self._pass.done and not self._pass.rebatcher.n and \
-                not self._pass.rebatcher.ready:
+        if self._pass is not None and self._pass.over:
             self._end_pass()  # (its last batch was taken by a loop that stopped there)
         if self._pass is None:
-            if cons.finished:
-                return
-            self._pass = _Pass(self.batch_size, self.drop_last, cons.epoch, cons.offset,
-                               cons.epoch_samples)
-        p = self._pass
-        while True:
-            while p.rebatcher.ready:
-                yield p.rebatcher.pop()
-            if p.done:
-                tail = p.rebatcher.flush()
-                if tail is not None:
-                    yield tail  # (len() still counts this pass's batches here)
+            if cons.finished and cons.stashed is None:
+                raise self._finished_error()
+            self._pass = _Pass(self.batch_size, self.drop_last, *self._start())
+        return self._pass
+
+    def _start(self) -> tuple[int, int, int | None]:
+        """Where the next pass starts: its epoch, the samples of it before, and how many
+        samples the epoch has (``None``: not known yet)."""
+        cons = self._consumer
+        b = cons.stashed  # (given back, or held back to raise Lagged first)
+        if b is not None:
+            return b.epoch, b.offset, b.end if b.end is not None else b.epoch_samples
+        return cons.epoch, cons.offset, cons.epoch_samples
+
+    def _lagged(self, p: _Pass) -> Any | None:
+        """After ``Lagged``: what the next pass is, and what this one still yields."""
+        b = self._consumer.stashed  # what comes after the items missed
+        self._yielded = 0
+        if b is None:
+            return None
+        if b.epoch == p.epoch:
+            # The next loop goes on with this epoch, after the items missed; if nothing of
+            # it is left for this job, it goes on with the next epoch instead.
+            p.read_to = b.offset
+            if not b.items and b.end is not None and not p.rebatcher.held:
+                self._consumer.read()  # (the epoch's end, given back: taken)
                 self._end_pass()
-                return
-            try:
-                got = cons.read(self.max_items)
-            except ProducerGone:
-                self._restart, self._pass = True, None
-                raise
-            if got.items and self._item_samples is None:
-                self._item_samples = sample_count(got.items[0])
-            if got.finished and got.end is None and not got.items:
-                self._pass = None  # nothing more will come
-                return
-            if got.epoch != p.epoch:
-                # This job lagged past the end of its epoch (the items and the mark were
-                # freed): that pass is over; what came belongs to the next one.
-                cons.unread(got)
-                p.done = True
-                continue
-            p.add(got)
+            return None
+        # It lagged out of this pass's epoch: what the pass holds of it ends the pass.
+        self._end_pass()
+        return p.rebatcher.flush()
+
+    def _finished_error(self) -> StreamFinished:
+        cons = self._consumer
+        n = cons.epoch
+        return StreamFinished(
+            f"stream {self.stream!r} is finished: its producers ended it after {n} "
+            f"epoch{'' if n == 1 else 's'} and job {self.name!r} has read all of it (a "
+            f"producer that opens the stream again starts a new run)",
+            stream=self.stream, epochs=n)
 
     def _end_pass(self) -> None:
         self._pass = None
         self.passes += 1
 
     def __len__(self) -> int:
-        p = self._pass
+        """The batches of the pass being iterated (all of them, those taken included), or,
+        between passes, of the next one; 0 once the stream is finished and read."""
         cons = self._consumer
-        total, offset = (p.total, p.offset) if p is not None else \
-            (cons.epoch_samples, cons.offset)
+        p = self._pass
+        if p is None:
+            if cons.finished and cons.stashed is None:
+                return 0
+            _, read_to, total = self._start()
+            held = 0
+        else:
+            read_to, total, held = p.read_to, p.total, p.rebatcher.held
         if total is None and cons.expected is None:
             cons.refresh()  # the producer may have said since this job joined
         for guess in (cons.expected, cons.last_epoch_samples):
@@ -296,12 +442,21 @@ class SharedLoader:
             raise TypeError(f"the number of batches of stream {self.stream!r} is not known "
                             f"yet: its producer did not say how many samples an epoch has "
                             f"(serve_loader(samples_per_epoch=...)) and no epoch ended yet")
-        n = max(total - offset, 0)
-        size = self.batch_size if self.batch_size is not None else self._item_samples
-        if size is None:
-            raise TypeError("the number of batches is not known before the first batch "
-                            "when batch_size=None (the producer's batches): give batch_size")
-        return n // size if self.drop_last else math.ceil(n / size)
+        return self._yielded + self._batches(held, max(total - read_to, 0))
+
+    def _batches(self, held: int, unread: int) -> int:
+        """The batches still to come of ``held`` (samples held; the producer's batches
+        held, with ``batch_size=None``) and ``unread`` samples."""
+        if self.batch_size is None:
+            if not unread:
+                return held
+            if self._item_samples is None:
+                raise TypeError("the number of batches is not known before the first batch "
+                                "when batch_size=None (the producer's batches): give "
+                                "batch_size")
+            return held + math.ceil(unread / self._item_samples)
+        n = held + unread
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def close(self, leave: bool = True) -> None:
         """Leave the stream (unless ``leave=False``: the job may come back under its name

@@ -348,7 +348,7 @@ class StreamConsumer:
         self.epoch_samples = r.epoch_samples
         if r.epoch_samples is not None:
             self.expected = r.epoch_samples
-        self.finished = False
+        self.finished = r.finished
         return r
 
     def refresh(self) -> StreamJoinResult:
@@ -457,6 +457,12 @@ class StreamConsumer:
             call = self.client.begin.stream_read(self.name, self.consumer, at=got.next,
                                                  max_items=max_items, timeout=wait)
             self._pending = (os.getpid(), got.next, call)
+
+    @property
+    def stashed(self) -> StreamBatch | None:
+        """The batch the next :meth:`read` returns without asking the server: one given back
+        (:meth:`unread`), or the one that follows the items missed after ``Lagged``."""
+        return self._stash
 
     def unread(self, batch: StreamBatch) -> None:
         """Give a batch back: the next :meth:`read` returns it again."""

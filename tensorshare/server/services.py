@@ -144,6 +144,7 @@ class Service:
     latency_sum: float = 0.0
     latency_max: float = 0.0
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, calls answered)
+    counted: int = 0  # its cost as the kind last counted it
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +220,13 @@ class ServiceKind:
         self.services: dict[str, Service] = {}
         self.table = self.services
         self._calls: dict[tuple[Any, int], _Call] = {}  # (owner, request id) -> call
+        # What a session's or a connection's end concerns, so that it looks at those calls
+        # and services only (never at every service): the calls of each owner, and the
+        # services each connection took batches from. And the cost of every service
+        # together, kept as each changes (it is asked on every write).
+        self._owned: dict[Any, dict[int, _Call]] = {}
+        self._hosting: dict[Any, set[str]] = {}
+        self._cost = 0
         self._batch_ids = itertools.count(1)
         self._idle: dict[str, None] = {}  # idle services, the longest idle first
 
@@ -230,9 +238,12 @@ class ServiceKind:
 
     @property
     def nbytes(self) -> int:
-        if not self.services:  # (asked on every write: no generator when there is nothing)
-            return 0
-        return sum(s.cost for s in self.services.values())
+        return self._cost
+
+    def _recount(self, svc: Service) -> None:
+        cost = svc.cost if self.services.get(svc.name) is svc else 0
+        self._cost += cost - svc.counted
+        svc.counted = cost
 
     # -- helpers ----------------------------------------------------------------------------
     def _now(self) -> float:
@@ -279,6 +290,7 @@ class ServiceKind:
     def _forget_if_idle(self, svc: Service) -> None:
         """A service with nothing in it stays listed (its statistics too, for ``ls`` and the
         metrics) until more than :data:`MAX_IDLE_SERVICES` are idle: the oldest go first."""
+        self._recount(svc)
         if not svc.idle or self.services.get(svc.name) is not svc:
             return
         if svc.timer is not None and svc.timer.active():
@@ -293,6 +305,7 @@ class ServiceKind:
             old = self.services.get(name)
             if old is not None and old.idle:
                 del self.services[name]
+                self._recount(old)
 
     # -- callers ----------------------------------------------------------------------------
     def _call(self, conn: ServerProtocol, msg: ServiceCall) -> None:
@@ -311,6 +324,7 @@ class ServiceKind:
         c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now())
         self._attach(c, conn, msg)
         self._calls[(owner, msg.id)] = c
+        self._owned.setdefault(owner, {})[msg.id] = c
         svc.calls += 1
         (svc.room if full else svc.queue).append(c)
         self._pump(svc)
@@ -357,7 +371,12 @@ class ServiceKind:
 
     def _finish(self, c: _Call) -> None:
         c.done = True
-        self._calls.pop((c.owner, c.rid), None)
+        if self._calls.pop((c.owner, c.rid), None) is not None:
+            owned = self._owned.get(c.owner)
+            if owned is not None:
+                owned.pop(c.rid, None)
+                if not owned:
+                    del self._owned[c.owner]
 
     def _deliver(self, c: _Call, reply: Any) -> None:
         """Answer a call once: on its connection, else in its session (the resend gets it)."""
@@ -382,6 +401,7 @@ class ServiceKind:
         if msg.max_queue is not None:
             svc.max_queue = msg.max_queue
         svc.hosts[conn] = self._now()
+        self._hosting.setdefault(conn, set()).add(svc.name)
         t = _Take(conn, msg, idle=not svc.queue)
         svc.takes.append(t)
         self._pump(svc)
@@ -464,7 +484,12 @@ class ServiceKind:
 
     # -- batching ---------------------------------------------------------------------------
     def _pump(self, svc: Service) -> None:
-        """Give waiting hosts the batches that are due; keep the timer for the next one."""
+        """Give waiting hosts the batches that are due; keep the timer for the next one (and
+        the count of what the service costs)."""
+        self._give_due(svc)
+        self._recount(svc)
+
+    def _give_due(self, svc: Service) -> None:
         while svc.room and len(svc.queue) < svc.max_queue:
             svc.queue.append(svc.room.popleft())
         now = self._now()
@@ -569,7 +594,11 @@ class ServiceKind:
 
     # -- connections and sessions -----------------------------------------------------------
     def connection_lost(self, conn: ServerProtocol) -> None:
-        for svc in list(self.services.values()):
+        touched = set(self._hosting.pop(conn, ()))
+        for name in touched:
+            svc = self.services.get(name)
+            if svc is None:
+                continue
             svc.hosts.pop(conn, None)
             for t in svc.takes:
                 if t.conn is conn:
@@ -578,23 +607,34 @@ class ServiceKind:
                 self._requeue(svc, svc.batches.pop(bid))
         # The calls of a client without a session end with its connection; a session's wait
         # for it to come back (or for the session to end).
-        for c in [c for (owner, _), c in self._calls.items() if owner is conn]:
-            self._withdraw(c)
-        for svc in list(self.services.values()):
-            self._pump(svc)
-            self._forget_if_idle(svc)
+        touched |= self._withdraw_all(conn)
+        for name in touched:
+            svc = self.services.get(name)
+            if svc is not None:
+                self._pump(svc)
+                self._forget_if_idle(svc)
 
     def session_ended(self, sid: bytes) -> None:
-        for c in [c for (owner, _), c in self._calls.items() if owner == sid]:
+        for name in self._withdraw_all(sid):
+            svc = self.services.get(name)
+            if svc is not None:
+                self._forget_if_idle(svc)
+
+    def _withdraw_all(self, owner: Any) -> set[str]:
+        """Withdraw every call of ``owner``; returns the services they were in."""
+        calls = list(self._owned.pop(owner, {}).values())
+        for c in calls:
             self._withdraw(c)
-        for svc in list(self.services.values()):
-            self._forget_if_idle(svc)
+        return {c.attach.msg.bin for c in calls if c.attach is not None}
 
     def _withdraw(self, c: _Call) -> None:
         self._finish(c)
+        if c.attach is not None:  # (always: a call is attached as it arrives)
+            svc = self.services.get(c.attach.msg.bin)
+            if svc is not None:
+                self._unqueue(svc, c)
+            return
         for svc in self.services.values():
-            if c.attach is not None and c.attach.msg.bin != svc.name:
-                continue
             self._unqueue(svc, c)
 
     # -- statistics -------------------------------------------------------------------------

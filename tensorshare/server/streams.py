@@ -18,7 +18,9 @@ everything before it) and gets the items of one epoch from there, never across a
   instead of waiting, until a producer opens the stream again, which ends the broken epoch
   as *aborted* and starts a new one.
 * **Lag.** Under ``on_lag="detach"`` a consumer that held the window full for longer than
-  ``max_stall`` seconds is detached: it no longer holds anyone back until it catches up.
+  ``max_stall`` seconds is detached: it no longer holds anyone back. Its next read brings it
+  back: it skips what was freed meanwhile (the read reports it ``missed``) and holds the
+  window again, like every other consumer.
 
 :class:`Stream` is the bookkeeping of one stream, a pure data structure (the time is passed
 in; no connections, no timers) tested on its own; :class:`StreamKind` is the server's kind of
@@ -29,8 +31,10 @@ Streams live in memory only (they are not in the data log).
 from __future__ import annotations
 
 import fnmatch
+import heapq
+import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,8 +74,8 @@ if TYPE_CHECKING:
     from .core import ServerFactory
     from .kinds import Handler
 
-__all__ = ["CONSUMER_COST", "MAX_CONSUMERS", "STREAM_COST", "Settings", "Stream",
-           "StreamKind"]
+__all__ = ["CONSUMER_COST", "FINISHED_TTL", "MAX_CONSUMERS", "MAX_FINISHED_STREAMS",
+           "STREAM_COST", "Settings", "Stream", "StreamKind"]
 
 #: The most consumers one stream keeps (dropped ones included, the oldest dropped go first).
 MAX_CONSUMERS = 1024
@@ -83,6 +87,11 @@ CONSUMER_COST = 512
 EPOCHS_KEPT = 64
 #: ``max_stall`` of an ``on_lag="detach"`` stream that did not say.
 DEFAULT_MAX_STALL = 10.0
+#: Seconds a finished stream that nobody is in stays listed (so that a job that joins late
+#: learns it is finished, and how many epochs it had, instead of finding a new, empty one).
+FINISHED_TTL = 3600.0
+#: The most finished streams kept that nobody is in; beyond, the longest kept go first.
+MAX_FINISHED_STREAMS = 1024
 
 Event = tuple[str, int]  # (notification op, count it reports in ``dropped``)
 
@@ -200,6 +209,12 @@ class Stream:
         self.ops: dict[str, int] = {}
         self.bytes_in = 0
         self.bytes_out = 0
+        # Kept by the server's kind: the cost it counted for this stream, and the deadline
+        # it has in its heap for it (never later than :meth:`next_deadline`).
+        self.counted = 0
+        self.due: float | None = None
+        # A finished stream nobody is in is kept (listed, with its epochs) until this time.
+        self.kept_until: float | None = None
 
     # -- settings and queries ---------------------------------------------------------------
     @property
@@ -277,22 +292,28 @@ class Stream:
         events: list[Event] = [("open", 0)]
         repair = any(q.state == "gone" for q in self.producers.values())
         self.producers[index] = Producer(index, owner, lease, now, self.epoch, hint=hint)
+        aborted = None
         if repair:
-            events += self._repair(now)
-        return self._opened(self.producers[index]), events
+            aborted, more = self._repair(now)
+            events += more
+        return self._opened(self.producers[index], aborted), events
 
-    def _opened(self, p: Producer) -> StreamOpened:
-        return StreamOpened(0, p.epoch, self.head, p.sent, self.live_consumers(), self.broken)
+    def _opened(self, p: Producer, aborted: int | None = None) -> StreamOpened:
+        return StreamOpened(0, p.epoch, self.head, p.sent, self.live_consumers(), self.broken,
+                            aborted)
 
-    def _repair(self, now: float) -> list[Event]:
+    def _repair(self, now: float) -> tuple[int | None, list[Event]]:
         """A producer came back: the epoch a gone producer broke ends as aborted (if anything
         of it was sent) and every producer starts the next one, those that had ended the
         aborted epoch as their last included: an epoch ends only when every producer marked
         it, so they must send it again (one that no longer answers is gone after its lease,
-        and consumers get ``ProducerGone`` instead of waiting for it)."""
+        and consumers get ``ProducerGone`` instead of waiting for it). Returns the epoch it
+        ended as aborted (``None``: nothing of it was sent, it goes on) and the events."""
         events: list[Event] = []
         marked = set(self.marked)
+        aborted = None
         if self.epoch_start < self.head or self.marked:
+            aborted = self.epoch
             self._close_epoch(now, aborted=True)
             events.append(("epoch", 0))
         for p in self.producers.values():
@@ -300,7 +321,7 @@ class Stream:
                 p.state, p.seen = "away", now  # its lease runs from now
             if p.state != "done":
                 p.epoch, p.sent = self.epoch, 0
-        return events
+        return aborted, events
 
     def _producer(self, index: int, owner: Any, epoch: int) -> Producer:
         """The producer ``index`` of ``owner``, checked to be appending to ``epoch``.
@@ -471,7 +492,7 @@ class Stream:
             c.cursor = c.acked
             where = self.position(c.cursor)
             return StreamJoined(0, c.cursor, where.epoch, where.offset, where.epoch_samples,
-                                self.head, True), events
+                                self.head, True, self._at_end(c.cursor)), events
         pos = self._start(start)
         if c is None:
             self._make_room()
@@ -479,18 +500,26 @@ class Stream:
         self._settle(now)
         where = self.position(pos)
         return StreamJoined(0, pos, where.epoch, where.offset, where.epoch_samples, self.head,
-                            False), [("join", 0)]
+                            False, self._at_end(pos)), [("join", 0)]
+
+    def _at_end(self, pos: int | None) -> bool:
+        """Whether a consumer at ``pos`` has read all of a finished stream."""
+        return self.finished and pos is not None and pos >= self.head
 
     def _start(self, start: str) -> int | None:
         if start == "now":
             return self.head
         if start == "next_epoch":
             return self.head if self.epoch_start == self.head else None
-        if self.epoch_start < self.base:
+        # "epoch_start" needs the epoch kept (replay="epoch"): never by chance, because its
+        # first items happen not to be freed yet. (A stream no producer opened yet has sent
+        # nothing: its first epoch starts where a consumer joining now starts.)
+        if self.settings is not None and self.cfg.replay != "epoch" or \
+                self.epoch_start < self.base:
             raise InvalidRequest(
-                f"the start of epoch {self.epoch} of stream {self.name!r} is no longer kept "
-                f"(its producer opened it with replay={self.cfg.replay!r}; replay='epoch' "
-                f"keeps it): join at 'now' or 'next_epoch'")
+                f"stream {self.name!r} does not keep the start of its epochs (its producers "
+                f"opened it with replay={self.cfg.replay!r}; replay='epoch' keeps it): join "
+                f"at 'now' or 'next_epoch'")
         return self.epoch_start
 
     def _make_room(self) -> None:
@@ -533,8 +562,14 @@ class Stream:
         self._settle(now)
 
     def _reattach(self, c: Consumer) -> None:
-        if c.detached and c.acked is not None and self.head - c.acked < self.cfg.window:
-            c.detached = False  # caught up: it counts again
+        """A detached consumer reads again: it is back, a consumer like the others. It holds
+        the window again from where it is, or from the oldest item kept if what it had not
+        acknowledged was freed meanwhile (its read skips those and reports them missed),
+        and its stall clock starts afresh."""
+        if c.detached:
+            c.detached = False
+            if c.acked is not None and c.acked < self.base:
+                c.acked = self.base
 
     def read(self, name: str, pos: int | None, max_items: int | None, max_bytes: int,
              now: float) -> StreamItems | None:
@@ -668,8 +703,11 @@ class Stream:
         return events
 
     def next_deadline(self) -> float | None:
-        """When :meth:`check` has something to do next (``None``: never)."""
+        """When :meth:`check` (or, for a finished stream nobody is in, its removal) has
+        something to do next (``None``: never)."""
         due = [m.seen + m.lease for m in self.members() if m.state in ("live", "away")]
+        if self.kept_until is not None:
+            due.append(self.kept_until)
         if self.cfg.on_lag == "detach":
             due += [c.stall_since + self.cfg.stall_limit for c in self.consumers.values()
                     if c.holds and c.stall_since is not None]
@@ -796,6 +834,15 @@ class StreamKind:
         self._held: dict[str, list[_Waiting]] = {}
         self._reads: dict[str, list[_Waiting]] = {}
         self._timer: IDelayedCall | None = None
+        # Every op and every tick looks at the streams it concerns only, never at all of
+        # them: the bytes all streams cost (kept as each changes), their deadlines in a heap
+        # (deadline, sequence, stream; an entry is stale once its stream's ``due`` moved),
+        # and the streams each owner (session or connection) is a member of.
+        self._cost = 0
+        self._deadlines: list[tuple[float, int, Stream]] = []
+        self._seq = itertools.count()
+        self._by_owner: dict[Any, set[str]] = {}
+        self._kept: OrderedDict[str, None] = OrderedDict()  # finished, idle: oldest first
         # The last version of each name whose stream was removed, so that a listener never
         # sees a version go backwards when a stream of that name comes back.
         self._versions: dict[str, int] = {}
@@ -809,9 +856,8 @@ class StreamKind:
 
     @property
     def nbytes(self) -> int:
-        if not self.streams:  # (asked on every write: no generator when there is nothing)
-            return 0
-        return sum(st.cost for st in self.streams.values())
+        """What every stream costs (asked on every write: kept, never summed)."""
+        return self._cost
 
     # -- helpers ----------------------------------------------------------------------------
     def _now(self) -> float:
@@ -822,6 +868,13 @@ class StreamKind:
         """Whom a member belongs to: its client's session (so that it survives the
         client's reconnects), or the connection of a client without one."""
         return conn.session.id if conn.session is not None else conn
+
+    def _member(self, st: Stream, conn: ServerProtocol) -> Any:
+        """The owner of ``conn``, noted as a member of ``st`` (so that its connection's or
+        session's end looks at the streams it is in, not at every stream)."""
+        owner = self._owner(conn)
+        self._by_owner.setdefault(owner, set()).add(st.name)
+        return owner
 
     def _conn_of(self, owner: Any) -> Any:
         if isinstance(owner, bytes):
@@ -877,13 +930,38 @@ class StreamKind:
 
     def _after(self, st: Stream, events: list[Event]) -> None:
         """After a change: notify listeners, serve what waits, drop an idle stream, and
-        keep the lease timer right."""
+        keep its cost and its deadline right."""
         for op, n in events:
             self._notify(st, op, n)
         self._pump(st)
-        if st.idle and st.name in self.streams:
+        if self.streams.get(st.name) is not st:
+            return
+        if not st.idle:
+            if st.kept_until is not None:
+                st.kept_until = None
+                self._kept.pop(st.name, None)
+            self._track(st)
+        elif st.finished and self._keep(st):
+            self._track(st)
+        else:
             self._remove(st)
-        self._schedule()
+
+    def _keep(self, st: Stream) -> bool:
+        """Whether ``st``, finished and nobody in it, stays listed: for
+        :data:`FINISHED_TTL` seconds from when its last member left, the
+        :data:`MAX_FINISHED_STREAMS` most recent only. What it keeps of its consumers is
+        those that have not read all of it (one that comes back learns what it missed)."""
+        now = self._now()
+        if st.kept_until is None:
+            st.kept_until = now + FINISHED_TTL
+            st.consumers = {n: c for n, c in st.consumers.items()
+                            if c.acked is None or c.acked < st.head}
+            self._kept[st.name] = None
+            while len(self._kept) > MAX_FINISHED_STREAMS:
+                old = self.streams.get(self._kept.popitem(last=False)[0])
+                if old is not None and old is not st:
+                    self._remove(old)
+        return now < st.kept_until
 
     def _notify(self, st: Stream, op: str, n: int = 0) -> None:
         st.version += 1
@@ -892,6 +970,15 @@ class StreamKind:
 
     def _remove(self, st: Stream) -> None:
         del self.streams[st.name]
+        self._kept.pop(st.name, None)
+        self._cost -= st.counted
+        st.counted, st.due = 0, None
+        for m in st.members():
+            names = self._by_owner.get(m.owner)
+            if names is not None:
+                names.discard(st.name)
+                if not names:
+                    del self._by_owner[m.owner]
         self._versions[st.name] = st.version
         if len(self._versions) > 100_000:  # a bound: the oldest names are forgotten
             del self._versions[next(iter(self._versions))]
@@ -924,13 +1011,13 @@ class StreamKind:
         if msg.producer not in st.producers:
             self._check_memory(CONSUMER_COST, f"a producer of stream {msg.bin!r}")
         try:
-            reply, events = st.open(msg.producer, self._owner(conn), settings, msg.lease,
+            reply, events = st.open(msg.producer, self._member(st, conn), settings, msg.lease,
                                     msg.samples, self._now())
         except ServerError:
             self._after(st, [])
             raise
         _respond(conn, msg, StreamOpened(msg.id, reply.epoch, reply.head, reply.sent,
-                                     reply.consumers, reply.broken))
+                                         reply.consumers, reply.broken, reply.aborted))
         self._after(st, events)
 
     def _append(self, conn: ServerProtocol, msg: StreamAppend) -> None:
@@ -955,6 +1042,7 @@ class StreamKind:
         msg: StreamAppend = w.msg
         self._check_memory(sum(n for _, n, _ in w.entries), f"an append to stream {st.name!r}")
         pos = st.append(msg.producer, w.entries, self._now())
+        self._recount(st)
         self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
 
     def _hold(self, st: Stream, w: _Waiting) -> None:
@@ -962,7 +1050,7 @@ class StreamKind:
         msg = w.msg
         w.conn.wait(msg.id, w, msg.timeout, lambda: self._held_out(st, w))  # type: ignore[arg-type]
         self._held.setdefault(st.name, []).append(w)
-        self._schedule()
+        self._track(st)
 
     def _held_out(self, st: Stream, w: _Waiting) -> None:
         msg = w.msg
@@ -994,19 +1082,20 @@ class StreamKind:
         if msg.consumer not in st.consumers:
             self._check_memory(CONSUMER_COST, f"a consumer of stream {msg.bin!r}")
         try:
-            reply, events = st.join(msg.consumer, self._owner(conn), msg.start, msg.lease,
+            reply, events = st.join(msg.consumer, self._member(st, conn), msg.start, msg.lease,
                                     msg.resume, self._now())
         except ServerError:
             self._after(st, [])
             raise
         _respond(conn, msg, StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
-                                     reply.epoch_samples, reply.head, reply.resumed))
+                                         reply.epoch_samples, reply.head, reply.resumed,
+                                         reply.finished))
         self._after(st, events)
 
     def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:
         st = self._stream(msg.bin, False)
         now = self._now()
-        c, events = st.consumer(msg.consumer, self._owner(conn), now)
+        c, events = st.consumer(msg.consumer, self._member(st, conn), now)
         st.ack(c, msg.at, now)
         for op, n in events:
             self._notify(st, op, n)
@@ -1121,48 +1210,88 @@ class StreamKind:
             self._error(w, exc)
         return True
 
-    # -- leases -----------------------------------------------------------------------------
-    def _schedule(self) -> None:
-        """Keep one timer, at the earliest lease or stall deadline of any stream."""
-        due = min((d for st in self.streams.values()
-                   if (d := st.next_deadline()) is not None), default=None)
+    # -- leases ---------------------------------------------------------------------------
+    def _recount(self, st: Stream) -> None:
+        """Keep the cost of every stream together right after ``st`` changed."""
+        cost = st.cost
+        self._cost += cost - st.counted
+        st.counted = cost
+
+    def _track(self, st: Stream) -> None:
+        """After ``st`` changed: its cost, and its next deadline in the heap if it is earlier
+        than the one there (a later one is found when the earlier fires)."""
+        self._recount(st)
+        due = st.next_deadline()
+        if due is not None and (st.due is None or due < st.due):
+            st.due = due
+            heapq.heappush(self._deadlines, (due, next(self._seq), st))
+            if len(self._deadlines) > 2 * len(self.streams) + 64:  # mostly stale entries
+                self._deadlines = [(d, next(self._seq), x) for x in self.streams.values()
+                                   if (d := x.due) is not None]
+                heapq.heapify(self._deadlines)
+        self._arm()
+
+    def _current(self, entry: tuple[float, int, Stream]) -> bool:
+        due, _, st = entry
+        return st.due == due and self.streams.get(st.name) is st
+
+    def _arm(self) -> None:
+        """Keep one timer, at the earliest deadline of any stream."""
+        heap = self._deadlines
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
         timer = self._timer
-        if due is None:
+        if not heap:
             if timer is not None and timer.active():
                 timer.cancel()
             self._timer = None
             return
+        # A little late rather than early: a lease runs out at its deadline, not before.
+        at = heap[0][0] + 0.001
         if timer is not None and timer.active():
-            if timer.getTime() <= due:
-                return  # fires first; it reschedules for the rest
+            if timer.getTime() <= at:
+                return  # fires first; it looks at the rest
             timer.cancel()
         reactor = self.server.reactor
-        # A little late rather than early: a lease runs out at its deadline, not before.
-        self._timer = reactor.callLater(max(due - reactor.seconds(), 0.0) + 0.001, self._tick)
+        self._timer = reactor.callLater(max(at - reactor.seconds(), 0.0), self._tick)
 
     def _tick(self) -> None:
+        """The streams whose deadline came (only those) check their leases and stalls."""
         self._timer = None
         now = self._now()
-        for st in list(self.streams.values()):
-            due = st.next_deadline()
-            if due is not None and due <= now:
+        heap, due = self._deadlines, []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._current(entry):
+                entry[2].due = None
+                due.append(entry[2])
+        for st in due:
+            if self.streams.get(st.name) is st:
                 self._after(st, st.check(now, self._heard))
-        self._schedule()
+        self._arm()
 
     def connection_lost(self, conn: ServerProtocol) -> None:
         now = self._now()
-        for st in self.streams.values():
-            st.lost(lambda owner: self._conn_of(owner) is conn, now)
+        owner = self._owner(conn)
+        names = self._by_owner.get(owner, set())
+        if owner is conn:  # (no session: this owner never comes back)
+            self._by_owner.pop(conn, None)
+        for name in list(names):
+            st = self.streams.get(name)
+            if st is not None:
+                st.lost(lambda o: self._conn_of(o) is conn, now)
+                self._track(st)
         # Its waiting requests were withdrawn by the connection (marked inactive); they are
         # dropped from the queues the next time those are served.
-        self._schedule()
 
     def session_ended(self, sid: bytes) -> None:
         now = self._now()
-        for st in list(self.streams.values()):
-            events = st.ended(sid, now)
-            if events:
-                self._after(st, events)
+        for name in self._by_owner.pop(sid, ()):
+            st = self.streams.get(name)
+            if st is not None:
+                events = st.ended(sid, now)
+                if events:
+                    self._after(st, events)
 
     # -- statistics -------------------------------------------------------------------------
     def describe(self, glob: str | None) -> dict[str, dict[str, Any]]:

@@ -92,7 +92,8 @@ class StreamOpen:
         window: a producer's append is held while the stream holds more than this many
             positions the slowest live consumer has not acknowledged.
         on_lag: ``"wait"`` (everyone keeps the slowest consumer's pace) or ``"detach"`` (a
-            consumer that held the window full longer than ``max_stall`` stops counting).
+            consumer that held the window full longer than ``max_stall`` stops counting
+            until it reads again).
         max_stall: with ``on_lag="detach"``: seconds; ``None``: 10 s.
         replay: ``"epoch"`` keeps the current epoch's items for consumers that join at
             ``"epoch_start"``; ``"none"`` frees items once every consumer read them.
@@ -182,8 +183,8 @@ class StreamRead:
     """A consumer reads up to ``max_items`` items from position ``at`` (``None``: from where
     its last read ended), which acknowledges every position before ``at``.
 
-    ``timeout``: seconds to wait on the server when nothing is there yet (``0``: do not
-    wait; ``None``: no limit).
+    ``timeout``: seconds to wait on the server when nothing is there yet (``0``, the
+    default, and absent or nil on the wire: answer at once).
     """
 
     id: int
@@ -191,7 +192,7 @@ class StreamRead:
     consumer: str
     at: int | None = None
     max_items: int | None = None
-    timeout: float | None = 0.0
+    timeout: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +208,8 @@ class StreamLeave:
 class StreamOpened:
     """Reply to stream_open: the epoch this producer appends to, the stream's next position,
     the samples this producer already sent in that epoch (a reopen by the same session), the
-    live consumers, and whether the stream is broken (a producer is gone)."""
+    live consumers, whether the stream is still broken after this open (a producer is gone),
+    and the epoch this open ended as aborted, if it ended one (``None``: none)."""
 
     id: int
     epoch: int
@@ -215,6 +217,7 @@ class StreamOpened:
     sent: int = 0
     consumers: int = 0
     broken: bool = False
+    aborted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +252,8 @@ class StreamJoined:
             producers announced; ``None``: unknown).
         head: the stream's next position. resumed: the stream knew the consumer and kept
             its position.
+        finished: the stream is finished and the consumer is at its end: nothing is left
+            for it to read (until a producer opens the stream again).
     """
 
     id: int
@@ -258,6 +263,7 @@ class StreamJoined:
     epoch_samples: int | None = None
     head: int = 0
     resumed: bool = False
+    finished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +361,7 @@ def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 def _reply_opened(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     return StreamOpened(rid, _int(h, "epoch"), _int(h, "head"),
                         _opt_int(h, "sent") or 0, _opt_int(h, "consumers") or 0,
-                        _bool(h, "broken"))
+                        _bool(h, "broken"), _opt_int(h, "aborted", minimum=0))
 
 
 # -- stream_append --------------------------------------------------------------------------
@@ -424,7 +430,7 @@ def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 def _reply_joined(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     return StreamJoined(rid, _opt_int(h, "position"), _int(h, "epoch"),
                         _opt_int(h, "offset") or 0, _opt_int(h, "epoch_samples"),
-                        _opt_int(h, "head") or 0, _bool(h, "resumed"))
+                        _opt_int(h, "head") or 0, _bool(h, "resumed"), _bool(h, "finished"))
 
 
 # -- stream_read ----------------------------------------------------------------------------
@@ -439,9 +445,10 @@ def _read_header(m: StreamRead) -> dict[str, Any]:
 
 
 def _parse_read(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
+    # (A read without a timeout answers at once: there is no unlimited wait for it.)
     return StreamRead(rid, _name(h, limits), _consumer(h, limits),
                       _opt_int(h, "at", minimum=0), _opt_int(h, "max_items", minimum=1),
-                      _timeout(h))
+                      _timeout(h) or 0.0)
 
 
 def _items_header(m: StreamItems) -> dict[str, Any]:
@@ -503,12 +510,26 @@ register(_row("stream_read", StreamRead, _read_header, _parse_read, _reply_items
 register(_row("stream_leave", StreamLeave, _leave_header, _parse_leave, _reply_acked, False,
               "bin", "consumer"))
 
-register_reply(StreamOpened, lambda m: {"epoch": m.epoch, "head": m.head, "sent": m.sent,
-                                        "consumers": m.consumers, "broken": m.broken})
+def _opened_header(m: StreamOpened) -> dict[str, Any]:
+    h: dict[str, Any] = {"epoch": m.epoch, "head": m.head, "sent": m.sent,
+                         "consumers": m.consumers, "broken": m.broken}
+    if m.aborted is not None:
+        h["aborted"] = m.aborted
+    return h
+
+
+register_reply(StreamOpened, _opened_header)
 register_reply(StreamAppended, lambda m: {"position": m.position, "head": m.head})
 register_reply(StreamEnded, lambda m: {"epoch": m.epoch, "complete": m.complete,
                                        "finished": m.finished})
-register_reply(StreamJoined, lambda m: {"position": m.position, "epoch": m.epoch,
-                                        "offset": m.offset, "epoch_samples": m.epoch_samples,
-                                        "head": m.head, "resumed": m.resumed})
+def _joined_header(m: StreamJoined) -> dict[str, Any]:
+    h: dict[str, Any] = {"position": m.position, "epoch": m.epoch, "offset": m.offset,
+                         "epoch_samples": m.epoch_samples, "head": m.head,
+                         "resumed": m.resumed}
+    if m.finished:
+        h["finished"] = True
+    return h
+
+
+register_reply(StreamJoined, _joined_header)
 register_reply(StreamItems, _items_header, items=lambda m: m.items)

@@ -22,6 +22,7 @@ from tensorshare.data import (
     ProducerGone,
     SharedLoader,
     StreamConsumer,
+    StreamFinished,
     StreamProducer,
     serve_loader,
 )
@@ -92,18 +93,22 @@ def test_jobs_with_their_own_batch_sizes_get_every_sample_once_per_epoch_with_a_
 
     def job(loader: SharedLoader) -> list[Any]:
         passes = [one_pass(loader) for _ in range(3)]
-        return passes + [len(loader), loader.finished, list(loader)]
+        with pytest.raises(StreamFinished) as finished:
+            list(loader)  # a fourth pass: the stream is finished, never an empty epoch
+        return passes + [len(loader), loader.finished, finished.value]
 
     runs = {bs: Background(lambda loader=loader: job(loader)) for bs, loader in jobs.items()}
     report = producer.result()
     assert (report.epochs, report.batches, report.samples) == (3, 21, 300)
     for bs, run in runs.items():
-        *passes, after, finished, more = run.result()
+        *passes, after, finished, error = run.result()
         for labels, sizes, lens in passes:
             assert labels == list(range(N))
             assert sizes == batches_of(N, bs)
             assert set(lens) == {len(sizes)}  # samples // bs, +1 for the partial last one
-        assert after == len(batches_of(N, bs)) and finished and more == []
+        assert after == 0 and finished  # (no pass is left)
+        assert (error.stream, error.epochs) == ("s", 3)
+        assert "stream 's' is finished" in str(error) and "3 epochs" in str(error)
         jobs[bs].close()
 
 
@@ -163,8 +168,12 @@ def test_dict_batches_and_the_producers_own_batches(server: EmbeddedServer) -> N
                          timeout=TIMEOUT)
     producer = Background(lambda: serve_loader(DataLoader(Dicts(), batch_size=8), "d",
                                                "127.0.0.1", server.port, wait_for=2))
-    got = list(as_is)
-    assert [len(b["label"]) for b in got] == [8, 8, 8, 6] and len(as_is) == 4
+    got, lens = [], set()
+    for b in as_is:
+        got.append(b)
+        lens.add(len(as_is))
+    assert [len(b["label"]) for b in got] == [8, 8, 8, 6] and lens == {4}
+    assert len(as_is) == 0  # the stream is finished: no pass is left
     assert torch.cat([b["label"] for b in got]).tolist() == list(range(30))
     small = list(split)
     assert [len(b["label"]) for b in small] == [4] * 7 + [2]
@@ -244,7 +253,9 @@ def test_under_detach_a_job_that_stalls_gets_lagged_then_goes_on(
     assert first == list(range(len(first))) and len(first) % 16 == 0
     missed = lagged.value.missed
     assert missed and len(first) // 16 + missed == 7
-    assert [y for _, y in slow] == []  # that pass is over: its end was missed too
+    # That pass is over (its end was missed too): the next one is the next epoch, whole, and
+    # len() says so before it starts.
+    assert len(slow) == 7
     ending = Background(lambda: [p.append(b) for b in batches] and p.end_epoch(last=True))
     # Both read the next epoch side by side (one left idle would stall and be detached too).
     fast_pass = Background(lambda: one_pass(fast)[0])
@@ -305,3 +316,130 @@ def test_a_producer_that_ended_its_last_epoch_waits_for_the_others_to_finish(
         waiting.result()
         batch = c.read()
         assert sorted(int(x[0]) for x in batch.items) == [0, 1] and batch.finished
+
+
+def test_len_is_what_each_pass_yields_joining_mid_epoch_after_lagged_and_after(
+        server: EmbeddedServer) -> None:
+    """A job joins 30% into an epoch, stalls in the next one until it is detached and comes
+    back with Lagged, then reads a whole epoch: before and during each pass, ``len()`` is
+    the number of batches the pass yields."""
+    port, n, k = server.port, 200, 10  # samples an epoch; samples of a producer batch
+
+    def item(epoch: int, i: int) -> torch.Tensor:
+        return torch.arange(i * k, (i + 1) * k) + 1000 * epoch  # (labels: epoch, sample)
+
+    p = StreamProducer("len", "127.0.0.1", port, window=4, on_lag="detach", max_stall=0.3,
+                       samples_per_epoch=n)
+    for i in range(6):
+        p.append(item(0, i))  # (nobody reads yet: nothing is kept, nothing held)
+    late = SharedLoader("len", "127.0.0.1", port, batch_size=16, name="late", start="now",
+                        timeout=TIMEOUT)
+    stalled, back = threading.Event(), threading.Event()
+
+    def produce() -> None:
+        for e in range(3):
+            for i in range(6 if e == 0 else 0, n // k):
+                if e == 1 and i == 10:
+                    stalled.wait(TIMEOUT)  # the job stops reading: the window fills
+                if e == 1 and i == 16:
+                    back.wait(TIMEOUT)  # it was detached; the rest comes once it is back
+                p.append(item(e, i))
+            p.end_epoch(last=e == 2)
+
+    producer = Background(produce)
+    # 1. It joined 60 samples (30%) into epoch 0: its first pass is the other 140.
+    assert len(late) == 9
+    labels, sizes, lens = [], [], []
+    for batch in late:
+        labels += batch.tolist()
+        sizes.append(len(batch))
+        lens.append(len(late))
+    assert labels == list(range(60, n)) and sizes == [16] * 8 + [12] and set(lens) == {9}
+    # 2. Epoch 1: two batches, then it stalls until the stream detached it and went on.
+    assert len(late) == 13
+    it = iter(late)
+    got = [int(x) for _ in range(2) for x in next(it)]
+    stalled.set()
+
+    def stream() -> dict[str, Any]:
+        with Client("127.0.0.1", port) as c:
+            return c.stats("len")["bins"]["len"]["stream"]  # type: ignore[no-any-return]
+
+    wait_until(lambda: stream()["consumers"]["late"]["state"] == "detached", TIMEOUT,
+               "the stalled job to be detached")
+    wait_until(lambda: stream()["base"] == 21 + 16, TIMEOUT, "epoch 1 to go on without it")
+    with pytest.raises(Lagged) as lagged:
+        for batch in it:  # (what its reads in flight had brought, then the news)
+            got += batch.tolist()
+    assert got == list(range(1000, 1000 + len(got)))
+    missed = lagged.value.missed
+    assert missed and len(got) + missed * k <= 160  # (the rest of what it read, it holds)
+    # 3. The pass after Lagged: the rest of epoch 1 (what the job still held, and items
+    # 16-19), as len() says before and during it.
+    expected = len(late)
+    back.set()
+    labels, lens = [], []
+    for batch in late:
+        labels += batch.tolist()
+        lens.append(len(late))
+    assert labels[-40:] == list(range(1160, 1200)) and len(lens) == expected
+    assert set(lens) == {expected}
+    epoch1 = got + labels  # every sample of epoch 1 read or missed, once, in order
+    assert epoch1 == sorted(set(epoch1)) and len(epoch1) + missed * k == n
+    # 4. The next epoch, whole; then the stream is finished.
+    assert len(late) == 13
+    labels, lens = [], []
+    for batch in late:
+        labels += batch.tolist()
+        lens.append(len(late))
+    assert labels == list(range(2000, 2000 + n)) and set(lens) == {13} and len(lens) == 13
+    with pytest.raises(StreamFinished, match="after 3 epochs"):
+        list(late)
+    producer.result()
+    p.close()
+    late.close()
+
+
+def test_a_job_that_comes_after_the_stream_finished_gets_stream_finished(
+        server: EmbeddedServer) -> None:
+    report = serve_loader(data(), "over", "127.0.0.1", server.port, epochs=2)
+    assert report.epochs == 2  # nobody read it: it finished with nobody in it...
+    with Client("127.0.0.1", server.port) as c:
+        assert c.stats("over")["bins"]["over"]["stream"]["finished"]  # ...and stays listed
+    job = SharedLoader("over", "127.0.0.1", server.port, batch_size=10, name="late",
+                       timeout=2.0)
+    assert job.finished and len(job) == 0
+    for _ in range(2):  # every pass says so: never a silent empty epoch, never a wait
+        with pytest.raises(StreamFinished, match=r"stream 'over' is finished: .* after 2 "
+                                                 r"epochs and job 'late'") as finished:
+            for _ in job:
+                pass
+        assert (finished.value.stream, finished.value.epochs) == ("over", 2)
+    job.close()
+
+
+def test_serve_loader_says_how_it_is_going(server: EmbeddedServer,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    job = SharedLoader("p", "127.0.0.1", server.port, batch_size=25, name="job",
+                       timeout=TIMEOUT)
+    lines: list[str] = []
+    producer = Background(lambda: serve_loader(data(), "p", "127.0.0.1", server.port,
+                                               epochs=2, wait_for=1, progress=lines.append))
+    for _ in range(2):
+        assert len(one_pass(job)[0]) == N
+    report = producer.result()
+    assert len(lines) == 4, lines  # it starts, each epoch, the end
+    assert lines[0].startswith("serve_loader 'p': producing 2 epochs as producer 0")
+    assert "waiting for 1 consumers" in lines[0]
+    for e in (1, 2):
+        assert lines[e].startswith(f"serve_loader 'p': epoch {e}/2 sent: 7 batches, 100 "
+                                   f"samples in "), lines[e]
+        assert "held back by the consumers" in lines[e]
+    assert lines[3].startswith(f"serve_loader 'p': done: 2 epochs, 14 batches, 200 samples "
+                               f"in {report.seconds:.1f} s")
+    # progress=True prints the same lines to stderr; False prints nothing.
+    serve_loader(data(), "q", "127.0.0.1", server.port, progress=True)
+    serve_loader(data(), "r", "127.0.0.1", server.port, progress=False)
+    err = capsys.readouterr().err
+    assert "serve_loader 'q': epoch 1/1 sent: 7 batches" in err and "'r'" not in err
+    job.close()

@@ -29,7 +29,7 @@ from tensorshare.errors import BinNotFound, InvalidRequest, LimitExceeded
 from tensorshare.server import ServerConfig
 from tensorshare.server.connection import ServerProtocol
 from tensorshare.server.core import ServerFactory
-from tensorshare.server.streams import MAX_CONSUMERS, Settings, Stream
+from tensorshare.server.streams import FINISHED_TTL, MAX_CONSUMERS, Settings, Stream
 from tensorshare.wire import codec
 from tensorshare.wire.messages import (
     Acked,
@@ -375,6 +375,27 @@ def test_under_detach_a_stalled_consumer_stops_holding_the_others_and_learns_it_
     assert described["missed"] == 4 and described["stall_total_s"] == 5.0
 
 
+def test_under_detach_a_consumer_that_reads_again_holds_the_window_like_the_others() -> None:
+    st = opened(window=4, on_lag="detach", max_stall=1.0)
+    st.join("slow", "S", "now", 60.0, True, 0.0)
+    st.join("fast", "F", "now", 60.0, True, 0.0)
+    append(st, 0, 1, 2, 3)
+    read(st, "fast", 4)
+    assert st.check(1.0, lambda owner: 0.0) == [("lag", 4)]  # it stalls a second: detached
+    append(st, 4, 5, 6, 7, now=1.0)
+    read(st, "fast", 8, now=1.0)
+    append(st, 8, 9, 10, 11, now=1.0)  # the window is full again, for the fast consumer
+    got = read(st, "slow", now=2.0)  # it is back: what was freed is skipped...
+    assert got is not None and got.missed == 8 and values(got) == [8, 9, 10, 11]
+    slow = st.consumers["slow"]
+    assert slow.holds and not slow.detached  # ...and it holds the window again at once,
+    read(st, "fast", 12, now=2.0)
+    assert not st.append_ready(0, 1)  # so the producer waits for it, not only for the other
+    read(st, "slow", 12, now=2.1)
+    assert st.append_ready(0, 4)
+    assert st.describe(2.1)["stream"]["consumers"]["slow"]["state"] == "live"
+
+
 def test_under_wait_a_stalled_consumer_holds_everyone_forever() -> None:
     st = opened(window=1)
     st.join("slow", "S", "now", 60.0, True, 0.0)
@@ -716,7 +737,7 @@ def test_stats_describe_each_stream(factory: ServerFactory) -> None:
     assert (a["state"], a["position"], a["lag"], a["lease"]) == ("live", 0, 1, 4.0)
 
 
-def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in_it(
+def test_end_waits_for_the_other_producers_and_a_finished_stream_stays_listed_a_while(
         factory: ServerFactory, clock: MemoryReactorClock) -> None:
     p0, p1, cons = Peer(factory), Peer(factory), Peer(factory)
     cons.request(StreamJoin(cons.rid(), "s", "a", "now", 3.0))
@@ -736,8 +757,39 @@ def test_end_waits_for_the_other_producers_and_the_stream_goes_when_nobody_is_in
     assert factory.kinds[0].owns("s")  # a consumer is still in it
     cons.lose()
     clock.advance(3.01)
-    assert not factory.kinds[0].owns("s")  # nobody left in it: it is gone
-    assert factory.kinds[0].nbytes == 0
+    kind = factory.kinds[0]
+    # Nobody is left in it, but it is finished: it stays listed for FINISHED_TTL, so that a
+    # job that comes late learns that it is finished (and after how many epochs).
+    assert kind.owns("s") and factory.bin_stats()["s"]["stream"]["finished"]
+    late = Peer(factory)
+    joined = late.request(StreamJoin(late.rid(), "s", "late", "next_epoch", 3.0))
+    assert type(joined) is StreamJoined and joined.finished and joined.epoch == 2
+    got = late.request(StreamRead(late.rid(), "s", "late", joined.position, timeout=5.0))
+    assert type(got) is StreamItems and got.finished and got.items == () and got.epoch == 2
+    late.request(StreamLeave(late.rid(), "s", "late"))
+    clock.advance(FINISHED_TTL - 1.0)
+    assert kind.owns("s")
+    clock.advance(1.01)
+    assert not kind.owns("s") and kind.nbytes == 0  # then it is gone
+
+
+def test_at_most_max_finished_streams_stay_listed_the_oldest_go_first(
+        factory: ServerFactory, clock: MemoryReactorClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.server import streams as streams_module
+
+    monkeypatch.setattr(streams_module, "MAX_FINISHED_STREAMS", 3)
+    prod = Peer(factory)
+    for i in range(5):
+        prod.request(StreamOpen(prod.rid(), f"f{i}"))
+        assert prod.request(StreamEnd(prod.rid(), f"f{i}", 0, 0, 0, True)).finished
+        clock.advance(1.0)
+    prod.request(StreamOpen(prod.rid(), "live"))  # (not finished: stays while it is open)
+    prod.lose()
+    clock.advance(10.01)  # the producers' leases: every stream is empty now
+    kind = factory.kinds[0]
+    assert sorted(kind.streams) == ["f2", "f3", "f4"]
+    assert kind.nbytes == sum(st.cost for st in kind.streams.values())
 
 
 def test_an_end_whose_mark_has_no_room_in_the_window_is_held_until_a_consumer_reads_on(
@@ -825,3 +877,67 @@ def test_a_listener_hears_joins_leaves_and_lag_end_to_end(server: EmbeddedServer
         assert heard("join", "leave", "lag") == [("join", 0), ("join", 0), ("lag", 2),
                                                  ("lag", 4), ("leave", 0), ("leave", 0)]
         assert {e["bin"] for e in events} == {"ev"}
+
+
+# ------------------------------------------------------------------------ many bins
+
+
+class Looks:
+    """Counts how often the server looks at a stream's deadline and cost, and at a
+    service's cost: what an op or a tick costs in the number of bins it looks at."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tensorshare.server.services import Service
+
+        self.n = 0
+        for cls, attr in ((Stream, "next_deadline"), (Stream, "cost"), (Service, "cost")):
+            original = cls.__dict__[attr]
+            if isinstance(original, property):
+                monkeypatch.setattr(cls, attr, property(self._counted(original.fget)))
+            else:
+                monkeypatch.setattr(cls, attr, self._counted(original))
+
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            self.n += 1
+            return fn(*args)
+        return counted
+
+    def __call__(self, action: Callable[[], Any]) -> int:
+        """How many looks ``action`` took."""
+        self.n = 0
+        action()
+        return self.n
+
+
+def test_no_op_and_no_tick_looks_at_every_stream_or_service(
+        factory: ServerFactory, clock: MemoryReactorClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorshare.wire.services import ServiceTake
+
+    owner, other = Peer(factory), Peer(factory)
+    n = 300
+    for i in range(n):  # each producer's lease ends 10 ms after the one before
+        reply = owner.request(StreamOpen(owner.rid(), f"s{i}", lease=5.0))
+        assert type(reply) is StreamOpened
+        clock.advance(0.01)
+    for i in range(n):  # idle services stay listed (with their statistics)
+        owner.request(ServiceTake(owner.rid(), f"svc{i}", timeout=0))
+    other.request(StreamJoin(other.rid(), "s7", "c", "now", 5.0))
+    kinds = factory.kinds
+    assert kinds[0].nbytes == sum(st.cost for st in kinds[0].streams.values())
+    assert kinds[1].nbytes == sum(svc.cost for svc in kinds[1].services.values())
+    looks = Looks(monkeypatch)
+    # An op on one stream, a new stream, a write that checks the memory limit, a
+    # connection's end: each looks at the bins it concerns, not at the n others.
+    assert looks(lambda: owner.request(StreamOpen(owner.rid(), "new"))) <= 4
+    assert looks(lambda: owner.request(StreamAppend(owner.rid(), "s3", 0, 0,
+                                                    tensor_item(1)))) <= 4
+    assert looks(lambda: owner.request(Put(owner.rid(), "v", tensor_item(2)))) <= 2
+    assert looks(other.lose) <= 4
+    # The leases of the first streams end (the owner's connection was silent): the tick
+    # looks at those streams only, each once or twice.
+    due = 5.0 - n * 0.01 + 0.05  # (the first six or so)
+    assert 0 < looks(lambda: clock.advance(due)) <= 2 * 10
+    assert kinds[0].nbytes == sum(st.cost for st in kinds[0].streams.values())
+    assert kinds[1].nbytes == sum(svc.cost for svc in kinds[1].services.values())

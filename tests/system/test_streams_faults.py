@@ -35,6 +35,7 @@ from tensorshare.data import (
     ProducerGone,
     SharedLoader,
     StreamConsumer,
+    StreamFinished,
     StreamProducer,
     serve_loader,
 )
@@ -133,9 +134,9 @@ CHILD = textwrap.dedent("""
 class Child:
     """A stream member in a child process; its stdout lines arrive in ``lines``."""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, script: str = CHILD) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, *map(str, args)], stdin=subprocess.PIPE,
+            [sys.executable, "-c", script, *map(str, args)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: queue.Queue[str] = queue.Queue()
@@ -187,8 +188,8 @@ class Child:
 def children() -> Iterator[Callable[..., Child]]:
     made: list[Child] = []
 
-    def start(*args: Any) -> Child:
-        c = Child(*args)
+    def start(*args: Any, **kw: Any) -> Child:
+        c = Child(*args, **kw)
         made.append(c)
         return c
 
@@ -299,7 +300,10 @@ def test_a_consumer_killed_mid_stream_holds_the_others_back_no_longer_than_its_l
         # Every sample once, in order, at each job's batch size, with a true len().
         check_pass(job_pass.result(), 0, n, 7)
         check_pass(late_pass.result(), offset, n, 5)
-        assert job.finished and late.finished and list(job) == [] and list(late) == []
+        assert job.finished and late.finished
+        for loader in (job, late):  # (a pass over a finished stream: never an empty epoch)
+            with pytest.raises(StreamFinished):
+                list(loader)
         come_back_lagged(server.port, "s", "victim", n, acked=8)
         for c in others.values():
             c.close(leave=True)
@@ -675,7 +679,9 @@ def test_a_loader_through_a_cutting_proxy_gets_every_sample_once_in_order_with_a
             assert lens == {want} and len(sizes) == want, info()
             assert sizes == [batch_size] * (n // batch_size) + [n % batch_size], info()
         producer.result()
-        assert loader.finished and list(loader) == [], info()
+        assert loader.finished, info()
+        with pytest.raises(StreamFinished):
+            list(loader)
         stats = proxy.stats()
         assert stats["cuts"] >= 5 and stats["accepted"] >= 6, info()
         proxy.set_faults(Faults())
@@ -786,12 +792,96 @@ def test_the_window_is_never_exceeded_beyond_the_slowest_live_consumer(
         producer.result()
         assert reads[0].result() == list(range(n))
         check_pass(reads[1].result(), 0, n, 3)  # the slow job: each sample once, true len()
-        assert slow.finished and list(slow) == []
+        assert slow.finished
+        with pytest.raises(StreamFinished):
+            list(slow)
     assert len(beyond) == n - n // 4 and max(beyond) <= window, beyond
     assert max(kept) <= window, kept
     assert max(beyond) == window and held, (beyond, held)  # it was full, and held the producer
     fast.close(leave=True)
     slow.close()
+
+
+# A training job in a child process: a SharedLoader read at a steady pace, that stalls once
+# for STALL seconds after its AFTER-th batch (a checkpoint write, a long GC pause). It prints
+# the labels of each batch, "lagged N" when it gets Lagged, and "done" once the stream is
+# finished and it read everything.
+JOB = textwrap.dedent("""
+    import sys, threading, torch  # (torch before joining: as a job has it, long imported)
+    from tensorshare.data import Lagged, SharedLoader
+
+    name, who, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    pace, after, stall = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+    job = SharedLoader(name, "127.0.0.1", port, name=who, start="next_epoch", timeout=30)
+    print("joined", flush=True)
+    seen = 0
+    while not job.finished:
+        try:
+            for (y,) in job:
+                print("batch", *y.tolist(), flush=True)
+                seen += 1
+                threading.Event().wait(stall if seen == after else pace)
+        except Lagged as exc:
+            print("lagged", exc.missed, flush=True)
+    print("done", flush=True)
+""")
+
+
+def epochs_of(lines: list[str]) -> list[list[int] | str]:
+    """A job's output as what it saw: each run of labels that counts up (an epoch, or what
+    it got of one), and "lagged" where it got Lagged."""
+    out: list[list[int] | str] = []
+    for line in lines:
+        word, *rest = line.split()
+        if word == "lagged":
+            out.append("lagged")
+        elif word == "batch":
+            labels = [int(x) for x in rest]
+            last = out[-1] if out else None
+            if isinstance(last, list) and last and labels[0] > last[-1]:
+                last += labels
+            else:
+                out.append(labels)
+    return out
+
+
+@pytest.mark.long
+@pytest.mark.timeout(120)
+def test_a_job_back_from_a_stall_holds_the_window_again_and_gets_whole_epochs(
+        server: EmbeddedServer, children: Callable[..., Child]) -> None:
+    """``on_lag="detach"``, window 8, max_stall 1 s, two jobs in processes of their own; one
+    stalls 3.5 s. It gets Lagged once; from then on it is a job like the other: it holds the
+    window (the producer keeps its pace) and every later epoch reaches it whole."""
+    # 600 batches an epoch, read 1 ms apart by one job and 5 ms by the other (a window's
+    # worth well within max_stall): the stall lasts two or three of the steady job's epochs.
+    # Back from it, the slower job must hold the window: the other job and the producer then
+    # keep its pace. (Left detached, it falls behind the other and lags again and again.)
+    n, size, epochs = 1200, 2, 6
+    jobs = {"steady": children("d", "steady", server.port, 0.001, 0, 0, script=JOB),
+            "stalls": children("d", "stalls", server.port, 0.005, 3, 3.5, script=JOB)}
+    for job in jobs.values():
+        job.expect(lambda line: line == "joined")
+    loader = [(torch.arange(i, i + size),) for i in range(0, n, size)]
+    producer = Background(lambda: serve_loader(
+        loader, "d", HOST, server.port, epochs=epochs, window=8, on_lag="detach",
+        max_stall=1.0, wait_for=2, samples_per_epoch=n, timeout=TIMEOUT), "producer")
+    for job in jobs.values():
+        job.expect(lambda line: line == "done", timeout=75)
+    assert producer.result().epochs == epochs
+    whole = list(range(n))
+    assert epochs_of(jobs["steady"].seen) == [whole] * epochs
+    seen = epochs_of(jobs["stalls"].seen)
+    assert seen.count("lagged") == 1, seen  # once, for the stall; never again
+    lagged = seen.index("lagged")
+    before, after = seen[:lagged], seen[lagged + 1:]
+    assert before and before[0] == whole[:len(before[0])], seen  # its first epoch, up to the stall
+    # After it: the rest of the epoch it came back in (or a later one's start), then every
+    # epoch whole, to the last one.
+    assert after and all(run == whole for run in after[1:]), seen
+    assert len(after) >= 2, seen  # (it came back with an epoch to go, at least)
+    missed = int(next(line for line in jobs["stalls"].seen if line.startswith("lagged")).split()[1])
+    stats = stream_stats(server.port, "d")["stream"]["consumers"]
+    assert stats["stalls"]["missed"] == missed and stats["steady"]["missed"] == 0
 
 
 # ------------------------------------------------------------------------------ 6. server memory

@@ -539,11 +539,13 @@ def _reply_cases() -> dict[str, list[Message]]:
         "reply-error": [ErrorReply(8, "bin_not_found", "no bin")],
         "error": [ErrorReply(0, "protocol_error", "bad magic")],
         "notify": [Changed("w", "put", 1, 1), Changed("w", "append", 3, 9, 2, 1)],
-        "reply-stream-open": [StreamOpened(1, 0, 5, 3, 2, True)],
+        "reply-stream-open": [StreamOpened(1, 0, 5, 3, 2, True),
+                              StreamOpened(1, 4, 9, 0, 2, False, 3)],
         "reply-stream-append": [StreamAppended(2, 4, 6)],
         "reply-stream-end": [StreamEnded(3, 1, True, False)],
         "reply-stream-join": [StreamJoined(4, None, 1, 0, None, 5, False),
-                              StreamJoined(4, 3, 0, 192, 640, 5, True)],
+                              StreamJoined(4, 3, 0, 192, 640, 5, True),
+                              StreamJoined(4, 9, 2, 0, 640, 9, False, True)],
         "reply-stream-read": [StreamItems(5, (item,), 3, 4, 0, 64, 640),
                               StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
         "reply-service-call": [ServiceAnswer(6, (item,), 7), ServiceAnswer(6, (item,), None)],
@@ -1010,3 +1012,122 @@ def test_doc_14_3_the_input_an_inference_host_expects_is_what_it_says() -> None:
     assert _input_problem(torch.zeros(1, 8), 1) is None
     problem = _input_problem(torch.zeros(8), 1)
     assert problem is not None and _EXPECTED in problem and "rows=1" in problem
+
+
+# --------------------------------------------------------------------------- stream rules
+
+
+def _stream_peers(factory: server_core.ServerFactory, **settings: Any) -> tuple[Peer, Peer]:
+    """A producer that opened stream "s" with ``settings``, and a consumer peer."""
+    prod, cons = Peer(factory, bytes(16 * [1])), Peer(factory, bytes(16 * [2]))
+    reply = prod.request(StreamOpen(prod.wire.next_id(), "s", **settings))
+    assert type(reply) is StreamOpened, reply
+    return prod, cons
+
+
+def _tensor(i: int) -> Item:
+    return Item(codec.encode(i))
+
+
+def test_doc_3_2_20_a_stream_read_without_timeout_answers_at_once(
+        factory: server_core.ServerFactory) -> None:
+    """§3.2.20: ``timeout`` absent or nil answers at once (never an unlimited wait)."""
+    _, cons = _stream_peers(factory)
+    assert type(cons.request(StreamJoin(cons.wire.next_id(), "s", "c"))) is StreamJoined
+    for header in ({}, {"timeout": None}):
+        rid = cons.wire.next_id()
+        frame = encode_frame(msgpack.packb({"op": "stream_read", "id": rid, "bin": "s",
+                                            "consumer": "c", **header}))
+        cons.proto.dataReceived(b"".join(bytes(c) for c in frame))
+        (reply,) = cons.received()
+        assert type(reply) is ErrorReply and reply.code == "timeout", reply
+
+
+def test_doc_3_2_17_and_18_appends_and_ends_without_timeout_are_held_without_limit(
+        factory: server_core.ServerFactory, clock: MemoryReactorClock) -> None:
+    """§3.2.17, §3.2.18: a held append or end without ``timeout`` waits until it can go."""
+    prod, cons = _stream_peers(factory, window=1)
+    cons.request(StreamJoin(cons.wire.next_id(), "s", "c"))
+    assert type(prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, _tensor(0)))) \
+        is StreamAppended
+    held = prod.wire.next_id()
+    prod.proto.dataReceived(prod.wire.frame(StreamAppend(held, "s", 0, 0, _tensor(1))))
+    clock.advance(3600.0)
+    assert prod.received() == []  # still held, an hour on
+    cons.request(StreamRead(cons.wire.next_id(), "s", "c", None))
+    cons.request(StreamRead(cons.wire.next_id(), "s", "c", 1))  # acknowledges item 0
+    assert prod.received() == [StreamAppended(held, 1, 2)]
+
+
+def test_doc_3_2_17_an_append_of_more_items_than_the_window_is_refused(
+        factory: server_core.ServerFactory) -> None:
+    """§3.2.17, §13.3: refused even with no consumer in the stream; the window's worth goes."""
+    prod, _ = _stream_peers(factory, window=2)
+    items = tuple(_tensor(i) for i in range(3))
+    reply = prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, items[0], items[1:]))
+    assert type(reply) is ErrorReply and reply.code == "invalid_request"
+    assert "can never fit its window=2" in reply.message
+    reply = prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, items[0], items[1:2]))
+    assert type(reply) is StreamAppended
+
+
+def test_doc_3_2_19_epoch_start_needs_replay_epoch(
+        factory: server_core.ServerFactory) -> None:
+    """§3.2.19: refused without ``replay: "epoch"`` even while the first items are kept;
+    accepted with it, and on a stream no producer opened yet."""
+    nobody = Peer(factory)
+    assert type(nobody.request(StreamJoin(nobody.wire.next_id(), "new", "c",
+                                          "epoch_start"))) is StreamJoined
+    prod, cons = _stream_peers(factory, window=8)
+    cons.request(StreamJoin(cons.wire.next_id(), "s", "holds", "now"))
+    prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, _tensor(0)))  # kept: unread
+    reply = cons.request(StreamJoin(cons.wire.next_id(), "s", "late", "epoch_start"))
+    assert type(reply) is ErrorReply and reply.code == "invalid_request"
+    assert "replay='epoch' keeps it" in reply.message
+    kept_peer = Peer(factory, bytes(16 * [3]))
+    kept_peer.request(StreamOpen(kept_peer.wire.next_id(), "r", replay="epoch"))
+    kept_peer.request(StreamAppend(kept_peer.wire.next_id(), "r", 0, 0, _tensor(0)))
+    joined = cons.request(StreamJoin(cons.wire.next_id(), "r", "late", "epoch_start"))
+    assert type(joined) is StreamJoined and joined.position == 0
+
+
+def test_doc_6_7_cancel_withdraws_waiting_stream_requests(
+        factory: server_core.ServerFactory, clock: MemoryReactorClock) -> None:
+    """§6.7: a waiting stream_read and a held stream_append and stream_end are withdrawn
+    (flag true): no reply ever comes, nothing is stored or marked."""
+    prod, cons = _stream_peers(factory, window=1)
+    cons.request(StreamJoin(cons.wire.next_id(), "s", "c"))
+    read = cons.wire.next_id()
+    cons.proto.dataReceived(cons.wire.frame(StreamRead(read, "s", "c", None, None, 60.0)))
+    cancel = cons.wire.next_id()
+    assert cons.request(Cancel(cancel, read)) == Acked(cancel, True)
+    prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, _tensor(0)))
+    held = [prod.wire.next_id() for _ in range(2)]
+    prod.proto.dataReceived(prod.wire.frame(StreamAppend(held[0], "s", 0, 0, _tensor(1),
+                                                         timeout=60.0)))
+    prod.proto.dataReceived(prod.wire.frame(StreamEnd(held[1], "s", 0, 0, 1, False, 60.0)))
+    for rid in held:
+        cancel = prod.wire.next_id()
+        assert prod.request(Cancel(cancel, rid)) == Acked(cancel, True)
+    clock.advance(120.0)
+    assert cons.received() == [] and prod.received() == []  # never answered
+    stream = factory.bin_stats()["s"]["stream"]
+    assert stream["head"] == 1 and stream["epoch"] == 0  # nothing stored, nothing marked
+
+
+def test_doc_3_3_13_the_open_that_ends_a_broken_epoch_says_which(
+        factory: server_core.ServerFactory, clock: MemoryReactorClock) -> None:
+    """§3.3.13, §13.4: ``aborted`` names the epoch the open ended; ``broken`` is the stream
+    after the open."""
+    prod, cons = _stream_peers(factory, lease=1.0)
+    cons.request(StreamJoin(cons.wire.next_id(), "s", "c", "now", 60.0))  # (keeps it)
+    prod.request(StreamAppend(prod.wire.next_id(), "s", 0, 0, _tensor(0)))
+    prod.lose()
+    clock.advance(1.01)  # its lease ran out mid-epoch: gone
+    assert factory.bin_stats()["s"]["stream"]["broken"]
+    again = Peer(factory)
+    rid = again.wire.next_id()
+    assert again.request(StreamOpen(rid, "s", lease=1.0)) == \
+        StreamOpened(rid, 1, 2, 0, 1, False, 0)
+    rid = again.wire.next_id()
+    assert again.request(StreamOpen(rid, "s", lease=1.0)) == StreamOpened(rid, 1, 2, 0, 1)

@@ -93,7 +93,7 @@ def test_every_stream_op_is_in_the_table_with_its_flags() -> None:
     StreamJoin(5, "s", "lr=0.1", "epoch_start", 3.0, False),
     StreamJoin(6, "s", "j"),
     StreamRead(7, "s", "j", 12, 4, 1.5),
-    StreamRead(8, "s", "j", None, None, None),
+    StreamRead(8, "s", "j", None, None, 0.0),
     StreamLeave(9, "s", "j"),
 ])
 def test_requests_without_items_round_trip(msg: Any) -> None:
@@ -135,6 +135,14 @@ def test_items_reply_round_trips_with_and_without_items() -> None:
     assert roundtrip_reply(StreamRead(2, "s", "j"), empty) == empty
     header = msgpack.unpackb(bytes(b"".join(server_side().send(empty)))[16:], raw=False)
     assert "items" not in header and header["aborted"] is True and header["finished"] is True
+
+
+@pytest.mark.parametrize("extra", [{}, {"timeout": None}])
+def test_a_read_without_a_timeout_answers_at_once(extra: dict[str, Any]) -> None:
+    frame = encode_frame(msgpack.packb({"op": "stream_read", "id": 3, "bin": "s",
+                                        "consumer": "j", **extra}))
+    (msg,) = server_side().receive_data(b"".join(bytes(c) for c in frame))
+    assert msg == StreamRead(3, "s", "j", None, None, 0.0)
 
 
 def test_optional_fields_are_left_out_when_unset() -> None:
