@@ -34,6 +34,7 @@ __all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 
 #: The modules with a compiled twin (``setup.py`` reads this tuple without importing it).
 TWINS = (
+    "tensorshare.wire.messages",
     "tensorshare.wire.frames",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",

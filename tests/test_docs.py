@@ -44,8 +44,9 @@ def _run(code: str, server: EmbeddedServer) -> str:
 def test_readme_client_tour_runs(server: EmbeddedServer) -> None:
     tour = next(b for b in _blocks("python") if "with Client(" in b)
     # Print what the tour's list() returns, and what is left at the end.
-    probe = tour.replace("c.list()  ", "print('L1', c.list())", 1)
-    out = _run(probe + "    print('LEFT', c.list())\n", server)
+    # (each as one write: the listener's callback prints from another thread meanwhile)
+    probe = tour.replace("c.list()  ", "print(f'L1 {c.list()}')", 1)
+    out = _run(probe + "    print(f'LEFT {c.list()}')\n", server)
     assert "L1 {'weights': 1, 'queue': 2}" in out
     assert "LEFT {}" in out  # weights deleted, queue emptied by the two gets
 

@@ -262,7 +262,7 @@ def gc_paused(n: int) -> _GcPause | _NoPause:
     return _PAUSE
 
 
-def decode_fetched(reply: Fetched[Item], max_depth: int) -> Fetched[Any]:
+def decode_fetched(reply: Fetched, max_depth: int) -> Fetched:
     """A get/peek reply with its items decoded (and their tags beside them).
 
     Raises:
@@ -313,7 +313,7 @@ class _Decode:
     def __init__(self, max_depth: int, value_only: bool) -> None:
         self.max_depth, self.value_only = max_depth, value_only
 
-    def __call__(self, reply: Fetched[Item]) -> Any:
+    def __call__(self, reply: Fetched) -> Any:
         res = decode_fetched(reply, self.max_depth)
         return res.value if self.value_only else res
 

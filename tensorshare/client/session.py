@@ -49,6 +49,7 @@ from ..errors import (
 from ..wire.auth import client_proof, new_nonce, server_proof, verify
 from ..wire.frames import BytesLike
 from ..wire.messages import (
+    Append,
     Auth,
     Bye,
     Cancel,
@@ -217,6 +218,9 @@ def _with_id(request: Request, rid: int) -> Request:
         return Put(rid, request.bin, request.item, request.min_version)  # type: ignore[union-attr]
     if cls is Fetch:
         return Fetch(rid, request.bin, request.spec)  # type: ignore[union-attr]
+    if cls is Append:
+        a: Append = request  # type: ignore[assignment]
+        return Append(rid, a.bin, a.item, a.timeout, a.rest, a.min_version)
     return replace(request, id=rid)  # type: ignore[type-var]
 
 class ClientSession:
@@ -359,7 +363,7 @@ class ClientSession:
                 left = max(c.deadline - c.timeout - now, 0.0)
                 if left != c.wait:
                     assert type(request) is Fetch
-                    request = Fetch(request.id, request.bin, replace(request.spec, timeout=left))
+                    request = Fetch(request.id, request.bin, request.spec.with_timeout(left))
             try:
                 out.extend(self.conn.send(request, self._ack(), shared))
             except TensorShareError as exc:

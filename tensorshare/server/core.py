@@ -201,7 +201,7 @@ class ServerFactory(Factory):
         """The bins someone listens to."""
         return list(self._listeners)
 
-    def encode_peek(self, name: str, reply: Fetched[Any], shared: list[Any] | None
+    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None
                     ) -> list[BytesLike]:
         """Encode a peek reply, reusing the encoding of the same bin version's last one."""
         key = (reply.kind, reply.version, reply.n_items, reply.dropped,
@@ -352,7 +352,7 @@ class ServerFactory(Factory):
             # Logged only when it releases get items: else a restart could give them back.
             self.persist.session_record("ack", s.id, through=through, open=list(open_ids))
 
-    def restore(self, name: str, reply: Fetched[Any], *, logged: bool = False) -> None:
+    def restore(self, name: str, reply: Fetched, *, logged: bool = False) -> None:
         """Put the items of a get reply back at the front of their bin.
 
         ``logged``: the data log already has a record that replays this restore.

@@ -299,7 +299,7 @@ class Responder:
             return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
         rid = msg.id
 
-        def served(taken: Fetched[Any]) -> None:
+        def served(taken: Fetched) -> None:
             conn.stop_waiting(rid)
             conn.answer(msg, _fetched(msg, taken))
 
@@ -373,7 +373,7 @@ class Responder:
         return Acked(msg.id, False)
 
 
-def _fetched(msg: Fetch, taken: Fetched[Any]) -> Fetched[Any]:
+def _fetched(msg: Fetch, taken: Fetched) -> Fetched:
     """The store's record of a fetch as the reply to ``msg``."""
     # (dataclasses.replace, generic, cost more than the rest of this per fetch)
     return Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,

@@ -47,7 +47,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -775,7 +775,7 @@ def _take(r: _Rec) -> Reply | None:
     if taken is None:
         return None
     r.held_bin, r.held = r.name, taken.nbytes
-    return replace(taken, id=r.rid)
+    return taken.with_id(r.rid)
 
 
 def _restore_record(r: _Rec) -> None:

@@ -10,11 +10,9 @@ tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Union
 
 from .codec import Encoded
-
-T = TypeVar("T")
 
 __all__ = [
     "Acked",
@@ -52,6 +50,38 @@ __all__ = [
 ]
 
 
+class _Record:
+    """What a message is beside its fields, as a frozen dataclass would give it: equality and
+    a hash over the compared fields, and a repr. The messages of every request are written
+    out by hand (the rest are dataclasses) so that the compiled twin can make them cdef
+    classes with declared attributes (``messages_c.pxd``): constructed with no dict and no
+    ``object.__setattr__`` per field. Treat them as immutable (the twin enforces it)."""
+
+    __slots__ = ()
+    _fields: tuple[str, ...] = ()  # compared and hashed, in order
+    _shown: tuple[str, ...] = ()  # in the repr (default: the compared ones)
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple([getattr(self, f) for f in self._fields])
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        shown = self._shown or self._fields
+        args = ", ".join([f"{f}={getattr(self, f)!r}" for f in shown])
+        return f"{type(self).__name__}({args})"
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Hard limits of a connection. The server's values are sent to the client in the handshake.
@@ -76,20 +106,22 @@ class Limits:
             raise ValueError("max_header_bytes cannot exceed max_frame_bytes")
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
+class Item(_Record):
     """One stored value as it travels: the encoded value and an optional integer tag.
 
     The tag is opaque to the server except for ``min_tag`` filtering; the RL wrappers put
     the parameter version a rollout was made with there.
     """
 
-    value: Encoded
-    tag: int | None = None
+    __slots__ = ("value", "tag")
+    _fields = ("value", "tag")
+
+    def __init__(self, value: Encoded, tag: int | None = None) -> None:
+        self.value = value
+        self.tag = tag
 
 
-@dataclass(frozen=True, slots=True)
-class FetchSpec:
+class FetchSpec(_Record):
     """What a get or peek asks for. It travels unchanged from the client call to the store.
 
     Attributes:
@@ -102,13 +134,25 @@ class FetchSpec:
         min_items: with ``wait``: wait until at least this many items are available.
     """
 
-    remove: bool
-    max_items: int | None = None
-    wait: bool = False
-    timeout: float | None = None
-    min_tag: int | None = None
-    newer_than: int | None = None
-    min_items: int = 1
+    __slots__ = ("remove", "max_items", "wait", "timeout", "min_tag", "newer_than",
+                 "min_items")
+    _fields = __slots__
+
+    def __init__(self, remove: bool, max_items: int | None = None, wait: bool = False,
+                 timeout: float | None = None, min_tag: int | None = None,
+                 newer_than: int | None = None, min_items: int = 1) -> None:
+        self.remove = remove
+        self.max_items = max_items
+        self.wait = wait
+        self.timeout = timeout
+        self.min_tag = min_tag
+        self.newer_than = newer_than
+        self.min_items = min_items
+
+    def with_timeout(self, timeout: float | None) -> FetchSpec:
+        """The same request, waiting ``timeout`` seconds."""
+        return FetchSpec(self.remove, self.max_items, self.wait, timeout, self.min_tag,
+                         self.newer_than, self.min_items)
 
     @property
     def op(self) -> str:
@@ -149,34 +193,41 @@ class Auth:
     proof: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Put:
+class Put(_Record):
     """Replace a bin's content with ``item``.
 
     ``min_version``: the bin's new version is at least this (``max(current + 1,
     min_version)``): a bin moved to another server keeps its version (``rebalance``).
     """
 
-    id: int
-    bin: str
-    item: Item
-    min_version: int | None = None
+    __slots__ = ("id", "bin", "item", "min_version")
+    _fields = __slots__
+
+    def __init__(self, id: int, bin: str, item: Item, min_version: int | None = None) -> None:
+        self.id = id
+        self.bin = bin
+        self.item = item
+        self.min_version = min_version
 
 
-@dataclass(frozen=True, slots=True)
-class Append:
+class Append(_Record):
     """Add items to a bin: ``item``, then those in ``rest``, all or none, as one change.
 
     ``timeout``: how long an append to a full ``block`` bin may wait for room (``None``:
     until the client cancels it or disconnects). ``min_version``: as :class:`Put`'s.
     """
 
-    id: int
-    bin: str
-    item: Item
-    timeout: float | None = None
-    rest: tuple[Item, ...] = ()
-    min_version: int | None = None
+    __slots__ = ("id", "bin", "item", "timeout", "rest", "min_version")
+    _fields = __slots__
+
+    def __init__(self, id: int, bin: str, item: Item, timeout: float | None = None,
+                 rest: tuple[Item, ...] = (), min_version: int | None = None) -> None:
+        self.id = id
+        self.bin = bin
+        self.item = item
+        self.timeout = timeout
+        self.rest = rest
+        self.min_version = min_version
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -184,13 +235,16 @@ class Append:
         return (self.item, *self.rest) if self.rest else (self.item,)
 
 
-@dataclass(frozen=True, slots=True)
-class Fetch:
+class Fetch(_Record):
     """Return the content of a bin, removing it (get) or not (peek); see :class:`FetchSpec`."""
 
-    id: int
-    bin: str
-    spec: FetchSpec
+    __slots__ = ("id", "bin", "spec")
+    _fields = __slots__
+
+    def __init__(self, id: int, bin: str, spec: FetchSpec) -> None:
+        self.id = id
+        self.bin = bin
+        self.spec = spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,19 +354,21 @@ class Challenge:
     nonce: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(_Record):
     """Reply to put/append: the bin's new version and item count (and items dropped to make
     room, for a bin configured with ``overflow="drop_oldest"``)."""
 
-    id: int
-    version: int
-    n_items: int
-    dropped: int = 0
+    __slots__ = ("id", "version", "n_items", "dropped")
+    _fields = __slots__
+
+    def __init__(self, id: int, version: int, n_items: int, dropped: int = 0) -> None:
+        self.id = id
+        self.version = version
+        self.n_items = n_items
+        self.dropped = dropped
 
 
-@dataclass(frozen=True, slots=True)
-class Fetched(Generic[T]):
+class Fetched(_Record):
     r"""The result of a get or peek: one record from the store to the caller.
 
     The store returns one (``id`` 0, the stored :class:`Item`\ s), the server sends it with the
@@ -332,15 +388,28 @@ class Fetched(Generic[T]):
         nbytes: in the server, the bytes the items take (not on the wire).
     """
 
-    id: int
-    kind: str
-    items: tuple[T, ...]
-    version: int
-    n_items: int
-    dropped: int = 0
-    unchanged: bool = False
-    tags: tuple[int | None, ...] = field(default=(), compare=False)
-    nbytes: int = field(default=0, compare=False)
+    __slots__ = ("id", "kind", "items", "version", "n_items", "dropped", "unchanged", "tags",
+                 "nbytes")
+    _fields = ("id", "kind", "items", "version", "n_items", "dropped", "unchanged")
+    _shown = __slots__
+
+    def __init__(self, id: int, kind: str, items: tuple[Any, ...], version: int, n_items: int,
+                 dropped: int = 0, unchanged: bool = False,
+                 tags: tuple[int | None, ...] = (), nbytes: int = 0) -> None:
+        self.id = id
+        self.kind = kind
+        self.items = items
+        self.version = version
+        self.n_items = n_items
+        self.dropped = dropped
+        self.unchanged = unchanged
+        self.tags = tags
+        self.nbytes = nbytes
+
+    def with_id(self, rid: int) -> Fetched:
+        """The same record, answering request ``rid``."""
+        return Fetched(rid, self.kind, self.items, self.version, self.n_items, self.dropped,
+                       self.unchanged, self.tags, self.nbytes)
 
     @property
     def value(self) -> Any:
@@ -371,12 +440,15 @@ class Listening:
     n_items: int
 
 
-@dataclass(frozen=True, slots=True)
-class Acked:
+class Acked(_Record):
     """Reply to unlisten (was listening), cancel (was cancelled) and ping (always True)."""
 
-    id: int
-    flag: bool = True
+    __slots__ = ("id", "flag")
+    _fields = __slots__
+
+    def __init__(self, id: int, flag: bool = True) -> None:
+        self.id = id
+        self.flag = flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,17 +471,19 @@ class Configured:
     overflow: str
 
 
-@dataclass(frozen=True, slots=True)
-class ErrorReply:
+class ErrorReply(_Record):
     """A request failed. ``id`` is 0 for a connection-level error sent before closing."""
 
-    id: int
-    code: str
-    message: str
+    __slots__ = ("id", "code", "message")
+    _fields = __slots__
+
+    def __init__(self, id: int, code: str, message: str) -> None:
+        self.id = id
+        self.code = code
+        self.message = message
 
 
-@dataclass(frozen=True, slots=True)
-class Changed:
+class Changed(_Record):
     """Notification: a bin the connection listens to changed.
 
     ``op`` is ``"put"``, ``"append"``, ``"get"``, ``"delete"``, ``"restore"`` (items a lost
@@ -418,12 +492,17 @@ class Changed:
     ``dropped`` the items an append pushed out of a full ``drop_oldest`` bin.
     """
 
-    bin: str
-    op: str
-    n_items: int
-    version: int
-    skipped: int = 0
-    dropped: int = 0
+    __slots__ = ("bin", "op", "n_items", "version", "skipped", "dropped")
+    _fields = __slots__
+
+    def __init__(self, bin: str, op: str, n_items: int, version: int, skipped: int = 0,
+                 dropped: int = 0) -> None:
+        self.bin = bin
+        self.op = op
+        self.n_items = n_items
+        self.version = version
+        self.skipped = skipped
+        self.dropped = dropped
 
 
 Reply = Union[HelloReply, Challenge, Stored, Fetched, Listing, Deleted, Listening, Acked, StatsReply,

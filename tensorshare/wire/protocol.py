@@ -788,7 +788,7 @@ def encode_reply(msg: Reply, shared: list[Any] | None = None) -> list[BytesLike]
     if cls is Acked:
         return [acked_frame(msg.id, msg.flag)]  # type: ignore[union-attr]
     if cls is Fetched and not shared and msg.items:  # type: ignore[union-attr]
-        f: Fetched[Any] = msg  # type: ignore[assignment]
+        f: Fetched = msg  # type: ignore[assignment]
         tail, buffers, fields = encode_fetched_parts(f, None)
         return encode_fetched_with_id(f.id, tail, buffers, fields)
     return encode_message(msg, None, shared)[0]
