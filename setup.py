@@ -69,13 +69,14 @@ def extensions() -> list[Extension]:
     build_dir = os.path.join("build", "twins")
     for name in twin_modules():
         source = name.replace(".", "/")
-        pxd = f"{source}_c.pxd"
-        depends = [pxd] if os.path.exists(pxd) else []
+        # X_c.pxd (the twin's augmenting file) includes X.pxd (the declarations other twins
+        # cimport as tensorshare.<room>.X, the module's own name).
+        depends = [p for p in (f"{source}_c.pxd", f"{source}.pxd") if os.path.exists(p)]
         # cythonize looks at the .py's own dependencies only (cython#1428): a .pxd newer than
         # the C file it generated makes it generate that file again.
         generated = os.path.join(build_dir, f"{source}.c")
-        if depends and os.path.exists(generated) and \
-                os.path.getmtime(pxd) > os.path.getmtime(generated):
+        if os.path.exists(generated) and any(
+                os.path.getmtime(p) > os.path.getmtime(generated) for p in depends):
             os.remove(generated)
         modules.append(Extension(f"{name}_c", [f"{source}.py"], depends=depends))
     # annotation_typing=False: annotations document, the .pxd types (the pure modules accept

@@ -4,10 +4,12 @@ Each module of :data:`TWINS` is one ``.py`` source, the reference, which runs as
 the package was installed with a C compiler, ``setup.py`` also compiled that same source with
 Cython under its own name, the module's name with ``_c`` appended
 (``tensorshare/wire/frames.py`` -> ``tensorshare.wire.frames_c``), typed by the augmenting
-``.pxd`` of that name beside it (``frames_c.pxd``: cdef classes with declared attributes,
-typed locals; the ``.py`` needs no ``import cython``). As aiohttp does with its WebSocket
-reader (``reader_py.py`` compiled as ``reader_c``), the twin is a second *build*, never a
-second implementation.
+``frames_c.pxd`` beside it, which includes ``frames.pxd``: the declarations (cdef classes
+with declared attributes, typed locals) that other twins cimport by the module's own name
+(``from tensorshare.wire.frames cimport FrameDecoder``), so that a ``.py``'s ordinary imports
+are the typed ones in its twin. The ``.py`` needs no ``import cython``. As aiohttp does with
+its WebSocket reader (``reader_py.py`` compiled as ``reader_c``), the twin is a second
+*build*, never a second implementation.
 
 Importing a module of :data:`TWINS` by its own name gives its compiled twin where one was
 built, else the ``.py``; ``TENSORSHARE_NO_EXTENSIONS=1`` (set before tensorshare is imported)
@@ -34,7 +36,7 @@ __all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 
 #: The modules with a compiled twin (``setup.py`` reads this tuple without importing it).
 TWINS = (
-    "tensorshare.wire.messages",
+    "tensorshare.wire.records",
     "tensorshare.wire.frames",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",

@@ -45,7 +45,11 @@ from ..errors import (
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
 from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
-from ..wire.messages import ErrorReply, Item, Limits
+from ..wire.messages import Limits
+from ..wire.records import (
+    ErrorReply,
+    Item,
+)
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
 from .endpoint import Endpoint, resolve
 from .ops import (

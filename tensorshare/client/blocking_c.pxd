@@ -1,2 +1,2 @@
-# Types for the compiled twin of blocking.py (tensorshare.client.blocking_c; see tensorshare._ext).
-# The .py stays the reference: this file only declares what Cython may type.
+# The compiled twin blocking_c is typed by blocking.pxd (the declarations other twins cimport).
+include "blocking.pxd"

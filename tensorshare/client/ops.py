@@ -25,26 +25,30 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from ..errors import LimitExceeded
-from ..wire.codec import Buffer, Encoded, decode_many, encode, encode_lone_tensors
+from ..wire.codec import decode_many, encode, encode_lone_tensors
 from ..wire.messages import (
-    Append,
     Configure,
     Configured,
     Delete,
-    Fetch,
-    Fetched,
-    FetchSpec,
-    Item,
     Limits,
     ListBins,
     Listen,
     Ping,
-    Put,
     Request,
     Stats,
     Unlisten,
 )
 from ..wire.protocol import check_bin_name
+from ..wire.records import (
+    Append,
+    Buffer,
+    Encoded,
+    Fetch,
+    Fetched,
+    FetchSpec,
+    Item,
+    Put,
+)
 from .services import ServiceOps
 from .streams import StreamOps
 

@@ -49,21 +49,16 @@ from ..errors import (
 from ..wire.auth import client_proof, new_nonce, server_proof, verify
 from ..wire.frames import BytesLike
 from ..wire.messages import (
-    Append,
     Auth,
     Bye,
     Cancel,
     Challenge,
-    Changed,
-    ErrorReply,
-    Fetch,
     Hello,
     HelloReply,
     Limits,
     Listen,
     Listening,
     Ping,
-    Put,
     Reply,
     Request,
 )
@@ -77,6 +72,13 @@ from ..wire.protocol import (
     Orphan,
     ProtocolViolation,
     op_name,
+)
+from ..wire.records import (
+    Append,
+    Changed,
+    ErrorReply,
+    Fetch,
+    Put,
 )
 
 __all__ = [

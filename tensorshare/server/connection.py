@@ -36,9 +36,6 @@ from ..wire.frames import BytesLike
 from ..wire.messages import (
     Auth,
     Challenge,
-    Changed,
-    ErrorReply,
-    Fetched,
     Hello,
     HelloReply,
     Reply,
@@ -50,6 +47,11 @@ from ..wire.protocol import (
     ServerConnection,
     encode_message,
     encode_reply,
+)
+from ..wire.records import (
+    Changed,
+    ErrorReply,
+    Fetched,
 )
 from .sessions import ServerSession
 from .store import Blocked, Waiter

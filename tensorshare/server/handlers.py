@@ -29,32 +29,34 @@ from ..errors import (
     code_for,
 )
 from ..wire.messages import (
-    Acked,
-    Append,
     Bye,
     Cancel,
     Configure,
     Configured,
     Delete,
     Deleted,
-    ErrorReply,
-    Fetch,
-    Fetched,
     Hello,
     ListBins,
     Listen,
     Listening,
     Listing,
     Ping,
-    Put,
     Reply,
     Request,
     Stats,
     StatsReply,
-    Stored,
     Unlisten,
 )
 from ..wire.protocol import OPS, item_wire_size, op_name
+from ..wire.records import (
+    Acked,
+    Append,
+    ErrorReply,
+    Fetch,
+    Fetched,
+    Put,
+    Stored,
+)
 from .auth import read_ops_text
 from .store import BinConfig, Store, Written
 

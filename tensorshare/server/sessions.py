@@ -22,7 +22,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from ..wire.messages import Fetched, Reply
+from ..wire.messages import Reply
+from ..wire.records import (
+    Fetched,
+)
 
 __all__ = ["Remembered", "ServerSession", "SessionTable"]
 

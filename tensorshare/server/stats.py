@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..wire import codec
-from ..wire.messages import Item
+from ..wire.records import (
+    Item,
+)
 
 if TYPE_CHECKING:
     from .core import ServerFactory

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BinFull, BinNotFound, MemoryLimitExceeded
-from ..wire.messages import Fetched, FetchSpec
+from ..wire.records import (
+    Fetched,
+    FetchSpec,
+)
 
 __all__ = ["BinConfig", "Blocked", "Store", "Waiter", "Written"]
 

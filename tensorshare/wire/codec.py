@@ -38,12 +38,12 @@ import math
 import reprlib
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from ..errors import CodecError, NestingTooDeep, UnsupportedType
+from .records import Buffer, Encoded, encoded_of, raw_buffer
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -119,102 +119,6 @@ _NUMPY_ITEM_OK: frozenset[type] = frozenset({bool, int, float, str, bytes})
 _short_repr = reprlib.Repr()
 _short_repr.maxstring = 40
 _short_repr.maxother = 40
-
-
-@dataclass(frozen=True, slots=True)
-class Buffer:
-    """One raw buffer of tensor data as it travels.
-
-    Attributes:
-        data: the bytes as sent (compressed when ``codec`` is set); 1-D, C-contiguous,
-            itemsize 1. A memoryview of another shape or format is cast to bytes.
-        codec: ``None`` (raw) or ``"lz4"`` (LZ4 block format, no size prefix).
-        raw_nbytes: the size after decompression; ``-1`` means ``len(data)``.
-        shm: the :class:`~tensorshare.shm.SharedMemory` that ``data`` maps, when the buffer
-            lives in a sealed memfd (it then travels as a descriptor over a Unix socket
-            that allows it, and as bytes anywhere else).
-    """
-
-    data: memoryview | bytes | bytearray
-    codec: str | None = None
-    raw_nbytes: int = -1
-    shm: Any = None
-
-    def __post_init__(self) -> None:
-        data = self.data
-        if type(data) is memoryview and (data.ndim != 1 or data.format != "B"):
-            if not data.c_contiguous:
-                raise ValueError("Buffer data must be C-contiguous")
-            # object.__setattr__ because the dataclass is frozen.
-            object.__setattr__(self, "data", data.cast("B"))
-        if self.raw_nbytes == -1:
-            object.__setattr__(self, "raw_nbytes", len(self.data))
-
-    @property
-    def nbytes(self) -> int:
-        """The number of bytes as sent (compressed size when ``codec`` is set)."""
-        return len(self.data)
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """An encoded value: the msgpack value tree and the raw buffers it refers to.
-
-    Attributes:
-        value: the msgpack bytes of the value tree.
-        buffers: the tensor buffers, indexed by the tensor descriptors in ``value``.
-    """
-
-    value: bytes
-    buffers: tuple[Buffer, ...] = ()
-    #: The total bytes sent: ``len(value)`` plus every buffer's ``nbytes`` (computed once:
-    #: asked several times per item on the way out and on the way in).
-    nbytes: int = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        n = len(self.value)
-        for b in self.buffers:
-            n += len(b.data)
-        object.__setattr__(self, "nbytes", n)
-
-
-# Fast constructors for trusted inputs, for the paths that make thousands of these a second
-# (parsing a batch of items, encoding a batch of tensors): the same frozen objects, their
-# fields set through the slots' descriptors, without the checks of __init__/__post_init__
-# that these inputs satisfy already. Twice as fast as the constructors.
-_new = object.__new__
-
-
-def _setters(cls: type, *names: str) -> tuple[Callable[[Any, Any], None], ...]:
-    """The ``__set__`` of each slot descriptor (they bypass a frozen class's __setattr__)."""
-    return tuple(vars(cls)[name].__set__ for name in names)
-
-
-_set_buffer = _setters(Buffer, "data", "codec", "raw_nbytes", "shm")
-_set_encoded = _setters(Encoded, "value", "buffers", "nbytes")
-
-
-def raw_buffer(data: memoryview | bytes | bytearray, nbytes: int) -> Buffer:
-    """``Buffer(data)``, for ``data`` already flat bytes (a 1-D ``"B"`` memoryview, ``bytes``
-    or ``bytearray``) of ``nbytes`` bytes, uncompressed."""
-    b = _new(Buffer)
-    set_data, set_codec, set_raw, set_shm = _set_buffer
-    set_data(b, data)
-    set_codec(b, None)
-    set_raw(b, nbytes)
-    set_shm(b, None)
-    return b
-
-
-def encoded_of(value: bytes, buffers: tuple[Buffer, ...], nbytes: int) -> Encoded:
-    """``Encoded(value, buffers)``, with ``nbytes`` (``len(value)`` plus the buffers' bytes)
-    computed by the caller."""
-    e = _new(Encoded)
-    set_value, set_buffers, set_nbytes = _set_encoded
-    set_value(e, value)
-    set_buffers(e, buffers)
-    set_nbytes(e, nbytes)
-    return e
 
 
 # --------------------------------------------------------------------------- helpers

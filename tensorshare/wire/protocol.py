@@ -42,7 +42,7 @@ from ..errors import (
     ProtocolError,
 )
 from .auth import MECH, NONCE_BYTES
-from .codec import Buffer, encoded_of, raw_buffer, validate
+from .codec import validate
 from .frames import (
     FORMAT_VERSION,
     MAGIC,
@@ -56,24 +56,16 @@ from .frames import (
     payload_layout,
 )
 from .messages import (
-    Acked,
-    Append,
     Auth,
     Bye,
     Cancel,
     Challenge,
-    Changed,
     Configure,
     Configured,
     Delete,
     Deleted,
-    ErrorReply,
-    Fetch,
-    Fetched,
-    FetchSpec,
     Hello,
     HelloReply,
-    Item,
     Limits,
     ListBins,
     Listen,
@@ -81,13 +73,26 @@ from .messages import (
     Listing,
     Message,
     Ping,
-    Put,
     Reply,
     Request,
     Stats,
     StatsReply,
-    Stored,
     Unlisten,
+)
+from .records import (
+    Acked,
+    Append,
+    Buffer,
+    Changed,
+    ErrorReply,
+    Fetch,
+    Fetched,
+    FetchSpec,
+    Item,
+    Put,
+    Stored,
+    encoded_of,
+    raw_buffer,
 )
 
 __all__ = [

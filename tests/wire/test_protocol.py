@@ -79,8 +79,8 @@ from tensorshare.wire.protocol import (
 from tests.rawwire import Get, Peek, WireClient
 
 #: The ops of value and list bins (the other kinds' are tested in their own wire tests).
-CORE_OPS = {name: op for name, op in OPS.items()  # (the messages module, or its twin's name)
-            if op.request.__module__ == Put.__module__}
+CORE_OPS = {name: op for name, op in OPS.items()  # (the messages module, and its records)
+            if op.request.__module__ in (Put.__module__, Hello.__module__)}
 
 # ------------------------------------------------------------------------------- helpers
 
@@ -554,7 +554,7 @@ def test_reply_round_trips_into_the_same_dataclass(request_: Any, reply: Any) ->
 
 
 def test_every_reply_class_has_a_round_trip_case() -> None:
-    core = {cls for cls in REPLY_HEADERS if cls.__module__ == Put.__module__}
+    core = {cls for cls in REPLY_HEADERS if cls.__module__ in (Put.__module__, Hello.__module__)}
     assert {type(reply) for _, reply in REPLIES} >= core - {Fetched}
 
 

@@ -1,0 +1,18 @@
+# Types for the compiled twin of stats.py (tensorshare.server.stats_c; see tensorshare._ext).
+# The .py stays the reference: this file only declares what Cython may type.
+import cython
+
+
+
+
+@cython.final
+cdef class ServerStats:
+    cdef public object counters
+    cdef public dict latency
+    cdef dict _keys
+
+    cpdef count_error(self, str code)
+    @cython.locals(keys=tuple, h=list)
+    cpdef observe(self, str op, object bytes_out, double seconds)
+    @cython.locals(keys=tuple, h=list)
+    cpdef observe_many(self, str op, object n, object bytes_out, double seconds)

@@ -1,0 +1,73 @@
+# Types for the compiled twin of protocol.py (tensorshare.wire.protocol_c; see tensorshare._ext).
+# The .py stays the reference: this file only declares what Cython may type.
+import cython
+
+from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
+from tensorshare.wire.records cimport Buffer, Encoded, Item
+
+cdef object _packb, _FRAME_HEAD
+cdef tuple _STORED_OK, _ACKED_OK
+cdef bytes _PACKED_REPLY_OK
+
+
+@cython.final
+cdef class _Fds:
+    cdef public object queue
+    cdef public bint writable
+    cdef public object limit
+
+
+cdef class _Side:
+    cdef FrameDecoder _decoder
+    cdef public _Fds fds
+
+    cdef tuple _frames(self, object data, Py_ssize_t nbytes)
+
+
+@cython.final
+cdef class ServerConnection(_Side):
+    cdef public object limits
+    cdef public bint greeted
+    cdef public dict bytes_in
+
+    cpdef tuple frames(self, object data)
+    cpdef tuple buffered(self, Py_ssize_t nbytes)
+    cpdef tuple parse(self, object frame)
+    @cython.locals(by_op=dict, h=dict)
+    cdef tuple _parse_frame(self, object frame)
+
+
+@cython.final
+cdef class ClientConnection(_Side):
+    cdef public object limits
+    cdef public bint shm
+
+    @cython.locals(out=list, frame=object)
+    cdef list _parse(self, list frames, object error, object op_of)
+    @cython.locals(h=dict)
+    cdef object _parse_frame(self, object frame, object op_of)
+
+
+@cython.locals(head=bytes, mid=bytes, n_key=bytes, d_key=bytes, header=bytes)
+cpdef bytes stored_frame(object rid, object version, object n_items, object dropped=*)
+
+@cython.locals(head=bytes, mid=bytes, header=bytes)
+cpdef bytes acked_frame(object rid, bint flag)
+
+cpdef list encode_reply(object msg, object shared=*)
+
+@cython.locals(header=dict, buffers=list, packed=bytes)
+cpdef tuple encode_message(object msg, object extra=*, object shared=*)
+
+@cython.locals(k=Py_ssize_t, out=list, descs=list, sizes=list, offsets=list)
+cpdef list _items_header(object items, list buffers, object shared)
+
+@cython.locals(end=Py_ssize_t, items=list, size=Py_ssize_t, buffers=list,
+               total=Py_ssize_t, view=memoryview)
+cpdef list _parse_items(dict h, object payload, Py_ssize_t max_depth, bint client=*)
+
+cpdef dict _header_map(object frame)
+
+cpdef tuple _ack_of(dict h)
+
+cpdef str _name(dict h, object limits)
