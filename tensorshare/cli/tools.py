@@ -136,7 +136,8 @@ def _client(args: argparse.Namespace, *, reconnect: bool = False) -> Client:
     try:
         return Client(args.host, args.port, timeout=args.timeout, reconnect=reconnect,
                       session=False, name=f"tensorshare-{args.command}", tls=args.tls,
-                      tls_ca=args.tls_ca, token_file=args.token_file)
+                      tls_ca=args.tls_ca, token_file=args.token_file,
+                      user=getattr(args, "user", None))
     except (ValueError, OSError) as exc:  # an address or a token file the client cannot use
         raise ToolError(str(exc)) from None
 

@@ -69,9 +69,9 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 
 
 # -- effects: the changes to the store, shared with the data log's replay --------------------
-def put_effect(store: Store, msg: Put, ctx: Ctx = None) -> Stored:
-    """Replace a bin's content with the put's item."""
-    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx)
+def put_effect(store: Store, msg: Put, ctx: Ctx = None, owner: Any = None) -> Stored:
+    """Replace a bin's content with the put's item (charged to ``owner``, a user's usage)."""
+    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx, owner)
     return Stored(msg.id, w.version, w.n_items)
 
 
@@ -127,6 +127,7 @@ class Route:
         handler: serves the request (and answers it, now or later).
         mutating: its reply is remembered for the session (exactly once across reconnects).
         read: allowed with the read-only token and on a relay.
+        access: what the connection's user needs on the request's bin (``Op.access``).
         store: a request on a value or list bin (a bin of another kind refuses it).
         logged: it writes to the data log, so a full disk refuses it first.
     """
@@ -137,6 +138,7 @@ class Route:
     read: bool
     store: bool
     logged: bool
+    access: str = "write"
 
 #: Request type -> its effect on the store (see the module docstring).
 EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {
@@ -161,6 +163,8 @@ class Responder:
         }
         for kind in server.kinds:
             self._handlers.update(kind.handlers())
+        self._handlers.update(server.users.handlers())
+        self._users = server.users
         self._kind_tables = [kind.table for kind in server.kinds]
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
@@ -174,7 +178,7 @@ class Responder:
     def _route_of(self, name: str, cls: type) -> Route:
         op = OPS[name]
         return Route(name, self._handlers.get(cls, self._unexpected), op.mutating, op.read,
-                     cls in _STORE_OPS, cls in EFFECTS or name == "get")
+                     cls in _STORE_OPS, cls in EFFECTS or name == "get", op.access)
 
     def route(self, msg: Request) -> Route:
         """How ``msg`` is served (one dict lookup: asked for every request and reply)."""
@@ -187,8 +191,10 @@ class Responder:
         """Serve one request of ``conn`` (after its handshake). Never raises: a failure
         costs this request an error reply, never the connection or the server."""
         route = self.route(msg)
-        if not route.read and (conn.role == "read" or self.relay_of is not None):
+        if not route.read and self.relay_of is not None:
             self._refuse_write(conn, msg, route.op)
+            return
+        if not self._users.admit(conn, route, msg):  # the user's rights (see .users)
             return
         s = conn.session
         if s is not None and route.mutating:
@@ -218,10 +224,8 @@ class Responder:
                                        "internal server error; see the server log"))
 
     def _refuse_write(self, conn: ServerProtocol, msg: Request, op: str) -> None:
-        """Answer a write that this connection's role (or a relay) does not allow."""
+        """Answer a write that a relay does not allow."""
         conn.reply(msg, ErrorReply(msg.id, PermissionDenied.code, (
-            f"{op} is not allowed with the read-only token (it may peek, list, stats and "
-            f"listen); use the read-write token" if self.relay_of is None else
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
             f"read-only (peek, list, stats, listen); write to that primary")))
 
@@ -235,7 +239,7 @@ class Responder:
 
     # -- writes -----------------------------------------------------------------------------
     def _put(self, conn: ServerProtocol, msg: Put) -> None:
-        conn.reply(msg, put_effect(self.server.store, msg, conn.ctx(msg)))
+        conn.reply(msg, put_effect(self.server.store, msg, conn.ctx(msg), conn.usage))
 
     def _append(self, conn: ServerProtocol, msg: Append) -> None:
         store = self.server.store
@@ -247,7 +251,7 @@ class Responder:
             conn.reply(msg, _stored(rid, w) if isinstance(w, Written)
                        else ErrorReply(rid, code_for(w), str(w)))
 
-        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg))
+        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg), conn.usage)
         if isinstance(result, Written):
             conn.reply(msg, _stored(rid, result))
             return
@@ -312,11 +316,12 @@ class Responder:
                                    f"{msg.spec.timeout or 0.0:g} s"))
 
     def _list(self, conn: ServerProtocol, msg: ListBins) -> None:
-        conn.reply(msg, Listing(msg.id, self.server.store.list()))
+        conn.reply(msg, Listing(msg.id, self._users.readable(conn, self.server.store.list())))
 
     def _stats(self, conn: ServerProtocol, msg: Stats) -> None:
-        f = self.server
-        conn.reply(msg, StatsReply(msg.id, f.server_stats(), f.bin_stats(msg.glob)))
+        f = self.server  # (a user who may not read every bin sees its own: see .users)
+        conn.reply(msg, StatsReply(msg.id, *self._users.stats(conn, f.server_stats,
+                                                               f.bin_stats(msg.glob))))
 
     # -- listeners and the rest -------------------------------------------------------------
     def _listen(self, conn: ServerProtocol, msg: Listen) -> None:
@@ -364,7 +369,7 @@ class Responder:
             if f.persist is not None:
                 f.persist.session_record("forget", s.id, id=target)
             f.sessions.forget(s, target)
-            f.restore(done.bin, done.reply, logged=True)
+            f.restore(done.bin, done.reply, logged=True, owner=s.usage)
             conn.reply(msg, Acked(msg.id, True))
             return
         conn.reply(msg, Acked(msg.id, False))

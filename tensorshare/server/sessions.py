@@ -52,6 +52,9 @@ class ServerSession:
         replies: request id -> remembered reply, in the order they were made.
         held: bytes of get items held for this session.
         attached: the connection currently serving the session (opaque), or ``None``.
+        usage: the bookkeeping of the user the session belongs to (see
+            :mod:`~tensorshare.server.users`): what the session holds counts for it; only that
+            user may resume the session. ``None`` until a connection binds it.
     """
 
     id: bytes
@@ -59,6 +62,7 @@ class ServerSession:
     held: int = 0
     attached: Any = None
     remembered_bytes: int = 0  # rough size of the remembered replies themselves
+    usage: Any = None
     # The ids of ``replies`` as a min-heap, so an ack finds what it releases without scanning
     # every remembered reply (a pipelining client may have thousands in flight). Entries of
     # replies dropped another way are skipped when they surface.
@@ -109,6 +113,10 @@ class SessionTable:
         """Whether a new session needs room first."""
         return len(self.sessions) >= self.max_sessions
 
+    def nbytes_of(self, s: ServerSession) -> int:
+        """What one session holds (counted as in :attr:`nbytes`)."""
+        return s.held + s.remembered_bytes + self.SESSION_COST
+
     def detach(self, s: ServerSession, expires: float) -> None:
         """The connection of ``s`` is gone; it expires at ``expires`` unless resumed."""
         self.detached.pop(s.id, None)
@@ -158,6 +166,8 @@ class SessionTable:
         s.remembered_bytes += self.REPLY_COST
         self.held += held
         self.remembered += self.REPLY_COST
+        if s.usage is not None:
+            s.usage.sessions += held + self.REPLY_COST
 
     def ack(self, s: ServerSession, through: int, open_ids: tuple[int, ...] = ()) -> int:
         """Forget the replies the client says it has (ids up to ``through`` not in ``open``).
@@ -194,6 +204,8 @@ class SessionTable:
                    if r.bin is not None and isinstance(r.reply, Fetched)]
         self._drop(s, list(s.replies))
         s.order.clear()
+        if s.usage is not None and self.sessions.get(s.id) is s:
+            s.usage.sessions -= self.SESSION_COST
         self.sessions.pop(s.id, None)
         self.detached.pop(s.id, None)
         return restore  # type: ignore[return-value]
@@ -211,4 +223,6 @@ class SessionTable:
         cost = self.REPLY_COST * n
         s.remembered_bytes -= cost
         self.remembered -= cost
+        if s.usage is not None:
+            s.usage.sessions -= freed + cost
         return freed

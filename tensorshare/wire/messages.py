@@ -43,6 +43,7 @@ __all__ = [
     "Message",
     "Ping",
     "Put",
+    "Reload",
     "Reply",
     "Request",
     "Stats",
@@ -129,6 +130,8 @@ class Hello:
             without a session (no exactly-once replay; e.g. a one-shot command-line tool).
         resume: the client has used this session before (on an earlier connection) and
             asks the server to carry it on.
+        user: the user the client authenticates as (its token is that user's; the name is
+            bound into the proof); ``None``: the user ``default``.
     """
 
     id: int
@@ -138,6 +141,7 @@ class Hello:
     session: bytes | None = None
     resume: bool = False
     shm: bool = False  # the client can pass large buffers as sealed memfds (Unix socket)
+    user: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +155,17 @@ class Auth:
 
 @dataclass(frozen=True, slots=True)
 class Put:
+    """Replace a bin's content with ``item``.
+
+    ``wait_room``: when the user's ``max_memory`` has no room for it, wait up to ``timeout``
+    seconds for room (``None``: until cancelled or disconnected) instead of failing at once.
+    """
+
     id: int
     bin: str
     item: Item
+    timeout: float | None = None
+    wait_room: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +173,8 @@ class Append:
     """Add items to a bin: ``item``, then those in ``rest``, all or none, as one change.
 
     ``timeout``: how long an append to a full ``block`` bin may wait for room (``None``:
-    until the client cancels it or disconnects).
+    until the client cancels it or disconnects); with ``wait_room``, also how long it may wait
+    for room in its user's ``max_memory`` (else it fails at once when there is none).
     """
 
     id: int
@@ -169,6 +182,7 @@ class Append:
     item: Item
     timeout: float | None = None
     rest: tuple[Item, ...] = ()
+    wait_room: bool = False
 
     @property
     def items(self) -> tuple[Item, ...]:
@@ -252,8 +266,16 @@ class Configure:
     overflow: str = "reject"
 
 
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """Reread the server's users file and token files (what ``SIGHUP`` does); only for a user
+    allowed to (``admin``)."""
+
+    id: int
+
+
 Request = Union[Hello, Put, Append, Fetch, ListBins, Delete, Listen, Unlisten, Ping, Cancel,
-                Stats, Configure, Bye, Auth]
+                Stats, Configure, Bye, Auth, Reload]
 
 
 # -- replies and notifications (server -> client) ---------------------------------------------
@@ -268,8 +290,9 @@ class HelloReply:
             persistence, so a client can tell that versions started again.
         shm: buffers may travel as sealed memfds on this connection, both ways.
         proof: after a challenge, the server's proof that it knows the token too.
-        role: what the connection may do: ``"write"`` (everything) or ``"read"`` (the
-            read-only token: peek, list, stats, listen).
+        role: what the connection may do: ``"write"`` or ``"read"`` (the read-only token's
+            user, or a user that may write nothing).
+        user: the user the connection acts as (``"default"`` unless the hello named another).
     """
 
     id: int
@@ -281,6 +304,7 @@ class HelloReply:
     shm: bool = False
     proof: bytes | None = None
     role: str = "write"
+    user: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
