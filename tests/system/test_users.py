@@ -229,3 +229,64 @@ def test_the_command_line_names_its_user_and_reloads(server: EmbeddedServer,
     assert denied.returncode == 1 and "admin = true" in denied.stderr
     done = cli("reload", "--server", f"tensorshare://{HOST}:{server.port}", user="ops")
     assert done.returncode == 0 and "reloaded its users" in done.stdout, done.stderr
+
+
+# ------------------------------------------------------- stats, monitor and metrics per user
+
+def test_stats_monitor_and_metrics_show_each_user(server: EmbeddedServer) -> None:
+    from rich.console import Console
+
+    from tensorshare.cli.tools import _monitor_view, _Rates
+    from tensorshare.server.metrics import start_metrics_server
+    from tests.server.test_metrics import _scrape, _value
+
+    with client(server, "alice") as alice, client(server, "dash") as dash:
+        alice.put("alice/w", torch.zeros(1024))
+        with pytest.raises(PermissionDenied):
+            alice.put("bob/w", 1)
+        with pytest.raises(QuotaExceeded):
+            alice.put("alice/big", torch.zeros(20_000))
+        exporter = start_metrics_server(0, server=server)
+        try:
+            m = _scrape(exporter.url)
+        finally:
+            exporter.stop()
+        held = _value(m, "tensorshare_user_memory_bytes", user="alice")
+        assert 4096 < held <= QUOTA
+        assert _value(m, "tensorshare_user_max_memory_bytes", user="alice") == QUOTA
+        assert _value(m, "tensorshare_user_connections", user="alice") == 1
+        assert _value(m, "tensorshare_user_max_connections", user="alice") == 3
+        assert _value(m, "tensorshare_user_denials", "tensorshare_user_denials_total",
+                      user="alice") == 1
+        assert _value(m, "tensorshare_user_quota_refusals",
+                      "tensorshare_user_quota_refusals_total", user="alice") == 1
+        assert _value(m, "tensorshare_user_requests", "tensorshare_user_requests_total",
+                      user="alice") >= 2
+        # monitor: the whole server's users for dash, alice's own row for alice.
+        for c, rows in ((dash, ("alice", "bob", "dash")), (alice, ("(you)",))):
+            console = Console(record=True, width=200)
+            console.print(_monitor_view(c.stats(), _Rates(4), "here", 1.0, None, None))
+            text = console.export_text()
+            assert "users" in text and all(row in text for row in rows), text
+            assert ("bob" in text) == (c is dash), text
+        assert "% of 65.5 kB" in text, text  # (its quota: 64 KiB)
+
+
+def test_the_readme_users_file_is_what_the_server_reads(tmp_path: Path) -> None:
+    import re
+
+    from tensorshare.server.users import load_users
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    for name in ("vision", "speech", "dash"):
+        (tmp_path / f"{name}.token").write_text(f"{name}-token\n")
+    path = tmp_path / "users.toml"
+    path.write_text(block)
+    users = load_users(ServerConfig(token=None, users_file=str(path)))
+    assert set(users) == {"vision", "speech", "dash"}
+    vision, speech, dash = users["vision"], users["speech"], users["dash"]
+    assert vision.may("write", "put", "vision/x") and vision.may("read", "peek", "shared/x")
+    assert not vision.may("write", "put", "shared/x") and not vision.may("read", "peek", "speech/x")
+    assert speech.may("write", "put", "shared/x") and vision.max_memory == 200 << 30
+    assert dash.reads_all and not dash.write and dash.admin and dash.max_memory is None
