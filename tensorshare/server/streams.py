@@ -111,6 +111,7 @@ class _Entry:
     offset: int  # samples of its epoch before it (a mark: the epoch's total)
     n: int = 0  # samples it holds
     aborted: bool = False  # (a mark) the epoch was cut short: a producer died
+    owner: Any = None  # the producer's user (its Usage) the item counts for while kept
 
 
 @dataclass(slots=True)
@@ -367,17 +368,22 @@ class Stream:
         return (f"consumer {slow.name!r} is {self.head - (slow.acked or 0)} positions behind "
                 f"(window={self.cfg.window})")
 
-    def append(self, index: int, entries: list[tuple[Any, int, int]], now: float) -> int:
+    def append(self, index: int, entries: list[tuple[Any, int, int]], now: float,
+               owner: Any = None) -> int:
         """Store items of producer ``index`` (checked and ready): ``(item, nbytes, samples)``
-        each. Returns the position of the first."""
+        each, counted for ``owner`` (a user's usage) until freed. Returns the position of the
+        first."""
         p = self.producers[index]
         pos = self.head
         for item, nbytes, n in entries:
-            self.entries.append(_Entry(item, nbytes, self.epoch, self.epoch_sent, n))
+            self.entries.append(_Entry(item, nbytes, self.epoch, self.epoch_sent, n,
+                                       owner=owner))
             self.epoch_sent += n
             p.sent += n
             self.nbytes += nbytes
             self.bytes_in += nbytes
+            if owner is not None:
+                owner.stored += nbytes
         self.head += len(entries)
         self.n_items += len(entries)
         self.changed_at = now
@@ -694,6 +700,8 @@ class Stream:
         while self.base < floor and entries:
             e = entries.popleft()
             self.nbytes -= e.nbytes
+            if e.owner is not None:
+                e.owner.stored -= e.nbytes
             if e.item is not None:
                 self.n_items -= 1
             self.base += 1
@@ -892,6 +900,10 @@ class StreamKind:
 
     def _remove(self, st: Stream) -> None:
         del self.streams[st.name]
+        for e in st.entries:  # (what it still kept no longer counts for its producers)
+            if e.owner is not None:
+                e.owner.stored -= e.nbytes
+                e.owner = None
         self._versions[st.name] = st.version
         if len(self._versions) > 100_000:  # a bound: the oldest names are forgotten
             del self._versions[next(iter(self._versions))]
@@ -953,8 +965,12 @@ class StreamKind:
     def _store(self, st: Stream, w: _Waiting) -> None:
         """Store a checked, ready append and answer it (or answer why it cannot be)."""
         msg: StreamAppend = w.msg
-        self._check_memory(sum(n for _, n, _ in w.entries), f"an append to stream {st.name!r}")
-        pos = st.append(msg.producer, w.entries, self._now())
+        nbytes = sum(n for _, n, _ in w.entries)
+        usage = w.conn.usage  # its user's quota first, then the server's memory
+        if usage is not None:
+            usage.check_room(nbytes, f"an append of {nbytes} bytes to stream {st.name!r}")
+        self._check_memory(nbytes, f"an append to stream {st.name!r}")
+        pos = st.append(msg.producer, w.entries, self._now(), usage)
         self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
 
     def _hold(self, st: Stream, w: _Waiting) -> None:

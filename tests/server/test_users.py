@@ -515,3 +515,34 @@ def test_a_token_file_may_hold_several_tokens(tmp_path: Path,
         assert isinstance(reply, HelloReply) and reply.user == "default"
     _, reply = login(f, None, "# rotated on Monday")
     assert isinstance(reply, ErrorReply)
+
+
+def test_stream_appends_and_service_calls_count_against_the_quota(
+        factory: ServerFactory) -> None:
+    from tensorshare.wire.services import ServiceCall
+    from tensorshare.wire.streams import StreamAppend, StreamOpen, StreamOpened
+
+    alice = peer(factory, "alice")
+    usage = factory.users.usage["alice"]
+    big = item(bytes(40 * 1024))
+    opened = alice.request(StreamOpen(alice.rid(), "alice/s", replay="epoch"))
+    assert isinstance(opened, StreamOpened)
+    ok = alice.request(StreamAppend(alice.rid(), "alice/s", 0, opened.epoch, big))
+    assert not isinstance(ok, ErrorReply), ok
+    assert usage.stored >= 40 * 1024  # the stream keeps its epoch: counted for alice
+    refused = alice.request(StreamAppend(alice.rid(), "alice/s", 0, opened.epoch, big))
+    assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
+    assert "user 'alice'" in refused.message and "stream 'alice/s'" in refused.message
+    alice.lose()  # the producer leaves: once its lease ends the stream goes, and its items
+    factory.reactor.advance(30)
+    assert usage.stored == 0
+    caller = peer(factory, "alice")
+    rid = caller.rid()
+    caller.send(ServiceCall(rid, "alice/p", big, 5.0))  # queued: no host yet
+    assert caller.received() == [] and usage.stored > 40 * 1024
+    refused = caller.request(ServiceCall(caller.rid(), "alice/p", big, 5.0))
+    assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
+    assert "service 'alice/p'" in refused.message
+    factory.reactor.advance(5)  # the first call times out: no longer alice's to hold
+    assert [r.code for r in caller.received() if isinstance(r, ErrorReply)] == ["timeout"]
+    assert usage.stored == 0
