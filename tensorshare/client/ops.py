@@ -387,8 +387,7 @@ class Ops(StreamOps, ServiceOps):
                 message says whether the put may have taken effect).
         """
         item = self._item(name, value, tag)
-        put = Put(0, name, item, BLOCK_SHARE * self.timeout, True) if wait_room else \
-            Put(0, name, item)
+        put = Put(0, name, item, BLOCK_SHARE * self.timeout) if wait_room else Put(0, name, item)
         return self._execute(Command(put, f"put to bin {name!r}", _version))
 
     def append(self, name: str, value: Any, *, tag: int | None = None,

@@ -213,7 +213,7 @@ class _Listen:
 def _with_id(request: Request, rid: int) -> Request:
     """``request`` numbered ``rid`` (the op surface makes requests with id 0)."""
     cls = type(request)
-    if cls is Put and not request.wait_room:  # type: ignore[union-attr]
+    if cls is Put and request.room is None:  # type: ignore[union-attr]
         # (the most common: one call instead of dataclasses.replace's several)
         return Put(rid, request.bin, request.item)  # type: ignore[union-attr]
     if cls is Fetch:

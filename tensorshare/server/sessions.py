@@ -53,8 +53,9 @@ class ServerSession:
         held: bytes of get items held for this session.
         attached: the connection currently serving the session (opaque), or ``None``.
         usage: the bookkeeping of the user the session belongs to (see
-            :mod:`~tensorshare.server.users`): what the session holds counts for it; only that
-            user may resume the session. ``None`` until a connection binds it.
+            :mod:`~tensorshare.server.users`): what the session holds counts for it (summed
+            when asked, not per request); only that user may resume the session. ``None``
+            until a connection binds it.
     """
 
     id: bytes
@@ -166,8 +167,6 @@ class SessionTable:
         s.remembered_bytes += self.REPLY_COST
         self.held += held
         self.remembered += self.REPLY_COST
-        if s.usage is not None:
-            s.usage.sessions += held + self.REPLY_COST
 
     def ack(self, s: ServerSession, through: int, open_ids: tuple[int, ...] = ()) -> int:
         """Forget the replies the client says it has (ids up to ``through`` not in ``open``).
@@ -204,8 +203,8 @@ class SessionTable:
                    if r.bin is not None and isinstance(r.reply, Fetched)]
         self._drop(s, list(s.replies))
         s.order.clear()
-        if s.usage is not None and self.sessions.get(s.id) is s:
-            s.usage.sessions -= self.SESSION_COST
+        if s.usage is not None:  # (no longer one of its user's: see users.Usage.sessions)
+            s.usage.owned.discard(s)
         self.sessions.pop(s.id, None)
         self.detached.pop(s.id, None)
         return restore  # type: ignore[return-value]
@@ -223,6 +222,4 @@ class SessionTable:
         cost = self.REPLY_COST * n
         s.remembered_bytes -= cost
         self.remembered -= cost
-        if s.usage is not None:
-            s.usage.sessions -= freed + cost
         return freed

@@ -306,7 +306,7 @@ class Store:
             raise BinFull(f"a value of {nbytes} bytes does not fit bin {name!r}: its "
                           f"max_bytes={cfg.max_bytes}; nothing was stored")
         old = self._bins.get(name)
-        if owner is not None:
+        if owner is not None and owner.max_memory is not None:  # (a user with a quota)
             owner.check_room(nbytes - self.owned_by(name, owner),
                              f"storing {nbytes} bytes in bin {name!r}")
         self._check_memory(name, nbytes - (old.nbytes if old else 0), nbytes)
@@ -385,7 +385,7 @@ class Store:
             if drop and cfg.overflow != "drop_oldest":
                 raise self._full(name, cfg, len(entries))
         freed = sum(b.entries[i].nbytes for i in range(drop)) if (b and drop) else 0
-        if owner is not None:
+        if owner is not None and owner.max_memory is not None:  # (a user with a quota)
             mine = sum(b.entries[i].nbytes for i in range(drop)
                        if b.entries[i].owner is owner) if (b and drop) else 0
             owner.check_room(nbytes - mine, f"appending {nbytes} bytes to bin {name!r}")

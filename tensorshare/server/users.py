@@ -38,6 +38,7 @@ file; a file that fails to parse keeps the old users and says why.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import tomllib
@@ -54,6 +55,7 @@ from ..wire.auth import check_user_name, tokens_of
 from ..wire.messages import Acked, Append, ErrorReply, Put, Reload, Request
 from ..wire.protocol import OPS, item_wire_size
 from .config import ServerConfig
+from .sessions import ServerSession, SessionTable
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
@@ -303,7 +305,7 @@ class Usage:
         stored: bytes of the items its writes put in bins (charged by the store to the
             item's writer until it leaves its bin).
         sessions: bytes its sessions hold: items of unacknowledged gets, remembered replies,
-            the sessions themselves.
+            the sessions themselves (summed over ``owned`` when asked: nothing per request).
         receiving: bytes reserved by its frames still arriving.
         waiting: bytes of its writes waiting for room in its quota (``wait_room``).
         max_memory: its quota (``None``: none), as the users file says now.
@@ -312,9 +314,13 @@ class Usage:
             and writes or connections refused ``quota_exceeded``.
     """
 
+    __slots__ = ("name", "stored", "owned", "receiving", "waiting", "max_memory", "conns",
+                 "requests", "denials", "refusals", "parked", "timer")
+
     def __init__(self, name: str) -> None:
         self.name = name
-        self.stored = self.sessions = self.receiving = self.waiting = 0
+        self.stored = self.receiving = self.waiting = 0
+        self.owned: set[ServerSession] = set()  # its sessions (the session table drops them)
         self.max_memory: int | None = None
         self.conns: set[ServerProtocol] = set()
         self.requests = self.denials = self.refusals = 0
@@ -336,6 +342,12 @@ class Usage:
             if st is not None:
                 total += st.queued_bytes
         return total
+
+    @property
+    def sessions(self) -> int:
+        """Bytes its sessions hold (as the session table counts them)."""
+        cost = SessionTable.SESSION_COST
+        return sum(s.held + s.remembered_bytes + cost for s in self.owned)
 
     def held(self) -> int:
         """What counts against its ``max_memory``: stored, sessions, receiving, output."""
@@ -360,10 +372,10 @@ class Usage:
 
     def describe(self, user: User | None) -> dict[str, Any]:
         """Its entry in the stats (``user``: as the users file defines it now)."""
-        output = self.output()
-        total = self.stored + self.sessions + self.receiving + output
+        output, sessions = self.output(), self.sessions
+        total = self.stored + sessions + self.receiving + output
         return {
-            "memory": {"stored": self.stored, "sessions": self.sessions, "output": output,
+            "memory": {"stored": self.stored, "sessions": sessions, "output": output,
                        "receiving": self.receiving, "waiting": self.waiting, "total": total,
                        "max_memory": self.max_memory},
             "connections": len(self.live()),
@@ -413,6 +425,20 @@ class _Parked:
     name: str = ""
     active: bool = True
     counted: bool = True
+
+
+def _waits(msg: Request) -> bool:
+    """Whether ``msg`` is a write that asked to wait for room in its user's quota."""
+    if isinstance(msg, Put):
+        return msg.room is not None
+    return isinstance(msg, Append) and msg.wait_room
+
+
+def _wait_of(msg: Put | Append) -> float | None:
+    """How long a write may wait for room (``None``: no limit)."""
+    if isinstance(msg, Put):
+        return None if msg.room is None or msg.room == math.inf else msg.room
+    return msg.timeout
 
 
 def _size_of(msg: Put | Append) -> int:
@@ -495,25 +521,26 @@ class Users:
         if decoder.budget is not None and not decoder.reserved:
             decoder.budget = UserBudget(decoder.budget, u)
         s = conn.session
-        if s is not None and getattr(s, "usage", None) is None:
-            s.usage = u  # what it holds from now on is counted by the session table
-            u.sessions += self.server.sessions.nbytes_of(s)
+        if s is not None and s.usage is None:
+            s.usage = u  # what it holds counts for u (see Usage.sessions)
+            u.owned.add(s)
 
     # -- the one check of every request ---------------------------------------------------------
     def admit(self, conn: ServerProtocol, route: Route, msg: Request) -> bool:
         """Whether ``msg`` may act now. If not, it is answered (``permission_denied``) or,
-        a write that asked to wait for room in a full quota, kept until there is room."""
+        a write that asked to wait for room in a full quota, kept until there is room.
+
+        The responder asks it for every request (once it counted it for its user) unless
+        the user may do everything without a quota (:attr:`User.unrestricted`)."""
         if msg is self._releasing:  # a write that waited for room, let go by _poll
             return True
         user = conn.user
-        conn.usage.requests += 1  # type: ignore[union-attr]
         if user is None or user.unrestricted:
             return True
         if not user.may(route.access, route.op, getattr(msg, "bin", None)):
             self._deny(conn, route, msg)
             return False
-        if user.max_memory is not None and type(msg) in (Put, Append) and \
-                msg.wait_room:  # type: ignore[union-attr]
+        if user.max_memory is not None and _waits(msg):
             return self._room_or_wait(conn, msg)  # type: ignore[arg-type]
         return True
 
@@ -555,8 +582,7 @@ class Users:
             return True  # can never fit, or too much waits already: refused at once
         p = _Parked(conn, msg, size)
         try:
-            conn.wait(msg.id, p, msg.timeout,  # type: ignore[arg-type]
-                      lambda: self._wait_ran_out(p))
+            conn.wait(msg.id, p, _wait_of(msg), lambda: self._wait_ran_out(p))  # type: ignore[arg-type]
         except InvalidRequest as exc:
             conn.reply(msg, ErrorReply(msg.id, code_for(exc), str(exc)))
             return False
@@ -581,7 +607,7 @@ class Users:
         msg = p.msg
         what = "a put" if type(msg) is Put else "an append"
         p.conn.reply(msg, ErrorReply(msg.id, QuotaExceeded.code, (
-            f"{what} of {p.size} bytes to bin {msg.bin!r} waited {msg.timeout or 0:g} s for "
+            f"{what} of {p.size} bytes to bin {msg.bin!r} waited {_wait_of(msg) or 0:g} s for "
             f"room, but user {u.name!r} stayed at its quota max_memory={u.max_memory} (the "
             f"server's users file); nothing was stored")))
 
@@ -606,6 +632,7 @@ class Users:
             self._release(u, p)
             p.conn.stop_waiting(p.msg.id)
             self._releasing = p.msg
+            u.requests -= 1  # (counted when it came: the responder counts it again)
             try:
                 self.server.responder.handle(p.conn, p.msg)
             finally:
@@ -642,9 +669,9 @@ class Users:
         mine = self.readable(conn, bins)
         return _own_stats(full, u, len(mine), self._sessions_of(u)), mine
 
-    def _sessions_of(self, u: Usage) -> tuple[int, int]:
-        mine = [s for s in self.server.sessions if getattr(s, "usage", None) is u]
-        return len(mine), sum(1 for s in mine if s.attached is None)
+    @staticmethod
+    def _sessions_of(u: Usage) -> tuple[int, int]:
+        return len(u.owned), sum(1 for s in u.owned if s.attached is None)
 
     # -- reloading ---------------------------------------------------------------------------
     def reload(self) -> list[str]:

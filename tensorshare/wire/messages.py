@@ -157,15 +157,15 @@ class Auth:
 class Put:
     """Replace a bin's content with ``item``.
 
-    ``wait_room``: when the user's ``max_memory`` has no room for it, wait up to ``timeout``
-    seconds for room (``None``: until cancelled or disconnected) instead of failing at once.
+    ``room``: when the user's ``max_memory`` has no room for it, wait up to this many seconds
+    for room (``math.inf``: until cancelled or disconnected); ``None``: fail at once. (One
+    field, not two: a put is made on every write.)
     """
 
     id: int
     bin: str
     item: Item
-    timeout: float | None = None
-    wait_room: bool = False
+    room: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,12 +313,15 @@ ACCESS = ("none", "read", "write", "take", "admin")
 
 def _store_header(m: Put | Append) -> dict[str, Any]:
     h: dict[str, Any] = {"bin": m.bin}
-    if type(m) is Append and m.timeout is not None:
-        h["timeout"] = m.timeout
-    elif type(m) is Put and m.wait_room and m.timeout is not None:
-        h["timeout"] = m.timeout
-    if m.wait_room:
+    if isinstance(m, Append):
+        if m.timeout is not None:
+            h["timeout"] = m.timeout
+        if m.wait_room:
+            h["wait_room"] = True
+    elif m.room is not None:  # (a put: its wait for room in the user's quota)
         h["wait_room"] = True
+        if m.room != math.inf:
+            h["timeout"] = m.room
     return h
 
 
@@ -348,7 +351,8 @@ def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
         if len(items) != 1:
             raise _Invalid(f"put carries exactly one item, got {len(items)}")
         if wait_room:
-            return Put(rid, name, items[0], _timeout(h), True)
+            room = _timeout(h)
+            return Put(rid, name, items[0], math.inf if room is None else room)
         return Put(rid, name, items[0])
     return parse
 
@@ -665,7 +669,7 @@ def _fetched_reply(m: Fetched) -> tuple[dict[str, Any], Sequence[Item]]:
 
 
 def _put_request(m: Put) -> tuple[dict[str, Any], Sequence[Item]]:
-    if m.wait_room:
+    if m.room is not None:
         return {"op": "put", "id": m.id, **_store_header(m)}, (m.item,)
     return {"op": "put", "id": m.id, "bin": m.bin}, (m.item,)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -351,7 +352,7 @@ def test_a_write_that_asked_waits_for_room_then_goes_or_times_out(
     big = bytes(40 * 1024)
     alice.put("alice/a", big)
     rid = alice.rid()
-    alice.send(Put(rid, "alice/b", item(big), 30.0, True))
+    alice.send(Put(rid, "alice/b", item(big), 30.0))
     assert alice.received() == []  # waits for room
     assert factory.users.usage["alice"].waiting > 0
     bob = peer(factory, "bob")
@@ -382,10 +383,10 @@ def test_a_cancel_or_a_disconnect_withdraws_a_waiting_write(
     big = bytes(40 * 1024)
     alice.put("alice/a", big)
     rid = alice.rid()
-    alice.send(Put(rid, "alice/b", item(big), None, True))
+    alice.send(Put(rid, "alice/b", item(big), math.inf))
     cancel = alice.rid()
     assert alice.request(Cancel(cancel, rid)) == Acked(cancel, True)
-    alice.send(Put(alice.rid(), "alice/c", item(big), None, True))
+    alice.send(Put(alice.rid(), "alice/c", item(big), math.inf))
     alice.lose()
     other = peer(factory, "alice")
     other.request(Delete(other.rid(), "alice/a"))

@@ -259,7 +259,7 @@ NONCE = bytes(range(32))
 # One request per op, with every optional field set where the op has any.
 SAMPLE_REQUESTS: dict[str, Any] = {
     "hello": Hello(1, (1, 2), "me", NONCE, SESSION, True, False, "alice"),
-    "put": Put(2, "w", ITEM, 2.5, True),
+    "put": Put(2, "w", ITEM, 2.5),
     "append": Append(3, "w", ITEM, 2.5, (), True),
     "get": Get(4, "w", 2, True, 1.5, 1, 4, 2),
     "peek": Peek(5, "w", 2, True, 1.5, 1, 4, 2),

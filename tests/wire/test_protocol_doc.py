@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import socket
 import struct
@@ -446,7 +447,7 @@ def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
         "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True, "alice")],
-        "put": [Put(2, "w", item, 1.5, True)],
+        "put": [Put(2, "w", item, 1.5), Put(2, "w", item, math.inf)],
         "append": [Append(2, "w", item, 1.5, (), True)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
         "peek": [Peek(3, "w", 2, True, 1.5, 1, 4, 2)],
