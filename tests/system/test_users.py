@@ -174,7 +174,7 @@ def test_a_sharded_client_and_a_relay_forward_with_their_own_user(
 # -------------------------------------------------------------------- rotation with SIGHUP
 
 def _reloads(srv: ServerProcess, what: str, n: int) -> None:
-    wait_until(lambda: srv.stderr().count(what) >= n, WAIT, f"{n} x {what!r}")
+    wait_until(lambda: srv.stderr().count(what) >= n, WAIT, f"{n} x {what!r}: {srv.stderr()}")
 
 
 def test_tokens_rotate_with_sighup_while_clients_keep_working(users_file: Path) -> None:
@@ -182,6 +182,8 @@ def test_tokens_rotate_with_sighup_while_clients_keep_working(users_file: Path) 
     with ServerProcess(0, "--users-file", str(users_file)) as srv:
         old = client(srv, "alice", token="alice-secret-1")
         old.put("alice/w", 1)
+        dash = client(srv, "dash", reconnect=5.0)
+        assert dash.list() == {"alice/w": 1}
         # 1. A second token: both work.
         token.write_text("alice-secret-1\nalice-secret-2\n")
         assert srv.proc is not None
@@ -206,6 +208,15 @@ def test_tokens_rotate_with_sighup_while_clients_keep_working(users_file: Path) 
         assert "is not valid TOML" in srv.stderr()
         with client(srv, "alice", token="alice-secret-2") as new:
             assert new.peek("alice/w") == 2
+        # 4. A user removed from the file is disconnected (and cannot come back).
+        users_file.write_text(USERS.replace("[users.dash]", "[users.dash_gone]", 1).replace(
+            'token_file = "dash.token"\nread = ["*"]', 'token_file = "dash.token"\n', 1))
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        _reloads(srv, "reloaded the users", 3)
+        with pytest.raises(AuthenticationError, match="wrong token for user 'dash'"):
+            dash.list()
+        assert old.peek("alice/w") == 2
+        dash.close()
         old.close()
 
 
