@@ -502,10 +502,12 @@ class ServerProtocol(Protocol):
             if verify(client_proof(*args), msg.proof) and user is not None:
                 self._greeted(hello, msg.id, user, server_proof(*args))
                 return
-        self._auth_failed(msg.id, "wrong token: the client's proof does not match this "
-                                  "server's token" if hello.user is None else
-                                  f"wrong token for user {hello.user!r} (or no such user): "
-                                  f"the client's proof does not match")
+        self._auth_failed(msg.id, (
+            f"wrong token for user {hello.user!r} (or no such user): the client's proof does "
+            f"not match" if hello.user is not None else
+            "wrong token: the client's proof does not match this server's token" + (
+                "" if users else " (this server has users: name yours with user=, "
+                                 "TENSORSHARE_USER or --user)")))
 
     def _auth_failed(self, rid: int, why: str) -> None:
         f = self.factory

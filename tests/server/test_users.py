@@ -279,6 +279,9 @@ def test_the_user_is_bound_into_the_proof(factory: ServerFactory) -> None:
                            "alice")  # alice's valid proof, the hello says bob
     reply = p.request(Auth(p.rid(), swapped))
     assert isinstance(reply, ErrorReply) and reply.code == "authentication_failed"
+    _, reply = login(factory, None, TOKENS["alice"])  # no user named: default, none here
+    assert isinstance(reply, ErrorReply) and "name yours with user=" in reply.message
+    factory.auth_failures.failed = lambda peer, now=None: 0.0  # (not slowed down here)
     _, reply = login(factory, "nobody", "x")  # no such user: the same answer
     assert isinstance(reply, ErrorReply) and "wrong token for user 'nobody'" in reply.message
     _, ok = login(factory, "alice")
@@ -547,3 +550,23 @@ def test_stream_appends_and_service_calls_count_against_the_quota(
     factory.reactor.advance(5)  # the first call times out: no longer alice's to hold
     assert [r.code for r in caller.received() if isinstance(r, ErrorReply)] == ["timeout"]
     assert usage.stored == 0
+
+
+def test_a_users_file_is_a_token_for_protected_mode_and_a_broken_one_stops_the_start(
+        tmp_path: Path, users_file: Path) -> None:
+    import subprocess
+    import sys
+
+    from tensorshare.server.auth import check_exposure
+
+    check_exposure("0.0.0.0", ServerConfig(token=None, users_file=str(users_file)))
+    with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0"):
+        check_exposure("0.0.0.0", ServerConfig(token=None))
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[users.alice]\ntoken_file = "missing.token"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSHARE_")}
+    out = subprocess.run([sys.executable, "-m", "tensorshare", "serve", "--port", "0",
+                          "--users-file", str(broken)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out
+    assert "cannot read the token file of user 'alice'" in out.stderr, out.stderr
