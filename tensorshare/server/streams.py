@@ -368,22 +368,17 @@ class Stream:
         return (f"consumer {slow.name!r} is {self.head - (slow.acked or 0)} positions behind "
                 f"(window={self.cfg.window})")
 
-    def append(self, index: int, entries: list[tuple[Any, int, int]], now: float,
-               owner: Any = None) -> int:
+    def append(self, index: int, entries: list[tuple[Any, int, int]], now: float) -> int:
         """Store items of producer ``index`` (checked and ready): ``(item, nbytes, samples)``
-        each, counted for ``owner`` (a user's usage) until freed. Returns the position of the
-        first."""
+        each. Returns the position of the first."""
         p = self.producers[index]
         pos = self.head
         for item, nbytes, n in entries:
-            self.entries.append(_Entry(item, nbytes, self.epoch, self.epoch_sent, n,
-                                       owner=owner))
+            self.entries.append(_Entry(item, nbytes, self.epoch, self.epoch_sent, n))
             self.epoch_sent += n
             p.sent += n
             self.nbytes += nbytes
             self.bytes_in += nbytes
-            if owner is not None:
-                owner.stored += nbytes
         self.head += len(entries)
         self.n_items += len(entries)
         self.changed_at = now
@@ -693,6 +688,15 @@ class Stream:
             f = self.epoch_start
         return f
 
+    def charge(self, pos: int, count: int, owner: Any) -> None:
+        """Count the ``count`` items appended at ``pos`` that are still kept for ``owner`` (a
+        user's usage) until they are freed."""
+        for i in range(max(pos - self.base, 0), min(pos + count - self.base, len(self.entries))):
+            e = self.entries[i]
+            if e.item is not None and e.owner is None:
+                e.owner = owner
+                owner.stored += e.nbytes
+
     def _settle(self, now: float) -> None:
         """Free what nobody needs; start or stop the stall clock of each consumer."""
         floor = self._floor()
@@ -970,7 +974,9 @@ class StreamKind:
         if usage is not None:
             usage.check_room(nbytes, f"an append of {nbytes} bytes to stream {st.name!r}")
         self._check_memory(nbytes, f"an append to stream {st.name!r}")
-        pos = st.append(msg.producer, w.entries, self._now(), usage)
+        pos = st.append(msg.producer, w.entries, self._now())
+        if usage is not None:
+            st.charge(pos, len(w.entries), usage)
         self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
 
     def _hold(self, st: Stream, w: _Waiting) -> None:
