@@ -29,9 +29,10 @@
         ├── InvalidRequest (ValueError)    a malformed request, a bad bin name, an unknown op
         ├── LimitExceeded                  a frame, header, depth or name limit was hit
         │   ├── MemoryLimitExceeded        storing the value would exceed the server's memory limit
-        │   └── BinFull                    the bin is at its configured max_items / max_bytes
+        │   ├── BinFull                    the bin is at its configured max_items / max_bytes
+        │   └── QuotaExceeded              the user is at its max_memory / max_connections
         ├── AuthenticationError            no token, a wrong token, or a server without it
-        ├── PermissionDenied               the read-only token may not do this
+        ├── PermissionDenied               the user (or the read-only token) may not do this
         ├── StorageUnavailable             the server cannot write its data log (a full disk):
         │                                  writes are refused until it can, reads go on
         ├── Lagged                         a stream consumer fell behind and items it had not
@@ -66,6 +67,7 @@ __all__ = [
     "BinFull",
     "NestingTooDeep",
     "PermissionDenied",
+    "QuotaExceeded",
     "ProducerGone",
     "ProtocolError",
     "ReplyTimeout",
@@ -226,6 +228,15 @@ class BinFull(LimitExceeded):
     code = "bin_full"
 
 
+class QuotaExceeded(LimitExceeded):
+    """The user this client authenticated as is at its quota (``max_memory`` or
+    ``max_connections`` in the server's users file): nothing was stored (or the connection was
+    refused). The message names the user and the quota. A write that asked to wait for room
+    (``wait_room=True``) raises it once its wait runs out. Other users are not affected."""
+
+    code = "quota_exceeded"
+
+
 class WaitTimeout(Timeout, ServerError):
     """A waiting get/peek found no (newer) data within its timeout. The connection is fine."""
 
@@ -247,8 +258,9 @@ class AuthenticationError(ServerError):
 
 
 class PermissionDenied(ServerError):
-    """The connection's token may not do this (the read-only token may only peek, list, stat
-    and listen). The message names the operation; the connection stays usable."""
+    """The connection's user may not do this: the bin is outside its patterns in the server's
+    users file (the read-only token may only peek, list, stat and listen). The message names
+    the user, the operation and the bin; the connection stays usable."""
 
     code = "permission_denied"
 
@@ -333,7 +345,8 @@ class UnsupportedVersion(ServerError):
 # One table, used in both directions: wire code -> class, from the classes' own ``code``.
 ERROR_CODES: dict[str, type[TensorShareError]] = {
     cls.code: cls for cls in (ServerError, BinNotFound, InvalidRequest, LimitExceeded,
-                              MemoryLimitExceeded, BinFull, UnsupportedVersion, WaitTimeout,
+                              MemoryLimitExceeded, BinFull, QuotaExceeded, UnsupportedVersion,
+                              WaitTimeout,
                               ProtocolError, SessionTakenOver, StorageUnavailable,
                               AuthenticationError, PermissionDenied, Lagged, ProducerGone,
                               ServiceFailed)

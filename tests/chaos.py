@@ -731,9 +731,10 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stderr(self) -> str:
-        self._err.flush()
-        self._err.seek(0)
-        return self._err.read()
+        # pread: the child shares this file's offset; a seek and read here would move it
+        # under the child's next write, which then overwrites what it wrote before.
+        fd = self._err.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
 
     def close(self) -> None:
         """Kill the server and release everything (idempotent)."""

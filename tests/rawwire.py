@@ -12,7 +12,17 @@ from tensorshare.wire.frames import BytesLike
 from tensorshare.wire.messages import Fetch, FetchSpec, Limits, Request
 from tensorshare.wire.protocol import AckInfo, ClientConnection, ServerConnection, op_name
 
-__all__ = ["Get", "Peek", "WireClient", "server_frames"]
+__all__ = ["Get", "Peek", "WireClient", "replaced", "server_frames"]
+
+
+def replaced(msg: Any, **changes: Any) -> Any:
+    """``msg`` with ``changes``: ``dataclasses.replace`` for a dataclass message, ``_replace``
+    for the records of every request (see tensorshare.wire.records)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(msg):
+        return dataclasses.replace(msg, **changes)
+    return msg._replace(**changes)
 
 
 def Get(rid: int, name: str, max_items: int | None = None, wait: bool = False,  # noqa: N802

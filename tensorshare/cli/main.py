@@ -11,8 +11,10 @@ so scripts can start a server and read back where it is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -145,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--read-token-file", default=None, metavar="PATH",
                      help=f"a second token that may only {_read_ops()} (dashboards, "
                           f"monitors, evaluation jobs)")
+    sec.add_argument("--users-file", default=None, metavar="PATH",
+                     help="users from a TOML file: each with its token file, the bins it may "
+                          "read and write (glob patterns) and its quotas (max_memory, "
+                          "max_connections); SIGHUP or `tensorshare reload` rereads it and "
+                          "every token file (a token file may hold several tokens, one per "
+                          "line)")
     sec.add_argument("--tls-cert", default=None, metavar="PEM",
                      help="serve TLS with this certificate (its chain after it); clients use "
                           "tensorshare+tls://HOST:PORT. Default: TENSORSHARE_TLS_CERT")
@@ -185,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
                         "TENSORSHARE_TOKEN_FILE names)")
     r.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
                    help="the CA of the upstream's certificate (default: TENSORSHARE_TLS_CA)")
+    r.add_argument("--upstream-user", default=None, metavar="NAME",
+                   help="the user of the upstream token, on an upstream with a users file "
+                        "(default: TENSORSHARE_USER)")
 
     # The connection options every client command takes, as the clients do.
     conn = argparse.ArgumentParser(add_help=False)
@@ -204,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     conn.add_argument("--token-file", default=None, metavar="PATH",
                       help="the server's token (default: TENSORSHARE_TOKEN or the file "
                            "TENSORSHARE_TOKEN_FILE names)")
+    conn.add_argument("--user", default=None, metavar="NAME",
+                      help="the user the token is for, on a server with a users file "
+                           "(default: TENSORSHARE_USER, else 'default')")
 
     ls = sub.add_parser("ls", parents=[conn], help="the bins: kind, items, bytes, what they "
                         "hold, version, listeners, last change")
@@ -282,6 +296,13 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--token-file", default=None, metavar="PATH",
                     help="the servers' token (default: TENSORSHARE_TOKEN or the file "
                          "TENSORSHARE_TOKEN_FILE names)")
+    rb.add_argument("--user", default=None, metavar="NAME",
+                    help="the user the token is for (default: TENSORSHARE_USER)")
+
+    rl = sub.add_parser("reload", parents=[conn], help="make a server reread its users file "
+                        "and token files, as SIGHUP does (for an admin user)")
+    rl.add_argument("--server", dest="host", default=None, metavar="URL",
+                    help="the server (the same as --host)")
 
     h = sub.add_parser("health", parents=[conn], help="exit 0 if the server answers a ping "
                        "within --timeout, else 1 (one line each way): for readiness and "
@@ -369,20 +390,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(_memory_line(server.factory.config.max_memory), flush=True)
         print(_security_line(server), flush=True)
         print(_hot_path_line(), flush=True)
-        if server.factory.config.insecure and not server.factory.keys:
+        _reload_on_sighup(server)
+        if server.factory.config.insecure and not server.factory.users.authenticating:
             print("warning: --insecure: this server accepts connections from other machines "
                   "and has no token; only use it on a trusted network", file=sys.stderr,
                   flush=True)
 
     security: dict[str, Any] = {"insecure": args.insecure}
-    try:
-        if args.token_file is not None:
-            security["token"] = _read(args.token_file)
-        if args.read_token_file is not None:
-            security["read_token"] = _read(args.read_token_file)
-    except OSError as exc:
-        print(f"tensorshare serve: cannot read a token file: {exc}", file=sys.stderr)
-        return 2
+    # Token files are read by the server (at start, and again on every reload).
+    for name in ("token_file", "read_token_file", "users_file"):
+        if getattr(args, name) is not None:
+            security[name] = getattr(args, name)
+    if args.token_file is None and not os.environ.get("TENSORSHARE_TOKEN") and \
+            os.environ.get("TENSORSHARE_TOKEN_FILE"):
+        security["token_file"] = os.environ["TENSORSHARE_TOKEN_FILE"]
     for name in ("tls_cert", "tls_key"):
         if getattr(args, name) is not None:
             security[name] = getattr(args, name)
@@ -430,7 +451,7 @@ def _relaying(args: argparse.Namespace, ready: Any) -> Any:
         ready(server)
         relay = Relay(_upstream(args) or "", args.bins or ["*"], server=server,
                       poll=args.poll, token_file=args.upstream_token_file,
-                      tls_ca=args.upstream_tls_ca)
+                      tls_ca=args.upstream_tls_ca, user=args.upstream_user)
         print(f"relaying {', '.join(relay.globs)} of {relay.upstream} (read-only)", flush=True)
 
     return start
@@ -441,11 +462,16 @@ def _with_dashboard(args: argparse.Namespace, config: Any, ready: Any,
     """``serve --dashboard-port``: the config (with a read-only token made for this run when
     the server has a token but no read-only one: the dashboard connects with a read-only
     token, never the read-write one, and only it knows this one) and ``ready``."""
-    generated = bool(config.token and not config.read_token)
-    if generated:
-        import dataclasses
-        import secrets
+    from ..server.auth import has_tokens
+    from ..wire.auth import tokens_of
 
+    generated = False
+    if config.read_token is None and config.read_token_file is not None:
+        # (the newest of the file's tokens, as a client given the file uses)
+        with open(config.read_token_file, "rb") as f:
+            config = dataclasses.replace(config, read_token=tokens_of(f.read())[-1].decode())
+    elif config.read_token is None and has_tokens(config):
+        generated = True
         config = dataclasses.replace(config, read_token=secrets.token_urlsafe(32))
     return config, _beside(args, config, ready, dashboards, show_token=generated)
 
@@ -528,11 +554,34 @@ def _read(path: str) -> str:
 
 def _security_line(server: Any) -> str:
     config = server.factory.config
-    keys = server.factory.keys
-    auth = "off (no token)" if not keys else (
-        "token required" + (", read-only token too" if "read" in keys else ""))
+    users = server.factory.users.table
+    auth = "off (no token)" if not users else (
+        "token required" + (", read-only token too" if "readonly" in users else ""))
+    if config.users_file is not None:
+        auth += f"; users: {', '.join(sorted(users))} (from {config.users_file})"
     tls = "on" if config.tls_cert else "off"
     return f"authentication: {auth}; TLS: {tls}"
+
+
+def _reload_on_sighup(server: Any) -> None:
+    """``kill -HUP``: reread the users file and every token file (in the server's thread; a
+    file that fails to parse keeps the old users and says why, on stderr)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def reload() -> None:
+        try:
+            names = server.factory.reload_users()
+        except ValueError as exc:
+            print(f"tensorshare serve: reload failed, the old users stay: {exc}",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"reloaded the users: {', '.join(names) or 'none'}", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGHUP, lambda signum, frame: server.reactor.callFromThread(reload))
 
 
 def _hot_path_line() -> str:
@@ -646,7 +695,8 @@ def _health(args: argparse.Namespace) -> int:
         try:
             with Client(args.host, args.port, timeout=args.timeout, reconnect=False,
                         session=False, name="tensorshare-health", shm=False, tls=args.tls,
-                        tls_ca=args.tls_ca, token_file=args.token_file) as c:
+                        tls_ca=args.tls_ca, token_file=args.token_file,
+                        user=args.user) as c:
                 c.ping()
                 result.append((c.address, time.monotonic() - start))
         except BaseException as exc:  # reported by the waiting thread below
@@ -693,7 +743,7 @@ def _rebalance(args: argparse.Namespace) -> int:
 
     try:
         with ShardedClient(args.servers, timeout=args.timeout,
-                           token_file=args.token_file) as c:
+                           token_file=args.token_file, user=args.user) as c:
             moved = c.rebalance(args.drain, progress=_Progress())
     except (ValueError, OSError) as exc:
         print(f"tensorshare rebalance: {exc}", file=sys.stderr)
@@ -701,6 +751,24 @@ def _rebalance(args: argparse.Namespace) -> int:
     for name, where in sorted(moved.items()):
         print(f"{name} -> {where}")
     print(f"moved {len(moved)} bins")
+    return 0
+
+
+def _reload(args: argparse.Namespace) -> int:
+    """``tensorshare reload``: the server rereads its users file and token files."""
+    from ..client.blocking import Client
+    from ..errors import TensorShareError
+
+    try:
+        with Client(args.host, args.port, timeout=args.timeout, reconnect=False, session=False,
+                    name="tensorshare-reload", shm=False, tls=args.tls, tls_ca=args.tls_ca,
+                    token_file=args.token_file, user=args.user) as c:
+            c.reload_users()
+            where = c.address
+    except (TensorShareError, ValueError, OSError) as exc:
+        print(f"tensorshare reload: {exc}", file=sys.stderr)
+        return 1
+    print(f"ok: {where} reloaded its users")
     return 0
 
 
@@ -734,4 +802,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _rebalance(args)
     if args.command == "dashboard":
         return _dashboard(args)
+    if args.command == "reload":
+        return _reload(args)
     return _tool(args)

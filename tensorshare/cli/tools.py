@@ -137,7 +137,8 @@ def _client(args: argparse.Namespace, *, reconnect: bool = False) -> Client:
     try:
         return Client(args.host, args.port, timeout=args.timeout, reconnect=reconnect,
                       session=False, name=f"tensorshare-{args.command}", tls=args.tls,
-                      tls_ca=args.tls_ca, token_file=args.token_file)
+                      tls_ca=args.tls_ca, token_file=args.token_file,
+                      user=getattr(args, "user", None))
     except (ValueError, OSError) as exc:  # an address or a token file the client cannot use
         raise ToolError(str(exc)) from None
 
@@ -201,6 +202,32 @@ def _totals(bins: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- other kinds
+
+
+def user_table(server: dict[str, Any]) -> list[RenderableType]:
+    """The users' table (a server with users): each one's memory held against its quota,
+    connections, requests, denials and quota refusals; only the asking user's own row when
+    it may not see the whole server."""
+    from rich import box
+    from rich.table import Table
+
+    users = server.get("users") or ({"(you)": server["user"]} if "user" in server else {})
+    if not users or set(users) == {"default"}:  # (no users file: nothing to tell apart)
+        return []
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title="users",
+                  title_justify="left")
+    for col in ("user", "memory", "of quota", "connections", "requests", "denied",
+                "over quota"):
+        table.add_column(col, justify="left" if col == "user" else "right")
+    for name, u in users.items():
+        mem, quota = u["memory"], u["memory"]["max_memory"]
+        conns = str(u["connections"]) + ("" if u["max_connections"] is None
+                                         else f" / {u['max_connections']}")
+        table.add_row(name, fmt_bytes(mem["total"]),
+                      "-" if quota is None else f"{100 * mem['total'] / quota:.0f}% of "
+                                                f"{fmt_bytes(quota)}",
+                      conns, str(u["requests"]), str(u["denials"]), str(u["refusals"]))
+    return [table]
 
 
 def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
@@ -621,7 +648,7 @@ def _monitor_view(snap: dict[str, Any] | None, rates: _Rates, address: str,
         else:
             row = [str(b["n_items"]), fmt_bytes(b["nbytes"]), str(b["listeners"])]
         table.add_row(name, *row, *(rates.cell(name, r) for r in _RATES))
-    return Group(Text(head), table, *kind_tables(bins), Text(foot))
+    return Group(Text(head), table, *kind_tables(bins), *user_table(s), Text(foot))
 
 
 def run_monitor(args: argparse.Namespace) -> int:
@@ -736,7 +763,7 @@ def run_stats(args: argparse.Namespace) -> int:
         events.add_row(key, str(counters[key]))
     for code in sorted(s["errors"]):
         events.add_row(f"errors: {code}", str(s["errors"][code]))
-    _print(_console(), Group(info, "", ops, "", events, *kind_tables(bins)))
+    _print(_console(), Group(info, "", ops, "", events, *kind_tables(bins), *user_table(s)))
     return 0
 
 

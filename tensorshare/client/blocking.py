@@ -228,6 +228,9 @@ class Client(BinClient):
             else the system's); the server's host name is checked too.
         token, token_file: the server's token (default ``TENSORSHARE_TOKEN`` or the file
             ``TENSORSHARE_TOKEN_FILE`` names); it never crosses the wire.
+        user: the user that token is for, on a server with a users file (default
+            ``TENSORSHARE_USER``; neither: the user ``default``). Its name is bound into the
+            handshake's proof.
 
     Raises:
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
@@ -251,13 +254,13 @@ class Client(BinClient):
                  connector: Callable[[], socket.socket] | None = None, shm: bool = True,
                  shm_min_bytes: int = 1 << 20, tls: bool | None = None,
                  tls_ca: str | None = None, token: str | bytes | None = None,
-                 token_file: str | None = None) -> None:
+                 token_file: str | None = None, user: str | None = None) -> None:
         if compress not in (None, "lz4", "auto"):
             raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
         self.timeout = check_timeout(timeout)
         self.reconnect = check_reconnect(reconnect)
         self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
-                                token_file=token_file)
+                                token_file=token_file, user=user)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
@@ -285,7 +288,8 @@ class Client(BinClient):
         self._forks = _FORKS  # the process it serves: a fork in the child starts it again
         self._session = ClientSession(address=self.address, timeout=self.timeout,
                                       reconnect=self.reconnect, name=name, session=session,
-                                      heartbeat=heartbeat, token=self.endpoint.token)
+                                      heartbeat=heartbeat, token=self.endpoint.token,
+                                      user=self.endpoint.user)
         if shm and self.path is not None and self._connector is None:
             from ..memory import shm as _shm
 

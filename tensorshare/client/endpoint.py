@@ -10,6 +10,9 @@ environment, resolved once for every client API and command.
   server's certificate: ``tls_ca=`` or ``TENSORSHARE_TLS_CA`` (else the system's).
 * The token: ``token=``, ``token_file=``, ``TENSORSHARE_TOKEN`` or the file
   ``TENSORSHARE_TOKEN_FILE`` names, in that order. Never from a URL.
+* The user the token is for (a server with a users file): ``user=``, else
+  ``TENSORSHARE_USER``; neither: the user ``default`` (the hello names no user, as a client
+  from before users did). A user needs its token.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from ..wire.address import Address, parse_address
-from ..wire.auth import token_bytes
+from ..wire.auth import check_user_name, token_bytes, tokens_of
 
 __all__ = ["Endpoint", "resolve"]
 
@@ -34,11 +37,13 @@ class Endpoint:
         address: where it listens (``address.tls``: TLS on).
         tls_ca: a CA file to check the server's certificate against (``None``: the system's).
         token: the key of the token to prove in the handshake (``None``: no token).
+        user: the user the token is for (``None``: none named, the user ``default``).
     """
 
     address: Address
     tls_ca: str | None = None
     token: bytes | None = None
+    user: str | None = None
 
     @property
     def tls(self) -> bool:
@@ -50,11 +55,12 @@ class Endpoint:
 
 def resolve(host: str | None = None, port: int | None = None, *, tls: bool | None = None,
             tls_ca: str | None = None, token: str | bytes | None = None,
-            token_file: str | None = None) -> Endpoint:
+            token_file: str | None = None, user: str | None = None) -> Endpoint:
     """Resolve a client's connection arguments (see the module docstring).
 
     Raises:
-        ValueError: a malformed URL, an empty token, TLS asked for a Unix socket.
+        ValueError: a malformed URL, an empty token, TLS asked for a Unix socket, a malformed
+            user name, or a user without a token.
         OSError: ``token_file`` (or ``TENSORSHARE_TOKEN_FILE``) cannot be read.
     """
     env_url = os.environ.get("TENSORSHARE_URL") or None
@@ -70,8 +76,20 @@ def resolve(host: str | None = None, port: int | None = None, *, tls: bool | Non
         if address.path is not None:
             raise ValueError("TLS is for TCP; a Unix socket is already private to this machine")
         address = Address(address.host, address.port, tls=True)
-    return Endpoint(address, tls_ca or os.environ.get("TENSORSHARE_TLS_CA") or None,
-                    _token(token, token_file))
+    key = _token(token, token_file)
+    return Endpoint(address, tls_ca or os.environ.get("TENSORSHARE_TLS_CA") or None, key,
+                    _user(user, key))
+
+
+def _user(user: str | None, key: bytes | None) -> str | None:
+    name = user if user is not None else (os.environ.get("TENSORSHARE_USER") or None)
+    if name is None:
+        return None
+    check_user_name(name)
+    if key is None:
+        raise ValueError(f"user {name!r} needs its token: give token=, token_file= (--token-file) "
+                         f"or TENSORSHARE_TOKEN / TENSORSHARE_TOKEN_FILE")
+    return name
 
 
 def _token(token: str | bytes | None, token_file: str | None) -> bytes | None:
@@ -82,5 +100,7 @@ def _token(token: str | bytes | None, token_file: str | None) -> bytes | None:
         return token_bytes(os.environ["TENSORSHARE_TOKEN"])
     if path:
         with open(path, "rb") as f:
-            return token_bytes(f.read())
+            # A file of several tokens (one per line: a server's during a rotation): the
+            # last, the newest, which the server accepts as long as it holds it.
+            return tokens_of(f.read())[-1]
     return None

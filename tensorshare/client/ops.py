@@ -34,6 +34,7 @@ from ..wire.messages import (
     ListBins,
     Listen,
     Ping,
+    Reload,
     Request,
     Stats,
     Unlisten,
@@ -361,13 +362,17 @@ class Ops(StreamOps, ServiceOps):
         check_bin_name(name, self.limits.max_name_bytes)
 
     # -- writes -----------------------------------------------------------------------------
-    def put(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+    def put(self, name: str, value: Any, *, tag: int | None = None,
+            wait_room: bool = False) -> Any:
         """Store ``value`` in bin ``name``, replacing whatever it held.
 
         Args:
             name: the bin (any non-empty str up to the server's name limit).
             value: tensors, numpy arrays, and dict/list/tuple/str/bytes/int/float/bool/None.
             tag: optional integer stored with the item (see ``min_tag`` in :meth:`fetch`).
+            wait_room: when this client's user is at its quota (``max_memory`` in the
+                server's users file), wait on the server for room (up to 80% of the client's
+                timeout, then ``QuotaExceeded``) instead of failing at once.
 
         Returns:
             The bin's new version; the server holds the value when it is returned. Do not
@@ -379,24 +384,32 @@ class Ops(StreamOps, ServiceOps):
             MemoryLimitExceeded: the server's memory limit would be exceeded.
             LimitExceeded: the value is larger than the server's frame limit.
             BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
+            QuotaExceeded: this client's user is at its ``max_memory`` (after waiting, with
+                ``wait_room``); the message names the user and the quota.
+            PermissionDenied: the user may not write this bin.
             ReplyTimeout, ConnectionLost, SessionLost: no confirmation from the server (the
                 message says whether the put may have taken effect).
         """
         item = self._item(name, value, tag)
-        return self._execute(Command(Put(0, name, item), f"put to bin {name!r}", _version))
+        put = Put(0, name, item, room=BLOCK_SHARE * self.timeout) if wait_room else \
+            Put(0, name, item)
+        return self._execute(Command(put, f"put to bin {name!r}", _version))
 
-    def append(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+    def append(self, name: str, value: Any, *, tag: int | None = None,
+               wait_room: bool = False) -> Any:
         """Append ``value`` as one item to bin ``name`` (a list is one item, never flattened).
 
         Appending to a bin that holds a put value turns it into ``[value, new]``. On a bin
         configured with ``overflow="block"`` that is full, this waits on the server for a
-        get to make room (up to 80% of the client's timeout, then ``BinFull``).
+        get to make room (up to 80% of the client's timeout, then ``BinFull``). With
+        ``wait_room``, it also waits for room in its user's quota (see :meth:`put`).
 
         Returns:
             The bin's new version. Raises: as :meth:`put`, and ``BinFull`` for a full bin.
         """
         item = self._item(name, value, tag)
-        return self._execute(Command(Append(0, name, item, BLOCK_SHARE * self.timeout),
+        return self._execute(Command(Append(0, name, item, BLOCK_SHARE * self.timeout, (),
+                                            wait_room=bool(wait_room)),
                                      f"append to bin {name!r}", _version))
 
     def delete(self, name: str) -> Any:
@@ -493,6 +506,11 @@ class Ops(StreamOps, ServiceOps):
     def stats(self, glob: str | None = None) -> Any:
         """The server's statistics and a summary of every bin (matching ``glob``).
 
+        On a server with users, a user who may not read every bin sees only the bins it
+        may read, and its own totals (``server["user"]``: memory held against its quota,
+        connections, requests, denials); one who may read ``*`` sees the whole server,
+        every user's entry included (``server["users"]``).
+
         Returns:
             ``{"server": {...}, "bins": {name: {...}}}`` (see docs/PROTOCOL.md, ``stats``).
         """
@@ -501,6 +519,16 @@ class Ops(StreamOps, ServiceOps):
     def ping(self) -> Any:
         """Round-trip to the server (raises if it does not answer within ``timeout``)."""
         return self._execute(Command(Ping(0), "ping", _none))
+
+    def reload_users(self) -> Any:
+        """Make the server reread its users file and token files (what ``SIGHUP`` does).
+
+        Raises:
+            PermissionDenied: this client's user is not an ``admin``.
+            InvalidRequest: a file does not load; the server keeps its old users (the
+                message says why).
+        """
+        return self._execute(Command(Reload(0), "reload of the users", _true))
 
     # -- listeners --------------------------------------------------------------------------
     def listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,

@@ -89,9 +89,16 @@ class Pipeline(Ops):
         self._cmds.append(cmd)
         return len(self._cmds) - 1
 
-    def append(self, name: str, value: Any, *, tag: int | None = None) -> Any:
+    def append(self, name: str, value: Any, *, tag: int | None = None,
+               wait_room: bool = False) -> Any:
         """As :meth:`Ops.append`; a lone CPU tensor is only queued here (checked, and
-        encoded at execute() with the others)."""
+        encoded at execute() with the others). An append that waits for room in its user's
+        quota (``wait_room``) is sent on its own."""
+        if wait_room:
+            item = self._host._item(name, value, tag)
+            return self._execute(Command(Append(0, name, item, BLOCK_SHARE * self.timeout, (),
+                                                wait_room=True), f"append to bin {name!r}",
+                                         _version))
         if lone_cpu_tensor(value, tag):
             if self.results is not None:
                 raise RuntimeError("this pipeline was executed already; make a new one")
@@ -203,7 +210,7 @@ class Pipeline(Ops):
                                                                 self._lazy_tags[cmd])
             return name, item, self._lazy_timeout
         req = cast(Command, cmd).request
-        if type(req) is not Append:
+        if type(req) is not Append or req.wait_room:
             return None
         return req.bin, req.item, req.timeout
 

@@ -217,12 +217,13 @@ def _with_id(request: Request, rid: int) -> Request:
     """``request`` numbered ``rid`` (the op surface makes requests with id 0)."""
     cls = type(request)
     if cls is Put:  # (the most common: one call instead of dataclasses.replace's several)
-        return Put(rid, request.bin, request.item, request.min_version)  # type: ignore[union-attr]
+        p: Put = request  # type: ignore[assignment]
+        return Put(rid, p.bin, p.item, p.min_version, p.room)
     if cls is Fetch:
         return Fetch(rid, request.bin, request.spec)  # type: ignore[union-attr]
     if cls is Append:
         a: Append = request  # type: ignore[assignment]
-        return Append(rid, a.bin, a.item, a.timeout, a.rest, a.min_version)
+        return Append(rid, a.bin, a.item, a.timeout, a.rest, a.min_version, a.wait_room)
     return replace(request, id=rid)  # type: ignore[type-var]
 
 class ClientSession:
@@ -240,14 +241,17 @@ class ClientSession:
         heartbeat: seconds of silence after which a ping checks the connection and carries
             acknowledgements; ``None``: a third of ``timeout``, at most 5 s.
         rng: random numbers for the backoff jitter.
+        token, user: the key of the token to prove, and the user it is for (named in the
+            hello and bound into the proof; ``None``: the user ``default``).
     """
 
     def __init__(self, *, address: str, timeout: float = 30.0, reconnect: bool | float = True,
                  name: str = "tensorshare-python", session: bool | bytes = True,
                  heartbeat: float | None = None, rng: random.Random | None = None,
-                 token: bytes | None = None) -> None:
+                 token: bytes | None = None, user: str | None = None) -> None:
         self.address = address
         self.token = token  # the key of the token to prove (see tensorshare.wire.auth)
+        self.user = user  # the user that token is for (None: the hello names none)
         self._nonce: bytes | None = None  # this connection's hello nonce
         self._server_nonce = b""  # the server's challenge on this connection
         self.timeout = timeout
@@ -481,7 +485,7 @@ class ClientSession:
         self._nonce = new_nonce() if self.token is not None else None
         hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, self._nonce,
                       self.session_id, self.generation > 1 and self.session_id is not None,
-                      self.shm)
+                      self.shm, self.user if self.token is not None else None)
         self._out_shared = []
         c = Call(hello.id, hello, "hello", "handshake", None, None, self.timeout, None, False,
                  now, now + self.timeout, state=SENT, sent_on=self.generation)
@@ -715,7 +719,7 @@ class ClientSession:
         assert self.token is not None and self.conn is not None
         self._server_nonce = msg.nonce
         proof = client_proof(self.token, self._nonce or b"", msg.nonce, self.session_id,
-                             self.name)
+                             self.name, self.user)
         auth = Auth(self._new_id(), proof)
         c = Call(auth.id, auth, "auth", "authentication", None, None, self.timeout, None,
                  False, now, hello.deadline, state=SENT, sent_on=self.generation)
@@ -733,7 +737,7 @@ class ClientSession:
                     f"cannot prove that it knows this client's token: is it the server you "
                     f"meant? (start it with --token-file, or connect without a token)")
         expected = server_proof(self.token, self._nonce or b"", self._server_nonce,
-                                self.session_id, self.name)
+                                self.session_id, self.name, self.user)
         if not verify(expected, msg.proof):
             return (f"the tensorshare server at {self.address} does not know this client's "
                     f"token (its proof does not match)")

@@ -124,7 +124,7 @@ class TxClient(Ops):
             :class:`tensorshare.Client`.
         timeout: seconds the server has to answer (and the first connection may take).
         reconnect: as for :class:`tensorshare.Client`.
-        tls, tls_ca, token, token_file: as for :class:`tensorshare.Client` (see
+        tls, tls_ca, token, token_file, user: as for :class:`tensorshare.Client` (see
             :mod:`tensorshare.client.endpoint`).
         compress, compress_min_bytes, name, session, heartbeat, shm, shm_min_bytes: as
             for :class:`tensorshare.Client` (over a ``unix://`` address, tensors of at least
@@ -146,12 +146,13 @@ class TxClient(Ops):
                  name: str = "tensorshare-twisted", session: bool = True,
                  heartbeat: float | None = None, shm: bool = True,
                  shm_min_bytes: int = 1 << 20,
-                 connector: Callable[[TxClient], Any] | None = None) -> None:
+                 connector: Callable[[TxClient], Any] | None = None,
+                 user: str | None = None) -> None:
         if compress not in (None, "lz4", "auto"):
             raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
         self.reactor = reactor
         self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
-                                token_file=token_file)
+                                token_file=token_file, user=user)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)
@@ -160,7 +161,8 @@ class TxClient(Ops):
         self.compress, self.compress_min_bytes = compress, compress_min_bytes
         self.session = ClientSession(address=self.address, timeout=self.timeout,
                                      reconnect=self.reconnect, name=name, session=session,
-                                     heartbeat=heartbeat, token=self.endpoint.token)
+                                     heartbeat=heartbeat, token=self.endpoint.token,
+                                     user=self.endpoint.user)
         pool = receive_pool()
         if pool is not None:  # large values land in memory a dropped value gave back
             self.session.allocate = pool.take
@@ -657,7 +659,7 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
             session: bool = True, heartbeat: float | None = None, tls: bool | None = None,
             tls_ca: str | None = None, token: str | bytes | None = None,
             token_file: str | None = None, shm: bool = True,
-            shm_min_bytes: int = 1 << 20) -> Deferred[TxClient]:
+            shm_min_bytes: int = 1 << 20, user: str | None = None) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
@@ -674,7 +676,7 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
         session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).
         heartbeat: seconds of silence before a ping checks the connection (see
             :class:`tensorshare.Client`).
-        tls, tls_ca, token, token_file: see :mod:`tensorshare.client.endpoint`.
+        tls, tls_ca, token, token_file, user: see :mod:`tensorshare.client.endpoint`.
         shm, shm_min_bytes: over a ``unix://`` address, pass tensors of at least
             ``shm_min_bytes`` through shared memory (see :class:`tensorshare.Client`).
 
@@ -689,5 +691,6 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
     client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
                       compress=compress, compress_min_bytes=compress_min_bytes, name=name,
                       session=session, heartbeat=heartbeat, tls=tls, tls_ca=tls_ca,
-                      token=token, token_file=token_file, shm=shm, shm_min_bytes=shm_min_bytes)
+                      token=token, token_file=token_file, shm=shm, shm_min_bytes=shm_min_bytes,
+                      user=user)
     return client.start()

@@ -72,7 +72,8 @@ class Relay:
             ``relay_of`` set; what ``tensorshare relay`` does).
         poll: seconds between listings of the upstream (to find new bins).
         timeout: the upstream client's timeout.
-        upstream_options: more arguments of the upstream client (``token``, ``tls_ca``...).
+        upstream_options: more arguments of the upstream client (``token``, ``user``,
+            ``tls_ca``...): the relay reads the upstream as its own user.
     """
 
     def __init__(self, upstream: str, bins: Sequence[str] | str = ("*",), *,

@@ -1,6 +1,6 @@
-"""What the server needs to authenticate clients: its keys (the read-write token and the
-read-only one), the check that refuses to listen beyond loopback without a token (protected
-mode), and a bounded memory of failed attempts per address, which slows a guesser down.
+"""What the server needs to authenticate clients besides its users (:mod:`.users`): the check
+that refuses to listen beyond loopback without a token (protected mode), and a bounded memory
+of failed attempts per address, which slows a guesser down.
 
 The handshake itself is in :mod:`.connection`; the proofs in :mod:`tensorshare.wire.auth`.
 """
@@ -11,10 +11,9 @@ import ipaddress
 import time
 from collections import OrderedDict
 
-from ..wire.auth import token_bytes
 from .config import ServerConfig
 
-__all__ = ["FailedAttempts", "check_exposure", "is_loopback", "keys_of", "read_ops",
+__all__ = ["FailedAttempts", "check_exposure", "has_tokens", "is_loopback", "read_ops",
            "read_ops_text"]
 
 
@@ -34,18 +33,10 @@ def read_ops_text() -> str:
     return f"{', '.join(ops[:-1])} and {ops[-1]}"
 
 
-def keys_of(config: ServerConfig) -> dict[str, bytes]:
-    """``{"write": key, "read": key}`` for the tokens the server has (empty: no tokens)."""
-    keys: dict[str, bytes] = {}
-    if config.token:
-        keys["write"] = token_bytes(config.token)
-    if config.read_token:
-        if "write" not in keys:
-            raise ValueError("a read-only token needs a read-write token too (--token-file)")
-        keys["read"] = token_bytes(config.read_token)
-        if keys["read"] == keys["write"]:
-            raise ValueError("the read-only token must differ from the read-write token")
-    return keys
+def has_tokens(config: ServerConfig) -> bool:
+    """Whether the configuration makes clients prove a token (a token, a token file or a
+    users file)."""
+    return bool(config.token or config.token_file or config.users_file)
 
 
 def is_loopback(host: str) -> bool:
@@ -66,7 +57,7 @@ def check_exposure(host: str, config: ServerConfig, *, cli: bool = False) -> Non
             ``config.insecure`` was not given; the message says what to do, in the terms
             of the command line (``cli``) or of Python (``EmbeddedServer`` / ``run_server``).
     """
-    if is_loopback(host) or config.token or config.insecure:
+    if is_loopback(host) or has_tokens(config) or config.insecure:
         return
     if cli:
         how = ("Give the server a token (--token-file PATH, or TENSORSHARE_TOKEN / "

@@ -82,6 +82,11 @@ class ServerConfig:
             names. ``None``: no authentication.
         read_token: a second token that may only send the ops the op table marks ``read``
             (peek, list, listen, unlisten, ping, cancel, stats, bye).
+        token_file, read_token_file: files holding those tokens (one per line, each valid:
+            rotation), read at start and again on every reload (``SIGHUP``); they are the
+            built-in users ``default`` and ``readonly`` (see :mod:`tensorshare.server.users`).
+        users_file: a TOML file of users, each with its token file, the bins it may read and
+            write, and its quotas (see :mod:`tensorshare.server.users`); reread on reload.
         insecure: listen beyond loopback without a token (protected mode refuses otherwise).
         tls_cert, tls_key: PEM files of the server's certificate (its chain after it) and
             private key: the TCP port speaks TLS (clients use ``tensorshare+tls://``).
@@ -109,6 +114,9 @@ class ServerConfig:
     pool_bytes: int = 256 << 20
     token: str | None = field(default_factory=env_token, repr=False)
     read_token: str | None = field(default=None, repr=False)
+    token_file: str | None = None
+    read_token_file: str | None = None
+    users_file: str | None = None
     insecure: bool = False
     tls_cert: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_CERT"))
     tls_key: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_KEY"))

@@ -16,7 +16,7 @@ cdef class Connection:
     cdef public FrameDecoder _decoder
     cdef public object _st
     cdef public double last_rx, _pass_start
-    cdef public object version, session, _timer, _ack, _stall, _greeting, _out
+    cdef public object version, session, _timer, _ack, _stall, _greeting, _out, user, usage
     cdef public object _serving, _answered
     cdef public str client_name, peer, role
     cdef public set listening

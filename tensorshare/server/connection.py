@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .core import ServerFactory
     from .handlers import Route
     from .transports import _ZeroCopy
+    from .users import Usage, User
 
 __all__ = ["ServerProtocol"]
 
@@ -109,6 +110,9 @@ class Connection:
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
         self._greeting: tuple[Hello, bytes] | None = None  # a hello and our challenge's nonce
         self.role = "write"  # what the handshake allowed: "write", or "read" (read-only token)
+        # The user the handshake proved (see .users), and what it holds: set by _greeted.
+        self.user: User | None = None
+        self.usage: Usage | None = None
         # The server's parts every request meets, looked up once.
         self._responder = factory.responder
         self._sessions = factory.sessions
@@ -599,8 +603,8 @@ class ServerProtocol(Connection, Protocol):
                 f"client speaks protocol versions {list(msg.versions)}, this server speaks "
                 f"{list(PROTOCOL_VERSIONS)}"))
             return
-        if not f.keys:
-            self._greeted(msg, msg.id, "write", None)
+        if not f.users.authenticating:
+            self._greeted(msg, msg.id, f.users.anonymous, None)
             return
         if msg.nonce is None:
             self._auth_failed(msg.id, "this server requires a token: give the client the "
@@ -614,13 +618,21 @@ class ServerProtocol(Connection, Protocol):
     def _auth(self, msg: Auth) -> None:
         assert self._greeting is not None
         hello, nonce = self._greeting
-        for role, key in self.factory.keys.items():
-            args = (key, hello.nonce or b"", nonce, hello.session, hello.client)
-            if verify(client_proof(*args), msg.proof):
-                self._greeted(hello, msg.id, role, server_proof(*args))
+        users = self.factory.users.candidates(hello.user)
+        # (an unknown user costs one proof like a known one: the time does not tell)
+        keys: list[tuple[Any, bytes]] = [(u, k) for u in users for k in u.keys] or \
+            [(None, new_nonce())]
+        for user, key in keys:
+            args = (key, hello.nonce or b"", nonce, hello.session, hello.client, hello.user)
+            if verify(client_proof(*args), msg.proof) and user is not None:
+                self._greeted(hello, msg.id, user, server_proof(*args))
                 return
-        self._auth_failed(msg.id, "wrong token: the client's proof does not match this "
-                                  "server's token")
+        self._auth_failed(msg.id, (
+            f"wrong token for user {hello.user!r} (or no such user): the client's proof does "
+            f"not match" if hello.user is not None else
+            "wrong token: the client's proof does not match this server's token" + (
+                "" if users else " (this server has users: name yours with user=, "
+                                 "TENSORSHARE_USER or --user)")))
 
     def _auth_failed(self, rid: int, why: str) -> None:
         f = self.factory
@@ -634,9 +646,13 @@ class ServerProtocol(Connection, Protocol):
         else:
             self._refuse(rid, error)
 
-    def _greeted(self, msg: Hello, rid: int, role: str, proof: bytes | None) -> None:
+    def _greeted(self, msg: Hello, rid: int, user: User, proof: bytes | None) -> None:
         """The handshake succeeded: attach the session and answer with the server's terms."""
         f = self.factory
+        refused = f.users.refuse(self, user, msg.session)  # its quota, another's session
+        if refused is not None:
+            self._refuse(rid, refused)
+            return
         resumed = False
         if msg.session is not None:
             try:
@@ -648,7 +664,9 @@ class ServerProtocol(Connection, Protocol):
                 f.ack(self.session, *self._ack)
                 self._ack = None
         self.version = max(set(msg.versions) & set(PROTOCOL_VERSIONS))
+        role = user.role()
         self.client_name, self.role, self._greeting = msg.client, role, None
+        f.users.bind(self, user)
         self.shm = msg.shm and bool(getattr(self.transport, "_passes_fds", False)) and \
             shm.available()
         self.conn.handshake_done()
@@ -656,9 +674,10 @@ class ServerProtocol(Connection, Protocol):
         how = "resumed its session" if resumed else (
             "new session" if msg.session is not None else "no session")
         log.info("{client!r} at {peer} connected ({how}{ro})", client=msg.client,
-                 peer=self.peer, how=how, ro=", read-only" if role == "read" else "")
+                 peer=self.peer, how=how, ro=(", read-only" if role == "read" else "") + (
+                     f", user {user.name!r}" if user.name != "default" else ""))
         self.send(HelloReply(rid, self.version, f"tensorshare/{__version__}", f.config.limits,
-                             resumed, f.server_id, self.shm, proof, role))
+                             resumed, f.server_id, self.shm, proof, role, user.name))
 
     def _refuse(self, rid: int, error: TensorShareError) -> None:
         """Answer the handshake with ``error`` and close: it failed."""

@@ -28,7 +28,7 @@ from ..wire.protocol import (
     encode_message,
     item_wire_size,
 )
-from .auth import FailedAttempts, keys_of
+from .auth import FailedAttempts
 from .config import ServerConfig
 from .handlers import Responder
 from .kinds import kinds_for
@@ -36,6 +36,7 @@ from .persist import Loaded, Persistence
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats, bin_stats, server_stats
 from .store import Store
+from .users import Users
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
@@ -131,7 +132,7 @@ class ServerFactory(Factory):
         #: The bytes queued on every connection's transport, kept by the transports.
         self.ledger = QueuedLedger()
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
-        self.keys = keys_of(config)  # the tokens' keys by role; empty: no authentication
+        self.users = Users(self)  # who may connect, with which rights and quotas
         self.auth_failures = FailedAttempts()
         self.kinds = kinds_for(self)  # streams, services: the bins beside the store's
         self.responder = Responder(self)
@@ -338,7 +339,7 @@ class ServerFactory(Factory):
         n = 0
         # Latest get first: each goes in front, so the earliest ends up first, as taken.
         for name, reply, _ in reversed(restore):
-            self.restore(name, reply, logged=True)
+            self.restore(name, reply, logged=True, owner=s.usage)
             n += len(reply.items)
         if n:
             log.info("a session ended; {n} item(s) it had taken but not acknowledged went "
@@ -352,17 +353,19 @@ class ServerFactory(Factory):
             # Logged only when it releases get items: else a restart could give them back.
             self.persist.session_record("ack", s.id, through=through, open=list(open_ids))
 
-    def restore(self, name: str, reply: Fetched, *, logged: bool = False) -> None:
+    def restore(self, name: str, reply: Fetched, *, logged: bool = False,
+                owner: Any = None) -> None:
         """Put the items of a get reply back at the front of their bin.
 
         ``logged``: the data log already has a record that replays this restore.
+        ``owner``: the user they count for again (the one whose session had taken them).
         """
         journal = self.store.journal
         if logged:
             self.store.journal = None
         try:
             self.store.restore(name, reply.kind,
-                               [(it, item_wire_size(it), it.tag) for it in reply.items])
+                               [(it, item_wire_size(it), it.tag) for it in reply.items], owner)
         finally:
             self.store.journal = journal
 
@@ -504,6 +507,10 @@ class ServerFactory(Factory):
     def server_stats(self) -> dict[str, Any]:
         """The server-wide statistics of the ``stats`` reply (see :mod:`.stats`)."""
         return server_stats(self)
+
+    def reload_users(self) -> list[str]:
+        """Reread the users file and the token files (``SIGHUP``; see :mod:`.users`)."""
+        return self.users.reload()
 
     def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
         """A summary of every bin (matching ``glob``) for the ``stats`` reply."""

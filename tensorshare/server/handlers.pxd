@@ -8,6 +8,7 @@ cdef class Route:
     cdef public str op
     cdef public object handler
     cdef public bint mutating, read, store, logged
+    cdef public str access
 
 
 @cython.final
@@ -15,7 +16,7 @@ cdef class Responder:
     cdef public object server
     cdef dict _handlers
     cdef list _kind_tables
-    cdef public object relay_of
+    cdef public object relay_of, _users
     cdef dict _routes
     cdef Route _get, _peek
 
@@ -24,4 +25,4 @@ cdef class Responder:
     cpdef object handle(self, object conn, object msg, Route route=*)
 
 
-cpdef object put_effect(object store, object msg, object ctx=*)
+cpdef object put_effect(object store, object msg, object ctx=*, object owner=*)

@@ -72,10 +72,10 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 
 
 # -- effects: the changes to the store, shared with the data log's replay --------------------
-def put_effect(store: Store, msg: Put, ctx: Ctx = None) -> Stored:
-    """Replace a bin's content with the put's item."""
+def put_effect(store: Store, msg: Put, ctx: Ctx = None, owner: Any = None) -> Stored:
+    """Replace a bin's content with the put's item (charged to ``owner``, a user's usage)."""
     w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx,
-                  msg.min_version)
+                  msg.min_version, owner)
     return Stored(msg.id, w.version, w.n_items)
 
 
@@ -131,20 +131,23 @@ class Route:
             later (or was already).
         mutating: its reply is remembered for the session (exactly once across reconnects).
         read: allowed with the read-only token and on a relay.
+        access: what the connection's user needs on the request's bin (``Op.access``).
         store: a request on a value or list bin (a bin of another kind refuses it).
         logged: it writes to the data log, so a full disk refuses it first.
     """
 
-    __slots__ = ("op", "handler", "mutating", "read", "store", "logged")
+    __slots__ = ("op", "handler", "mutating", "read", "store", "logged", "access")
 
     def __init__(self, op: str, handler: Callable[[ServerProtocol, Any], Reply | None],
-                 mutating: bool, read: bool, store: bool, logged: bool) -> None:
+                 mutating: bool, read: bool, store: bool, logged: bool,
+                 access: str = "write") -> None:
         self.op = op
         self.handler = handler
         self.mutating = mutating
         self.read = read
         self.store = store
         self.logged = logged
+        self.access = access
 
     def __repr__(self) -> str:
         return f"Route({self.op!r}, mutating={self.mutating}, read={self.read})"
@@ -173,6 +176,8 @@ class Responder:
         }
         for kind in server.kinds:
             self._handlers.update(kind.handlers())
+        self._handlers.update(server.users.handlers())
+        self._users = server.users
         self._kind_tables = [kind.table for kind in server.kinds]
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
@@ -186,7 +191,7 @@ class Responder:
     def _route_of(self, name: str, cls: type) -> Route:
         op = OPS[name]
         return Route(name, self._handlers.get(cls, self._unexpected), op.mutating, op.read,
-                     cls in _STORE_OPS, cls in EFFECTS or name == "get")
+                     cls in _STORE_OPS, cls in EFFECTS or name == "get", op.access)
 
     def route(self, msg: Request) -> Route:
         """How ``msg`` is served (one dict lookup: asked for every request and reply)."""
@@ -199,15 +204,19 @@ class Responder:
                ) -> Reply | None:
         """Serve one request of ``conn`` (after its handshake): the reply to send, or ``None``
         when it is answered later (a waiting get, a held append) or already was (a resent
-        request, a request of another kind). Never raises: a failure costs this request an
-        error reply, never the connection or the server.
+        request, a refusal of the user's patterns, a request of another kind). Never raises:
+        a failure costs this request an error reply, never the connection or the server.
 
         The connection alone remembers, encodes and writes replies (:meth:`ServerProtocol.answer`).
         """
         if route is None:
             route = self.route(msg)
-        if not route.read and (conn.role == "read" or self.relay_of is not None):
+        if not route.read and self.relay_of is not None:
             return self._refuse_write(msg, route.op)
+        user = conn.user  # what it may do (see .users): one check, skipped for a user who
+        conn.usage.requests += 1  # type: ignore[union-attr]  # may do all without a quota
+        if not user.unrestricted and not self._users.admit(conn, route, msg):  # type: ignore[union-attr]
+            return None
         s = conn.session
         if s is not None and route.mutating:
             old = s.replies.get(msg.id)
@@ -234,10 +243,8 @@ class Responder:
             return ErrorReply(msg.id, ServerError.code, "internal server error; see the server log")
 
     def _refuse_write(self, msg: Request, op: str) -> ErrorReply:
-        """The answer to a write that this connection's role (or a relay) does not allow."""
+        """The answer to a write that a relay does not allow."""
         return ErrorReply(msg.id, PermissionDenied.code, (
-            f"{op} is not allowed with the read-only token (it may {read_ops_text()}); use "
-            f"the read-write token" if self.relay_of is None else
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
             f"read-only ({read_ops_text()}); write to that primary"))
 
@@ -251,7 +258,7 @@ class Responder:
 
     # -- writes -----------------------------------------------------------------------------
     def _put(self, conn: ServerProtocol, msg: Put) -> Reply:
-        return put_effect(self.server.store, msg, conn.ctx(msg))
+        return put_effect(self.server.store, msg, conn.ctx(msg), conn.usage)
 
     def _append(self, conn: ServerProtocol, msg: Append) -> Reply | None:
         store = self.server.store
@@ -263,7 +270,8 @@ class Responder:
             conn.answer(msg, _stored(rid, w) if isinstance(w, Written)
                         else ErrorReply(rid, code_for(w), str(w)))
 
-        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg), msg.min_version)
+        result = store.append_or_wait(msg.bin, entries, stored, conn.ctx(msg), msg.min_version,
+                                      conn.usage)
         if isinstance(result, Written):
             return _stored(rid, result)
         # A full "block" bin: wait for room, up to the append's timeout (a cancel or a
@@ -319,11 +327,12 @@ class Responder:
                                     f"{msg.spec.timeout or 0.0:g} s"))
 
     def _list(self, conn: ServerProtocol, msg: ListBins) -> Reply:
-        return Listing(msg.id, self.server.store.list())
+        return Listing(msg.id, self._users.readable(conn, self.server.store.list()))
 
     def _stats(self, conn: ServerProtocol, msg: Stats) -> Reply:
-        f = self.server
-        return StatsReply(msg.id, f.server_stats(), f.bin_stats(msg.glob))
+        f = self.server  # (a user who may not read every bin sees its own: see .users)
+        return StatsReply(msg.id, *self._users.stats(conn, f.server_stats,
+                                                      f.bin_stats(msg.glob)))
 
     # -- listeners and the rest -------------------------------------------------------------
     def _listen(self, conn: ServerProtocol, msg: Listen) -> Reply:
@@ -370,7 +379,7 @@ class Responder:
             if f.persist is not None:
                 f.persist.session_record("forget", s.id, id=target)
             f.sessions.forget(s, target)
-            f.restore(done.bin, done.reply, logged=True)
+            f.restore(done.bin, done.reply, logged=True, owner=s.usage)
             return Acked(msg.id, True)
         return Acked(msg.id, False)
 

@@ -134,6 +134,7 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     yield _by_label("errors", "error replies sent, by error code", "code", stats["errors"])
     yield from _counters(stats["counters"])
     yield _latency(stats["latency"])
+    yield from _user_families(stats.get("users", {}))
     if per_bin:
         yield from _bin_families(bins)
         yield from _stream_families(bins)
@@ -250,6 +251,43 @@ def _bin_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         bytes_in.add_metric([name], b["bytes_in"])
         bytes_out.add_metric([name], b["bytes_out"])
     yield from (items, nbytes, listeners, version, ops, bytes_in, bytes_out)
+
+
+def _user_families(users: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per user (see tensorshare.server.users): memory held against its quota, connections,
+    requests, denials and quota refusals."""
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "memory": GaugeMetricFamily("tensorshare_user_memory_bytes",
+                                    "bytes the user's writes hold now (stored, its sessions, "
+                                    "its queued output and frames arriving): what counts "
+                                    "against its max_memory", labels=["user"]),
+        "max_memory": GaugeMetricFamily("tensorshare_user_max_memory_bytes",
+                                        "the user's max_memory quota", labels=["user"]),
+        "connections": GaugeMetricFamily("tensorshare_user_connections",
+                                         "the user's connections open now", labels=["user"]),
+        "max_connections": GaugeMetricFamily("tensorshare_user_max_connections",
+                                             "the user's max_connections quota",
+                                             labels=["user"]),
+        "requests": CounterMetricFamily("tensorshare_user_requests",
+                                        "requests the user sent", labels=["user"]),
+        "denials": CounterMetricFamily("tensorshare_user_denials",
+                                       "requests refused permission_denied (outside the "
+                                       "user's patterns)", labels=["user"]),
+        "refusals": CounterMetricFamily("tensorshare_user_quota_refusals",
+                                        "writes and connections refused quota_exceeded",
+                                        labels=["user"]),
+    }
+    for name, u in sorted(users.items()):
+        mem = u["memory"]
+        fams["memory"].add_metric([name], mem["total"])
+        if mem["max_memory"] is not None:
+            fams["max_memory"].add_metric([name], mem["max_memory"])
+        fams["connections"].add_metric([name], u["connections"])
+        if u["max_connections"] is not None:
+            fams["max_connections"].add_metric([name], u["max_connections"])
+        for key in ("requests", "denials", "refusals"):
+            fams[key].add_metric([name], u[key])
+    yield from fams.values()
 
 
 def _stream_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:

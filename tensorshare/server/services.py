@@ -86,6 +86,7 @@ class _Call:
     at: float  # when it was queued (reactor seconds)
     attach: _Attach | None = None
     done: bool = False
+    usage: Any = None  # the caller's user (its Usage), which the call counts for until done
 
 
 @dataclass(eq=False, slots=True)
@@ -320,8 +321,13 @@ class ServiceKind:
         if full and (not msg.wait_room or msg.timeout == 0 or len(svc.room) >= svc.max_queue):
             raise BinFull(f"service {svc.name!r} has {len(svc.queue)} calls queued, its "
                           f"max_queue={svc.max_queue}; the call was not queued")
+        usage = conn.usage  # its user's quota first, then the server's memory
+        if usage is not None:
+            usage.check_room(nbytes + CALL_COST, f"a call to service {svc.name!r}")
         self._check_memory(nbytes + CALL_COST, f"a call to service {svc.name!r}")
-        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now())
+        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage)
+        if usage is not None:
+            usage.stored += nbytes + CALL_COST
         self._attach(c, conn, msg)
         self._calls[(owner, msg.id)] = c
         self._owned.setdefault(owner, {})[msg.id] = c
@@ -377,6 +383,9 @@ class ServiceKind:
                 owned.pop(c.rid, None)
                 if not owned:
                     del self._owned[c.owner]
+        if c.usage is not None:  # answered, failed or given up: no longer its caller's
+            c.usage.stored -= c.nbytes + CALL_COST
+            c.usage = None
 
     def _deliver(self, c: _Call, reply: Any) -> None:
         """Answer a call once: on its connection, else in its session (the resend gets it)."""

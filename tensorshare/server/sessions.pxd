@@ -17,7 +17,7 @@ cdef class ServerSession:
     cdef public dict replies
     cdef public object held
     cdef public object attached
-    cdef public object remembered_bytes
+    cdef public object remembered_bytes, usage
     cdef public list order
 
     cpdef object lookup(self, object rid)

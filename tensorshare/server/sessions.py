@@ -59,13 +59,17 @@ class ServerSession:
         held: bytes of get items held for this session.
         attached: the connection currently serving the session (opaque), or ``None``.
         remembered_bytes: rough size of the remembered replies themselves.
+        usage: the bookkeeping of the user the session belongs to (see
+            :mod:`~tensorshare.server.users`): what the session holds counts for it (summed
+            when asked, not per request); only that user may resume the session. ``None``
+            until a connection binds it.
         order: the ids of ``replies`` as a min-heap, so an ack finds what it releases
             without scanning every remembered reply (a pipelining client may have
             thousands in flight). Entries of replies dropped another way are skipped when
             they surface.
     """
 
-    __slots__ = ("id", "replies", "held", "attached", "remembered_bytes", "order")
+    __slots__ = ("id", "replies", "held", "attached", "remembered_bytes", "usage", "order")
 
     def __init__(self, id: bytes) -> None:
         self.id = id
@@ -73,6 +77,7 @@ class ServerSession:
         self.held = 0
         self.attached: Any = None
         self.remembered_bytes = 0
+        self.usage: Any = None
         self.order: list[int] = []
 
     def __repr__(self) -> str:
@@ -123,6 +128,10 @@ class SessionTable:
     def full(self) -> bool:
         """Whether a new session needs room first."""
         return len(self.sessions) >= self.max_sessions
+
+    def nbytes_of(self, s: ServerSession) -> int:
+        """What one session holds (counted as in :attr:`nbytes`)."""
+        return s.held + s.remembered_bytes + self.SESSION_COST
 
     def detach(self, s: ServerSession, expires: float) -> None:
         """The connection of ``s`` is gone; it expires at ``expires`` unless resumed."""
@@ -207,6 +216,8 @@ class SessionTable:
                    if r.bin is not None and isinstance(r.reply, Fetched)]
         self._drop(s, list(s.replies))
         s.order.clear()
+        if s.usage is not None:  # (no longer one of its user's: see users.Usage.sessions)
+            s.usage.owned.discard(s)
         self.sessions.pop(s.id, None)
         self.detached.pop(s.id, None)
         return restore  # type: ignore[return-value]

@@ -148,6 +148,7 @@ def server_stats(f: ServerFactory) -> dict[str, Any]:
         "bytes_in": f.stats.bytes_in(open_in),
         "bytes_out": report["bytes_out"],
         "latency": report["latency"],
+        "users": f.users.describe(),
     }
 
 

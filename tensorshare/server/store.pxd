@@ -12,7 +12,7 @@ cdef class Written:
 @cython.final
 @cython.freelist(256)
 cdef class _Entry:
-    cdef public object item, nbytes, tag
+    cdef public object item, nbytes, tag, owner
 
 
 @cython.final
@@ -39,7 +39,7 @@ cdef class Waiter:
 cdef class Blocked:
     cdef public str name
     cdef public list entries
-    cdef public object callback, ctx, min_version
+    cdef public object callback, ctx, min_version, owner
     cdef public bint active
 
 
@@ -51,7 +51,7 @@ cdef class Store:
     cpdef object config(self, str name)
     @cython.locals(old=_Bin, b=_Bin)
     cpdef Written put(self, str name, object item, object nbytes, object tag=*, object ctx=*,
-                      object min_version=*)
+                      object min_version=*, object owner=*)
     @cython.locals(m=_Meta)
     cpdef _count(self, str name, str op, object bytes_in, object bytes_out)
     @cython.locals(m=_Meta)

@@ -19,6 +19,9 @@ Semantics (pinned in tests and in docs/PROTOCOL.md):
 * A bin may be bounded (``configure``): at ``max_items`` items or ``max_bytes`` bytes an append
   is refused (``BinFull``), pushes the oldest items out (``drop_oldest``), or waits until a get
   makes room (``block``, through ``append_or_wait``).
+* A write may name an ``owner`` (its user's bookkeeping, see :mod:`.users`): each item is
+  charged to its writer (``owner.stored``) until it leaves its bin, and a write that would
+  take the owner over its quota is refused first (``owner.check_room``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from __future__ import annotations
 import builtins
 import fnmatch
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BinFull, BinNotFound, MemoryLimitExceeded
+from ..errors import BinFull, BinNotFound, LimitExceeded, MemoryLimitExceeded
 from ..wire.records import (
     Fetched,
     FetchSpec,
@@ -95,12 +98,21 @@ _UNBOUNDED = BinConfig()
 
 
 class _Entry:
-    __slots__ = ("item", "nbytes", "tag")
+    __slots__ = ("item", "nbytes", "tag", "owner")
 
-    def __init__(self, item: Any, nbytes: int, tag: int | None) -> None:
+    def __init__(self, item: Any, nbytes: int, tag: int | None, owner: Any = None) -> None:
         self.item = item
         self.nbytes = nbytes
         self.tag = tag
+        self.owner = owner  # who the item is charged to (a user's Usage), if anyone
+
+
+def _uncharge(entries: Iterable[_Entry]) -> None:
+    """Items leave their bin: they no longer count for their writers."""
+    for e in entries:
+        o = e.owner
+        if o is not None:
+            o.stored -= e.nbytes
 
 
 class _Bin:
@@ -145,17 +157,18 @@ class Waiter:
 class Blocked:
     """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served."""
 
-    __slots__ = ("name", "entries", "callback", "ctx", "active", "min_version")
+    __slots__ = ("name", "entries", "callback", "ctx", "active", "min_version", "owner")
 
     def __init__(self, name: str, entries: list[tuple[Any, int, int | None]],
                  callback: Callable[[Written], None], ctx: Any = None,
-                 min_version: int | None = None) -> None:
+                 min_version: int | None = None, owner: Any = None) -> None:
         self.name = name
         self.entries = entries
         self.callback = callback
         self.ctx = ctx
         self.active = True
         self.min_version = min_version
+        self.owner = owner
 
 
 class Store:
@@ -285,6 +298,7 @@ class Store:
         old = self._bins.pop(name, None)
         if old is not None:
             self.nbytes -= old.nbytes
+            _uncharge(old.entries)
         if not entries:
             return
         b = self._bins[name] = _Bin(kind)
@@ -292,6 +306,13 @@ class Store:
             b.entries.append(_Entry(item, nbytes, tag))
             b.nbytes += nbytes
         self.nbytes += b.nbytes
+
+    def owned_by(self, name: str, owner: Any) -> int:
+        """Bytes of bin ``name``'s items charged to ``owner``."""
+        b = self._bins.get(name)
+        if b is None:
+            return 0
+        return sum(e.nbytes for e in b.entries if e.owner is owner)
 
     @property
     def n_waiters(self) -> int:
@@ -305,12 +326,13 @@ class Store:
 
     # -- changes ----------------------------------------------------------------------------
     def put(self, name: str, item: Any, nbytes: int, tag: int | None = None,
-            ctx: Any = None, min_version: int | None = None) -> Written:
+            ctx: Any = None, min_version: int | None = None, owner: Any = None) -> Written:
         """Replace the bin's content with one value (as version ``max(current + 1,
-        min_version)``).
+        min_version)``; charged to ``owner``, if given).
 
         Raises:
             BinFull: the value alone is larger than the bin's ``max_bytes``.
+            QuotaExceeded: ``owner`` would exceed its quota; nothing changed.
             MemoryLimitExceeded: the server would exceed ``max_memory``; nothing changed.
         """
         cfg = self.config(name)
@@ -318,12 +340,19 @@ class Store:
             raise BinFull(f"a value of {nbytes} bytes does not fit bin {name!r}: its "
                           f"max_bytes={cfg.max_bytes}; nothing was stored")
         old = self._bins.get(name)
+        if owner is not None and owner.max_memory is not None:  # (a user with a quota)
+            owner.check_room(nbytes - self.owned_by(name, owner),
+                             f"storing {nbytes} bytes in bin {name!r}")
         self._check_memory(name, nbytes - (old.nbytes if old else 0), nbytes)
         if self.journal is not None:
             self.journal("put", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag,
                                             "min_version": min_version})
-        b = _Bin("value", deque([_Entry(item, nbytes, tag)]), nbytes)
+        b = _Bin("value", deque([_Entry(item, nbytes, tag, owner)]), nbytes)
         self.nbytes += nbytes - (old.nbytes if old else 0)
+        if old is not None:
+            _uncharge(old.entries)
+        if owner is not None:
+            owner.stored += nbytes
         self._bins[name] = b
         self._count(name, "put", nbytes, 0)
         version, n = self._changed(name, "put", b, 0, min_version)
@@ -357,10 +386,11 @@ class Store:
         b = self._bins.pop(name, None)
         if b is not None:
             self.nbytes -= b.nbytes
+            _uncharge(b.entries)
         self._meta.pop(name, None)
 
     def append(self, name: str, item: Any, nbytes: int, tag: int | None = None,
-               ctx: Any = None) -> Written:
+               ctx: Any = None, owner: Any = None) -> Written:
         """Add one item at the end of the bin (a list value is one item, never flattened).
 
         A bin at its limits refuses the item (``reject``, and ``block`` here: blocking is
@@ -370,15 +400,17 @@ class Store:
             BinFull: the bin is full (or the item alone exceeds its ``max_bytes``).
             MemoryLimitExceeded: the server would exceed ``max_memory``; nothing changed.
         """
-        return self.append_many(name, [(item, nbytes, tag)], ctx)
+        return self.append_many(name, [(item, nbytes, tag)], ctx, None, owner)
 
     def append_many(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
-                    ctx: Any = None, min_version: int | None = None) -> Written:
+                    ctx: Any = None, min_version: int | None = None,
+                    owner: Any = None) -> Written:
         """Add several items at the end of the bin, all or none, as one change (one version:
-        ``max(current + 1, min_version)``).
+        ``max(current + 1, min_version)``), charged to ``owner`` if given.
 
         Raises:
-            as :meth:`append`, for the items together: nothing is stored then.
+            as :meth:`append`, for the items together: nothing is stored then;
+            ``QuotaExceeded``: ``owner`` would exceed its quota.
         """
         b = self._bins.get(name)
         cfg = self.config(name)
@@ -389,6 +421,10 @@ class Store:
             if drop and cfg.overflow != "drop_oldest":
                 raise self._full(name, cfg, len(entries))
         freed = sum(b.entries[i].nbytes for i in range(drop)) if (b and drop) else 0
+        if owner is not None and owner.max_memory is not None:  # (a user with a quota)
+            mine = sum(b.entries[i].nbytes for i in range(drop)
+                       if b.entries[i].owner is owner) if (b and drop) else 0
+            owner.check_room(nbytes - mine, f"appending {nbytes} bytes to bin {name!r}")
         self._check_memory(name, nbytes - freed, nbytes)
         if self.journal is not None:
             self.journal("append", name, ctx, {"entries": entries, "min_version": min_version})
@@ -398,19 +434,23 @@ class Store:
             e = b.entries.popleft()
             b.nbytes -= e.nbytes
             self.nbytes -= e.nbytes
+            if e.owner is not None:
+                e.owner.stored -= e.nbytes
         b.kind = "list"  # a put value becomes the first item of the list
         add = b.entries.append
         for item, size, tag in entries:
-            add(_Entry(item, size, tag))
+            add(_Entry(item, size, tag, owner))
         b.nbytes += nbytes
         self.nbytes += nbytes
+        if owner is not None:
+            owner.stored += nbytes
         self._count(name, "append", nbytes, 0)
         version, n = self._changed(name, "append", b, drop, min_version)
         return Written(version, n, drop)
 
     def append_or_wait(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
                        callback: Callable[[Written], None], ctx: Any = None,
-                       min_version: int | None = None) -> Written | Blocked:
+                       min_version: int | None = None, owner: Any = None) -> Written | Blocked:
         """Append now if the bin has room (or is not a ``block`` bin), else wait for room.
 
         Args:
@@ -425,11 +465,11 @@ class Store:
         """
         cfg = self.config(name)
         if cfg.overflow != "block" or not cfg.bounded:
-            return self.append_many(name, entries, ctx, min_version)
+            return self.append_many(name, entries, ctx, min_version, owner)
         queue = self._blocked.get(name)
         if not queue and not self._room(name, self._bins.get(name), cfg, entries):
-            return self.append_many(name, entries, ctx, min_version)
-        blocked = Blocked(name, entries, callback, ctx, min_version=min_version)
+            return self.append_many(name, entries, ctx, min_version, owner)
+        blocked = Blocked(name, entries, callback, ctx, min_version, owner)
         self._blocked.setdefault(name, deque()).append(blocked)
         return blocked
 
@@ -445,6 +485,7 @@ class Store:
         if self.journal is not None:
             self.journal("delete", name, ctx, {})
         self.nbytes -= b.nbytes
+        _uncharge(b.entries)
         self._count(name, "delete", 0, 0)
         version, _ = self._changed(name, "delete", None)
         if name in self._blocked:
@@ -466,12 +507,15 @@ class Store:
                 self._serve_blocked(name)
         return config
 
-    def restore(self, name: str, kind: str, items: builtins.list[tuple[Any, int, int | None]]) -> int:
+    def restore(self, name: str, kind: str, items: builtins.list[tuple[Any, int, int | None]],
+                owner: Any = None) -> int:
         """Put items a client took but never received back at the front of their bin.
 
         A "value" taken from a bin that holds something again is superseded (a put would
         have replaced it) and dropped; list items go in front of whatever the bin holds now,
         in their order. Limits are not applied: these items were in the bin before.
+
+        ``owner``: who they are charged to from now on (the user whose get had taken them).
 
         Returns:
             The bin's version after the restore (unchanged if nothing was restored).
@@ -490,9 +534,11 @@ class Store:
         else:
             b.kind = "list"
         for item, nbytes, tag in reversed(items):
-            b.entries.appendleft(_Entry(item, nbytes, tag))
+            b.entries.appendleft(_Entry(item, nbytes, tag, owner))
             b.nbytes += nbytes
             self.nbytes += nbytes
+            if owner is not None:
+                owner.stored += nbytes
         self._count(name, "restore", 0, 0)
         version, _ = self._changed(name, "restore", b)
         return version
@@ -669,8 +715,8 @@ class Store:
             blk.active = False
             try:
                 written: Written | BaseException = self.append_many(
-                    name, blk.entries, blk.ctx, blk.min_version)
-            except (BinFull, MemoryLimitExceeded) as exc:
+                    name, blk.entries, blk.ctx, blk.min_version, blk.owner)
+            except LimitExceeded as exc:  # BinFull, MemoryLimitExceeded, QuotaExceeded
                 written = exc
             blk.callback(written)  # type: ignore[arg-type]
             q = self._blocked.get(name)
@@ -733,6 +779,10 @@ class Store:
         if remove:
             b.nbytes -= nbytes
             self.nbytes -= nbytes
+            for e in chosen:
+                o = e.owner
+                if o is not None:
+                    o.stored -= e.nbytes
             version, left = self._after_removal(name, b, nbytes)
         else:
             left = len(b.entries)
@@ -744,6 +794,8 @@ class Store:
         """A taking fetch with ``min_tag``: the stale items are garbage for this caller, so
         they go here (counted for the next reply), never shipped."""
         self._unreported_drops[name] = self._unreported_drops.get(name, 0) + dropped
+        kept = {id(e) for e in fresh}
+        _uncharge(e for e in b.entries if id(e) not in kept)
         stale = b.nbytes - sum(e.nbytes for e in fresh)
         self.nbytes -= stale
         b.nbytes -= stale

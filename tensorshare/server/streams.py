@@ -120,6 +120,7 @@ class _Entry:
     offset: int  # samples of its epoch before it (a mark: the epoch's total)
     n: int = 0  # samples it holds
     aborted: bool = False  # (a mark) the epoch was cut short: a producer died
+    owner: Any = None  # the producer's user (its Usage) the item counts for while kept
 
 
 @dataclass(slots=True)
@@ -725,6 +726,15 @@ class Stream:
             f = self.epoch_start
         return f
 
+    def charge(self, pos: int, count: int, owner: Any) -> None:
+        """Count the ``count`` items appended at ``pos`` that are still kept for ``owner`` (a
+        user's usage) until they are freed."""
+        for i in range(max(pos - self.base, 0), min(pos + count - self.base, len(self.entries))):
+            e = self.entries[i]
+            if e.item is not None and e.owner is None:
+                e.owner = owner
+                owner.stored += e.nbytes
+
     def _settle(self, now: float) -> None:
         """Free what nobody needs; start or stop the stall clock of each consumer."""
         floor = self._floor()
@@ -732,6 +742,8 @@ class Stream:
         while self.base < floor and entries:
             e = entries.popleft()
             self.nbytes -= e.nbytes
+            if e.owner is not None:
+                e.owner.stored -= e.nbytes
             if e.item is not None:
                 self.n_items -= 1
             self.base += 1
@@ -979,6 +991,10 @@ class StreamKind:
                 names.discard(st.name)
                 if not names:
                     del self._by_owner[m.owner]
+        for e in st.entries:  # (what it still kept no longer counts for its producers)
+            if e.owner is not None:
+                e.owner.stored -= e.nbytes
+                e.owner = None
         self._versions[st.name] = st.version
         if len(self._versions) > 100_000:  # a bound: the oldest names are forgotten
             del self._versions[next(iter(self._versions))]
@@ -1040,9 +1056,15 @@ class StreamKind:
     def _store(self, st: Stream, w: _Waiting) -> None:
         """Store a checked, ready append and answer it (or answer why it cannot be)."""
         msg: StreamAppend = w.msg
-        self._check_memory(sum(n for _, n, _ in w.entries), f"an append to stream {st.name!r}")
+        nbytes = sum(n for _, n, _ in w.entries)
+        usage = w.conn.usage  # its user's quota first, then the server's memory
+        if usage is not None:
+            usage.check_room(nbytes, f"an append of {nbytes} bytes to stream {st.name!r}")
+        self._check_memory(nbytes, f"an append to stream {st.name!r}")
         pos = st.append(msg.producer, w.entries, self._now())
         self._recount(st)
+        if usage is not None:
+            st.charge(pos, len(w.entries), usage)
         self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
 
     def _hold(self, st: Stream, w: _Waiting) -> None:

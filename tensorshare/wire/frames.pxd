@@ -18,7 +18,7 @@ cdef class OversizedFrame:
     cdef public bytes header
     cdef public object payload_len
     cdef public object limit
-    cdef public str reason
+    cdef public object reason
 
 
 cpdef Py_ssize_t aligned(Py_ssize_t n)

@@ -52,6 +52,7 @@ __all__ = [
     "Message",
     "Ping",
     "Put",
+    "Reload",
     "Reply",
     "Request",
     "Stats",
@@ -98,6 +99,8 @@ class Hello:
             without a session (no exactly-once replay; e.g. a one-shot command-line tool).
         resume: the client has used this session before (on an earlier connection) and
             asks the server to carry it on.
+        user: the user the client authenticates as (its token is that user's; the name is
+            bound into the proof); ``None``: the user ``default``.
     """
 
     id: int
@@ -107,6 +110,7 @@ class Hello:
     session: bytes | None = None
     resume: bool = False
     shm: bool = False  # the client can pass large buffers as sealed memfds (Unix socket)
+    user: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +189,16 @@ class Configure:
     overflow: str = "reject"
 
 
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """Reread the server's users file and token files (what ``SIGHUP`` does); only for a user
+    allowed to (``admin``)."""
+
+    id: int
+
+
 Request = Union[Hello, Put, Append, Fetch, ListBins, Delete, Listen, Unlisten, Ping, Cancel,
-                Stats, Configure, Bye, Auth]
+                Stats, Configure, Bye, Auth, Reload]
 
 
 # -- replies and notifications (server -> client) ---------------------------------------------
@@ -201,8 +213,9 @@ class HelloReply:
             persistence, so a client can tell that versions started again.
         shm: buffers may travel as sealed memfds on this connection, both ways.
         proof: after a challenge, the server's proof that it knows the token too.
-        role: what the connection may do: ``"write"`` (everything) or ``"read"`` (the
-            read-only token: the ops the op table marks ``read``).
+        role: what the connection may do: ``"write"`` or ``"read"`` (the read-only token's
+            user, or a user that may write nothing).
+        user: the user the connection acts as (``"default"`` unless the hello named another).
     """
 
     id: int
@@ -214,6 +227,7 @@ class HelloReply:
     shm: bool = False
     proof: bytes | None = None
     role: str = "write"
+    user: str = "default"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from ..errors import (
     NestingTooDeep,
     ProtocolError,
 )
-from .auth import MECH, NONCE_BYTES
+from .auth import MECH, NONCE_BYTES, check_user_name
 from .codec import validate
 from .frames import (
     FORMAT_VERSION,
@@ -73,6 +73,7 @@ from .messages import (
     Listing,
     Message,
     Ping,
+    Reload,
     Reply,
     Request,
     Stats,
@@ -96,6 +97,7 @@ from .records import (
 )
 
 __all__ = [
+    "ACCESS",
     "MAX_APPEND_ITEMS",
     "MAX_OPEN_ACKS",
     "MAX_VERSION",
@@ -300,7 +302,12 @@ class Op:
             (re-running the request would change something twice).
         fields: every header key the request may carry (docs/PROTOCOL.md lists these).
         read: a connection with the read-only token may send it (it changes nothing others
-            can see).
+            can see); a relay serves only these.
+        access: what a user must be allowed on the request's ``bin`` (see :data:`ACCESS`):
+            ``"read"``, ``"write"``, ``"take"`` (both: a get reads and removes), ``"admin"``
+            (not about a bin: only a user with ``admin = true``) or ``"none"`` (no bin, or
+            one it only answers with what the user may read). A new op needs write unless
+            its row says otherwise.
     """
 
     name: str
@@ -311,12 +318,24 @@ class Op:
     mutating: bool
     fields: tuple[str, ...]
     read: bool = False
+    access: str = "write"
+
+
+#: The values of :attr:`Op.access`.
+ACCESS = ("none", "read", "write", "take", "admin")
 
 
 def _store_header(m: Put | Append) -> dict[str, Any]:
     h: dict[str, Any] = {"bin": m.bin}
-    if type(m) is Append and m.timeout is not None:
-        h["timeout"] = m.timeout
+    if isinstance(m, Append):
+        if m.timeout is not None:
+            h["timeout"] = m.timeout
+        if m.wait_room:
+            h["wait_room"] = True
+    elif m.room is not None:  # (a put: its wait for room in the user's quota)
+        h["wait_room"] = True
+        if m.room != math.inf:
+            h["timeout"] = m.room
     if m.min_version is not None:
         h["min_version"] = m.min_version
     return h
@@ -347,13 +366,18 @@ def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
             raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
                            f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
         items = _parse_items(h, payload, limits.max_depth)
+        wait_room = _bool(h, "wait_room") if "wait_room" in h else False
         if cls is Append:
             if not items:
                 raise _Invalid("append carries at least one item")
             return Append(rid, name, items[0], _timeout(h), tuple(items[1:]),
-                          _min_version(h))
+                          _min_version(h), wait_room)
         if len(items) != 1:
             raise _Invalid(f"put carries exactly one item, got {len(items)}")
+        if wait_room:
+            room = _timeout(h)
+            return Put(rid, name, items[0], _min_version(h),
+                       math.inf if room is None else room)
         return Put(rid, name, items[0], _min_version(h))
     return parse
 
@@ -421,6 +445,8 @@ def _hello_header(m: Hello) -> dict[str, Any]:
             h["resume"] = True
     if m.shm:
         h["shm"] = True
+    if m.user is not None:
+        h["user"] = m.user
     return h
 
 
@@ -432,9 +458,15 @@ def _parse_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     if session is not None and (not isinstance(session, bytes)
                                 or len(session) != SESSION_ID_BYTES):
         raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
+    user = h.get("user")
+    if user is not None:
+        try:
+            check_user_name(user)
+        except ValueError as exc:
+            raise _Invalid(f"'user': {exc}") from None
     return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
                  _hello_nonce(h.get("auth")), session,
-                 _bool(h, "resume") and session is not None, _bool(h, "shm"))
+                 _bool(h, "resume") and session is not None, _bool(h, "shm"), user)
 
 
 def _hello_nonce(auth: Any) -> bytes | None:
@@ -464,10 +496,12 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     except ValueError as exc:
         raise _Invalid(f"impossible limits in the handshake: {exc}") from None
     server_id, proof, role = h.get("server_id", ""), h.get("proof"), h.get("role", "write")
+    user = h.get("user", "default")
     return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
                       _bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
                       _bool(h, "shm"), proof if isinstance(proof, bytes) else None,
-                      role if role in ("read", "write") else "write")
+                      role if role in ("read", "write") else "write",
+                      user if isinstance(user, str) else "default")
 
 
 def _parse_auth(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
@@ -543,12 +577,19 @@ def _no_fields(m: Any) -> dict[str, Any]:
 def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: _Parse,
         parse_reply: _ParseReply, mutating: bool, *fields: str) -> Op:
     return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
-              name in _READ_OPS)
+              name in _READ_OPS, _ACCESS[name])
 
 
 # What a connection with the read-only token may send: nothing that changes what others see.
 _READ_OPS = frozenset({"hello", "auth", "peek", "list", "listen", "unlisten", "ping", "cancel",
                        "stats", "bye"})
+# What each op needs of a user on its bin (see Op.access). ``list`` and ``stats`` answer
+# with what the user may read; ``unlisten``, ``cancel`` and ``bye`` only undo the
+# connection's own doing.
+_ACCESS = {"hello": "none", "auth": "none", "put": "write", "append": "write", "get": "take",
+           "peek": "read", "list": "none", "delete": "write", "listen": "read",
+           "unlisten": "none", "ping": "none", "cancel": "none", "stats": "none",
+           "configure": "write", "bye": "none", "reload": "admin"}
 
 
 _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", "newer_than")
@@ -556,11 +597,11 @@ _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", 
 #: The op table: wire op -> how to encode, parse and reply to it.
 OPS: dict[str, Op] = {op.name: op for op in (
     _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
-        "versions", "client", "auth", "session", "resume", "shm"),
+        "versions", "client", "auth", "session", "resume", "shm", "user"),
     _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items",
-        "min_version"),
+        "timeout", "wait_room", "min_version"),
     _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
-        "bin", "items", "timeout", "min_version"),
+        "bin", "items", "timeout", "wait_room", "min_version"),
     _op("get", Fetch, _fetch_header, _parse_fetch(True), _reply_fetched, True, *_FETCH_FIELDS),
     _op("peek", Fetch, _fetch_header, _parse_fetch(False), _reply_fetched, False,
         *_FETCH_FIELDS),
@@ -578,6 +619,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
         "bin", "max_items", "max_bytes", "overflow"),
     _op("bye", Bye, _no_fields, lambda rid, h, p, lim: Bye(rid), _reply_acked, False),
     _op("auth", Auth, lambda m: {"proof": m.proof}, _parse_auth, _reply_hello, False, "proof"),
+    _op("reload", Reload, _no_fields, lambda rid, h, p, lim: Reload(rid), _reply_acked, False),
 )}
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")
@@ -599,7 +641,8 @@ def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
         "max_depth": lim.max_depth, "max_name_bytes": lim.max_name_bytes},
         "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {}),
         **({"proof": m.proof} if m.proof is not None else {}),
-        **({"role": m.role} if m.role != "write" else {})}
+        **({"role": m.role} if m.role != "write" else {}),
+        **({"user": m.user} if m.user != "default" else {})}
 
 
 def _fetched_header(f: Fetched) -> dict[str, Any]:
@@ -651,8 +694,8 @@ def _fetched_reply(m: Fetched) -> tuple[dict[str, Any], Sequence[Item]]:
 
 
 def _put_request(m: Put) -> tuple[dict[str, Any], Sequence[Item]]:
-    if m.min_version is not None:
-        return {"op": "put", "id": m.id, "bin": m.bin, "min_version": m.min_version}, (m.item,)
+    if m.min_version is not None or m.room is not None:
+        return {"op": "put", "id": m.id, **_store_header(m)}, (m.item,)
     return {"op": "put", "id": m.id, "bin": m.bin}, (m.item,)
 
 
@@ -1239,7 +1282,8 @@ class ServerConnection(_Side):
     def _oversized(self, rid: int, frame: OversizedFrame) -> BadRequest:
         """The answer to a request whose payload was refused (over a limit, or no memory)."""
         if frame.reason:
-            return BadRequest(rid, MemoryLimitExceeded.code,
+            # (a budget may say which error it is: a user's quota is not the server's memory)
+            return BadRequest(rid, getattr(frame.reason, "code", MemoryLimitExceeded.code),
                               f"a request of {frame.payload_len} payload bytes was refused: "
                               f"{frame.reason}; nothing was stored")
         if not self.greeted:

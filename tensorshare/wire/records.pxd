@@ -35,7 +35,7 @@ cdef class FetchSpec(Record):
 
 @cython.final
 cdef class Put(Record):
-    cdef readonly object id, min_version
+    cdef readonly object id, min_version, room
     cdef readonly str bin
     cdef readonly Item item
 
@@ -43,6 +43,7 @@ cdef class Put(Record):
 @cython.final
 cdef class Append(Record):
     cdef readonly object id, timeout, rest, min_version
+    cdef readonly bint wait_room
     cdef readonly str bin
     cdef readonly Item item
 

@@ -44,6 +44,12 @@ class Record:
     def __hash__(self) -> int:
         return hash(self._values())
 
+    def _replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (as ``dataclasses.replace`` does for a dataclass)."""
+        fields = self._shown or self._fields
+        return type(self)(**{f: changes[f] if f in changes else getattr(self, f)
+                             for f in fields})
+
     def __repr__(self) -> str:
         shown = self._shown or self._fields
         args = ", ".join([f"{f}={getattr(self, f)!r}" for f in shown])
@@ -188,36 +194,44 @@ class Put(Record):
 
     ``min_version``: the bin's new version is at least this (``max(current + 1,
     min_version)``): a bin moved to another server keeps its version (``rebalance``).
+    ``room``: when the user's ``max_memory`` has no room for it, wait up to this many seconds
+    for room (``math.inf``: until cancelled or disconnected); ``None``: fail at once.
     """
 
-    __slots__ = ("id", "bin", "item", "min_version")
+    __slots__ = ("id", "bin", "item", "min_version", "room")
     _fields = __slots__
 
-    def __init__(self, id: int, bin: str, item: Item, min_version: int | None = None) -> None:
+    def __init__(self, id: int, bin: str, item: Item, min_version: int | None = None,
+                 room: float | None = None) -> None:
         self.id = id
         self.bin = bin
         self.item = item
         self.min_version = min_version
+        self.room = room
 
 
 class Append(Record):
     """Add items to a bin: ``item``, then those in ``rest``, all or none, as one change.
 
     ``timeout``: how long an append to a full ``block`` bin may wait for room (``None``:
-    until the client cancels it or disconnects). ``min_version``: as :class:`Put`'s.
+    until the client cancels it or disconnects); with ``wait_room``, also how long it may wait
+    for room in its user's ``max_memory`` (else it fails at once when there is none).
+    ``min_version``: as :class:`Put`'s.
     """
 
-    __slots__ = ("id", "bin", "item", "timeout", "rest", "min_version")
+    __slots__ = ("id", "bin", "item", "timeout", "rest", "min_version", "wait_room")
     _fields = __slots__
 
     def __init__(self, id: int, bin: str, item: Item, timeout: float | None = None,
-                 rest: tuple[Item, ...] = (), min_version: int | None = None) -> None:
+                 rest: tuple[Item, ...] = (), min_version: int | None = None,
+                 wait_room: bool = False) -> None:
         self.id = id
         self.bin = bin
         self.item = item
         self.timeout = timeout
         self.rest = rest
         self.min_version = min_version
+        self.wait_room = wait_room
 
     @property
     def items(self) -> tuple[Item, ...]:

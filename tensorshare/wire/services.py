@@ -286,8 +286,12 @@ def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
          parse: Callable[..., Request], parse_reply: Callable[..., Reply], mutating: bool,
          *fields: str) -> Op:
     # No service op is open to the read-only token: a call runs a host's work, a take and a
-    # reply answer other clients' calls.
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+    # reply answer other clients' calls. A user's patterns: a call needs write on the
+    # service (it queues work), hosting (take, reply) read and write ("take": it sees the
+    # callers' inputs and answers them), so a caller cannot serve other users' calls.
+    access = "write" if name == "service_call" else "take"
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
+              access=access)
 
 
 # Remembered (mutating): a call (resent after a reconnect, it is the same call, answered

@@ -489,8 +489,11 @@ def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
          parse: Callable[..., Request], parse_reply: Callable[..., Reply], mutating: bool,
          *fields: str) -> Op:
     # No stream op is open to the read-only token: each one moves a cursor or changes
-    # what the other members of the stream see.
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields))
+    # what the other members of the stream see. A user's patterns: the producers' ops need
+    # write on the stream, the consumers' read (as a Kafka consumer needs read on a topic).
+    access = "read" if name in ("stream_join", "stream_read", "stream_leave") else "write"
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
+              access=access)
 
 
 # Remembered (mutating): opening (it may end a broken epoch), appending, ending an epoch,

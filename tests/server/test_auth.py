@@ -168,7 +168,7 @@ def test_python_secures_a_server_with_token_token_file_or_insecure(
             as srv, Client("127.0.0.1", srv.port, timeout=10, token="t") as c:
         assert c.ping() is None  # the argument wins over the config's token
     with EmbeddedServer(port=0, host="0.0.0.0", insecure=True) as srv:
-        assert srv.factory.config.insecure and not srv.factory.keys
+        assert srv.factory.config.insecure and not srv.factory.users.authenticating
     with pytest.raises(ValueError, match="not both"):
         EmbeddedServer(port=0, token="a", token_file=path)
     # The seed's call, with the same keywords: serves until stopped.

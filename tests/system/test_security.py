@@ -33,7 +33,7 @@ from tensorshare.server import ServerConfig
 from tensorshare.wire.messages import ErrorReply
 from tests.chaos import HOST, ChaosProxy, Faults
 from tests.conftest import TlsFiles, wait_until
-from tests.rawwire import WireClient
+from tests.rawwire import WireClient, replaced
 
 TOKEN, READ = "a-long-random-write-token", "a-long-random-read-token"
 WAIT = 20.0
@@ -351,3 +351,127 @@ def test_the_readme_lab_tls_recipe_works(tmp_path: Any) -> None:
                    tls_ca=str(tmp_path / "client.pem"), token=TOKEN) as c:
         c.put("w", torch.arange(3))
         assert torch.equal(c.peek("w"), torch.arange(3))
+
+
+# ------------------------------------------------------------- a fuzz with users on (issue 31)
+
+BOB_SECRET = b"only-bob-may-read-this-7f3a"
+FUZZ_NAMES = ["alice/x", "alice/y", "shared/x", "bob/v", "bob/l", "bob/s", "bob/p", "x",
+              "bob/*", "*", "alice/../bob/v", "alice", "bob/v\x00", "BOB/V"]
+FUZZ_VALUES: list[Any] = [None, True, False, 0, -1, 7, 1 << 40, 1.5, float("nan"), "",
+                          "alice/x", "bob/v", b"", b"\x00" * 16, b"\x01" * 32, [], [1, 2],
+                          {}, {"op": "put"}]
+
+
+def _fuzz_frame(rng: Any, rid: int) -> bytes:
+    """A request of a random op on a random bin: well-formed, with random fields, or with
+    random bytes changed."""
+
+    import msgpack
+
+    from tensorshare.wire.frames import encode_frame
+    from tensorshare.wire.protocol import OPS, encode_message
+    from tests.rawwire import Get, Peek
+    from tests.wire.test_protocol_doc import _full_requests
+
+    op = rng.choice(list(OPS))
+    name = rng.choice(FUZZ_NAMES)
+    msg = _full_requests()[op][0]
+    if op in ("get", "peek") and rng.random() < 0.5:  # (no filter: what the bin holds)
+        msg = (Get if op == "get" else Peek)(rid, name)
+    if hasattr(msg, "bin"):
+        msg = replaced(msg, bin=name)
+    msg = replaced(msg, id=rid)
+    roll = rng.random()
+    if roll < 0.55:
+        return b"".join(bytes(c) for c in encode_message(msg)[0])
+    if roll < 0.85:
+        fields = {f for o in OPS.values() for f in o.fields}
+        header = {"op": op, "id": rid, "bin": name}
+        for key in rng.sample(sorted(fields), rng.randint(0, 6)):
+            header[key] = rng.choice(FUZZ_VALUES + FUZZ_NAMES)
+        header["op"], header["id"] = op, rid
+        return b"".join(bytes(c) for c in encode_frame(msgpack.packb(header)))
+    data = bytearray(b"".join(bytes(c) for c in encode_message(msg)[0]))
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    return bytes(data)
+
+
+def _outside_alice(f: Any) -> dict[str, Any]:
+    """What every bin alice may not write holds: no frame of hers may change it."""
+    from tensorshare.server.users import User
+
+    alice = User("alice", write=("alice/*",))
+    out: dict[str, Any] = {}
+    for name, d in f.bin_stats().items():
+        if alice.may_write(name):
+            continue
+        out[name] = (d["kind"], d["version"], d["n_items"], d["nbytes"],
+                     sorted(d.get("stream", {}).get("consumers", {})),
+                     d.get("service", {}).get("queue"))
+    return out
+
+
+def test_random_frames_never_reach_a_bin_outside_the_users_patterns(tmp_path: Any) -> None:
+    """With users on, 3,000 random frames from alice (random ops of every kind of bin, on
+    random names, with random fields or random bytes changed) never read a byte of bob's
+    bins nor change any bin outside her write patterns, and never cost an internal error."""
+    import random
+
+    from twisted.internet.testing import MemoryReactorClock
+    from twisted.logger import globalLogPublisher
+
+    from tensorshare.server.core import ServerFactory
+    from tensorshare.wire.codec import encode
+    from tensorshare.wire.messages import Item, Limits
+    from tests.server.test_users import peer, write_users
+    from tests.wire.test_protocol_doc import _full_requests
+
+    limits = Limits(max_frame_bytes=1 << 20, max_header_bytes=1 << 16)
+    f = ServerFactory(MemoryReactorClock(), config=ServerConfig(
+        token=None, users_file=str(write_users(tmp_path)), limits=limits))
+    failures: list[Any] = []
+
+    def observer(event: dict[str, Any]) -> None:
+        if "log_failure" in event:
+            failures.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        bob = peer(f, "bob")
+        secret = Item(encode(BOB_SECRET))
+        full = _full_requests()
+        for msg in (full["put"][0], full["append"][0], full["stream_open"][0],
+                    full["stream_append"][0], full["service_call"][0]):
+            name = {"Put": "bob/v", "Append": "bob/l", "ServiceCall": "bob/p"}.get(
+                type(msg).__name__, "bob/s")
+            fields = {"id": bob.rid(), "bin": name}
+            if hasattr(msg, "item"):
+                fields["item"] = secret
+            if hasattr(msg, "rest"):
+                fields["rest"] = ()
+            if hasattr(msg, "samples") and type(msg).__name__ == "StreamAppend":
+                fields["samples"] = None
+            bob.send(replaced(msg, **fields))
+        bob.received()
+        before = _outside_alice(f)
+        assert {"bob/v", "bob/l", "bob/s", "bob/p"} <= set(before), before
+        rng = random.Random(31)
+        alice = peer(f, "alice")
+        seen = bytearray()
+        for i in range(3000):
+            if i % 20 == 0 and "bob/v" not in f.store:  # (only if a frame of hers took it:
+                bob.put("bob/v", BOB_SECRET)  # then the state check below fails too)
+                bob.received()
+            alice.write(_fuzz_frame(rng, alice.rid()))
+            seen += alice.transport.value()
+            alice.transport.clear()
+            if alice.transport.disconnecting or alice.proto.conn.receiving:
+                alice.lose()  # closed (or stuck in a frame a changed length made): again
+                alice = peer(f, "alice")
+        assert BOB_SECRET not in seen
+        assert _outside_alice(f) == before
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert not failures, failures[0].get("log_text") or failures[0]

@@ -52,6 +52,7 @@ from tensorshare.wire.messages import (
     Listing,
     Ping,
     Put,
+    Reload,
     Stats,
     StatsReply,
     Stored,
@@ -257,9 +258,9 @@ ITEM = Item(codec.encode([1, "a", b"b"]), tag=5)
 NONCE = bytes(range(32))
 # One request per op, with every optional field set where the op has any.
 SAMPLE_REQUESTS: dict[str, Any] = {
-    "hello": Hello(1, (1, 2), "me", NONCE, SESSION, True),
-    "put": Put(2, "w", ITEM),
-    "append": Append(3, "w", ITEM, 2.5),
+    "hello": Hello(1, (1, 2), "me", NONCE, SESSION, True, False, "alice"),
+    "put": Put(2, "w", ITEM, 7, 2.5),
+    "append": Append(3, "w", ITEM, 2.5, (), 7, True),
     "get": Get(4, "w", 2, True, 1.5, 1, 4, 2),
     "peek": Peek(5, "w", 2, True, 1.5, 1, 4, 2),
     "list": ListBins(6),
@@ -272,6 +273,7 @@ SAMPLE_REQUESTS: dict[str, Any] = {
     "configure": Configure(13, "w", 5, 1 << 20, "drop_oldest"),
     "bye": Bye(14),
     "auth": Auth(15, b"p" * 32),
+    "reload": Reload(16),
 }
 
 REQUESTS: list[Any] = [
@@ -521,6 +523,9 @@ REPLIES: list[tuple[Any, Any]] = [
      HelloReply(1, 1, "tensorshare/9.9", LIMITS, True, "0123456789abcdef")),
     (Hello(1, (1,), "c", NONCE), Challenge(1, b"n" * 32)),
     (Auth(2, b"p" * 32), HelloReply(2, 1, "t/1", LIMITS, False, "ab", False, b"q" * 32, "read")),
+    (Auth(2, b"p" * 32), HelloReply(2, 1, "t/1", LIMITS, False, "ab", False, b"q" * 32, "write",
+                                    "alice")),
+    (Reload(3), Acked(3, True)),
     (Put(2, "b", item_of(1)), Stored(2, 5, 1)),
     (Append(3, "b", item_of(1)), Stored(3, 6, 2)),
     (Append(3, "b", item_of(1), 1.0), Stored(3, 9, 4, dropped=3)),

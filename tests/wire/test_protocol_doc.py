@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import socket
 import struct
@@ -66,6 +67,7 @@ from tensorshare.wire.messages import (
     Message,
     Ping,
     Put,
+    Reload,
     Stats,
     StatsReply,
     Stored,
@@ -464,9 +466,10 @@ def test_ack_fields_are_documented_once_for_every_request() -> None:
 def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True)],
-        "put": [Put(2, "w", item, 4)],
-        "append": [Append(2, "w", item, 1.5, (), 4)],
+        "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True, "alice")],
+        "put": [Put(2, "w", item, 4), Put(2, "w", item, room=1.5),
+                Put(2, "w", item, room=math.inf)],
+        "append": [Append(2, "w", item, 1.5, (), 4), Append(2, "w", item, 1.5, (), wait_room=True)],
         "get": [Get(3, "w", 2, True, 1.5, 1, 4, 2)],
         "peek": [Peek(3, "w", 2, True, 1.5, 1, 4, 2)],
         "list": [ListBins(4)],
@@ -479,6 +482,7 @@ def _full_requests() -> dict[str, list[Message]]:
         "configure": [Configure(11, "w", 5, 1024, "block")],
         "bye": [Bye(12)],
         "auth": [Auth(13, b"p" * 32)],
+        "reload": [Reload(23)],
         "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640)],
         "stream_append": [StreamAppend(15, "s", 1, 0, item, (item,), (64, 64), 1.5)],
         "stream_end": [StreamEnd(16, "s", 1, 0, 128, True, 1.5)],
@@ -525,7 +529,7 @@ def _reply_cases() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
         "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True,
-                                                  b"p" * 32, "read")],
+                                                  b"p" * 32, "read", "alice")],
         "reply-challenge": [Challenge(1, b"n" * 32)],
         "reply-put": [Stored(2, 1, 1), Stored(2, 3, 2, dropped=1)],
         "reply-get": [Fetched(3, "list", (item, item), 5, 1, 2),
@@ -615,7 +619,9 @@ def test_stats_tables_match_a_live_server() -> None:
             return f.server_stats(), f.bin_stats()
 
         stats, bins = srv.call(fill)
-    assert _flat(stats, ("memory", "waiting", "latency")) == documented_fields("stats-server")
+    # (``user``, the asking connection's own entry, is added to each reply: see users.stats)
+    assert _flat(stats, ("memory", "waiting", "latency")) | {"user"} == \
+        documented_fields("stats-server")
     assert set(bins) == {"q", "w"}  # data or limits
     for summary in bins.values():
         assert _flat(summary, ("limits",)) == documented_fields("stats-bin")
@@ -978,7 +984,8 @@ def test_doc_8_2_the_read_only_ops_are_the_op_tables_everywhere(
     assert read_ops() == ops and len(ops) == 8
     listed = ", ".join(f"`{n}`" for n in ops[:-1]) + f" and `{ops[-1]}`"
     section = " ".join(DOC.split()).split("**Read-only connections**", 1)[1]
-    assert set(re.findall(r"`(\w+)`", section.split(";", 1)[0])) - {"role"} == set(ops)
+    assert set(re.findall(r"`(\w+)`", section.split(";", 1)[0])) - {"role", "readonly"} == \
+        set(ops)
     readme = " ".join((DOC_PATH.parents[1] / "README.md").read_text(encoding="utf-8").split())
     assert f"may {listed}" in readme
     with pytest.raises(SystemExit):
