@@ -27,6 +27,7 @@ of the package.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -38,7 +39,9 @@ from . import shm
 from .pinned import pinned_pool
 from .pool import receive_pool, send_pool
 
-__all__ = ["check_device", "download", "moves", "to_device", "want_pinned"]
+__all__ = ["InFlight", "Stager", "check_device", "copy_async", "download", "host_tensor",
+           "load_into", "mark_staged", "moves", "stage_batch", "to_device", "upload",
+           "want_pinned"]
 
 
 def _torch() -> Any:
@@ -190,10 +193,7 @@ def _cuda_async(tensors: list[Any], device: Any, pool: Any) -> list[Any]:
     """CUDA only: copy on a side stream; the caller's current stream waits for the copies."""
     import torch
 
-    with _SIDE_LOCK:
-        side = _SIDE.get(device)
-        if side is None:
-            side = _SIDE[device] = torch.cuda.Stream(device)
+    side = _side_stream(device)
     current = torch.cuda.current_stream(device)
     with torch.cuda.stream(side):
         outs = [t.to(device, non_blocking=True) for t in tensors]
@@ -207,6 +207,176 @@ def _cuda_async(tensors: list[Any], device: Any, pool: Any) -> list[Any]:
     else:
         done.synchronize()  # (no pool to hold them: keep the sources until done)
     return outs
+
+
+class InFlight:
+    """A value whose copies to a device were issued (:func:`copy_async`) and may still run.
+    :meth:`take` orders them before the caller's current stream and returns the value."""
+
+    __slots__ = ("value", "event", "outs")
+
+    def __init__(self, value: Any, event: Any = None, outs: list[Any] | None = None) -> None:
+        self.value, self.event, self.outs = value, event, outs or []
+
+    def take(self) -> Any:
+        """The value on the device; work queued on the current stream from now on sees it."""
+        if self.event is not None:
+            import torch
+
+            current = torch.cuda.current_stream(self.outs[0].device)
+            current.wait_event(self.event)
+            for o in self.outs:
+                o.record_stream(current)
+        return self.value
+
+
+def copy_async(value: Any, device: Any) -> InFlight:
+    """Issue the copies of ``value``'s tensor leaves to (checked) ``device`` and return at
+    once: on a CUDA device they run on a side stream while the caller works (what overlaps
+    the copy of the next batch with the step on this one); :meth:`InFlight.take` makes the
+    current stream wait for them. Other devices copy at once.
+
+    Raises:
+        DeviceCopyFailed: issuing a copy failed (its ``value``: ``value``, on the CPU).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not moves(device):
+        return InFlight(value)
+    found: list[Any] = []
+    _collect(value, torch.Tensor, found)
+    if not found or device.type != "cuda":
+        return InFlight(to_device(value, device))
+    try:
+        outs, event = _issue(found, device)
+    except Exception as exc:
+        raise DeviceCopyFailed(f"a batch could not be copied to {device} ({type(exc).__name__}:"
+                               f" {exc}); it is in this error's .value, on the CPU",
+                               value=value, device=device) from exc
+    return InFlight(_rebuild(value, torch.Tensor, iter(outs)), event, outs)
+
+
+def _issue(tensors: list[Any], device: Any) -> tuple[list[Any], Any]:
+    """CUDA only: the copies on the side stream, and the event after them."""
+    import torch
+
+    pool = pinned_pool()
+    if pool is not None:
+        for t in tensors:
+            if t.is_cpu and t.numel():
+                pool.staged(t.data_ptr())
+    side = _side_stream(device)
+    with torch.cuda.stream(side):
+        outs = [t.to(device, non_blocking=True) for t in tensors]
+        done = torch.cuda.Event()
+        done.record(side)
+    if pool is not None:
+        pool.hold(tensors, done)
+    else:
+        done.synchronize()
+    return outs, done
+
+
+def _side_stream(device: Any) -> Any:
+    import torch
+
+    with _SIDE_LOCK:
+        side = _SIDE.get(device)
+        if side is None:
+            side = _SIDE[device] = torch.cuda.Stream(device)
+        return side
+
+
+def load_into(targets: dict[str, Any], sources: dict[str, Any]) -> None:
+    """Copy each tensor of ``sources`` into the tensor of the same name in ``targets`` (a
+    model's own parameters and buffers: no second allocation on the device), and wait for
+    the copies. The names must match; shapes are checked by ``copy_``.
+
+    Raises:
+        KeyError: a name of ``targets`` is missing from ``sources``, or the other way.
+        RuntimeError: a shape or dtype that cannot be copied.
+    """
+    missing = sorted(set(targets) - set(sources))
+    extra = sorted(set(sources) - set(targets))
+    if missing or extra:
+        raise KeyError(f"the parameters do not match the model: missing {missing[:5]}, "
+                       f"unexpected {extra[:5]}")
+    import torch
+
+    pool = pinned_pool()
+    cuda = False
+    with torch.no_grad():
+        for name, dest in targets.items():
+            src = sources[name]
+            if dest.device.type == "cuda" and pool is not None and src.is_cpu and src.numel():
+                pool.staged(src.data_ptr())
+            cuda = cuda or dest.device.type == "cuda"
+            dest.copy_(src, non_blocking=dest.device.type == "cuda")
+    if cuda:
+        torch.cuda.synchronize()  # (the sources go once this returns)
+
+
+def host_tensor(t: Any) -> Any:
+    """A CPU copy of device tensor ``t`` in the pinned pool's memory (pinned once it came
+    back), made synchronously; ``t.cpu()`` where there is no pool. For results about to be
+    sent (an inference host's outputs)."""
+    import torch
+
+    n = t.numel() * t.element_size()
+    pool = pinned_pool()
+    if t.is_cpu or pool is None or not n or t.device.type != "cuda":
+        return t.detach().cpu()
+    part = pool.take(n)
+    host = torch.frombuffer(part, dtype=torch.uint8, count=n).view(t.dtype).view(t.shape)
+    host.copy_(t.detach())
+    pool.staged(host.data_ptr())
+    return host
+
+
+def upload(t: Any, device: Any) -> Any:
+    """CPU tensor ``t`` on CUDA ``device`` in one copy queued on the current stream (work
+    queued after it sees the data); ``t``'s memory is held until the copy completed."""
+    import torch
+
+    pool = pinned_pool()
+    if pool is not None and t.numel():
+        pool.staged(t.data_ptr())
+    out = t.to(device, non_blocking=True)
+    if pool is not None:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        pool.hold([t], done)
+    return out
+
+
+def mark_staged(value: Any) -> None:
+    """Mark the host memory of ``value``'s CPU tensors as carried to a device (the pinned
+    pool pins it when it comes back: for a caller that copies them itself)."""
+    torch = sys.modules.get("torch")
+    pool = pinned_pool()
+    if torch is None or pool is None:
+        return
+    found: list[Any] = []
+    _collect(value, torch.Tensor, found)
+    for t in found:
+        if t.is_cpu and t.numel():
+            pool.staged(t.data_ptr())
+
+
+def stage_batch(parts: list[Any]) -> Any:
+    """``torch.cat(parts)`` into the pinned pool's memory (the inputs of an inference
+    batch, about to be copied to the device in one copy); a plain ``cat`` without a pool."""
+    import torch
+
+    first = parts[0]
+    shape = (sum(int(p.shape[0]) for p in parts), *first.shape[1:])
+    n = math.prod(shape) * first.element_size()
+    pool = pinned_pool()
+    if pool is None or not n:
+        return torch.cat(parts)
+    part = pool.take(n)
+    out = torch.frombuffer(part, dtype=torch.uint8, count=n).view(first.dtype).view(shape)
+    torch.cat(parts, out=out)
+    return out
 
 
 # -- puts ------------------------------------------------------------------------------------
