@@ -192,6 +192,9 @@ class _GenTable:
         struct.pack_into("<q", self.map, _HEADER + 8 * slot, gen)
 
     def close(self) -> None:
+        """Mark the ring closed (a consumer holding the table open sees its id gone), then
+        let go of it."""
+        self.map[:] = bytes(len(self.map))
         self.map.close()
         os.close(self.fd)
 
@@ -298,10 +301,17 @@ class CudaIpcRing:
             self._share = self._buf.untyped_storage()._share_cuda_()
         self._table = _GenTable(self.ring_id, self.slots + 1)  # (+1: the probe's slot)
         _dev, handle, ssize, soff, rc, rco = self._share[:6]
+        # torch counts the share as one reader that will let go, and keeps the memory of a
+        # shared storage whose count is not exactly 0 when it is freed ("limbo", until this
+        # process exits). Our readers copy out and never report back (they open the ring
+        # with a counter name that does not exist: _UNCOUNTED), and the ring is freed only
+        # after the stream drained: give the one count back now, so that close() frees the
+        # ring whatever happened to the readers (seen on an H100, torch 2.11: a killed or a
+        # second reader otherwise leaves it allocated).
+        torch.UntypedStorage._release_ipc_counter_cuda(bytes(rc), int(rco))
         self._common = {"v": 1, "uuid": gpu_uuid(self.device.index or 0), "boot": boot_id(),
                         "pid": os.getpid(), "ring": self.ring_id, "gfd": self._table.fd,
-                        "h": bytes(handle), "ssize": int(ssize), "soff": int(soff),
-                        "rc": bytes(rc), "rco": int(rco)}
+                        "h": bytes(handle), "ssize": int(ssize), "soff": int(soff)}
         with _RINGS_LOCK:
             _RINGS.add(self)
 
@@ -469,12 +479,15 @@ def _replace_cuda(x: Any, tensor: type, descs: Any) -> Any:
 class _Opened:
     """A producer's ring as a consumer process holds it open: its storage, its table."""
 
-    def __init__(self, storage: Any, table: mmap.mmap) -> None:
-        self.storage, self.table = storage, table
+    def __init__(self, storage: Any, table: mmap.mmap, ring_id: bytes = b"") -> None:
+        self.storage, self.table, self.ring_id = storage, table, ring_id
 
     def gen(self, slot: int) -> int:
+        """The slot's generation now (``ProducerGone`` once the producer closed the ring)."""
         if _HEADER + 8 * (slot + 1) > len(self.table):
             raise CodecError(f"cuda-ipc slot {slot} is beyond its ring's table")
+        if self.ring_id and self.table[:_HEADER] != self.ring_id:
+            raise ProducerGone("the producer of a cuda-ipc item closed its ring")
         return int(struct.unpack_from("<q", self.table, _HEADER + 8 * slot)[0])
 
 
@@ -516,7 +529,7 @@ def _opened(fields: dict[str, Any], index: int) -> _Opened:
     except BaseException:
         table.close()
         raise
-    ring = _Opened(storage, table)
+    ring = _Opened(storage, table, fields["ring"])
     with _OPEN_LOCK:
         _OPEN[key] = ring
         while len(_OPEN) > _MAX_OPEN:
@@ -524,14 +537,20 @@ def _opened(fields: dict[str, Any], index: int) -> _Opened:
     return ring
 
 
+#: The reference-counter name a reader opens a ring with: no such file exists, so torch's
+#: "let go" when the reader frees it changes nothing in the producer (see CudaIpcRing._make).
+_UNCOUNTED = b"/tensorshare-uncounted"
+
+
 def _open_storage(fields: dict[str, Any], index: int) -> Any:
-    """CUDA only: open the ring's memory (torch keeps one open per handle and process)."""
+    """CUDA only: open the ring's memory (torch keeps one open per handle and process).
+    CUDA is initialised first: ``_new_shared_cuda`` in a process that has not touched CUDA
+    yet crashes it (seen on an H100, torch 2.11)."""
     torch = _torch()
     torch.cuda.init()
     try:
         return torch.UntypedStorage._new_shared_cuda(
-            index, fields["h"], fields["ssize"], fields["soff"], fields["rc"], fields["rco"],
-            b"", False)
+            index, fields["h"], fields["ssize"], fields["soff"], _UNCOUNTED, 0, b"", False)
     except RuntimeError as exc:
         raise CodecError(f"cannot open a cuda-ipc item of pid {fields['pid']} ({exc}): the "
                          f"producer and this process must share the host, the GPU and the "
@@ -576,20 +595,39 @@ def copy_out(fields: dict[str, Any], device: Any = None) -> Any:
         raise CodecError(f"a cuda-ipc item on GPU-{fields['uuid'].hex()[:8]}, which this "
                          f"process does not see (CUDA_VISIBLE_DEVICES?)")
     ring = _opened(fields, index)
+    try:
+        out = _checked_copy(ring, fields, index)
+    except ProducerGone:
+        forget(fields["pid"])
+        raise
+    if device is not None and out.device != device:
+        out = out.to(device)
+    return out
+
+
+def _checked_copy(ring: _Opened, fields: dict[str, Any], index: int) -> Any:
+    """The copy, between two looks at the slot's generation and the producer's life."""
     slot, gen = fields["slot"], fields["gen"]
     if ring.gen(slot) != gen:
         raise _stale(fields)
     try:
         out = _copy(ring.storage, fields, index)
     except RuntimeError as exc:  # (its event already gone with a reused slot, say)
+        _alive(fields)
         if ring.gen(slot) != gen:
             raise _stale(fields) from None
         raise CodecError(f"cannot copy a cuda-ipc item out: {exc}") from None
+    _alive(fields)  # (a dead producer's memory is not to be trusted, whatever it held)
     if ring.gen(slot) != gen:  # written again while we copied: what we have may be torn
         raise _stale(fields)
-    if device is not None and out.device != device:
-        out = out.to(device)
     return out
+
+
+def _alive(fields: dict[str, Any]) -> None:
+    if not os.path.exists(f"/proc/{fields['pid']}/fd/{fields['gfd']}"):
+        raise ProducerGone(f"the producer (pid {fields['pid']}) of a cuda-ipc item is gone")
+
+
 
 
 def _copy(storage: Any, fields: dict[str, Any], index: int) -> Any:

@@ -92,8 +92,6 @@ CUDA_IPC_FIELDS: dict[str, str] = {
     "h": "bin<=256",  # the CUDA IPC memory handle of the ring's storage (opaque)
     "ssize": "int",  # the storage's size in bytes
     "soff": "int",  # the storage's offset in the memory the handle exports
-    "rc": "bin<=256",  # the name of torch's reference counter file for the storage
-    "rco": "int",  # the counter's index in it
     "ev": "bin64",  # the interprocess event recorded after this item was written
     "dtype": "dtype",  # a wire dtype name
     "shape": "dims",

@@ -32,7 +32,7 @@ def fields(**over: Any) -> dict[str, Any]:
     """A well-formed descriptor with fake handle bytes."""
     f = {"v": 1, "uuid": bytes(range(16)), "boot": ipc.boot_id(), "pid": 4321,
          "ring": b"r" * 16, "gfd": 7, "h": b"\x02c" + b"H" * 64, "ssize": 1 << 20,
-         "soff": 0, "rc": b"/torch_4321_1234567", "rco": 3, "ev": b"E" * 64,
+         "soff": 0, "ev": b"E" * 64,
          "dtype": "float32", "shape": [4, 8], "stride": [8, 1], "off": 64, "slot": 2,
          "gen": 9}
     f.update(over)
@@ -74,7 +74,7 @@ MALFORMED = {
     "beyond its storage": fields(ssize=64 * 4 + 4 * 8 * 4 - 1),
     "version 2": fields(v=2),
     "an unknown key": {**fields(), "extra": 1},
-    "a missing key": {k: v for k, v in fields().items() if k != "rc"},
+    "a missing key": {k: v for k, v in fields().items() if k != "soff"},
     "deep shape": fields(shape=[1] * 65, stride=[1] * 65),
 }
 
