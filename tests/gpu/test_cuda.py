@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from tensorshare import Client, EmbeddedServer, Lagged, ProducerGone
+from tensorshare import Client, EmbeddedServer, ProducerGone
 from tensorshare.data import SharedLoader, StreamConsumer, StreamProducer, serve_loader
 from tensorshare.memory import ipc, pinned
 from tensorshare.memory.ipc import CudaIpcRing
