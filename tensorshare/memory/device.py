@@ -40,7 +40,7 @@ from .pinned import pinned_pool
 from .pool import receive_pool, send_pool
 
 __all__ = ["InFlight", "Stager", "check_device", "copy_async", "download", "host_tensor",
-           "load_into", "mark_staged", "moves", "stage_batch", "to_device", "upload",
+           "load_into", "mark_staged", "memory_stats", "moves", "stage_batch", "to_device", "upload",
            "want_pinned"]
 
 
@@ -377,6 +377,19 @@ def stage_batch(parts: list[Any]) -> Any:
     out = torch.frombuffer(part, dtype=torch.uint8, count=n).view(first.dtype).view(shape)
     torch.cat(parts, out=out)
     return out
+
+
+def memory_stats() -> dict[str, Any]:
+    """This process's GPU-path memory: ``pinned`` (the pinned pool's ``pinned_bytes``,
+    ``idle``, ``registered``, ``reused``, ``fresh``, ``in_flight``; ``None`` when it is off
+    or not made yet) and ``ipc`` (its CUDA IPC rings: ``rings``, ``slots``, ``slot_bytes``,
+    ``exported``, ``fallbacks``, and ``open``: producers' rings it reads). The server cannot
+    see these (they live in the clients): ask each process."""
+    from . import pinned
+    from .ipc import ipc_stats
+
+    pool = pinned._PROCESS.pool
+    return {"pinned": None if pool is None else pool.stats(), "ipc": ipc_stats()}
 
 
 # -- puts ------------------------------------------------------------------------------------

@@ -283,3 +283,7 @@ def test_a_read_for_a_cuda_device_receives_into_the_pinned_pool_and_pins_it_for_
     pp = pinned_pool()
     assert pp is not None and rp.divert == pp.take
     assert seen == [False, True, True] and pp.registered == 1 and pp.reused >= 2
+    stats = devmod.memory_stats()
+    assert stats["pinned"]["registered"] == 1 and stats["pinned"]["pinned_bytes"] > 0
+    assert stats["ipc"]["rings"] == 0 and stats["ipc"]["slots"] == 0
+
