@@ -9,6 +9,8 @@
     ├── ProtocolError                      the peer broke the wire format
     ├── StreamFinished                     a stream's producers ended it and this job read
     │                                      all of it: no pass is left (never from the wire)
+    ├── DeviceCopyFailed                   a read took its items but could not copy them to
+    │                                      the device asked for (``value``: the CPU value)
     ├── Timeout (TimeoutError)             something did not happen in the time allowed
     │   ├── ReplyTimeout  (TransportError) the server did not answer in time
     │   └── WaitTimeout   (ServerError)    a waiting get/peek found no data in time
@@ -60,6 +62,7 @@ __all__ = [
     "CodecError",
     "ConnectError",
     "ConnectionLost",
+    "DeviceCopyFailed",
     "InvalidRequest",
     "Lagged",
     "LimitExceeded",
@@ -326,6 +329,28 @@ class StreamFinished(TensorShareError):
         super().__init__(message)
         self.stream = stream
         self.epochs = epochs
+
+
+class DeviceCopyFailed(TensorShareError):
+    """A read with ``device=`` received its value but could not copy it to the device (out of
+    device memory, a device error). Whatever the read took from its bin is in ``value``, on
+    the CPU, so nothing is lost: use it, or put it back.
+
+    Never from the wire: the server did its part. (A bad ``device`` argument, or a CUDA
+    device asked of a torch without CUDA, is a ``ValueError`` raised before anything is
+    sent.)
+
+    Attributes:
+        value: what the call would have returned, its tensors on the CPU (for ``fetch``,
+            the whole result record; for a stream read, the whole batch).
+        device: the device the copy was for (a ``torch.device``).
+    """
+
+    def __init__(self, message: str = "", *, value: object = None,
+                 device: object = None) -> None:
+        super().__init__(message)
+        self.value = value
+        self.device = device
 
 
 class ServiceFailed(ServerError):

@@ -389,12 +389,12 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"metrics at {exporter.url}", flush=True)
         print(_memory_line(server.factory.config.max_memory), flush=True)
         print(_security_line(server), flush=True)
-        print(_hot_path_line(), flush=True)
-        _reload_on_sighup(server)
         if server.factory.config.insecure and not server.factory.users.authenticating:
             print("warning: --insecure: this server accepts connections from other machines "
                   "and has no token; only use it on a trusted network", file=sys.stderr,
                   flush=True)
+        print(_hot_path_line(), flush=True)
+        _reload_on_sighup(server)
 
     security: dict[str, Any] = {"insecure": args.insecure}
     # Token files are read by the server (at start, and again on every reload).

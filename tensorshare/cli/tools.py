@@ -383,6 +383,8 @@ def _tensor_line(st: dict[str, Any]) -> str:
 def _scalar(value: Any) -> str:
     if value is None:
         return "None"
+    if type(value) is IpcShown:
+        return repr(value)
     text = repr(value)
     if len(text) > 60:
         text = text[:59] + "…"
@@ -424,6 +426,32 @@ def _children(node: Tree, value: Any, *, show_values: bool, limit: int) -> None:
         node.add(Text(str(value)))
 
 
+class IpcShown:
+    """A cuda-ipc item as peek shows it (peek never opens another process's GPU memory)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def __repr__(self) -> str:
+        f = self.fields
+        dims = ",".join(str(d) for d in f["shape"])
+        return (f"cuda-ipc {f['dtype']}[{dims}] on GPU-{f['uuid'].hex()[:8]} (pid {f['pid']}, "
+                f"slot {f['slot']}, generation {f['gen']})")
+
+
+def _peek_fetch(c: Any, name: str, max_items: int | None) -> Any:
+    """A peek of ``name`` whose cuda-ipc items are described, not opened."""
+    from ..client.ops import Command, decode_fetched
+    from ..wire.messages import Fetch, FetchSpec
+
+    depth = c.limits.max_depth
+    return c._execute(Command(Fetch(0, name, FetchSpec(False, max_items)),
+                              f"peek on bin {name!r}",
+                              lambda reply: decode_fetched(reply, depth, IpcShown)))
+
+
 def run_peek(args: argparse.Namespace) -> int:
     """``tensorshare peek BIN [--item N] [--values] [--limit K]``: the value as a tree."""
     from rich.text import Text
@@ -446,13 +474,13 @@ def run_peek(args: argparse.Namespace) -> int:
                 raise ToolError(f"bin {args.bin!r} has {n} item{'' if n == 1 else 's'}; "
                                 f"there is no item {item}")
             # The protocol fetches from the front: item N comes with the N before it.
-            result = c.fetch(args.bin, remove=False, max_items=index + 1)
+            result = _peek_fetch(c, args.bin, index + 1)
             if len(result.value) <= index:
                 raise ToolError(f"item {item} of bin {args.bin!r} is beyond what fits in one "
                                 f"reply (the first {len(result.value)} items)")
         else:
-            result = c.fetch(args.bin, remove=False,
-                             max_items=args.limit if summary["kind"] == "list" else None)
+            result = _peek_fetch(c, args.bin,
+                                 args.limit if summary["kind"] == "list" else None)
     opts = {"show_values": args.values, "limit": args.limit}
     head = f"{args.bin}: {result.kind} bin, version {result.version}, "
     if result.kind == "list":

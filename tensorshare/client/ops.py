@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
 from ..errors import LimitExceeded
+from ..memory.device import Stager, check_device, moves, to_device, want_pinned
 from ..wire.codec import decode_many, encode, encode_lone_tensors
 from ..wire.messages import (
     Configure,
@@ -199,7 +200,7 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
     if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
         raise TypeError(f"tag must be an int or None, not {type(tag).__name__}")
     enc = encode(value, compress=compress, compress_min_bytes=compress_min_bytes,
-                 max_depth=limits.max_depth)
+                 max_depth=limits.max_depth, stage=_stager(share_min_bytes))
     if enc.nbytes + _FRAME_SLACK > limits.max_frame_bytes:
         size = enc.nbytes + 64 * (len(enc.buffers) + 1)
         if size > limits.max_frame_bytes:
@@ -207,9 +208,22 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
                                 f"bytes, over the server's max_frame_bytes="
                                 f"{limits.max_frame_bytes}")
     if share_min_bytes is not None and any(
-            b.codec is None and b.nbytes >= share_min_bytes for b in enc.buffers):
+            b.codec is None and b.shm is None and b.nbytes >= share_min_bytes
+            for b in enc.buffers):
         enc = _shared(enc, share_min_bytes)
     return Item(enc, tag)
+
+
+_STAGERS: dict[int | None, Stager] = {}
+
+
+def _stager(share_min_bytes: int | None) -> Stager:
+    """How a put copies a CUDA tensor to the host (into a memfd over ``unix://`` with shared
+    memory, else into pinned memory): see :mod:`tensorshare.memory.device`."""
+    stager = _STAGERS.get(share_min_bytes)
+    if stager is None:
+        stager = _STAGERS[share_min_bytes] = Stager(share_min_bytes)
+    return stager
 
 
 def _shared(enc: Encoded, share_min_bytes: int) -> Encoded:
@@ -218,7 +232,7 @@ def _shared(enc: Encoded, share_min_bytes: int) -> Encoded:
 
     buffers = []
     for b in enc.buffers:
-        if b.codec is None and b.nbytes >= share_min_bytes:
+        if b.codec is None and b.shm is None and b.nbytes >= share_min_bytes:
             pool = send_pool()  # (into pages allocated beforehand)
             mem = shm.share(b.data) if pool is None else pool.share(b.data)
             b = Buffer(mem.view, None, mem.size, mem)
@@ -267,8 +281,12 @@ def gc_paused(n: int) -> _GcPause | _NoPause:
     return _PAUSE
 
 
-def decode_fetched(reply: Fetched, max_depth: int) -> Fetched:
+def decode_fetched(reply: Fetched, max_depth: int,
+                   cuda_ipc: Callable[[dict[str, Any]], Any] | None = None) -> Fetched:
     """A get/peek reply with its items decoded (and their tags beside them).
+
+    Args:
+        cuda_ipc: what a cuda-ipc descriptor becomes (see ``wire.codec.decode``).
 
     Raises:
         CodecError: a value is malformed.
@@ -277,7 +295,8 @@ def decode_fetched(reply: Fetched, max_depth: int) -> Fetched:
         return reply
     items = reply.items
     with gc_paused(len(items)):
-        values = tuple(decode_many([it.value for it in items], max_depth=max_depth))
+        values = tuple(decode_many([it.value for it in items], max_depth=max_depth,
+                                   cuda_ipc=cuda_ipc))
     return Fetched(reply.id, reply.kind, values, reply.version, reply.n_items, reply.dropped,
                    False, tuple([it.tag for it in items]))
 
@@ -311,16 +330,44 @@ def _limits(reply: Configured) -> BinLimits:
 
 
 class _Decode:
-    """Converts a get/peek reply: the decoded record, or only its value."""
+    """Converts a get/peek reply: the decoded record, or only its value; with a device, its
+    tensors copied there (see :mod:`tensorshare.memory.device`)."""
 
-    __slots__ = ("max_depth", "value_only")
+    __slots__ = ("max_depth", "value_only", "device", "non_blocking", "cuda_ipc")
 
-    def __init__(self, max_depth: int, value_only: bool) -> None:
+    def __init__(self, max_depth: int, value_only: bool, device: Any = None,
+                 non_blocking: bool = False, cuda_ipc: Any = None) -> None:
         self.max_depth, self.value_only = max_depth, value_only
+        self.device, self.non_blocking, self.cuda_ipc = device, non_blocking, cuda_ipc
 
     def __call__(self, reply: Fetched) -> Any:
-        res = decode_fetched(reply, self.max_depth)
+        res = decode_fetched(reply, self.max_depth, self.cuda_ipc)
+        if moves(self.device) and not res.unchanged:
+            items = to_device(res.items, self.device, non_blocking=self.non_blocking,
+                              whole=res.value if self.value_only else res)
+            res = Fetched(res.id, res.kind, items, res.version, res.n_items, res.dropped,
+                          False, res.tags)
         return res.value if self.value_only else res
+
+
+def cuda_ipc_reader(face: Any, name: str, device: Any) -> Any:
+    """What a cuda-ipc item read by ``face`` from bin ``name`` becomes: a copy of the tensor
+    (:func:`tensorshare.memory.ipc.copy_out`, on ``device`` if given) where the bin's server
+    is reached over ``unix://`` (this host), else ``None`` (the codec refuses it, saying
+    why)."""
+    if not face._same_host(name):
+        return None
+    reader = _IPC_READERS.get(device)
+    if reader is None:
+        import functools
+
+        from ..memory.ipc import copy_out
+
+        reader = _IPC_READERS[device] = functools.partial(copy_out, device=device)
+    return reader
+
+
+_IPC_READERS: dict[Any, Any] = {}
 
 
 class Ops(StreamOps, ServiceOps):
@@ -360,6 +407,18 @@ class Ops(StreamOps, ServiceOps):
 
     def _check_name(self, name: str) -> None:
         check_bin_name(name, self.limits.max_name_bytes)
+
+    def _same_host(self, name: str) -> bool:
+        """Whether bin ``name`` is on a server this face reaches over ``unix://`` (so on
+        this host: a cuda-ipc item can be read)."""
+        pick = getattr(self, "client_for", None)
+        if pick is not None:
+            return bool(pick(name)._same_host(name))
+        for attr in ("_client", "_host"):
+            inner = getattr(self, attr, None)
+            if inner is not None and inner is not self:
+                return bool(inner._same_host(name))
+        return str(getattr(self, "address", "")).startswith("unix://")
 
     # -- writes -----------------------------------------------------------------------------
     def put(self, name: str, value: Any, *, tag: int | None = None,
@@ -436,7 +495,8 @@ class Ops(StreamOps, ServiceOps):
                                      f"configure of bin {name!r}", _limits))
 
     # -- reads ------------------------------------------------------------------------------
-    def get(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT) -> Any:
+    def get(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT,
+            device: Any = None, non_blocking: bool = False) -> Any:
         """Return the content of bin ``name`` and remove it.
 
         Args:
@@ -445,6 +505,17 @@ class Ops(StreamOps, ServiceOps):
                 (FIFO) and leave the rest.
             timeout: by default (:data:`NOWAIT`), do not wait. A number: wait up to that
                 many seconds for data. ``None``: wait without limit (across reconnects).
+            device: copy every ``torch.Tensor`` of the value to this device (``"cuda"``,
+                ``"cuda:1"``, a ``torch.device``); numpy arrays, strings and numbers stay.
+                Checked before anything is sent: a device this torch cannot use is a
+                ``ValueError`` and the bin is untouched. ``None`` (default) or ``"cpu"``:
+                CPU tensors, as always. (A cuda-ipc item arrives on its own GPU unless
+                ``device`` says otherwise.)
+            non_blocking: with a CUDA ``device``: return once the copies are queued; they
+                are ordered before the caller's *current* CUDA stream (it waits on an event
+                recorded after them), so work queued on that stream sees the data; work on
+                another stream must wait on the current one first. Default: return when
+                the copies are done.
 
         Returns:
             The value of a put bin, or the list of items of an appended bin.
@@ -452,16 +523,22 @@ class Ops(StreamOps, ServiceOps):
         Raises:
             BinNotFound: the bin is missing or empty (when not waiting).
             WaitTimeout: no data arrived within ``timeout`` (a :class:`Timeout`).
+            DeviceCopyFailed: the items were taken but could not be copied to ``device``:
+                the error's ``value`` holds them, on the CPU (nothing is lost).
         """
-        return self._fetch(name, True, max_items, timeout, None, None, 1, value_only=True)
+        return self._fetch(name, True, max_items, timeout, None, None, 1, value_only=True,
+                           device=device, non_blocking=non_blocking)
 
-    def peek(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT) -> Any:
+    def peek(self, name: str, *, max_items: int | None = None, timeout: Wait = NOWAIT,
+             device: Any = None, non_blocking: bool = False) -> Any:
         """Like :meth:`get`, but leave the content in the bin."""
-        return self._fetch(name, False, max_items, timeout, None, None, 1, value_only=True)
+        return self._fetch(name, False, max_items, timeout, None, None, 1, value_only=True,
+                           device=device, non_blocking=non_blocking)
 
     def fetch(self, name: str, *, remove: bool, max_items: int | None = None,
               timeout: Wait = NOWAIT, min_tag: int | None = None,
-              newer_than: int | None = None, min_items: int = 1) -> Any:
+              newer_than: int | None = None, min_items: int = 1, device: Any = None,
+              non_blocking: bool = False) -> Any:
         """The full form of get (``remove=True``) and peek (``remove=False``).
 
         Args:
@@ -471,18 +548,19 @@ class Ops(StreamOps, ServiceOps):
                 older bin gives ``unchanged=True`` and no data (nothing is downloaded); when
                 waiting, the call returns once the bin is newer.
             min_items: when waiting, wait until at least this many items are available.
-            (others as :meth:`get`)
+            (others as :meth:`get`; a ``DeviceCopyFailed``'s ``value`` is the whole record)
 
         Returns:
             A :class:`FetchResult`: ``value``, ``items``, ``tags``, ``kind``, ``version``,
             ``n_items`` (left in the bin), ``dropped``, ``unchanged``.
         """
         return self._fetch(name, remove, max_items, timeout, min_tag, newer_than, min_items,
-                           value_only=False)
+                           value_only=False, device=device, non_blocking=non_blocking)
 
     def _fetch(self, name: str, remove: bool, max_items: int | None, timeout: Wait,
                min_tag: int | None, newer_than: int | None, min_items: int, *,
-               value_only: bool) -> Any:
+               value_only: bool, device: Any = None, non_blocking: bool = False) -> Any:
+        dev = None if device is None else check_device(device)  # (before anything is sent)
         seconds: float | None = None
         if timeout is NOWAIT:
             wait = False
@@ -496,8 +574,15 @@ class Ops(StreamOps, ServiceOps):
                 seconds = float(timeout)
         self._check_name(name)
         spec = FetchSpec(remove, max_items, wait, seconds, min_tag, newer_than, min_items)
+        if dev is None:
+            convert = _Decode(self.limits.max_depth, value_only,
+                              cuda_ipc=cuda_ipc_reader(self, name, None))
+        else:
+            want_pinned(dev)
+            convert = _Decode(self.limits.max_depth, value_only, dev, bool(non_blocking),
+                              cuda_ipc_reader(self, name, dev))
         return self._execute(Command(Fetch(0, name, spec), f"{spec.op} on bin {name!r}",
-                                     _Decode(self.limits.max_depth, value_only)))
+                                     convert))
 
     def list(self) -> Any:
         """Return ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""

@@ -15,6 +15,7 @@ here for :mod:`tensorshare.data`, which may import only the clients and the erro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,22 +186,81 @@ def _left(reply: Any) -> bool:
 
 
 class _DecodeBatch:
-    """Converts a stream_read reply: its items decoded."""
+    """Converts a stream_read reply: its items decoded (cuda-ipc ones copied out, see
+    :mod:`tensorshare.memory.ipc`), then, with a device, their tensors copied there."""
 
-    __slots__ = ("max_depth",)
+    __slots__ = ("max_depth", "cuda_ipc", "device", "non_blocking")
 
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
+    def __init__(self, max_depth: int, cuda_ipc: Any = None, device: Any = None,
+                 non_blocking: bool = False) -> None:
+        self.max_depth, self.cuda_ipc = max_depth, cuda_ipc
+        self.device, self.non_blocking = device, non_blocking
 
     def __call__(self, reply: Any) -> StreamBatch:
+        from ..memory.device import moves, to_device
         from .ops import gc_paused
 
         items: tuple[Item, ...] = reply.items
         with gc_paused(len(items)):
-            values = [decode(it.value, max_depth=self.max_depth) for it in items]
-        return StreamBatch(values, reply.first, reply.next, reply.epoch, reply.offset,
-                           reply.epoch_samples, reply.end, reply.aborted, reply.missed,
-                           reply.finished, tuple(it.tag for it in items))
+            if self.cuda_ipc is None:
+                values = [decode(it.value, max_depth=self.max_depth) for it in items]
+                batch = StreamBatch(values, reply.first, reply.next, reply.epoch,
+                                    reply.offset, reply.epoch_samples, reply.end,
+                                    reply.aborted, reply.missed, reply.finished,
+                                    tuple(it.tag for it in items))
+            else:
+                batch = self._with_ipc(reply, items)
+        if moves(self.device) and batch.items:
+            moved = to_device(batch.items, self.device, non_blocking=self.non_blocking,
+                              whole=batch)
+            batch = dataclasses.replace(batch, items=moved)
+        return batch
+
+    def _with_ipc(self, reply: Any, items: tuple[Item, ...]) -> StreamBatch:
+        """Decode items that may be cuda-ipc ones. An item whose slot its producer wrote
+        again before it was copied out (it was read too late) is lost: it and every item
+        before it count as ``missed`` (what follows is whole), so the consumer gets
+        ``Lagged``, never wrong data."""
+        from ..memory.ipc import SlotReused
+
+        values: list[Any] = []
+        lost, lost_samples = 0, 0
+        for it in items:
+            try:
+                values.append(decode(it.value, max_depth=self.max_depth,
+                                     cuda_ipc=self.cuda_ipc))
+            except SlotReused as exc:
+                lost_samples += sum(_samples(v) for v in values) + (exc.samples or 1)
+                lost += len(values) + 1
+                values = []
+        tags = tuple(it.tag for it in items)[lost:]
+        return StreamBatch(values, reply.first + lost, reply.next, reply.epoch,
+                           reply.offset + lost_samples, reply.epoch_samples, reply.end,
+                           reply.aborted, reply.missed + lost, reply.finished, tags)
+
+
+def _count(batch: Any) -> int | None:
+    shape = getattr(batch, "shape", None)  # (a tensor or an array)
+    if shape is not None:
+        return int(shape[0]) if len(shape) else None
+    if isinstance(batch, dict):
+        values: Any = batch.values()
+    elif isinstance(batch, (tuple, list)):
+        values = batch
+    else:
+        return None
+    for v in values:
+        n = _count(v)
+        if n is not None:
+            return n
+    return None
+
+
+def _samples(batch: Any) -> int:
+    """The samples of a batch as a stream counts them (``data.batching.sample_count``, or
+    1): dimension 0 of its first tensor."""
+    n = _count(batch)
+    return 1 if n is None else n
 
 
 def _check_int(value: Any, what: str, low: int, high: int | None = None) -> int:
@@ -276,7 +336,7 @@ class StreamOps:
     def stream_open(self, name: str, *, producer: int = 0, producers: int = 1,
                     window: int = 32, on_lag: str = "wait", max_stall: float | None = None,
                     replay: str = "none", lease: float = 10.0,
-                    samples: int | None = None) -> Any:
+                    samples: int | None = None, device_ipc: bool = False) -> Any:
         """Open stream ``name`` as producer ``producer`` of ``producers`` (creating it).
 
         Args:
@@ -292,6 +352,10 @@ class StreamOps:
                 consumers then get ``ProducerGone``).
             samples: the samples this producer expects to send per epoch, if known (lets
                 consumers tell their number of batches before the epoch ends).
+            device_ipc: the stream carries CUDA IPC descriptors (its items point into the
+                producer's GPU memory, :mod:`tensorshare.memory.ipc`): the server refuses
+                consumers that are not on its host (not over ``unix://``) and
+                ``replay="epoch"`` (a late joiner would read slots long reused).
 
         Returns:
             A :class:`StreamOpenResult` (``epoch``: pass it to append and end).
@@ -310,7 +374,11 @@ class StreamOps:
                              _check_seconds(max_stall, "max_stall", positive=False),
                              _check_choice(replay, "replay", REPLAY_POLICIES),
                              _check_seconds(lease, "lease", maximum=MAX_LEASE),
-                             None if samples is None else _check_int(samples, "samples", 0))
+                             None if samples is None else _check_int(samples, "samples", 0),
+                             bool(device_ipc))
+        if request.device_ipc and request.replay == "epoch":
+            raise ValueError("device_ipc=True cannot keep an epoch for late joiners "
+                             "(replay='epoch'): the ring's slots are reused long before")
         return self._stream_call(request, f"stream_open of stream {name!r}", _opened)
 
     def stream_append(self, name: str, values: Sequence[Any], *, epoch: int,
@@ -410,7 +478,8 @@ class StreamOps:
         return self._stream_call(request, f"stream_join of stream {name!r}", _joined)
 
     def stream_read(self, name: str, consumer: str, *, at: int | None = None,
-                    max_items: int | None = None, timeout: Any = None) -> Any:
+                    max_items: int | None = None, timeout: Any = None, device: Any = None,
+                    non_blocking: bool = False) -> Any:
         """Read up to ``max_items`` items of one epoch from position ``at``.
 
         Reading from ``at`` acknowledges every position before it (the server may free
@@ -424,10 +493,14 @@ class StreamOps:
             timeout: seconds to wait on the server when nothing is there yet (default:
                 do not wait); at most 80% of the client's timeout (read again to wait
                 longer).
+            device, non_blocking: copy the items' tensors to this device, as for ``get``
+                (checked before anything is sent). Items of a ``device_ipc`` stream arrive
+                on their GPU, copied out of the producer's ring (``unix://`` only).
 
         Returns:
             A :class:`StreamBatch` (it may hold no item: at the end of an epoch, when the
-            stream finished, or with ``missed`` items).
+            stream finished, or with ``missed`` items: also those of a ``device_ipc``
+            stream whose slots were written again before this consumer copied them out).
 
         Raises:
             WaitTimeout: nothing to read within ``timeout``.
@@ -435,8 +508,10 @@ class StreamOps:
             BinNotFound: no such stream, or the consumer is not in it (join again).
             InvalidRequest: ``at`` is beyond the stream's head.
         """
-        from .ops import BLOCK_SHARE, NOWAIT
+        from ..memory.device import check_device, want_pinned
+        from .ops import BLOCK_SHARE, NOWAIT, cuda_ipc_reader
 
+        dev = None if device is None else check_device(device)
         self._stream_name(name)
         consumer = self._consumer_name(consumer)
         if at is not None:
@@ -450,8 +525,10 @@ class StreamOps:
             raise ValueError(f"a stream read waits on the server at most 80% of the client's "
                              f"timeout ({most:g} s), not {wait:g} s: read again to wait longer")
         request = StreamRead(0, name, consumer, at, max_items, wait)
-        return self._stream_call(request, f"stream_read of stream {name!r}",
-                         _DecodeBatch(self.limits.max_depth))
+        want_pinned(dev)
+        convert = _DecodeBatch(self.limits.max_depth, cuda_ipc_reader(self, name, dev), dev,
+                               bool(non_blocking))
+        return self._stream_call(request, f"stream_read of stream {name!r}", convert)
 
     def stream_leave(self, name: str, consumer: str) -> Any:
         """Leave stream ``name`` as ``consumer``. Returns whether it was in the stream."""

@@ -25,6 +25,7 @@ import secrets
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from ..client import Client
 from ..client.streams import Lagged, ProducerGone, StreamBatch
 from ..errors import StreamFinished
+from ..memory.device import InFlight, check_device, copy_async, moves, want_pinned
 from .batching import Rebatcher, sample_count
 from .stream import StreamConsumer, StreamProducer
 
@@ -75,7 +77,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                  timeout: float = 60.0, wait_for: int = 0,
                  samples_per_epoch: int | None = None, client: Client | None = None,
                  progress: bool | Callable[[str], None] | None = None,
-                 **client_options: Any) -> ServeReport:
+                 device_ipc: bool = False, **client_options: Any) -> ServeReport:
     """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
     consumer (:class:`SharedLoader`) of the stream gets every batch.
 
@@ -110,6 +112,13 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             producer died, one at the end. ``None`` (default): the logger
             ``tensorshare.data`` at INFO (seen once logging is configured); ``True``:
             printed to stderr; a callable: called with each line; ``False``: nowhere.
+        device_ipc: the loader's batches are CUDA tensors and every consumer runs on this
+            host (``unix://``) with this GPU: they travel as CUDA IPC handles into a ring of
+            ``window + 2`` GPU slots this process owns, and each consumer copies them out
+            (no trip through host memory). TCP consumers are refused; where IPC cannot work
+            (WSL2, containers without a shared PID namespace, ``expandable_segments``), the
+            first batch says so once and the batches travel through host memory. See the
+            README's "GPUs" section.
 
     With several producers it returns once the stream finished (every producer ended its
     last epoch): another producer that dies in the last epoch aborts it, and every producer,
@@ -132,7 +141,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
     with StreamProducer(name, host, port, producer=producer, producers=producers,
                         window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
                         lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
-                        **client_options) as prod:
+                        device_ipc=device_ipc, **client_options) as prod:
         say.start(prod, wait_for)
         if wait_for:
             prod.wait_for_consumers(wait_for, timeout)
@@ -274,6 +283,14 @@ class SharedLoader:
         drop_last: drop a last batch smaller than ``batch_size``.
         max_items: the most producer batches one read fetches (default: as many as there
             are, up to the epoch's end and one reply's size).
+        device: yield batches with their tensors on this device (``"cuda"``, ...; checked
+            here: a torch without CUDA is a ``ValueError``); numpy arrays and other values
+            stay. ``None``: as received (CPU tensors; a ``device_ipc`` stream's on its GPU).
+        prefetch: with a CUDA ``device``, how many batches beyond the one yielded have
+            their copies already issued (on a side stream, from pinned memory once it is
+            reused): the copy of batch k+1 runs while the caller computes on batch k. Each
+            yielded batch is ordered before the caller's current stream. 0: each batch is
+            copied when it is yielded.
         client, client_options: a client to use, or more arguments for a new one.
 
     Joining never waits for the producer (it may not have started yet). A ``for`` loop
@@ -289,22 +306,33 @@ class SharedLoader:
                  batch_size: int | None = None, name: str | None = None,
                  start: str = "next_epoch", timeout: float = 60.0, lease: float = 10.0,
                  drop_last: bool = False, max_items: int | None = None,
+                 device: Any = None, prefetch: int = 2,
                  client: Client | None = None, **client_options: Any) -> None:
         if batch_size is not None and (isinstance(batch_size, bool)
                                        or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None, not {batch_size!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, not {prefetch!r}")
+        self.device = check_device(device)  # (before anything is joined)
+        self.prefetch = prefetch
+        want_pinned(self.device)
         self.stream = stream
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.max_items = max_items
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        # A CPU device goes to the reads (a device_ipc stream's GPU tensors come to the host
+        # there); a CUDA one is reached after re-batching, one copy per batch yielded.
+        on_read = self.device if self.device is not None and self.device.type == "cpu" \
+            else None
         self._consumer = StreamConsumer(stream, self.name, host, port, start=start, lease=lease,
                                         timeout=timeout, prefetch=True, client=client,
-                                        **client_options)
+                                        device=on_read, **client_options)
         self._pass: _Pass | None = None
         self._restart = False  # after ProducerGone: the next pass starts at the next epoch
         self._item_samples: int | None = None  # samples of a producer batch (seen)
         self._yielded = 0  # batches the loop under way yielded
+        self._draining: int | None = None  # the batches of a pass whose last ones are ahead
         self.passes = 0  # passes completed
 
     @property
@@ -318,7 +346,35 @@ class SharedLoader:
         return self._consumer.finished
 
     def __iter__(self) -> Iterator[Any]:
+        if moves(self.device) and self.device.type != "cpu":
+            return self._on_device(self._iterate())
         return self._iterate()
+
+    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The batches with their copies to the device issued ``prefetch`` ahead. An error
+        of the stream (``Lagged``, ``ProducerGone``) comes after the batches read before it;
+        a copy that fails raises ``DeviceCopyFailed`` with its batch, after those before."""
+        ahead: deque[InFlight] = deque()
+        pulled = 0
+        while True:
+            try:
+                batch = next(batches)
+                pulled += 1
+                ahead.append(copy_async(batch, self.device))
+            except StopIteration:
+                break
+            except BaseException:
+                while ahead:
+                    yield ahead.popleft().take()
+                raise
+            while len(ahead) > self.prefetch:
+                yield ahead.popleft().take()
+        self._draining = pulled  # (the pass ended underneath: len() is still its batches)
+        try:
+            while ahead:
+                yield ahead.popleft().take()
+        finally:
+            self._draining = None
 
     def _iterate(self) -> Iterator[Any]:
         cons = self._consumer
@@ -424,6 +480,8 @@ class SharedLoader:
     def __len__(self) -> int:
         """The batches of the pass being iterated (all of them, those taken included), or,
         between passes, of the next one; 0 once the stream is finished and read."""
+        if self._draining is not None:
+            return self._draining
         cons = self._consumer
         p = self._pass
         if p is None:

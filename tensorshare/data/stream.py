@@ -40,6 +40,7 @@ from ..client.streams import (
     StreamOpenResult,
 )
 from ..errors import BinFull, BinNotFound, InvalidRequest, SessionLost, WaitTimeout
+from ..memory.ipc import CudaIpcRing
 from .batching import sample_count
 
 __all__ = ["StreamConsumer", "StreamProducer", "connect"]
@@ -101,6 +102,11 @@ class StreamProducer:
             consumer is ``window`` behind) before ``BinFull``; ``None``: as long as it takes
             (under ``on_lag="wait"`` the producer keeps the slowest live consumer's pace).
         client: a client to use (not closed by :meth:`close`) instead of a new one.
+        device_ipc: send CUDA tensors as CUDA IPC descriptors into a ring of this
+            producer's GPU memory (``window + 2`` slots) instead of their bytes: consumers
+            must be on this host (``unix://``) and see the GPU; where IPC cannot work, the
+            first batch says so once in the log and every batch travels through host memory
+            (:mod:`tensorshare.memory.ipc`). Not with ``replay="epoch"``.
         client_options: more :class:`~tensorshare.client.Client` arguments.
 
     Raises:
@@ -113,13 +119,23 @@ class StreamProducer:
                  max_stall: float | None = None, replay: str = "none", lease: float = 10.0,
                  samples_per_epoch: int | None = None, timeout: float = 60.0,
                  hold_timeout: float | None = None, client: Client | None = None,
-                 **client_options: Any) -> None:
+                 device_ipc: bool = False, **client_options: Any) -> None:
         self.name = name
         self.producer = producer
         self.hold_timeout = hold_timeout
         self._settings: dict[str, Any] = dict(
             producer=producer, producers=producers, window=window, on_lag=on_lag,
-            max_stall=max_stall, replay=replay, lease=lease, samples=samples_per_epoch)
+            max_stall=max_stall, replay=replay, lease=lease, samples=samples_per_epoch,
+            device_ipc=bool(device_ipc))
+        self.lease = lease
+        # CUDA IPC: a ring of window + 2 slots, so that a slot is written again only after
+        # the window proved every live consumer past its item (memory.ipc).
+        self.ring: CudaIpcRing | None = None
+        if device_ipc:
+            if replay == "epoch":
+                raise ValueError("device_ipc=True cannot keep an epoch for late joiners "
+                                 "(replay='epoch'): the ring's slots are reused long before")
+            self.ring = CudaIpcRing(window + 2)
         self._own = client is None
         self.client = client if client is not None else connect(host, port, timeout, lease,
                                                                 client_options)
@@ -197,9 +213,17 @@ class StreamProducer:
         return self.extend([value], samples=None if samples is None else [samples])
 
     def extend(self, values: Sequence[Any], *, samples: Sequence[int] | None = None) -> int:
-        """Append several items at once (all or none); returns the first one's position."""
+        """Append several items at once (all or none; with ``device_ipc``, one after the
+        other: each must wait for its ring slot); returns the first one's position."""
         counts = list(samples) if samples is not None else \
             [sample_count(v) or 1 for v in values]
+        if self.ring is not None:
+            if len(values) > 1:
+                first = self.extend(values[:1], samples=counts[:1])
+                for v, n in zip(values[1:], counts[1:], strict=True):
+                    self.extend([v], samples=[n])
+                return first
+            values = [self.ring.export(values[0])]
         deadline = None if self.hold_timeout is None else time.monotonic() + self.hold_timeout
         while True:
             try:
@@ -279,11 +303,45 @@ class StreamProducer:
             _pause(gap)
             gap = min(gap * 1.5, 0.25)
 
-    def close(self) -> None:
+    def close(self, drain: float | None = None) -> None:
         """Close the client (if this producer made it). A producer closed before it ended
-        its last epoch counts as gone at once: consumers get ``ProducerGone``."""
-        if self._own:
-            self.client.close()
+        its last epoch counts as gone at once: consumers get ``ProducerGone``.
+
+        With ``device_ipc``, the ring's GPU memory is freed after the live consumers read
+        every item of it (:meth:`wait_drained`, up to ``drain`` seconds: default three
+        leases)."""
+        try:
+            if self.ring is not None and self.ring.exported and not self.client.closed:
+                self.wait_drained(3 * self.lease if drain is None else drain)
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+            if self._own:
+                self.client.close()
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait (up to ``timeout`` seconds) until every live consumer of the stream was sent
+        everything in it, or left. Returns whether they were."""
+        deadline = time.monotonic() + timeout
+        gap = 0.02
+        while True:
+            try:
+                info = _server_of(self.client, self.name).stats(_glob_of(self.name))[
+                    "bins"].get(self.name)
+            except Exception:  # (the server is gone: nobody reads the ring any more)
+                return False
+            if info is None or info.get("kind") != "stream":
+                return True
+            st = info["stream"]
+            busy = [c for c in st["consumers"].values() if c["state"] in ("live", "detached")
+                    and (c["cursor"] is None or c["cursor"] < st["head"])]
+            if not busy:
+                _pause(0.5)  # (the last reply may still be copied out on its way)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            _pause(gap)
+            gap = min(gap * 1.5, 0.25)
 
     def __enter__(self) -> StreamProducer:
         return self
@@ -307,6 +365,8 @@ class StreamConsumer:
         timeout: seconds :meth:`read` waits for an item (and to connect).
         prefetch: keep one read in flight: the next items travel while the caller works on
             the last ones.
+        device: copy the items' tensors to this device as they are read (see
+            ``Client.get``; a ``device_ipc`` stream's items arrive on their GPU anyway).
         client, client_options: as for :class:`StreamProducer`.
 
     Raises:
@@ -316,7 +376,9 @@ class StreamConsumer:
     def __init__(self, name: str, consumer: str, host: str | None = None,
                  port: int | None = None, *, start: str = "now", lease: float = 10.0,
                  resume: bool = True, timeout: float = 60.0, prefetch: bool = False,
-                 client: Client | None = None, **client_options: Any) -> None:
+                 client: Client | None = None, device: Any = None,
+                 **client_options: Any) -> None:
+        self.device = device  # (checked by the client's reads)
         self.name, self.consumer, self.start = name, consumer, start
         self.lease, self.timeout, self.prefetch = lease, timeout, prefetch
         self._own = client is None
@@ -420,7 +482,8 @@ class StreamConsumer:
                 return pending[2].result()  # type: ignore[no-any-return]
             wait = max(min(deadline - time.monotonic(), _WAIT_SHARE * self.client.timeout), 0.0)
             return self.client.stream_read(  # type: ignore[no-any-return]
-                self.name, self.consumer, at=self.position, max_items=max_items, timeout=wait)
+                self.name, self.consumer, at=self.position, max_items=max_items, timeout=wait,
+                device=self.device)
         except WaitTimeout:
             return None
         except SessionLost:
@@ -455,7 +518,8 @@ class StreamConsumer:
         if self.prefetch and not got.finished:
             wait = _WAIT_SHARE * self.client.timeout
             call = self.client.begin.stream_read(self.name, self.consumer, at=got.next,
-                                                 max_items=max_items, timeout=wait)
+                                                 max_items=max_items, timeout=wait,
+                                                 device=self.device)
             self._pending = (os.getpid(), got.next, call)
 
     @property

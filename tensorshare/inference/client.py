@@ -10,6 +10,7 @@ import torch
 
 from ..client.services import check_compress
 from ..client.sharded import connect
+from ..memory.device import check_device, moves, to_device, want_pinned
 
 __all__ = ["InferenceClient"]
 
@@ -47,15 +48,17 @@ def _rows(x: Any) -> int:
 
 
 class _Result:
-    """Turns a call's answer into what predict returns."""
+    """Turns a call's answer into what predict returns (on the client's device)."""
 
-    __slots__ = ("batched", "with_version")
+    __slots__ = ("batched", "with_version", "device")
 
-    def __init__(self, batched: bool, with_version: bool) -> None:
-        self.batched, self.with_version = batched, with_version
+    def __init__(self, batched: bool, with_version: bool, device: Any = None) -> None:
+        self.batched, self.with_version, self.device = batched, with_version, device
 
     def __call__(self, res: Any) -> Any:
         out = res.value if self.batched else _drop_batch_dim(res.value)
+        if self.device is not None:
+            out = to_device(out, self.device)
         return (out, res.version) if self.with_version else out
 
 
@@ -79,6 +82,10 @@ class InferenceClient:
             of at least 64 KiB that shrinks; ``"client"``: as the client's own ``compress``.
             Nothing is compressed on a connection that passes shared memory (a Unix socket).
         client: a client to use instead of connecting (not closed by :meth:`close`).
+        device: where the outputs ``predict`` returns live (``"cuda"``, ...; checked here: a
+            torch without CUDA is a ``ValueError``); ``None``: the CPU. If the copy fails,
+            ``DeviceCopyFailed`` carries the output on the CPU. (Inputs may be CUDA tensors
+            whatever this says: they are copied once to host memory to travel.)
         client_options: more arguments of the client (``token``, ``tls_ca``, ...).
 
     ``predict(x)`` sends one input (no batch dimension) and returns the model's output row
@@ -89,7 +96,9 @@ class InferenceClient:
 
     def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
                  timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
-                 client: Any = None, **client_options: Any) -> None:
+                 client: Any = None, device: Any = None, **client_options: Any) -> None:
+        self.device = check_device(device)
+        want_pinned(self.device)
         self.name = name
         self.timeout = timeout
         self.wait_room = bool(wait_room)
@@ -109,7 +118,7 @@ class InferenceClient:
             wait_room=self.wait_room if wait_room is None else bool(wait_room),
             compress=self.compress)
         convert = cmd.convert
-        result = _Result(batched, return_version)
+        result = _Result(batched, return_version, self.device if moves(self.device) else None)
         return replace(cmd, convert=lambda reply: result(convert(reply)))
 
     def predict(self, inputs: Any, *, batched: bool = False, return_version: bool = False,

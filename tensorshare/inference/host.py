@@ -13,6 +13,14 @@ import torch
 from ..client.services import check_compress
 from ..client.sharded import connect
 from ..errors import ConnectionLost, Timeout, TransportError
+from ..memory.device import (
+    check_device,
+    host_tensor,
+    mark_staged,
+    stage_batch,
+    upload,
+    want_pinned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +79,31 @@ def _input_problem(value: Any, rows: int) -> str | None:
 
 def stack_inputs(values: list[Any], device: torch.device | None = None) -> Any:
     """One batch from inputs of one signature: tensors concatenated along the batch
-    dimension (per key of a dict), on ``device``."""
+    dimension (per key of a dict), on ``device``. For a CUDA device, the parts are
+    concatenated into pinned memory (:mod:`tensorshare.memory.pinned`) and go to the device
+    in one copy, queued on the current stream."""
     first = values[0]
     if isinstance(first, torch.Tensor):
-        x = first if len(values) == 1 else torch.cat(values)
-        return x if device is None else x.to(device, non_blocking=True)
-    out = {}
-    for k in first:
-        parts = [v[k] for v in values]
-        x = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out[k] = x if device is None else x.to(device, non_blocking=True)
-    return out
+        return _stacked(values, device)
+    return {k: _stacked([v[k] for v in values], device) for k in first}
+
+
+def _stacked(parts: list[Any], device: torch.device | None) -> Any:
+    cuda = device is not None and device.type == "cuda"
+    if len(parts) == 1:
+        x = parts[0]
+    elif cuda and all(p.is_cpu for p in parts):
+        x = stage_batch(parts)
+    else:
+        x = torch.cat(parts)
+    if device is None:
+        return x
+    return upload(x, device) if cuda and x.is_cpu else x.to(device, non_blocking=True)
 
 
 def _to_cpu(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.detach().cpu() if x.device.type != "cpu" else x.detach()
+        return host_tensor(x) if x.device.type != "cpu" else x.detach()
     if isinstance(x, dict):
         return {k: _to_cpu(v) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
@@ -130,6 +147,13 @@ class InferenceHost:
             the host loads each new version between batches and stamps every answer with
             the version it used.
         device: where the model runs (default: where its parameters are, else the CPU).
+            On a CUDA device the calls' inputs are stacked into pinned memory and copied in
+            one copy; outputs come back through pinned memory.
+        devices: run one copy of ``model`` (an ``nn.Module``) on each of these devices, e.g.
+            ``["cuda:0", "cuda:1"]``: each copy takes batches of the service on its own
+            thread (the server spreads the calls over whoever takes), and each loads every
+            new version of ``params_bin`` itself. ``replicas`` holds one host per device
+            (their own ``version``); ``batches``/``calls``/``rows`` count them all.
         lease: seconds a batch may take before its calls go to another host.
         max_queue: the most calls the service queues (default 4096).
         timeout: the client's timeout (also how long one take waits for work).
@@ -149,7 +173,16 @@ class InferenceHost:
                  params_bin: str | None = None, device: str | torch.device | None = None,
                  lease: float = 10.0, max_queue: int | None = None, timeout: float = 10.0,
                  compress: str | None = "auto", client: Any = None,
-                 **client_options: Any) -> None:
+                 devices: list[Any] | None = None, **client_options: Any) -> None:
+        self.replicas: list[InferenceHost] = []
+        self._counts = [0, 0, 0]  # batches, calls, rows (shared with the replicas)
+        self._count_lock = threading.Lock()
+        if devices is not None:
+            self._group(name, model, devices, device, host, port, timeout, client,
+                        client_options, dict(max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                             params_bin=params_bin, lease=lease,
+                                             max_queue=max_queue, compress=compress))
+            return
         self.name = name
         self.compress = check_compress(compress)
         self.model = model
@@ -161,16 +194,14 @@ class InferenceHost:
         if device is None and isinstance(model, torch.nn.Module):
             p = next(iter(model.parameters()), None)
             device = None if p is None else p.device
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else check_device(device)
+        want_pinned(self.device)
         self._own = client is None
         self.client = connect(host, port, timeout, **client_options) if client is None \
             else client
         self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
             else self.client
         self.version: int | None = None  # the parameter version answers are stamped with
-        self.batches = 0
-        self.calls = 0
-        self.rows = 0
         self._newest = -1  # the newest parameter version announced
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -178,6 +209,53 @@ class InferenceHost:
         if params_bin is not None:
             self.client.listen(params_bin, self._on_params, inline=True)
             self._load_params(force=True)
+
+    def _group(self, name: str, model: Any, devices: list[Any], device: Any, host: Any,
+               port: Any, timeout: float, client: Any, client_options: dict[str, Any],
+               options: dict[str, Any]) -> None:
+        """``devices=``: one replica of ``model`` per device, each a host of its own on a
+        shared client and shared counters."""
+        import copy
+
+        if device is not None:
+            raise ValueError("give device= or devices=, not both")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"devices= copies the model to each device: it must be an "
+                            f"nn.Module, not {type(model).__name__}")
+        if not isinstance(devices, (list, tuple)) or not devices:
+            raise ValueError(f"devices must be a non-empty list of devices, not {devices!r}")
+        checked = [check_device(d) for d in devices]
+        self.name, self.model, self.device = name, model, None
+        self.params_bin, self.version = options["params_bin"], None
+        self._own = client is None
+        self.client = connect(host, port, timeout, **client_options) if client is None \
+            else client
+        self._stop = threading.Event()
+        self._thread = None
+        try:
+            for d in checked:
+                replica = InferenceHost(name, copy.deepcopy(model).to(d), client=self.client,
+                                        device=d, timeout=timeout, **options)
+                replica._counts, replica._count_lock = self._counts, self._count_lock
+                self.replicas.append(replica)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def batches(self) -> int:
+        """Batches answered (by every replica)."""
+        return self._counts[0]
+
+    @property
+    def calls(self) -> int:
+        """Calls answered."""
+        return self._counts[1]
+
+    @property
+    def rows(self) -> int:
+        """Rows answered."""
+        return self._counts[2]
 
     # -- parameters -------------------------------------------------------------------------
     def _on_params(self, event: dict[str, Any]) -> None:
@@ -198,6 +276,7 @@ class InferenceHost:
         if load is None:
             raise TypeError(f"params_bin {self.params_bin!r} needs a model with "
                             f"load_state_dict (an nn.Module), not {type(self.model).__name__}")
+        mark_staged(res.value)  # (its host memory is pinned for the next version)
         load(res.value)
         self.version = res.version
         self._newest = max(self._newest, res.version)
@@ -205,6 +284,11 @@ class InferenceHost:
     # -- serving ----------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` (or the client is closed)."""
+        if self.replicas:
+            for r in self.replicas:
+                r.start()
+            self._stop.wait()
+            return
         pending = None  # the last batch's answer, sent with the next take
         while not self._stop.is_set():
             try:
@@ -258,9 +342,10 @@ class InferenceHost:
                 groups.setdefault(sig, []).append(i)
             for idx in groups.values():
                 self._run_isolating(values, rows, idx, outs, failed)
-            self.batches += 1
-            self.calls += len(values)
-            self.rows += sum(rows)
+            with self._count_lock:
+                self._counts[0] += 1
+                self._counts[1] += len(values)
+                self._counts[2] += sum(rows)
             return self._shard.service_reply_command(self.name, batch.batch, outs,
                                                      version=self.version, failed=failed,
                                                      compress=self.compress)
@@ -306,7 +391,11 @@ class InferenceHost:
                         bad, len(idx), self.name)
 
     def start(self) -> InferenceHost:
-        """Serve in a daemon thread; returns self."""
+        """Serve in a daemon thread (with ``devices``: one per device); returns self."""
+        if self.replicas:
+            for r in self.replicas:
+                r.start()
+            return self
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"tensorshare-inference-{self.name}")
@@ -324,6 +413,8 @@ class InferenceHost:
         """Stop serving (the batch in hand is answered first) and close the client if this
         host made it."""
         self._stop.set()
+        for r in self.replicas:
+            r.stop(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
         if self._own:

@@ -58,12 +58,19 @@ class BufferPool:
         self.idle = 0  # bytes (by class) of mappings waiting to be reused
         self.reused = 0  # parts served from the free lists (statistics)
         self.fresh = 0  # parts served from new mappings
+        # Where parts come from instead, while set (the process's receive pool sends them to
+        # the pinned pool once a read asked for a CUDA device: memory.pinned).
+        self.divert: Any = None
 
     def take(self, n: int) -> memoryview:
         """``n`` writable bytes (of unspecified content), given back to the pool when the
         returned view and every view of it are gone."""
         import numpy as np  # only for the weakly referencable buffer owner (see below)
 
+        divert = self.divert
+        if divert is not None:
+            part: memoryview = divert(n)
+            return part
         cls = size_class(n)
         with self._lock:
             free = self._free.get(cls)
@@ -75,7 +82,9 @@ class BufferPool:
                 mm = None
                 self.fresh += 1
         if mm is None:
-            mm = mmap.mmap(-1, cls)
+            # Private: a forked child's writes to a received tensor stay in the child (a
+            # shared mapping would carry them into the parent's tensor, and back).
+            mm = mmap.mmap(-1, cls, flags=mmap.MAP_PRIVATE)
         # A numpy array over the mapping owns the buffer every view of the part refers to,
         # and it can be weakly referenced: when it goes, the mapping is free again.
         owner = np.frombuffer(mm, dtype=np.uint8)
@@ -192,6 +201,11 @@ class MemfdPool:
         cls = size_class(n)
         fd = self._take(cls)
         return shm.share(data, fd)
+
+    def take_fd(self, n: int) -> int | None:
+        """A ready memfd for ``n`` bytes (to fill and seal: :func:`~.shm.sealed`), or ``None``
+        when none of its class waits (the next one will)."""
+        return self._take(size_class(n))
 
     def _take(self, cls: int) -> int | None:
         with self._lock:

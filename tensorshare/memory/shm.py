@@ -26,7 +26,7 @@ import sys
 import weakref
 from typing import Any
 
-__all__ = ["SharedMemory", "available", "new_memfd", "receive", "share"]
+__all__ = ["SharedMemory", "available", "new_memfd", "receive", "sealed", "share"]
 
 _SEALS = 0
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -91,6 +91,20 @@ def share(data: Any, fd: int | None = None) -> SharedMemory:
         done = 0
         while done < n:  # one copy, by the kernel; no page faults in this process
             done += os.pwrite(fd, view[done:], done)
+    except BaseException:
+        os.close(fd)
+        raise
+    return sealed(fd, n)
+
+
+def sealed(fd: int, n: int) -> SharedMemory:
+    """Seal memfd ``fd`` (its ``n`` bytes written, no writable mapping of it left) and map it
+    read-only. Takes ownership of ``fd`` (closed at once on error).
+
+    Raises:
+        OSError: it cannot be sealed (a writable mapping of it is still there).
+    """
+    try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         return SharedMemory(fd, n, writable=False)
     except BaseException:

@@ -52,6 +52,7 @@ from ..errors import (
     TransportError,
     is_server_timeout,
 )
+from ..memory.device import check_device, load_into, want_pinned
 
 __all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker", "TrainerStopped", "stop_bin_for"]
 
@@ -327,6 +328,11 @@ class RLWorker(_Base):
         params_via: read the parameters from this server instead: a relay of the trainer's
             server (``"HOST:PORT"`` or a URL, see :mod:`tensorshare.relay`), typically the
             one on this worker's machine. Rollouts still go to ``host``.
+        device: where the parameters :meth:`get_parameters` and
+            :meth:`await_new_parameters` return live (``"cuda"``, ...; checked here, a torch
+            without CUDA is a ``ValueError``); ``None``: the CPU. To load them into a model
+            that is already on its device, :meth:`load_parameters_into` copies straight
+            into the model's own tensors instead.
 
     Raises:
         ConnectError: the server could not be reached within ``timeout``.
@@ -335,7 +341,9 @@ class RLWorker(_Base):
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
                  params_bin: str = PARAMS_BIN, data_bin: str = DATA_BIN,
                  watch_stop: bool = True, params_via: str | None = None,
-                 **client_options: Any) -> None:
+                 device: Any = None, **client_options: Any) -> None:
+        self.device = check_device(device)  # (before connecting)
+        want_pinned(self.device)
         super().__init__(host, port, timeout, params_bin, data_bin, client_options)
         self.params_client: BinClient = self.client
         if params_via is not None:
@@ -438,10 +446,13 @@ class RLWorker(_Base):
             self._server_id = sid
         return sid
 
-    def _fetch_parameters(self, timeout: float | None, *, wait: bool) -> Any:
+    def _fetch_parameters(self, timeout: float | None, *, wait: bool,
+                          host: bool = False) -> Any:
         """Fetch parameters newer than ours (waiting up to ``timeout`` with ``wait``), asked
-        again when a server restart caught the fetch or made our version meaningless."""
+        again when a server restart caught the fetch or made our version meaningless
+        (``host``: on the CPU, whatever the worker's device)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        device = None if host else self.device
 
         def fetch() -> Any:
             for _ in range(_RESTART_RETRIES):
@@ -451,11 +462,11 @@ class RLWorker(_Base):
                     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     res = self._call(functools.partial(
                         self.params_client.fetch, self.params_bin, remove=False,
-                        newer_than=newer or 0, timeout=left))
+                        newer_than=newer or 0, timeout=left, device=device))
                 else:
                     res = self._call(functools.partial(
                         self.params_client.fetch, self.params_bin, remove=False,
-                        newer_than=newer))
+                        newer_than=newer, device=device))
                 if newer is None or self._check_server() == sid:
                     return res
                 # It waited for a reconnect to a new server and compared a version that meant
@@ -463,6 +474,47 @@ class RLWorker(_Base):
             return res
 
         return _again_after_restart(fetch, "fetching parameters")  # a read: safe to repeat
+
+    def load_parameters_into(self, model: Any, *, wait: bool = False,
+                             timeout: float | None = None) -> bool:
+        """Copy the latest parameters straight into ``model``'s own parameters and buffers
+        (its ``state_dict()`` tensors, wherever they live: one copy from the received
+        host memory, pinned once reused; no second allocation on the device). Only a
+        version newer than the one this worker has is downloaded.
+
+        Args:
+            model: an ``nn.Module`` whose ``state_dict`` has the names the trainer publishes.
+            wait: wait (up to ``timeout``; ``None``: no limit) for a newer version.
+
+        Returns:
+            Whether new parameters were loaded (``False``: none newer, or none published,
+            or none within ``timeout``). :meth:`get_parameters` then returns the model's
+            own tensors.
+
+        Raises:
+            KeyError: the published names do not match the model's (nothing is loaded
+                partially: the names are checked before any copy).
+            TrainerStopped: the trainer signalled the end of the run.
+        """
+        targets = model.state_dict(keep_vars=False)
+        devices = {t.device for t in targets.values()}
+        for d in devices:
+            want_pinned(d)
+        try:
+            res = self._fetch_parameters(timeout, wait=wait, host=True)
+        except BinNotFound:
+            return False
+        except Timeout as exc:
+            if wait and is_server_timeout(exc):
+                return False
+            raise
+        if res.unchanged:
+            return False
+        load_into(targets, res.value)
+        self._params = targets
+        self.version = res.version
+        self.downloads += 1
+        return True
 
     def _adopt(self, res: Any) -> Any:
         if not res.unchanged:

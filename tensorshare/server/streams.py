@@ -105,6 +105,7 @@ class Settings:
     on_lag: str = "wait"
     max_stall: float | None = None
     replay: str = "none"
+    device_ipc: bool = False  # the items are CUDA IPC descriptors: same-host consumers only
 
     @property
     def stall_limit(self) -> float:
@@ -786,6 +787,7 @@ class Stream:
             "epoch_samples": self.expected(), "window": cfg.window, "on_lag": cfg.on_lag,
             "max_stall": cfg.stall_limit if cfg.on_lag == "detach" else None,
             "replay": cfg.replay, "producers_expected": cfg.producers,
+            "device_ipc": cfg.device_ipc,
             "finished": self.finished, "broken": self.broken,
             "producers": {str(p.index): {
                 "state": p.state, "epoch": p.epoch, "sent": p.sent, "samples": p.hint,
@@ -829,6 +831,18 @@ class _Waiting:
     name: str = ""
     active: bool = True
 
+
+
+def _same_host(st: Stream, conn: Any) -> None:
+    """Refuse a consumer of a ``device_ipc`` stream that is not on this host: its items
+    point into the producer's GPU memory, which only a process on the same host (reached
+    over the Unix socket) can open."""
+    if st.settings is not None and st.cfg.device_ipc and \
+            not getattr(conn.transport, "_passes_fds", False):
+        raise InvalidRequest(
+            f"stream {st.name!r} carries CUDA IPC handles (its producer opened it with "
+            f"device_ipc=True): its consumers must run on the server's host and connect "
+            f"over unix://, and this connection is TCP")
 
 class StreamKind:
     """Stream bins on a server (see the module docstring).
@@ -1023,7 +1037,8 @@ class StreamKind:
     # -- producers --------------------------------------------------------------------------
     def _open(self, conn: ServerProtocol, msg: StreamOpen) -> None:
         st = self._stream(msg.bin, True)
-        settings = Settings(msg.producers, msg.window, msg.on_lag, msg.max_stall, msg.replay)
+        settings = Settings(msg.producers, msg.window, msg.on_lag, msg.max_stall, msg.replay,
+                            msg.device_ipc)
         if msg.producer not in st.producers:
             self._check_memory(CONSUMER_COST, f"a producer of stream {msg.bin!r}")
         try:
@@ -1101,6 +1116,7 @@ class StreamKind:
     # -- consumers --------------------------------------------------------------------------
     def _join(self, conn: ServerProtocol, msg: StreamJoin) -> None:
         st = self._stream(msg.bin, True)
+        _same_host(st, conn)
         if msg.consumer not in st.consumers:
             self._check_memory(CONSUMER_COST, f"a consumer of stream {msg.bin!r}")
         try:
@@ -1116,6 +1132,7 @@ class StreamKind:
 
     def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:
         st = self._stream(msg.bin, False)
+        _same_host(st, conn)
         now = self._now()
         c, events = st.consumer(msg.consumer, self._member(st, conn), now)
         st.ack(c, msg.at, now)

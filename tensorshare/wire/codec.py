@@ -20,6 +20,12 @@ raw byte buffers. The tree is packed with the msgpack "bin" type for bytes and "
   byte per element (0 or 1); ``bfloat16`` is the upper half of a float32; complex is
   (real, imag) pairs. Each buffer is referenced by at most one tensor. ``bfloat16`` is
   not allowed for ext 2 (numpy has no such dtype).
+* ext type 4 (``EXT_CUDA_IPC``, a CUDA tensor in another process's GPU memory on this
+  host): the ext data is a msgpack map of exactly the keys of :data:`CUDA_IPC_FIELDS`
+  (docs/PROTOCOL.md §2.6): where the memory is (GPU UUID, boot id, producer pid, the
+  CUDA IPC handle and its storage), the tensor's dtype, shape, strides and offset, and the
+  ring slot and generation it was written with. It refers to no buffer. Only a client on
+  the producer's host (over ``unix://``) can read it; a server checks and stores it as it is.
 * No other ext type (including the msgpack timestamp, -1) is allowed. Containers (array,
   map, tuple) nest at most ``max_depth`` deep (64 by default); the root container is at
   depth 1, tensors do not count.
@@ -42,17 +48,21 @@ from typing import Any
 
 import msgpack
 
-from ..errors import CodecError, NestingTooDeep, UnsupportedType
+from ..errors import CodecError, NestingTooDeep, TensorShareError, UnsupportedType
 from .records import Buffer, Encoded, encoded_of, raw_buffer
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
     "DTYPES",
+    "CUDA_IPC_FIELDS",
+    "EXT_CUDA_IPC",
     "EXT_NDARRAY",
     "EXT_TENSOR",
     "EXT_TUPLE",
+    "CUDA_IPC_REMOTE",
     "Buffer",
     "Encoded",
+    "check_cuda_ipc",
     "decode",
     "decode_many",
     "describe",
@@ -67,6 +77,29 @@ DEFAULT_MAX_DEPTH = 64
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
 EXT_TUPLE = 3
+EXT_CUDA_IPC = 4
+
+#: The keys of a CUDA IPC descriptor (ext 4) and what each must be: ``bin``/N: bytes of
+#: exactly N (``bin<=N``: 1 to N) bytes; ``int``: an int >= 0 (``int>0``: >= 1); ``dims``: a
+#: list of at most 64 ints >= 0. See docs/PROTOCOL.md §2.6.
+CUDA_IPC_FIELDS: dict[str, str] = {
+    "v": "int>0",  # the descriptor's version: 1
+    "uuid": "bin16",  # the GPU's UUID (the same GPU, whatever CUDA_VISIBLE_DEVICES says)
+    "boot": "bin16",  # the host's boot id (/proc/sys/kernel/random/boot_id): the same host
+    "pid": "int>0",  # the producer's process id
+    "ring": "bin16",  # the producer's ring, a random id
+    "gfd": "int",  # the descriptor of the ring's generation table in the producer
+    "h": "bin<=256",  # the CUDA IPC memory handle of the ring's storage (opaque)
+    "ssize": "int",  # the storage's size in bytes
+    "soff": "int",  # the storage's offset in the memory the handle exports
+    "ev": "bin64",  # the interprocess event recorded after this item was written
+    "dtype": "dtype",  # a wire dtype name
+    "shape": "dims",
+    "stride": "dims",  # in elements, one per dimension
+    "off": "int",  # the tensor's first element in the storage, in elements
+    "slot": "int",  # the ring slot it is in
+    "gen": "int>0",  # the generation it was written with (the slot's when it is valid)
+}
 
 # Wire dtype name -> bytes per element. The order is the documented order of DTYPES.
 _ITEMSIZE: dict[str, int] = {
@@ -196,9 +229,12 @@ class _Encoder:
         "tensor_type",
         "np",
         "ndarray_type",
+        "stage",
     )
 
-    def __init__(self, compress: str | None, min_bytes: int, max_depth: int) -> None:
+    def __init__(self, compress: str | None, min_bytes: int, max_depth: int,
+                 stage: Callable[[Any], Any] | None = None) -> None:
+        self.stage = stage
         self.buffers: list[Buffer] = []
         self.compress = compress
         self.min_bytes = min_bytes
@@ -285,6 +321,14 @@ class _Encoder:
                         f"type {_type_name(x)!r} is not supported (supported: {_SUPPORTED})",
                     )
                 return self.walk(item, depth)
+        ipc = getattr(type(x), "__tensorshare_cuda_ipc__", None)
+        if ipc is not None:  # a tensor in a CUDA IPC ring (tensorshare.memory.ipc)
+            fields = ipc(x)
+            try:
+                check_cuda_ipc(fields)
+            except CodecError as exc:
+                raise _Refusal(CodecError, str(exc)) from None
+            return msgpack.ExtType(EXT_CUDA_IPC, msgpack.packb(fields, use_bin_type=True))
         if isinstance(x, memoryview):
             # msgpack takes any C-contiguous buffer as raw bytes; others need a copy.
             return x if x.c_contiguous else x.tobytes()
@@ -339,8 +383,15 @@ class _Encoder:
         if not t.is_cpu:
             if t.is_meta:
                 raise _Refusal(UnsupportedType, "a meta tensor has no data to send")
-            # Data always travels from host memory; the receiver gets a CPU tensor. A
-            # future ``device=`` option on receive may move it to a device again.
+            # Data always travels from host memory; the receiver gets a CPU tensor (a read
+            # with device= moves it to a device again). ``stage`` copies it once into the
+            # memory it is sent from (memory.device: a memfd or pinned memory).
+            if self.stage is not None and not _BIG_ENDIAN_HOST:
+                t = t.resolve_conj().resolve_neg().contiguous()
+                staged = self.stage(t)
+                if staged is not None:
+                    view, shared = staged
+                    return self.add_buffer(EXT_TENSOR, name, list(t.shape), view, shared)
             t = t.cpu()
         # Materialise lazy conjugate/negative views: the bytes must be the real values.
         t = t.resolve_conj().resolve_neg()
@@ -390,8 +441,13 @@ class _Encoder:
         return self.add_buffer(EXT_NDARRAY, name, shape, data)
 
     def add_buffer(
-        self, code: int, name: str, shape: list[int], data: memoryview | bytes
+        self, code: int, name: str, shape: list[int], data: memoryview | bytes,
+        shared: Any = None,
     ) -> msgpack.ExtType:
+        if shared is not None:  # in a sealed memfd already: it travels as it is
+            index = len(self.buffers)
+            self.buffers.append(Buffer(data, None, len(data), shared))
+            return msgpack.ExtType(code, msgpack.packb([name, shape, index]))
         if type(data) is memoryview:
             # Read-only: nobody may write into the sender's tensor through the buffer,
             # and decode() copies read-only buffers, so an in-process round trip never
@@ -494,6 +550,7 @@ def encode(
     compress: str | None = None,
     compress_min_bytes: int = 65536,
     max_depth: int = DEFAULT_MAX_DEPTH,
+    stage: Callable[[Any], Any] | None = None,
 ) -> Encoded:
     """Encode a value for the wire.
 
@@ -513,6 +570,10 @@ def encode(
             result only when it saves at least an eighth (floats are never compressed).
         compress_min_bytes: the smallest buffer worth compressing.
         max_depth: the deepest container nesting allowed (the root container is 1).
+        stage: for a tensor that is not on the CPU: ``stage(t)`` (``t`` contiguous) copies
+            it into host memory it is sent from and returns ``(view, shared)`` (``shared``:
+            the sealed memfd holding it, or ``None``), or returns ``None`` (then ``t.cpu()``;
+            see :class:`tensorshare.memory.device.Stager`).
 
     Returns:
         The :class:`Encoded` value tree and buffers.
@@ -533,7 +594,7 @@ def encode(
         fast = _plain_tensor(torch, value)
         if fast is not None:
             return fast
-    enc = _Encoder(compress, compress_min_bytes, max_depth)
+    enc = _Encoder(compress, compress_min_bytes, max_depth, stage)
     try:
         tree = enc.walk(value, 0)
     except _Refusal as e:
@@ -583,20 +644,85 @@ def _parse_descriptor(code: int, data: bytes, n_buffers: int) -> tuple[str, list
     return name, shape, index
 
 
+def check_cuda_ipc(fields: Any) -> dict[str, Any]:
+    """Check a CUDA IPC descriptor (ext 4's map) and return it.
+
+    Every key of :data:`CUDA_IPC_FIELDS` and no other, each of its type; ``v`` is 1;
+    ``stride`` has one int per dimension of ``shape``; the elements it spans lie within the
+    storage (``(off + extent) * itemsize <= ssize``).
+
+    Raises:
+        CodecError: it is malformed (the message says how).
+    """
+    if type(fields) is not dict:
+        raise CodecError("cuda-ipc descriptor must be a map")
+    if fields.keys() != CUDA_IPC_FIELDS.keys():
+        extra = sorted(set(fields) - set(CUDA_IPC_FIELDS), key=str)
+        missing = sorted(set(CUDA_IPC_FIELDS) - set(fields))
+        raise CodecError(f"cuda-ipc descriptor has keys {_short_repr.repr(extra)} it must not "
+                         f"have and lacks {missing}")
+    for key, kind in CUDA_IPC_FIELDS.items():
+        if not _ipc_field_ok(fields[key], kind):
+            raise CodecError(f"cuda-ipc descriptor field {key!r} must be {kind}, not "
+                             f"{_short_repr.repr(fields[key])}")
+    if fields["v"] != 1:
+        raise CodecError(f"cuda-ipc descriptor version {fields['v']} is not known (1 is)")
+    shape, stride = fields["shape"], fields["stride"]
+    if len(stride) != len(shape):
+        raise CodecError(f"cuda-ipc descriptor has {len(stride)} strides for {len(shape)} "
+                         f"dimensions")
+    extent = 0 if 0 in shape else 1 + sum((d - 1) * st for d, st in
+                                          zip(shape, stride, strict=True))
+    if extent and (fields["off"] + extent) * _ITEMSIZE[fields["dtype"]] > fields["ssize"]:
+        raise CodecError(f"cuda-ipc tensor {fields['dtype']}{shape} at element {fields['off']} "
+                         f"reaches beyond its storage of {fields['ssize']} bytes")
+    return fields
+
+
+def _ipc_field_ok(v: Any, kind: str) -> bool:
+    if kind.startswith("bin"):
+        if type(v) is not bytes:
+            return False
+        return 1 <= len(v) <= int(kind[5:]) if kind.startswith("bin<=") else \
+            len(v) == int(kind[3:])
+    if kind == "int" or kind == "int>0":
+        return type(v) is int and (1 if kind == "int>0" else 0) <= v <= _DIM_MAX
+    if kind == "dtype":
+        return type(v) is str and v in _ITEMSIZE
+    return type(v) is list and len(v) <= _MAX_NDIM and \
+        all(type(d) is int and 0 <= d <= _DIM_MAX for d in v)
+
+
+def _parse_cuda_ipc(data: bytes) -> dict[str, Any]:
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise CodecError(f"malformed cuda-ipc descriptor: {exc}") from None
+    return check_cuda_ipc(fields)
+
+
+#: What a client reading a CUDA IPC item over a connection that cannot (TCP) hears.
+CUDA_IPC_REMOTE = ("it is a CUDA tensor in another process's GPU memory (cuda-ipc, "
+                   "docs/PROTOCOL.md §2.6): only a client on the producer's host, connected "
+                   "over unix://, can read it; read it there, or have the producer send host "
+                   "copies (device_ipc=False)")
+
 _MakeFn = Callable[[int, str, list[int], int], Any]
 
 
 class _Unpacker:
     """One decode/validate pass: the ext hook and the buffer bookkeeping."""
 
-    __slots__ = ("max_depth", "n_buffers", "used", "make", "nesting")
+    __slots__ = ("max_depth", "n_buffers", "used", "make", "nesting", "ipc")
 
-    def __init__(self, n_buffers: int, max_depth: int, make: _MakeFn) -> None:
+    def __init__(self, n_buffers: int, max_depth: int, make: _MakeFn,
+                 ipc: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.max_depth = max_depth
         self.n_buffers = n_buffers
         self.used = bytearray(n_buffers)  # 1 once a buffer has been claimed
         self.make = make
         self.nesting = 0  # tuple exts being unpacked right now (bounds recursion)
+        self.ipc = ipc  # what a checked cuda-ipc descriptor becomes (None: refused)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_TENSOR or code == EXT_NDARRAY:
@@ -620,12 +746,18 @@ class _Unpacker:
             if type(items) is not list:
                 raise CodecError("tuple ext must hold a msgpack array")
             return tuple(items)
+        if code == EXT_CUDA_IPC:
+            fields = _parse_cuda_ipc(data)
+            if self.ipc is None:
+                raise CodecError(f"cannot read {fields['dtype']}{fields['shape']} here: "
+                                 f"{CUDA_IPC_REMOTE}")
+            return self.ipc(fields)
         raise CodecError(f"unknown ext type code {code}")
 
     def unpack(self, value: bytes) -> Any:
         try:
             obj = msgpack.unpackb(value, raw=False, strict_map_key=True, ext_hook=self.ext_hook)
-        except (CodecError, MemoryError):
+        except (TensorShareError, MemoryError):  # (Lagged: a cuda-ipc slot was reused)
             raise
         except msgpack.ExtraData as exc:
             raise CodecError(
@@ -724,6 +856,7 @@ def decode(
     *,
     max_depth: int = DEFAULT_MAX_DEPTH,
     max_raw_bytes: int = 1 << 40,
+    cuda_ipc: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Any:
     """Decode a value received from the wire.
 
@@ -736,9 +869,13 @@ def decode(
         max_depth: the deepest container nesting accepted.
         max_raw_bytes: the largest decompressed size accepted for one compressed buffer,
             checked before decompressing.
+        cuda_ipc: what a (checked) cuda-ipc descriptor becomes: ``cuda_ipc(fields)``
+            (:func:`tensorshare.memory.ipc.copy_out` on a ``unix://`` connection); ``None``:
+            a value holding one is refused with a ``CodecError`` that says why.
 
     Returns:
-        The value: lists, dicts, tuples, bytes, scalars, CPU torch tensors, numpy arrays.
+        The value: lists, dicts, tuples, bytes, scalars, CPU torch tensors, numpy arrays
+        (and whatever ``cuda_ipc`` made).
 
     Raises:
         CodecError: the tree or a buffer is malformed, too deep, refers to a missing or
@@ -761,7 +898,7 @@ def decode(
             return _make_tensor(name, shape, n, itemsize, raw)
         return _make_ndarray(name, shape, n, raw, np_dtypes)
 
-    value = _Unpacker(len(buffers), max_depth, make).unpack(enc.value)
+    value = _Unpacker(len(buffers), max_depth, make, cuda_ipc).unpack(enc.value)
     if lone is False and len(enc.value) <= 64 and len(buffers) == 1 and \
             len(_LONE_TENSOR_SHAPES) < _LONE_TENSOR_TREES_MAX:
         _remember_lone_tensor(enc.value)
@@ -769,7 +906,8 @@ def decode(
 
 
 def decode_many(encs: Sequence[Encoded], *, max_depth: int = DEFAULT_MAX_DEPTH,
-                max_raw_bytes: int = 1 << 40) -> list[Any]:
+                max_raw_bytes: int = 1 << 40,
+                cuda_ipc: Callable[[dict[str, Any]], Any] | None = None) -> list[Any]:
     """Decode several values (the items of one reply), as :func:`decode` does each.
 
     A run of items that are lone tensors of one dtype and shape (a drained queue of like
@@ -782,7 +920,8 @@ def decode_many(encs: Sequence[Encoded], *, max_depth: int = DEFAULT_MAX_DEPTH,
         enc = encs[i]
         lone = _LONE_TENSOR_SHAPES.get(enc.value, False) if len(enc.buffers) == 1 else False
         if type(lone) is not tuple:
-            out.append(decode(enc, max_depth=max_depth, max_raw_bytes=max_raw_bytes))
+            out.append(decode(enc, max_depth=max_depth, max_raw_bytes=max_raw_bytes,
+                              cuda_ipc=cuda_ipc))
             i += 1
             continue
         name, shape, count, itemsize = lone
@@ -902,12 +1041,17 @@ def validate(value: bytes, n_buffers: int, *, max_depth: int = DEFAULT_MAX_DEPTH
         key = (value, n_buffers, max_depth, tuple(raw_sizes))
         if key in _VALID_TREES:
             return
-        _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+        _Unpacker(max(n_buffers, 0), max_depth, make, _ipc_checked).unpack(value)
         if len(_VALID_TREES) >= _VALID_TREES_MAX:
             _VALID_TREES.clear()
         _VALID_TREES[key] = True
         return
-    _Unpacker(max(n_buffers, 0), max_depth, make).unpack(value)
+    _Unpacker(max(n_buffers, 0), max_depth, make, _ipc_checked).unpack(value)
+
+
+def _ipc_checked(fields: dict[str, Any]) -> None:
+    """validate: a cuda-ipc descriptor was checked; nothing to build."""
+    return None
 
 
 _VALID_TREE_MAX = 512  # bytes
@@ -928,6 +1072,12 @@ class _Leaf:
         return self.text
 
 
+def _ipc_leaf(fields: dict[str, Any]) -> _Leaf:
+    leaf = _Leaf(EXT_TENSOR, fields["dtype"], fields["shape"])
+    leaf.text = f"cuda-ipc {leaf.text} on GPU-{fields['uuid'].hex()[:8]}"
+    return leaf
+
+
 def describe(value: bytes, limit: int = 80) -> str:
     """A one-line summary of an encoded value tree, e.g. ``{w: float32[3,3], step: int}``.
 
@@ -944,8 +1094,8 @@ def describe(value: bytes, limit: int = 80) -> str:
     """
     try:
         tree = _Unpacker(1 << 20, DEFAULT_MAX_DEPTH,
-                         lambda code, name, shape, index: _Leaf(code, name, shape)
-                         ).unpack(value)
+                         lambda code, name, shape, index: _Leaf(code, name, shape),
+                         _ipc_leaf).unpack(value)
     except CodecError:
         return "<malformed>"
     text = _summary(tree, limit)

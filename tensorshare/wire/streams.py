@@ -100,6 +100,8 @@ class StreamOpen:
         lease: seconds this producer may be unreachable before it counts as gone.
         samples: how many samples this producer expects to send per epoch (``None``:
             unknown); consumers use it to tell their number of batches before the end.
+        device_ipc: the items are CUDA IPC descriptors: consumers must be on the server's
+            host (a Unix socket); ``replay="epoch"`` is refused.
     """
 
     id: int
@@ -112,6 +114,7 @@ class StreamOpen:
     replay: str = "none"
     lease: float = 10.0
     samples: int | None = None
+    device_ipc: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,9 +343,12 @@ def _range_int(h: dict[str, Any], key: str, low: int, high: int | None = None) -
 
 # -- stream_open ----------------------------------------------------------------------------
 def _open_header(m: StreamOpen) -> dict[str, Any]:
-    return {"bin": m.bin, "producer": m.producer, "producers": m.producers, "window": m.window,
-            "on_lag": m.on_lag, "max_stall": m.max_stall, "replay": m.replay, "lease": m.lease,
-            "samples": m.samples}
+    h = {"bin": m.bin, "producer": m.producer, "producers": m.producers, "window": m.window,
+         "on_lag": m.on_lag, "max_stall": m.max_stall, "replay": m.replay, "lease": m.lease,
+         "samples": m.samples}
+    if m.device_ipc:
+        h["device_ipc"] = True
+    return h
 
 
 def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
@@ -351,11 +357,15 @@ def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
     producer = _range_int(h, "producer", 0, producers - 1) if "producer" in h else 0
     window = _range_int(h, "window", 1, MAX_WINDOW) if h.get("window") is not None else 32
     max_stall = None if h.get("max_stall") is None else _seconds(h, "max_stall", 0.0)
+    replay = _choice(h, "replay", REPLAY_POLICIES, "none")
+    device_ipc = _bool(h, "device_ipc")
+    if device_ipc and replay == "epoch":
+        raise _Invalid("a stream with device_ipc cannot keep an epoch for late joiners "
+                       "(replay='epoch'): its producer's ring slots are reused long before")
     return StreamOpen(rid, name, producer, producers, window,
-                      _choice(h, "on_lag", LAG_POLICIES, "wait"), max_stall,
-                      _choice(h, "replay", REPLAY_POLICIES, "none"),
+                      _choice(h, "on_lag", LAG_POLICIES, "wait"), max_stall, replay,
                       _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
-                      _opt_int(h, "samples", minimum=0))
+                      _opt_int(h, "samples", minimum=0), device_ipc)
 
 
 def _reply_opened(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
@@ -500,7 +510,7 @@ def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
 # joining (it places a cursor) and reading (it moves one). Leaving twice is harmless.
 register(_row("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True,
               "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay",
-              "lease", "samples"))
+              "lease", "samples", "device_ipc"))
 register(_row("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended,
               True, "bin", "producer", "epoch", "items", "samples", "timeout"),
          items=lambda m: m.items)

@@ -483,7 +483,8 @@ def _full_requests() -> dict[str, list[Message]]:
         "bye": [Bye(12)],
         "auth": [Auth(13, b"p" * 32)],
         "reload": [Reload(23)],
-        "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640)],
+        "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640),
+                        StreamOpen(14, "s", device_ipc=True)],
         "stream_append": [StreamAppend(15, "s", 1, 0, item, (item,), (64, 64), 1.5)],
         "stream_end": [StreamEnd(16, "s", 1, 0, 128, True, 1.5)],
         "stream_join": [StreamJoin(17, "s", "job", "epoch_start", 5.0, False)],
@@ -877,12 +878,18 @@ def test_dtype_table_matches_the_codec() -> None:
         assert numpy_ok == row[3].startswith("`"), row
 
 
+def test_cuda_ipc_table_is_the_codecs_fields() -> None:
+    rows = table("<!-- table: cuda-ipc -->")
+    assert [code_cell(row[0]) for row in rows] == list(codec.CUDA_IPC_FIELDS)
+
+
 def test_ext_type_table_matches_the_codec() -> None:
     rows = {int(row[0]): code_cell(row[1]) for row in table("<!-- table: ext-types -->")}
     assert rows == {
         codec.EXT_TENSOR: "EXT_TENSOR",
         codec.EXT_NDARRAY: "EXT_NDARRAY",
         codec.EXT_TUPLE: "EXT_TUPLE",
+        codec.EXT_CUDA_IPC: "EXT_CUDA_IPC",
     }
 
 

@@ -88,6 +88,7 @@ def test_every_stream_op_is_in_the_table_with_its_flags() -> None:
 @pytest.mark.parametrize("msg", [
     StreamOpen(1, "s", 2, 3, 16, "detach", 2.5, "epoch", 4.0, 100),
     StreamOpen(2, "s"),
+    StreamOpen(3, "s", device_ipc=True),
     StreamEnd(3, "s", 1, 4, 77, True, 5.0),
     StreamEnd(4, "s", 0, 0, 0),
     StreamJoin(5, "s", "lr=0.1", "epoch_start", 3.0, False),
