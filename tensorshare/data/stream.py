@@ -39,7 +39,15 @@ from ..client.streams import (
     StreamJoinResult,
     StreamOpenResult,
 )
-from ..errors import BinFull, BinNotFound, InvalidRequest, SessionLost, WaitTimeout
+from ..errors import (
+    BinFull,
+    BinNotFound,
+    ConnectionLost,
+    InvalidRequest,
+    SessionLost,
+    Timeout,
+    WaitTimeout,
+)
 from ..memory.ipc import CudaIpcRing
 from .batching import sample_count
 
@@ -542,10 +550,15 @@ class StreamConsumer:
 
         Closing without leaving drops the consumer at once (it holds nobody back) but the
         stream remembers it: joining again under its name goes on from where it was, as
-        long as the items after that are still kept."""
+        long as the items after that are still kept. Leaving is a courtesy: with no
+        connection to the server (it stopped, say, once its stream ended) there is nothing
+        to leave, and the server drops the consumer after its lease anyway."""
         try:
-            if leave and not self.client.closed:
-                self.leave()
+            if leave and not self.client.closed and self.client.connected:
+                try:
+                    self.leave()
+                except (ConnectionLost, Timeout):
+                    pass  # (the server went away meanwhile: nothing held to give back)
         finally:
             if self._own:
                 self.client.close()

@@ -443,3 +443,21 @@ def test_serve_loader_says_how_it_is_going(server: EmbeddedServer,
     err = capsys.readouterr().err
     assert "serve_loader 'q': epoch 1/1 sent: 7 batches" in err and "'r'" not in err
     job.close()
+
+
+def test_a_job_closes_at_once_after_its_server_went_away() -> None:
+    """Once the stream ended and its server stopped (a producer that hosted it, say), closing
+    the job neither waits for the server nor raises: there is nothing left to leave."""
+    srv = EmbeddedServer(port=0)
+    try:
+        job = SharedLoader("gone", "127.0.0.1", srv.port, batch_size=10, name="j",
+                           timeout=TIMEOUT)
+        produced = Background(lambda: serve_loader(data(), "gone", "127.0.0.1", srv.port,
+                                                   epochs=1, wait_for=1))
+        assert sum(len(y) for _, y in job) == N
+        produced.result()
+    finally:
+        srv.stop()
+    wait_until(lambda: not job._consumer.client.connected, what="the client to see it go")
+    done = Background(job.close)
+    done.result(timeout=5.0)  # (before: a leave that waited out the client's timeout)
