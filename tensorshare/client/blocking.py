@@ -111,12 +111,12 @@ class _FutureSlot(_Slot):
     __slots__ = ("future", "call")
 
     def __init__(self, future: Future[Any]) -> None:
-        super().__init__()
+        _Slot.__init__(self)  # (named: a compiled twin's cpdef override has no super() cell)
         self.future = future
         self.call: Call | None = None
 
     def resolve(self, reply: Any, error: BaseException | None = None) -> None:
-        super().resolve(reply, error)
+        _Slot.resolve(self, reply, error)
         assert self.call is not None
         ok, value = _outcome(self, self.call)
         if self.future.set_running_or_notify_cancel():
@@ -149,7 +149,7 @@ class PendingCall:
 
     __slots__ = ("_client", "_call", "_slot", "_outcome")
 
-    def __init__(self, client: Client | None, call: Call | None, slot: _Slot | None) -> None:
+    def __init__(self, client: Connection | None, call: Call | None, slot: _Slot | None) -> None:
         self._client, self._call, self._slot = client, call, slot
         self._outcome: tuple[bool, Any] | None = None
 
@@ -191,93 +191,26 @@ class PendingCall:
 
 
 
-class Client(BinClient):
-    """A blocking, thread-safe connection to a tensorshare server that rides out drops.
+class Connection:
+    """What a :class:`Client` is under its face: one connection to a server that rides out
+    drops, its session, the reader thread and the read election, and the path of every
+    request (typed for the compiler: a cdef class in the compiled twin, see
+    ``blocking.pxd``). :class:`Client` adds the op surface and the constructor."""
 
-    Args:
-        host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT``,
-            ``tensorshare+tls://HOST:PORT``, or ``unix://PATH`` for a server on this
-            machine's Unix socket (faster, and large tensors may travel through shared
-            memory, see ``shm``). Neither host nor port: ``TENSORSHARE_URL``, else
-            ``127.0.0.1:8000`` (see :mod:`tensorshare.client.endpoint`).
-        port: server port (ignored for a URL; default 8000).
-        timeout: seconds the server has to answer a request (a get/peek that waits for data
-            gets its wait on top); also how long the first connection may take.
-        reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
-            carry on where it stopped (calls wait within their own timeout); a number: give
-            up after that many seconds without a connection; ``False``: fail every call at
-            the first drop, as a plain socket would.
-        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
-            only large integer and bool buffers that shrink by an eighth (frames, masks;
-            never floats); ``None``: never.
-        compress_min_bytes: buffers smaller than this are never compressed.
-        name: how this client introduces itself in the server's log.
-        session: ``True`` (default): exactly-once replay across reconnects. ``False``: no
-            session (a tool that sends one request does not need one).
-        heartbeat: seconds of silence after which a ping checks that the server is still
-            there (a dead peer is noticed, and acknowledgements reach the server); default
-            a third of ``timeout``, at most 5 s.
-        connector: returns a new connected socket each time it is called, instead of a TCP
-            connection to ``host:port`` (custom transports; tests use a socketpair).
-        shm: over a Unix socket (``unix://PATH``, Linux), pass tensors of at least
-            ``shm_min_bytes`` through shared memory instead of the socket: a put writes them
-            once into a sealed memfd, a get maps the server's with no copy at all.
-        shm_min_bytes: the smallest buffer worth sharing (below, the socket is faster).
-        tls: connect with TLS (default: as the URL or ``TENSORSHARE_URL`` says).
-        tls_ca: the CA that signed the server's certificate (default ``TENSORSHARE_TLS_CA``,
-            else the system's); the server's host name is checked too.
-        token, token_file: the server's token (default ``TENSORSHARE_TOKEN`` or the file
-            ``TENSORSHARE_TOKEN_FILE`` names); it never crosses the wire.
-        user: the user that token is for, on a server with a users file (default
-            ``TENSORSHARE_USER``; neither: the user ``default``). Its name is bound into the
-            handshake's proof.
-
-    Raises:
-        ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
-            keeps trying until then, through connections dropped mid-handshake: workers may
-            start before their server), or TLS failed (a wrong CA or host name, a server
-            that does not speak TLS or one that only does).
-        AuthenticationError, UnsupportedVersion, LimitExceeded: the server refused the
-            handshake (a missing or wrong token, no common version, no room); never retried.
-
-    Example::
-
-        with Client("127.0.0.1", 8000) as c:
-            c.put("weights", {"w": torch.randn(3, 3)})
-            print(c.peek("weights"))
-    """
-    def __init__(self, host: str | None = None, port: int | None = None,
-                 timeout: float = 30.0, *, reconnect: bool | float = True,
-                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
-                 name: str = "tensorshare-python", session: bool = True,
-                 heartbeat: float | None = None,
-                 connector: Callable[[], socket.socket] | None = None, shm: bool = True,
-                 shm_min_bytes: int = 1 << 20, tls: bool | None = None,
-                 tls_ca: str | None = None, token: str | bytes | None = None,
-                 token_file: str | None = None, user: str | None = None) -> None:
-        if compress not in (None, "lz4", "auto"):
-            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
-        self.timeout = check_timeout(timeout)
-        self.reconnect = check_reconnect(reconnect)
-        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
-                                token_file=token_file, user=user)
-        where = self.endpoint.address
-        self.host, self.port, self.path = where.host, where.port, where.path
-        self.compress, self.compress_min_bytes = compress, compress_min_bytes
-        self.address = str(self.endpoint)
-        self._connector = connector
-        self._options = (name, session, heartbeat, shm)
-        self.shm_min_bytes = shm_min_bytes
-        self.begin = _Begin(self)
-        self._start()
-        _CLIENTS.add(self)
-        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
-            error = self._session.closed
-            self.close()
-            if isinstance(error, (ConnectError, ServerError)):  # a typed refusal keeps its type
-                raise error
-            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
-                               f"{error or 'no answer'}")
+    # (set by the face's constructor)
+    timeout: float
+    reconnect: bool | float
+    endpoint: Endpoint
+    address: str
+    host: str | None
+    port: int | None
+    path: str | None
+    compress: str | None
+    compress_min_bytes: int
+    shm_min_bytes: int
+    begin: Any
+    _connector: Callable[[], socket.socket] | None
+    _options: tuple[str, bool, float | None, bool]
 
     def _start(self) -> None:
         """Make the session and the threads' state, and start the reader thread (which
@@ -338,64 +271,6 @@ class Client(BinClient):
         if closing:
             self.close()
 
-    # -- what the server said ---------------------------------------------------------------
-    @property
-    def limits(self) -> Limits:
-        """The server's limits (from the last handshake)."""
-        return self._session.limits
-
-    @property
-    def server_version(self) -> str:
-        """The server's software and version, e.g. ``"tensorshare/0.2.0"``."""
-        hello = self._session.server
-        return hello.server if hello else ""
-
-    @property
-    def protocol_version(self) -> int:
-        hello = self._session.server
-        return hello.version if hello else 0
-
-    @property
-    def server_id(self) -> str:
-        """Random per server data set: it changes when the server restarted without
-        persistence (bin versions then started again)."""
-        hello = self._session.server
-        return hello.server_id if hello else ""
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client is connected right now (``False`` while reconnecting)."""
-        return self._session.connected and self._session.closed is None
-
-    @property
-    def closed(self) -> bool:
-        """Whether the client is closed (or gave up reconnecting): every call fails."""
-        return self._session.closed is not None
-
-    def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
-        """Queue many requests and send them together, without waiting for each reply.
-
-        Usage::
-
-            with client.pipeline() as p:
-                for rollout in rollouts:
-                    p.append("rollouts", rollout)
-                p.put("step", 10)
-            p.results  # what each call returns (a version, a value, ...), in order
-
-        Consecutive appends to the same bin travel as one request (all or none, one new
-        version), so tens of thousands of small items per second go through one client.
-        Other calls are sent back to back in one write. Local mistakes raise at the call;
-        the requests go out when the ``with`` block ends (or at :meth:`Pipeline.execute`).
-
-        Args:
-            raise_on_error: after every reply is in, raise the first error (the others and
-                every result stay in ``results``); ``False``: only put errors in ``results``.
-        """
-        return Pipeline(self, raise_on_error)
-
-
-    # -- the op surface (see .ops) ------------------------------------------------------------
     def _execute(self, cmd: Command) -> Any:
         if cmd.kind != "call":
             return self._submit(cmd).result()
@@ -413,12 +288,6 @@ class Client(BinClient):
         if not ok:
             raise value
         return value
-
-    def __getattr__(self, name: str) -> Any:
-        # begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names).
-        if name.startswith("begin_") and name != "begin_":
-            return getattr(self.begin, name[6:])
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
         """End the session on the server (``bye``, waiting at most a second for its answer)
@@ -476,27 +345,6 @@ class Client(BinClient):
         except OSError:  # full (already woken) or closed
             pass
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
-        return f"<tensorshare.Client {self.address} {state}>"
-
-    # -- requests -----------------------------------------------------------------------------
-    def _share_min_bytes(self) -> int | None:
-        conn = self._session.conn
-        return self.shm_min_bytes if conn is not None and conn.shm else None
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether large tensors travel through shared memory on this connection."""
-        conn = self._session.conn
-        return conn is not None and conn.shm
-
     def _submit(self, cmd: Command) -> PendingCall:
         """Add one request to the session and send what can be sent now."""
         if self._forks != _FORKS:  # (no system call per request)
@@ -535,8 +383,8 @@ class Client(BinClient):
 
     def _call(self, cmd: Command) -> tuple[Call, _Slot]:
         slot = _Slot()
-        call = self._session.call(cmd.request, cmd.what, time.monotonic(), token=slot,
-                                  convert=cmd.convert, extra=cmd.listener)
+        call = self._session.call(cmd.request, cmd.what, time.monotonic(), slot,
+                                  cmd.convert, None, cmd.listener)
         return call, slot
 
     def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]
@@ -658,7 +506,10 @@ class Client(BinClient):
             cls = type(ev)
             if cls is Done:
                 if ev.call.token is not None:
-                    ev.call.token.resolve(ev.reply, ev.error)
+                    try:
+                        ev.call.token.resolve(ev.reply, ev.error)
+                    except Exception:  # a bug: it must not keep the other calls waiting
+                        log.exception("resolving %s failed", ev.call.what)
             elif cls is Notify:
                 self._notify(ev)
 
@@ -672,7 +523,6 @@ class Client(BinClient):
         if queued and self._events is not None:
             self._events.put((ev.callbacks, ev.event, ev.bin))
 
-    # -- the reader thread ------------------------------------------------------------------
     def _run(self) -> None:
         session = self._session
         start = time.monotonic()
@@ -886,7 +736,7 @@ class Client(BinClient):
         try:
             direct = session.get_buffer()
             target = direct if direct is not None else reader.scratch
-            if reader.unix:
+            if reader.is_unix:
                 n, ancdata, _, _ = reader.sock.recvmsg_into([target], ANC_SPACE)
                 if ancdata:
                     fds = fds_of(ancdata)
@@ -1002,7 +852,6 @@ class Client(BinClient):
                         self.address, away, how)
         self._flush_soon()
 
-    # -- listen dispatch ----------------------------------------------------------------------
     def _start_dispatcher(self) -> None:
         with self._lock:
             if self._dispatcher is not None:
@@ -1023,6 +872,176 @@ class Client(BinClient):
                 if not inline:
                     _call_listener(cb, event, name)
 
+
+class Client(Connection, BinClient):
+    """A blocking, thread-safe connection to a tensorshare server that rides out drops.
+
+    Args:
+        host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT``,
+            ``tensorshare+tls://HOST:PORT``, or ``unix://PATH`` for a server on this
+            machine's Unix socket (faster, and large tensors may travel through shared
+            memory, see ``shm``). Neither host nor port: ``TENSORSHARE_URL``, else
+            ``127.0.0.1:8000`` (see :mod:`tensorshare.client.endpoint`).
+        port: server port (ignored for a URL; default 8000).
+        timeout: seconds the server has to answer a request (a get/peek that waits for data
+            gets its wait on top); also how long the first connection may take.
+        reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
+            carry on where it stopped (calls wait within their own timeout); a number: give
+            up after that many seconds without a connection; ``False``: fail every call at
+            the first drop, as a plain socket would.
+        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
+            only large integer and bool buffers that shrink by an eighth (frames, masks;
+            never floats); ``None``: never.
+        compress_min_bytes: buffers smaller than this are never compressed.
+        name: how this client introduces itself in the server's log.
+        session: ``True`` (default): exactly-once replay across reconnects. ``False``: no
+            session (a tool that sends one request does not need one).
+        heartbeat: seconds of silence after which a ping checks that the server is still
+            there (a dead peer is noticed, and acknowledgements reach the server); default
+            a third of ``timeout``, at most 5 s.
+        connector: returns a new connected socket each time it is called, instead of a TCP
+            connection to ``host:port`` (custom transports; tests use a socketpair).
+        shm: over a Unix socket (``unix://PATH``, Linux), pass tensors of at least
+            ``shm_min_bytes`` through shared memory instead of the socket: a put writes them
+            once into a sealed memfd, a get maps the server's with no copy at all.
+        shm_min_bytes: the smallest buffer worth sharing (below, the socket is faster).
+        tls: connect with TLS (default: as the URL or ``TENSORSHARE_URL`` says).
+        tls_ca: the CA that signed the server's certificate (default ``TENSORSHARE_TLS_CA``,
+            else the system's); the server's host name is checked too.
+        token, token_file: the server's token (default ``TENSORSHARE_TOKEN`` or the file
+            ``TENSORSHARE_TOKEN_FILE`` names); it never crosses the wire.
+        user: the user that token is for, on a server with a users file (default
+            ``TENSORSHARE_USER``; neither: the user ``default``). Its name is bound into the
+            handshake's proof.
+
+    Raises:
+        ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
+            keeps trying until then, through connections dropped mid-handshake: workers may
+            start before their server), or TLS failed (a wrong CA or host name, a server
+            that does not speak TLS or one that only does).
+        AuthenticationError, UnsupportedVersion, LimitExceeded: the server refused the
+            handshake (a missing or wrong token, no common version, no room); never retried.
+
+    Example::
+
+        with Client("127.0.0.1", 8000) as c:
+            c.put("weights", {"w": torch.randn(3, 3)})
+            print(c.peek("weights"))
+    """
+
+    def __init__(self, host: str | None = None, port: int | None = None,
+                 timeout: float = 30.0, *, reconnect: bool | float = True,
+                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
+                 name: str = "tensorshare-python", session: bool = True,
+                 heartbeat: float | None = None,
+                 connector: Callable[[], socket.socket] | None = None, shm: bool = True,
+                 shm_min_bytes: int = 1 << 20, tls: bool | None = None,
+                 tls_ca: str | None = None, token: str | bytes | None = None,
+                 token_file: str | None = None, user: str | None = None) -> None:
+        if compress not in (None, "lz4", "auto"):
+            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
+        self.timeout = check_timeout(timeout)
+        self.reconnect = check_reconnect(reconnect)
+        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
+                                token_file=token_file, user=user)
+        where = self.endpoint.address
+        self.host, self.port, self.path = where.host, where.port, where.path
+        self.compress, self.compress_min_bytes = compress, compress_min_bytes
+        self.address = str(self.endpoint)
+        self._connector = connector
+        self._options = (name, session, heartbeat, shm)
+        self.shm_min_bytes = shm_min_bytes
+        self.begin = _Begin(self)
+        self._start()
+        _CLIENTS.add(self)
+        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
+            error = self._session.closed
+            self.close()
+            if isinstance(error, (ConnectError, ServerError)):  # a typed refusal keeps its type
+                raise error
+            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
+                               f"{error or 'no answer'}")
+
+    @property
+    def limits(self) -> Limits:
+        """The server's limits (from the last handshake)."""
+        return self._session.limits
+
+    @property
+    def server_version(self) -> str:
+        """The server's software and version, e.g. ``"tensorshare/0.2.0"``."""
+        hello = self._session.server
+        return hello.server if hello else ""
+
+    @property
+    def protocol_version(self) -> int:
+        hello = self._session.server
+        return hello.version if hello else 0
+
+    @property
+    def server_id(self) -> str:
+        """Random per server data set: it changes when the server restarted without
+        persistence (bin versions then started again)."""
+        hello = self._session.server
+        return hello.server_id if hello else ""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected right now (``False`` while reconnecting)."""
+        return self._session.connected and self._session.closed is None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (or gave up reconnecting): every call fails."""
+        return self._session.closed is not None
+
+    def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
+        """Queue many requests and send them together, without waiting for each reply.
+
+        Usage::
+
+            with client.pipeline() as p:
+                for rollout in rollouts:
+                    p.append("rollouts", rollout)
+                p.put("step", 10)
+            p.results  # what each call returns (a version, a value, ...), in order
+
+        Consecutive appends to the same bin travel as one request (all or none, one new
+        version), so tens of thousands of small items per second go through one client.
+        Other calls are sent back to back in one write. Local mistakes raise at the call;
+        the requests go out when the ``with`` block ends (or at :meth:`Pipeline.execute`).
+
+        Args:
+            raise_on_error: after every reply is in, raise the first error (the others and
+                every result stay in ``results``); ``False``: only put errors in ``results``.
+        """
+        return Pipeline(self, raise_on_error)
+
+    def __getattr__(self, name: str) -> Any:
+        # begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names).
+        if name.startswith("begin_") and name != "begin_":
+            return getattr(self.begin, name[6:])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
+        return f"<tensorshare.Client {self.address} {state}>"
+
+    def _share_min_bytes(self) -> int | None:
+        conn = self._session.conn
+        return self.shm_min_bytes if conn is not None and conn.shm else None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether large tensors travel through shared memory on this connection."""
+        conn = self._session.conn
+        return conn is not None and conn.shm
 
 def outcomes_of(calls: Sequence[PendingCall]) -> list[Any]:
     """Each call's result, or the error it raised (a pipeline's outcomes)."""
@@ -1089,11 +1108,11 @@ class _Reader:
     Only the thread that leads (see ``Client._serve``) uses it, so one is enough.
     """
 
-    __slots__ = ("sock", "poll", "scratch", "view", "unix", "tls")
+    __slots__ = ("sock", "poll", "scratch", "view", "is_unix", "tls")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.unix = sock.family == socket.AF_UNIX
+        self.is_unix = sock.family == socket.AF_UNIX
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.poll = select.poll()
         self.poll.register(sock, select.POLLIN)

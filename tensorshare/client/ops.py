@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
-from ..errors import LimitExceeded
+from ..errors import CodecError, LimitExceeded
 from ..memory.device import Stager, check_device, moves, to_device, want_pinned
-from ..wire.codec import decode_many, encode, encode_lone_tensors
+from ..wire.codec import CUDA_IPC_REMOTE, decode_many, encode, encode_lone_tensors
 from ..wire.messages import (
     Configure,
     Configured,
@@ -331,17 +331,26 @@ def _limits(reply: Configured) -> BinLimits:
 
 class _Decode:
     """Converts a get/peek reply: the decoded record, or only its value; with a device, its
-    tensors copied there (see :mod:`tensorshare.memory.device`)."""
+    tensors copied there (see :mod:`tensorshare.memory.device`). A cuda-ipc item is read
+    where ``face`` reaches bin ``name`` on this host (asked only when one comes)."""
 
-    __slots__ = ("max_depth", "value_only", "device", "non_blocking", "cuda_ipc")
+    __slots__ = ("max_depth", "value_only", "device", "non_blocking", "face", "name")
 
     def __init__(self, max_depth: int, value_only: bool, device: Any = None,
-                 non_blocking: bool = False, cuda_ipc: Any = None) -> None:
+                 non_blocking: bool = False, face: Any = None, name: str = "") -> None:
         self.max_depth, self.value_only = max_depth, value_only
-        self.device, self.non_blocking, self.cuda_ipc = device, non_blocking, cuda_ipc
+        self.device, self.non_blocking = device, non_blocking
+        self.face, self.name = face, name
+
+    def _ipc(self, fields: dict[str, Any]) -> Any:
+        reader = cuda_ipc_reader(self.face, self.name, self.device)
+        if reader is None:
+            raise CodecError(f"cannot read {fields['dtype']}{fields['shape']} here: "
+                             f"{CUDA_IPC_REMOTE}")
+        return reader(fields)
 
     def __call__(self, reply: Fetched) -> Any:
-        res = decode_fetched(reply, self.max_depth, self.cuda_ipc)
+        res = decode_fetched(reply, self.max_depth, self._ipc)
         if moves(self.device) and not res.unchanged:
             items = to_device(res.items, self.device, non_blocking=self.non_blocking,
                               whole=res.value if self.value_only else res)
@@ -411,11 +420,11 @@ class Ops(StreamOps, ServiceOps):
     def _same_host(self, name: str) -> bool:
         """Whether bin ``name`` is on a server this face reaches over ``unix://`` (so on
         this host: a cuda-ipc item can be read)."""
-        pick = getattr(self, "client_for", None)
-        if pick is not None:
-            return bool(pick(name)._same_host(name))
+        pick = getattr(type(self), "client_for", None)  # (on the class: a face's own
+        if pick is not None:                            # __getattr__ is not asked)
+            return bool(pick(self, name)._same_host(name))
         for attr in ("_client", "_host"):
-            inner = getattr(self, attr, None)
+            inner = self.__dict__.get(attr) if hasattr(self, "__dict__") else None
             if inner is not None and inner is not self:
                 return bool(inner._same_host(name))
         return str(getattr(self, "address", "")).startswith("unix://")
@@ -575,12 +584,11 @@ class Ops(StreamOps, ServiceOps):
         self._check_name(name)
         spec = FetchSpec(remove, max_items, wait, seconds, min_tag, newer_than, min_items)
         if dev is None:
-            convert = _Decode(self.limits.max_depth, value_only,
-                              cuda_ipc=cuda_ipc_reader(self, name, None))
+            convert = _Decode(self.limits.max_depth, value_only, face=self, name=name)
         else:
             want_pinned(dev)
             convert = _Decode(self.limits.max_depth, value_only, dev, bool(non_blocking),
-                              cuda_ipc_reader(self, name, dev))
+                              self, name)
         return self._execute(Command(Fetch(0, name, spec), f"{spec.op} on bin {name!r}",
                                      convert))
 

@@ -32,7 +32,7 @@ import heapq
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ..errors import (
@@ -106,7 +106,6 @@ BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
 
 
-@dataclass(eq=False, slots=True)
 class Call:
     """One request of the session (made by the user, or internal: heartbeats, cancels,
     listens renewed after a reconnect).
@@ -126,44 +125,65 @@ class Call:
         deadline: when it times out (``None``: never; a wait without limit).
         state: queued, sent, abandoned or finished.
         sent_on: the connection number it was last sent on (0: never sent).
+        extra: per-op bookkeeping (the callback a listen registers, a cancel's target).
     """
 
-    id: int
-    request: Request
-    op: str
-    what: str
-    token: Any
-    convert: Callable[[Any], Any] | None
-    timeout: float
-    wait: float | None
-    waiting: bool
-    started: float
-    deadline: float | None
-    state: str = QUEUED
-    sent_on: int = 0
-    extra: Any = None  # per-op bookkeeping (the callback a listen registers, a cancel's target)
+    __slots__ = ("id", "request", "op", "what", "token", "convert", "timeout", "wait",
+                 "waiting", "started", "deadline", "state", "sent_on", "extra")
+
+    def __init__(self, id: int, request: Request, op: str, what: str, token: Any,
+                 convert: Callable[[Any], Any] | None, timeout: float, wait: float | None,
+                 waiting: bool, started: float, deadline: float | None, state: str = QUEUED,
+                 sent_on: int = 0, extra: Any = None) -> None:
+        self.id = id
+        self.request = request
+        self.op = op
+        self.what = what
+        self.token = token
+        self.convert = convert
+        self.timeout = timeout
+        self.wait = wait
+        self.waiting = waiting
+        self.started = started
+        self.deadline = deadline
+        self.state = state
+        self.sent_on = sent_on
+        self.extra = extra
+
+    def __repr__(self) -> str:
+        return f"Call({self.id}, {self.what!r}, {self.state})"
 
 
-@dataclass(slots=True)
 class Done:
     """A call finished: ``reply`` is the server's reply (maybe an :class:`ErrorReply`), or
     ``error`` says why there is none."""
 
-    call: Call
-    reply: Reply | None = None
-    error: TensorShareError | None = None
+    __slots__ = ("call", "reply", "error")
+
+    def __init__(self, call: Call, reply: Reply | None = None,
+                 error: TensorShareError | None = None) -> None:
+        self.call = call
+        self.reply = reply
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Done({self.call!r}, reply={self.reply!r}, error={self.error!r})"
 
 
-@dataclass(slots=True)
 class Notify:
     """Deliver ``event`` (a dict) to each of ``callbacks`` (opaque to the session)."""
 
-    bin: str
-    event: dict[str, Any]
-    callbacks: list[Any]
+    __slots__ = ("bin", "event", "callbacks")
+
+    def __init__(self, bin: str, event: dict[str, Any], callbacks: list[Any]) -> None:
+        self.bin = bin
+        self.event = event
+        self.callbacks = callbacks
+
+    def __repr__(self) -> str:
+        return f"Notify({self.bin!r}, {self.event!r})"
 
 
-@dataclass(slots=True)
 class Ready:
     """The handshake of a connection completed.
 
@@ -173,23 +193,36 @@ class Ready:
         resumed: the server carried the session on (no request was lost or doubled).
     """
 
-    hello: HelloReply
-    first: bool
-    resumed: bool
+    __slots__ = ("hello", "first", "resumed")
+
+    def __init__(self, hello: HelloReply, first: bool, resumed: bool) -> None:
+        self.hello = hello
+        self.first = first
+        self.resumed = resumed
+
+    def __repr__(self) -> str:
+        return f"Ready(first={self.first}, resumed={self.resumed})"
 
 
-@dataclass(slots=True)
 class Drop:
     """The shell must drop the current connection (then report it with ``connection_lost``)."""
 
-    reason: str
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Drop({self.reason!r})"
 
 
-@dataclass(slots=True)
 class Send:
     """The shell must write ``chunks`` now (the next step of a handshake)."""
 
-    chunks: list[BytesLike]
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: list[BytesLike]) -> None:
+        self.chunks = chunks
 
 
 Event = Done | Notify | Ready | Drop | Send
@@ -206,11 +239,12 @@ def event_dict(msg: Changed) -> dict[str, Any]:
     return ev
 
 
-@dataclass(slots=True)
 class _Listen:
-    callbacks: list[Any] = field(default_factory=list)
-    version: int | None = None  # the last version delivered or learned
+    __slots__ = ("callbacks", "version")
 
+    def __init__(self, callbacks: list[Any] | None = None) -> None:
+        self.callbacks: list[Any] = [] if callbacks is None else callbacks
+        self.version: int | None = None  # the last version delivered or learned
 
 
 def _with_id(request: Request, rid: int) -> Request:
@@ -312,7 +346,7 @@ class ClientSession:
         return c.op
 
     # -- making calls -----------------------------------------------------------------------
-    def call(self, request: Request, what: str, now: float, *, token: Any = None,
+    def call(self, request: Request, what: str, now: float, token: Any = None,
              convert: Callable[[Any], Any] | None = None, timeout: float | None = None,
              extra: Any = None) -> Call:
         """Add a request to the table; it goes out with the next :meth:`pop_sendable`.
@@ -440,7 +474,7 @@ class ClientSession:
         """
         if self.closed is not None or not self.connected or self.session_id is None:
             return None
-        return self.call(Bye(0), "goodbye", now, timeout=min(self.timeout, BYE_WAIT))
+        return self.call(Bye(0), "goodbye", now, None, None, min(self.timeout, BYE_WAIT))
 
     # -- listeners ----------------------------------------------------------------------------
     def add_listener(self, name: str, callback: Any) -> bool:
@@ -771,8 +805,8 @@ class ClientSession:
                     f"{why}: it may or may not have taken effect")))
         # Listen again to every bin; each reply tells whether the bin changed meanwhile.
         for name in self.listeners:
-            self.call(Listen(0, name), f"listen to bin {name!r}", now,
-                      extra=(name, restarted))
+            self.call(Listen(0, name), f"listen to bin {name!r}", now, None, None, None,
+                      (name, restarted))
 
     # -- time ---------------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
@@ -847,7 +881,7 @@ class ClientSession:
             # ours: ask for the items back / the wait withdrawn. Until the cancel is answered
             # the id stays open in our acknowledgements, so the server cannot forget them.
             c.state = ABANDONED
-            self.call(Cancel(0, c.id), "cancel", now, extra=c.id)
+            self.call(Cancel(0, c.id), "cancel", now, None, None, None, c.id)
         else:
             c.state = FINISHED
             del self.calls[c.id]
