@@ -28,9 +28,7 @@ from ..wire.services import (
     ServiceReply,
     ServiceTake,
 )
-
-if TYPE_CHECKING:
-    from .ops import Command
+from .command import BLOCK_SHARE, Command, gc_paused, make_item
 
 __all__ = ["CLIENT_COMPRESS", "COMPRESS_CHOICES", "ServiceAnswerResult", "ServiceBatchResult",
            "ServiceFailed", "ServiceOps"]
@@ -92,7 +90,6 @@ class _DecodeBatch:
         self.max_depth = max_depth
 
     def __call__(self, reply: Any) -> ServiceBatchResult:
-        from .ops import gc_paused
 
         items = reply.items
         with gc_paused(len(items)):
@@ -144,7 +141,6 @@ class ServiceOps:
             if type(item) is not Item:  # a pipeline defers encoding: encode now
                 item = host._item(name, value, None)
             return item
-        from .ops import make_item
 
         share = host.shm_min_bytes if getattr(host, "shared_memory", False) else None
         return make_item(name, value, None, host.limits, None if share else compress,
@@ -153,7 +149,6 @@ class ServiceOps:
     def _server_wait(self, timeout: float | None) -> float:
         """How long the server may keep a request waiting: ``timeout``, at most 80% of the
         client's (so that the server's answer comes before the client gives up)."""
-        from .ops import BLOCK_SHARE
 
         most = BLOCK_SHARE * self.timeout
         if timeout is None:
@@ -165,7 +160,6 @@ class ServiceOps:
                              compress: str | None = CLIENT_COMPRESS) -> Command:
         """The request :meth:`service_call` sends (for faces that send it their own way:
         :class:`tensorshare.inference.InferenceClient` turns it into a future)."""
-        from .ops import Command
 
         check_bin_name(name, self.limits.max_name_bytes)
         rows = _check_int(rows, "rows", 1, 1 << 31)
@@ -209,7 +203,6 @@ class ServiceOps:
                              lease: float = 10.0, max_queue: int | None = None) -> Command:
         """The request :meth:`service_take` sends (a host pipelines it with its answer to
         the previous batch)."""
-        from .ops import Command
 
         check_bin_name(name, self.limits.max_name_bytes)
         request: Any = ServiceTake(0, name, _check_int(max_batch, "max_batch", 1, MAX_BATCH),
@@ -255,7 +248,6 @@ class ServiceOps:
                               compress: str | None = CLIENT_COMPRESS) -> Command:
         """The request :meth:`service_reply` sends (a host pipelines it with its next
         take); ``compress`` as for :meth:`service_call`."""
-        from .ops import Command
 
         check_bin_name(name, self.limits.max_name_bytes)
         if (values is None) == (error is None):

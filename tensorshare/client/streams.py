@@ -40,9 +40,7 @@ from ..wire.streams import (
     StreamOpen,
     StreamRead,
 )
-
-if TYPE_CHECKING:
-    from .ops import Command
+from .command import BLOCK_SHARE, NOWAIT, Command, cuda_ipc_reader, gc_paused
 
 __all__ = [
     "LAG_POLICIES",
@@ -198,7 +196,6 @@ class _DecodeBatch:
 
     def __call__(self, reply: Any) -> StreamBatch:
         from ..memory.device import moves, to_device
-        from .ops import gc_paused
 
         items: tuple[Item, ...] = reply.items
         with gc_paused(len(items)):
@@ -307,7 +304,6 @@ class StreamOps:
         def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
     def _stream_call(self, request: Any, what: str, convert: Any) -> Any:
-        from .ops import Command
 
         return self._execute(Command(request, what, convert))
 
@@ -404,7 +400,6 @@ class StreamOps:
             InvalidRequest: not opened by this client, or another epoch than its own.
             MemoryLimitExceeded: the server's memory limit would be exceeded.
         """
-        from .ops import BLOCK_SHARE
 
         self._stream_name(name)
         values = list(values)
@@ -439,7 +434,6 @@ class StreamOps:
             WaitTimeout: it was held for ``timeout`` (nothing was marked: try again).
             ProducerGone: as for :meth:`stream_append`.
         """
-        from .ops import BLOCK_SHARE
 
         self._stream_name(name)
         most = BLOCK_SHARE * self.timeout
@@ -509,7 +503,6 @@ class StreamOps:
             InvalidRequest: ``at`` is beyond the stream's head.
         """
         from ..memory.device import check_device, want_pinned
-        from .ops import BLOCK_SHARE, NOWAIT, cuda_ipc_reader
 
         dev = None if device is None else check_device(device)
         self._stream_name(name)

@@ -1426,6 +1426,3 @@ class ClientConnection(_Side):
             raise ProtocolError(f"malformed message from server: {exc}") from None
         raise ProtocolError(f"unexpected message op {op!r} from server")
 
-
-# The other kinds of bins register their ops and replies here (each imports this module).
-from . import services, streams  # noqa: E402, F401

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ServiceFailed
-from . import streams as _streams  # noqa: F401  (its ops come first in the op table, as in the docs)
 from .frames import Payload
 from .messages import Item, Limits, Reply, Request
 from .protocol import (
