@@ -231,6 +231,8 @@ class Connection:
         if pool is not None:  # large values land in memory a dropped value gave back
             self._session.allocate = pool.take
         self._lock = threading.Lock()  # the session, and who reads (below)
+        # Waits and wake-ups of who reads, on _lock itself: every "with" takes _lock directly
+        # (a Condition's own __enter__ is a Python call on every request).
         self._cv = threading.Condition(self._lock)
         self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
         # Who reads the socket (the reader thread or a lone caller): see .election. Every
@@ -304,7 +306,7 @@ class Connection:
             except OSError:
                 pass
         self._wakeup.set()
-        with self._cv:
+        with self._lock:
             self._cv.notify_all()
         self._wake()
         self._process(events)
@@ -451,11 +453,12 @@ class Connection:
         caller waiting (no thread handoff), else let the reading thread hand it over. Who
         reads is the election's call (see :mod:`.election`); this does what it says."""
         cv, election, session = self._cv, self._election, self._session
+        lock = self._lock  # (cv's own lock, taken directly: Condition.__enter__ is Python)
         me = threading.get_ident()
         counted = False
         try:
             while True:
-                with cv:
+                with lock:
                     if not counted:  # (one lock for both: taken on every request)
                         election.caller_waits()
                         counted = True
@@ -474,7 +477,7 @@ class Connection:
                     self._wait_slot(call, slot)
         finally:
             if counted:
-                with cv:
+                with lock:
                     if election.caller_done(me):
                         cv.notify_all()  # we had asked the reader to step aside: it may read
 
@@ -586,7 +589,7 @@ class Connection:
         return True
 
     def _connection_ended(self, sock: socket.socket, reason: str) -> None:
-        with self._cv:
+        with self._lock:
             while not self._election.end_connection():  # a caller still reads it
                 self._cv.wait(1.0)
             self._sock = None
@@ -665,7 +668,7 @@ class Connection:
         poller.register(sock, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         while True:
-            with self._cv:
+            with self._lock:
                 due = self._reader_turn()
             if isinstance(due, str):
                 return due
@@ -711,7 +714,7 @@ class Connection:
         try:
             ready = poller.poll(min(max((due - time.monotonic()) * 1000.0, 1.0), 60e3))
         finally:
-            with self._cv:
+            with self._lock:
                 self._election.poll_returned()
         reason: str | None = None
         try:
@@ -720,7 +723,7 @@ class Connection:
             if any(fd != self._wake_r for fd, _ in ready):
                 reason = self._read_once(reader)
         finally:
-            with self._cv:
+            with self._lock:
                 self._election.reader_done()  # a caller that asked us to step aside leads next
                 self._cv.notify_all()
         return reason
@@ -791,7 +794,7 @@ class Connection:
             if reader is not None:
                 reason = self._lead_read(reader, call, slot)
         finally:
-            with self._cv:
+            with self._lock:
                 if self._election.lead_ended(time.monotonic(), reason):
                     self._cv.notify_all()
 

@@ -148,8 +148,11 @@ _ALIGN_MASK = 63
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-def _unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+# A header as msgpack >= 1.0 reads it by default: str as str (raw=False), maps only with str
+# or bytes keys (strict_map_key=True), arrays as lists (use_list=True), no length over the
+# header's own (max_buffer_size). Called without keywords: parsing them cost more than
+# unpacking a small header.
+_unpackb = msgpack.unpackb
 
 
 # -- events besides messages ------------------------------------------------------------------
