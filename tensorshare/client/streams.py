@@ -19,10 +19,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire.codec import decode
-from ..wire.messages import Item, Limits
+from ..wire.messages import Item
 from ..wire.protocol import check_bin_name
 from ..wire.streams import (
     LAG_POLICIES,
@@ -40,7 +40,7 @@ from ..wire.streams import (
     StreamOpen,
     StreamRead,
 )
-from .command import BLOCK_SHARE, NOWAIT, Command, cuda_ipc_reader, gc_paused
+from .command import BLOCK_SHARE, NOWAIT, Command, FaceNeeds, cuda_ipc_reader, gc_paused
 
 __all__ = [
     "LAG_POLICIES",
@@ -294,23 +294,13 @@ def _check_choice(value: Any, what: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-class StreamOps:
+class StreamOps(FaceNeeds):
     """Stream ops for :class:`~.ops.Ops` (see :mod:`tensorshare.data`).
 
     A face provides what :class:`~.ops.Ops` asks for (``limits``, ``timeout``, ``_item``,
     ``_execute``); each op here checks its arguments, builds its request and hands the face
     a ``Command``.
     """
-
-    timeout: float
-
-    if TYPE_CHECKING:
-        @property
-        def limits(self) -> Limits: ...
-
-        def _execute(self, cmd: Command) -> Any: ...
-
-        def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
     def _stream_call(self, request: Any, what: str, convert: Any) -> Any:
 
