@@ -71,11 +71,17 @@ class ServiceBatchResult:
     rows: tuple[int, ...]
 
 
-class _DecodeAnswer:
+class _Decoder:
+    """A reply's conversion that decodes its items (nested at most ``max_depth`` deep)."""
+
     __slots__ = ("max_depth",)
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
+
+
+class _DecodeAnswer(_Decoder):
+    __slots__ = ()
 
     def __call__(self, reply: Any) -> ServiceAnswerResult:
         items = reply.items
@@ -83,11 +89,8 @@ class _DecodeAnswer:
         return ServiceAnswerResult(value, reply.version)
 
 
-class _DecodeBatch:
-    __slots__ = ("max_depth",)
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
+class _DecodeBatch(_Decoder):
+    __slots__ = ()
 
     def __call__(self, reply: Any) -> ServiceBatchResult:
 
