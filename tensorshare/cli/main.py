@@ -18,11 +18,14 @@ import secrets
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from .._version import __version__
 
 __all__ = ["main"]
+
+# What `add_subparsers` returns: each command's parser is added to it.
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def _size(text: str) -> int:
@@ -101,8 +104,18 @@ def _parser() -> argparse.ArgumentParser:
                                 "between processes and machines.")
     p.add_argument("--version", action="version", version=f"tensorshare {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve_and_relay(sub)
+    conn = _connection_options()
+    _add_inspection(sub, conn)
+    _add_dashboard(sub)
+    _add_rebalance(sub)
+    _add_admin(sub, conn)
+    _add_demo(sub)
+    return p
 
-    # The server's options: `serve` has them, and so does `relay` (a relay is a server).
+
+def _server_options() -> argparse.ArgumentParser:
+    """The server's options: `serve` has them, and so does `relay` (a relay is a server)."""
     s = argparse.ArgumentParser(add_help=False)
     s.add_argument("--host", default="127.0.0.1",
                    help="interface to bind (default 127.0.0.1; 0.0.0.0 accepts other machines)")
@@ -139,6 +152,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="close a connection that leaves a large frame half sent for this "
                         "long, releasing the memory it reserved (default 60)")
     s.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    _security_options(s)
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (0 picks a free "
+                        "one); off by default")
+    s.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="interface for the metrics endpoint (default: --host's)")
+    s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
+                   help="also export one series per bin (default on; turn it off for "
+                        "servers with very many bins)")
+    s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                   help="also serve the web dashboard on 127.0.0.1:PORT (0 picks a free "
+                        "one), connected to this server with its read-only token; off by "
+                        "default (see tensorshare dashboard)")
+    return s
+
+
+def _security_options(s: argparse.ArgumentParser) -> None:
+    """The server's security options (a group of :func:`_server_options`)."""
     sec = s.add_argument_group("security (see the README's Security section)")
     sec.add_argument("--token-file", default=None, metavar="PATH",
                      help="clients must prove they know the token in this file (it never "
@@ -162,18 +193,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="listen on an address other machines can reach without a token "
                           "(refused otherwise): only on a network you trust")
 
-    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on this port at /metrics (0 picks a free "
-                        "one); off by default")
-    s.add_argument("--metrics-host", default=None, metavar="HOST",
-                   help="interface for the metrics endpoint (default: --host's)")
-    s.add_argument("--metrics-per-bin", action=argparse.BooleanOptionalAction, default=True,
-                   help="also export one series per bin (default on; turn it off for "
-                        "servers with very many bins)")
-    s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
-                   help="also serve the web dashboard on 127.0.0.1:PORT (0 picks a free "
-                        "one), connected to this server with its read-only token; off by "
-                        "default (see tensorshare dashboard)")
+
+def _add_serve_and_relay(sub: _Commands) -> None:
+    """``serve`` and ``relay``: the server's options, ``relay`` its upstream's too."""
+    s = _server_options()
     sub.add_parser("serve", parents=[s, _disk_options()], help="run a server (until Ctrl+C)")
     r = sub.add_parser("relay", parents=[s], help="serve another server's bins read-only, "
                        "downloading each new version once (parameter fan-out; until Ctrl+C)")
@@ -197,7 +220,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the user of the upstream token, on an upstream with a users file "
                         "(default: TENSORSHARE_USER)")
 
-    # The connection options every client command takes, as the clients do.
+
+def _connection_options() -> argparse.ArgumentParser:
+    """The connection options every client command takes, as the clients do."""
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--host", default=None,
                       help="server host, or an address: HOST:PORT, tensorshare://HOST:PORT, "
@@ -218,7 +243,11 @@ def _parser() -> argparse.ArgumentParser:
     conn.add_argument("--user", default=None, metavar="NAME",
                       help="the user the token is for, on a server with a users file "
                            "(default: TENSORSHARE_USER, else 'default')")
+    return conn
 
+
+def _add_inspection(sub: _Commands, conn: argparse.ArgumentParser) -> None:
+    """The inspection commands: ``ls``, ``peek``, ``watch``, ``monitor``, ``stats``."""
     ls = sub.add_parser("ls", parents=[conn], help="the bins: kind, items, bytes, what they "
                         "hold, version, listeners, last change")
     ls.add_argument("glob", nargs="?", default=None,
@@ -256,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
                         "memory, requests and counters since start")
     st.add_argument("--json", action="store_true", help="print the stats reply as JSON")
 
+
+def _add_dashboard(sub: _Commands) -> None:
+    """``dashboard``: a web page of one or more servers."""
     db = sub.add_parser("dashboard", help="a live, read-only web page of one or more servers "
                         "(until Ctrl+C)")
     db.add_argument("--server", action="append", default=None, metavar="URL",
@@ -282,6 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     db.add_argument("--insecure", action="store_true",
                     help="serve on an address other machines can reach without a token")
 
+
+def _add_rebalance(sub: _Commands) -> None:
+    """``rebalance``: move the bins of a sharded set to their owners."""
     rb = sub.add_parser("rebalance", help="move the value and list bins of a sharded set to "
                         "the servers that own them now (after servers were added, or before "
                         "some leave with --drain)")
@@ -299,6 +334,9 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--user", default=None, metavar="NAME",
                     help="the user the token is for (default: TENSORSHARE_USER)")
 
+
+def _add_admin(sub: _Commands, conn: argparse.ArgumentParser) -> None:
+    """``reload`` and ``health``: one request each to one server."""
     rl = sub.add_parser("reload", parents=[conn], help="make a server reread its users file "
                         "and token files, as SIGHUP does (for an admin user)")
     rl.add_argument("--server", dest="host", default=None, metavar="URL",
@@ -310,6 +348,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--unix", default=None, metavar="PATH",
                    help="the server's Unix socket (the same as --host unix://PATH)")
 
+
+def _add_demo(sub: _Commands) -> None:
     # The demo's own options (tensorshare/demo.py's `python -m tensorshare.demo` has the same;
     # _demo passes each one run_demo accepts).
     d = sub.add_parser("demo", help="a distributed RL run on a local server (or on a running "
@@ -326,35 +366,14 @@ def _parser() -> argparse.ArgumentParser:
                         "tensorshare://, tensorshare+tls:// or unix:// URL)")
     d.add_argument("--warmup", type=float, default=None,
                    help="seconds of 1-worker warm-up (default: 2 with more than one worker)")
-    return p
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from twisted.logger import (
-        FilteringLogObserver,
-        LogLevel,
-        LogLevelFilterPredicate,
-        globalLogBeginner,
-        textFileLogObserver,
-    )
-
-    from ..server import ServerConfig
     from ..server.auth import check_exposure
-    from ..wire.messages import Limits
 
-    level = LogLevel.warn if args.quiet else LogLevel.info
-    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
-                                    [LogLevelFilterPredicate(defaultLogLevel=level)])
-    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
-    defaults = Limits()
+    _log_to_stderr(quiet=args.quiet)
     try:
-        limits = Limits(
-            max_frame_bytes=args.max_frame_bytes or defaults.max_frame_bytes,
-            max_header_bytes=args.max_header_bytes or min(defaults.max_header_bytes,
-                                                          args.max_frame_bytes or 1 << 62),
-            max_depth=args.max_depth or defaults.max_depth,
-            max_name_bytes=args.max_name_bytes or defaults.max_name_bytes,
-        )
+        limits = _limits(args)
     except ValueError as exc:
         print(f"tensorshare serve: {exc}", file=sys.stderr)
         return 2
@@ -364,19 +383,80 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     exporter = None
     if args.metrics_port is not None:
-        from ..server.metrics import start_metrics_server
-
         # Bound before the server starts: a busy metrics port fails before anything runs.
-        metrics_host = args.metrics_host or args.host
-        try:
-            exporter = start_metrics_server(args.metrics_port, metrics_host,
-                                            per_bin=args.metrics_per_bin)
-        except OSError as exc:
-            print(f"tensorshare serve: cannot serve metrics on {metrics_host}:"
-                  f"{args.metrics_port}: {exc}", file=sys.stderr)
+        exporter = _start_metrics(args)
+        if exporter is None:
             return 1
 
     running: list[Any] = []
+    ready = _announcing(args, exporter, running)
+    config = _server_config(args, limits)
+    if config.relay_of is not None:
+        ready = _relaying(args, ready)
+    dashboards: list[Any] = []
+    if args.dashboard_port is not None:
+        config, ready = _with_dashboard(args, config, ready, dashboards)
+    try:
+        check_exposure(args.host, config, cli=True)  # (in the command line's terms)
+    except ValueError as exc:
+        print(f"tensorshare serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_server(args, ready, config, running)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+        for dash in dashboards:
+            dash.stop()
+
+
+def _log_to_stderr(*, quiet: bool) -> None:
+    """Twisted's log on stderr: info and up, or warnings only with ``--quiet``."""
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
+
+    level = LogLevel.warn if quiet else LogLevel.info
+    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
+                                    [LogLevelFilterPredicate(defaultLogLevel=level)])
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    """The wire's limits from ``--max-*`` (the defaults where not given); ValueError if bad."""
+    from ..wire.messages import Limits
+
+    defaults = Limits()
+    return Limits(
+        max_frame_bytes=args.max_frame_bytes or defaults.max_frame_bytes,
+        max_header_bytes=args.max_header_bytes or min(defaults.max_header_bytes,
+                                                      args.max_frame_bytes or 1 << 62),
+        max_depth=args.max_depth or defaults.max_depth,
+        max_name_bytes=args.max_name_bytes or defaults.max_name_bytes,
+    )
+
+
+def _start_metrics(args: argparse.Namespace) -> Any:
+    """``--metrics-port``: the running exporter, or None (said on stderr) if it cannot bind."""
+    from ..server.metrics import start_metrics_server
+
+    metrics_host = args.metrics_host or args.host
+    try:
+        return start_metrics_server(args.metrics_port, metrics_host,
+                                    per_bin=args.metrics_per_bin)
+    except OSError as exc:
+        print(f"tensorshare serve: cannot serve metrics on {metrics_host}:"
+              f"{args.metrics_port}: {exc}", file=sys.stderr)
+        return None
+
+
+def _announcing(args: argparse.Namespace, exporter: Any, running: list[Any]) -> Any:
+    """``ready`` for ``serve``: remember the server in ``running`` and print where it
+    listens, its metrics, memory limit, security and hot path; reload on SIGHUP."""
 
     def ready(server: Any) -> None:
         running.append(server)
@@ -396,6 +476,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(_hot_path_line(), flush=True)
         _reload_on_sighup(server)
 
+    return ready
+
+
+def _server_config(args: argparse.Namespace, limits: Any) -> Any:
+    """The ServerConfig the command line asks for."""
+    from ..server import ServerConfig
+
     security: dict[str, Any] = {"insecure": args.insecure}
     # Token files are read by the server (at start, and again on every reload).
     for name in ("token_file", "read_token_file", "users_file"):
@@ -407,32 +494,15 @@ def _serve(args: argparse.Namespace) -> int:
     for name in ("tls_cert", "tls_key"):
         if getattr(args, name) is not None:
             security[name] = getattr(args, name)
-    config = ServerConfig(**security, limits=limits, max_memory=_max_memory(args.max_memory),
-                          frame_timeout=args.frame_timeout, max_sessions=args.max_sessions,
-                          session_ttl=args.session_ttl, max_connections=args.max_connections,
-                          max_client_buffer=args.max_client_buffer,
-                          max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
-                          fsync=args.fsync, snapshot_every=args.snapshot_every,
-                          snapshot_log_bytes=args.snapshot_log_bytes,
-                          truncate_corrupt_log=args.truncate_corrupt_log,
-                          relay_of=_upstream(args))
-    if config.relay_of is not None:
-        ready = _relaying(args, ready)
-    dashboards: list[Any] = []
-    if args.dashboard_port is not None:
-        config, ready = _with_dashboard(args, config, ready, dashboards)
-    try:
-        check_exposure(args.host, config, cli=True)  # (in the command line's terms)
-    except ValueError as exc:
-        print(f"tensorshare serve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return _run_server(args, ready, config, running)
-    finally:
-        if exporter is not None:
-            exporter.stop()
-        for dash in dashboards:
-            dash.stop()
+    return ServerConfig(**security, limits=limits, max_memory=_max_memory(args.max_memory),
+                        frame_timeout=args.frame_timeout, max_sessions=args.max_sessions,
+                        session_ttl=args.session_ttl, max_connections=args.max_connections,
+                        max_client_buffer=args.max_client_buffer,
+                        max_session_bytes=args.max_session_bytes, data_dir=args.data_dir,
+                        fsync=args.fsync, snapshot_every=args.snapshot_every,
+                        snapshot_log_bytes=args.snapshot_log_bytes,
+                        truncate_corrupt_log=args.truncate_corrupt_log,
+                        relay_of=_upstream(args))
 
 
 def _upstream(args: argparse.Namespace) -> str | None:

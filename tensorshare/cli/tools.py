@@ -530,17 +530,8 @@ def run_watch(args: argparse.Namespace) -> int:
     events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
     names = [p for p in args.bins if not _is_glob(p)]
     globs = [p for p in args.bins if _is_glob(p)]
-    shown: dict[str, int] = {}  # bin -> the last version printed
-    width = max(map(len, names), default=0)  # names are padded to the longest seen so far
-
-    def line(name: str, op: str, version: int, n_items: int, nbytes: int | None,
-             extra: str = "") -> None:
-        nonlocal width
-        width = max(width, len(name))
-        stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
-        size = "?" if nbytes is None else fmt_bytes(nbytes)
-        print(f"{stamp}  {name:<{width}}  {op:<7} version={version}  items={n_items}  bytes={size}{extra}",
-              flush=True)
+    out = _WatchLines(width=max(map(len, names), default=0))
+    shown = out.shown
 
     with _interruptible() as stop, _client(args, reconnect=True) as c:
         for name in names:
@@ -554,38 +545,64 @@ def run_watch(args: argparse.Namespace) -> int:
         print(f"watching {', '.join(args.bins)} (Ctrl+C to stop)", file=sys.stderr, flush=True)
         next_scan = time.monotonic() + args.interval
         while not stop.flag:
-            try:
-                first = events.get(timeout=0.05)
-            except queue.Empty:
-                first = None
-            if first is not None:
-                batch = [first]
-                while True:
-                    try:
-                        batch.append(events.get_nowait())
-                    except queue.Empty:
-                        break
-                sizes = _sizes(c, {ev["bin"] for ev in batch})
-                for ev in batch:
-                    name, version = ev["bin"], ev["version"]
-                    if ev.get("restarted"):
-                        shown.pop(name, None)  # versions start again on a new server
-                    elif version <= shown.get(name, -1):
-                        continue  # already shown (a bin found by a glob scan)
-                    shown[name] = version
-                    size = sizes.get(name)
-                    nbytes = 0 if ev["n_items"] == 0 else (
-                        size[1] if size is not None and size[0] == version else None)
-                    extra = "".join(f"  {k}={ev[k]}" for k in ("skipped", "dropped")
-                                    if ev.get(k))
-                    line(name, ev["op"], version, ev["n_items"], nbytes, extra)
+            batch = _next_events(events)
+            if batch:
+                out.changes(c, batch)
             if globs and time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + args.interval
                 for name, b in _scan(c, globs, listened, events.put).items():
                     if b["version"] > shown.get(name, -1):
                         shown[name] = b["version"]
-                        line(name, "new", b["version"], b["n_items"], b["nbytes"])
+                        out.line(name, "new", b["version"], b["n_items"], b["nbytes"])
     return 0
+
+
+def _next_events(events: queue.SimpleQueue[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events that came within 50 ms: the first one waited for, the rest already there."""
+    try:
+        batch = [events.get(timeout=0.05)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            batch.append(events.get_nowait())
+        except queue.Empty:
+            return batch
+
+
+class _WatchLines:
+    """``watch``'s output: the last version printed of each bin (``shown``) and the width
+    bin names are padded to (the longest seen so far)."""
+
+    def __init__(self, width: int) -> None:
+        self.shown: dict[str, int] = {}
+        self.width = width
+
+    def line(self, name: str, op: str, version: int, n_items: int, nbytes: int | None,
+             extra: str = "") -> None:
+        self.width = width = max(self.width, len(name))
+        stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        size = "?" if nbytes is None else fmt_bytes(nbytes)
+        print(f"{stamp}  {name:<{width}}  {op:<7} version={version}  items={n_items}  bytes={size}{extra}",
+              flush=True)
+
+    def changes(self, c: Client, batch: list[dict[str, Any]]) -> None:
+        """One line per event of ``batch`` not shown yet, with the bin's size if still true."""
+        shown = self.shown
+        sizes = _sizes(c, {ev["bin"] for ev in batch})
+        for ev in batch:
+            name, version = ev["bin"], ev["version"]
+            if ev.get("restarted"):
+                shown.pop(name, None)  # versions start again on a new server
+            elif version <= shown.get(name, -1):
+                continue  # already shown (a bin found by a glob scan)
+            shown[name] = version
+            size = sizes.get(name)
+            nbytes = 0 if ev["n_items"] == 0 else (
+                size[1] if size is not None and size[0] == version else None)
+            extra = "".join(f"  {k}={ev[k]}" for k in ("skipped", "dropped")
+                            if ev.get(k))
+            self.line(name, ev["op"], version, ev["n_items"], nbytes, extra)
 
 
 def _sizes(c: Client, names: set[str]) -> dict[str, tuple[int, int]]:

@@ -15,7 +15,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from ..errors import LimitExceeded
 from ..memory.device import Stager
@@ -29,6 +29,7 @@ __all__ = [
     "BULK_MAX_BYTES",
     "NOWAIT",
     "Command",
+    "FaceNeeds",
     "NoWait",
     "Wait",
     "check_reconnect",
@@ -83,6 +84,22 @@ class Command:
     def bin(self) -> str | None:
         """The bin the request is about (``None`` for list, stats, ping)."""
         return getattr(self.request, "bin", None)
+
+
+class FaceNeeds:
+    """What a face provides the op mixins (:class:`~.ops.Ops`, ``StreamOps``,
+    ``ServiceOps``), declared once for the type checker: its ``timeout``, the server's
+    ``limits``, ``_item`` (a value as an item) and ``_execute`` (send a :class:`Command`)."""
+
+    timeout: float
+
+    if TYPE_CHECKING:
+        @property
+        def limits(self) -> Limits: ...
+
+        def _execute(self, cmd: Command) -> Any: ...
+
+        def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
 
 def check_timeout(timeout: Any, what: str = "timeout") -> float:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire.codec import decode
-from ..wire.messages import Item, Limits
+from ..wire.messages import Item
 from ..wire.protocol import check_bin_name
 from ..wire.services import (
     MAX_BATCH,
@@ -28,7 +28,7 @@ from ..wire.services import (
     ServiceReply,
     ServiceTake,
 )
-from .command import BLOCK_SHARE, Command, gc_paused, make_item
+from .command import BLOCK_SHARE, Command, FaceNeeds, gc_paused, make_item
 
 __all__ = ["CLIENT_COMPRESS", "COMPRESS_CHOICES", "ServiceAnswerResult", "ServiceBatchResult",
            "ServiceFailed", "ServiceOps"]
@@ -71,11 +71,17 @@ class ServiceBatchResult:
     rows: tuple[int, ...]
 
 
-class _DecodeAnswer:
+class _Decoder:
+    """A reply's conversion that decodes its items (nested at most ``max_depth`` deep)."""
+
     __slots__ = ("max_depth",)
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
+
+
+class _DecodeAnswer(_Decoder):
+    __slots__ = ()
 
     def __call__(self, reply: Any) -> ServiceAnswerResult:
         items = reply.items
@@ -83,11 +89,8 @@ class _DecodeAnswer:
         return ServiceAnswerResult(value, reply.version)
 
 
-class _DecodeBatch:
-    __slots__ = ("max_depth",)
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
+class _DecodeBatch(_Decoder):
+    __slots__ = ()
 
     def __call__(self, reply: Any) -> ServiceBatchResult:
 
@@ -112,23 +115,13 @@ def _check_int(value: Any, what: str, low: int, high: int) -> int:
     return value
 
 
-class ServiceOps:
+class ServiceOps(FaceNeeds):
     """Service ops for :class:`~.ops.Ops` (see :mod:`tensorshare.inference`).
 
     A face provides what :class:`~.ops.Ops` asks for (``limits``, ``timeout``, ``_item``,
     ``_execute``); each op checks its arguments, builds its request and hands the face a
     ``Command``.
     """
-
-    timeout: float
-
-    if TYPE_CHECKING:
-        @property
-        def limits(self) -> Limits: ...
-
-        def _execute(self, cmd: Command) -> Any: ...
-
-        def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
     def _service_item(self, name: str, value: Any, compress: str | None = CLIENT_COMPRESS
                       ) -> Item:

@@ -19,10 +19,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire.codec import decode
-from ..wire.messages import Item, Limits
+from ..wire.messages import Item
 from ..wire.protocol import check_bin_name
 from ..wire.streams import (
     LAG_POLICIES,
@@ -40,7 +40,7 @@ from ..wire.streams import (
     StreamOpen,
     StreamRead,
 )
-from .command import BLOCK_SHARE, NOWAIT, Command, cuda_ipc_reader, gc_paused
+from .command import BLOCK_SHARE, NOWAIT, Command, FaceNeeds, cuda_ipc_reader, gc_paused
 
 __all__ = [
     "LAG_POLICIES",
@@ -236,10 +236,19 @@ class _DecodeBatch:
                            reply.aborted, reply.missed + lost, reply.finished, tags)
 
 
-def _count(batch: Any) -> int | None:
-    shape = getattr(batch, "shape", None)  # (a tensor or an array)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else None
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor or a numpy array (what holds samples along dimension 0)."""
+    module = type(x).__module__
+    return (module.startswith("torch") and hasattr(x, "shape")) or \
+        (module == "numpy" and hasattr(x, "shape"))
+
+
+def sample_count(batch: Any) -> int | None:
+    """The samples of ``batch``: the size of dimension 0 of its first tensor (``None``: it
+    holds no tensor with a dimension). A batch is a tensor (or numpy array), or a tuple,
+    list or dict of batches; ``tensorshare.data.sample_count`` is this."""
+    if is_array(batch):
+        return int(batch.shape[0]) if len(batch.shape) else None
     if isinstance(batch, dict):
         values: Any = batch.values()
     elif isinstance(batch, (tuple, list)):
@@ -247,16 +256,16 @@ def _count(batch: Any) -> int | None:
     else:
         return None
     for v in values:
-        n = _count(v)
+        n = sample_count(v)
         if n is not None:
             return n
     return None
 
 
 def _samples(batch: Any) -> int:
-    """The samples of a batch as a stream counts them (``data.batching.sample_count``, or
+    """The samples of a batch as a stream counts them (:func:`sample_count`, or
     1): dimension 0 of its first tensor."""
-    n = _count(batch)
+    n = sample_count(batch)
     return 1 if n is None else n
 
 
@@ -285,23 +294,13 @@ def _check_choice(value: Any, what: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-class StreamOps:
+class StreamOps(FaceNeeds):
     """Stream ops for :class:`~.ops.Ops` (see :mod:`tensorshare.data`).
 
     A face provides what :class:`~.ops.Ops` asks for (``limits``, ``timeout``, ``_item``,
     ``_execute``); each op here checks its arguments, builds its request and hands the face
     a ``Command``.
     """
-
-    timeout: float
-
-    if TYPE_CHECKING:
-        @property
-        def limits(self) -> Limits: ...
-
-        def _execute(self, cmd: Command) -> Any: ...
-
-        def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
     def _stream_call(self, request: Any, what: str, convert: Any) -> Any:
 

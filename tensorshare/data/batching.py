@@ -12,31 +12,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ..client.streams import is_array as _is_array
+from ..client.streams import sample_count
+
 __all__ = ["Rebatcher", "concat", "sample_count", "split"]
-
-
-def _is_array(x: Any) -> bool:
-    module = type(x).__module__
-    return (module.startswith("torch") and hasattr(x, "shape")) or \
-        (module == "numpy" and hasattr(x, "shape"))
-
-
-def sample_count(batch: Any) -> int | None:
-    """The samples of ``batch``: the size of dimension 0 of its first tensor (``None``: it
-    holds no tensor with a dimension)."""
-    if _is_array(batch):
-        return int(batch.shape[0]) if len(batch.shape) else None
-    if isinstance(batch, dict):
-        values: Any = batch.values()
-    elif isinstance(batch, (tuple, list)):
-        values = batch
-    else:
-        return None
-    for v in values:
-        n = sample_count(v)
-        if n is not None:
-            return n
-    return None
 
 
 def _rebuild(like: Any, parts: list[Any]) -> Any:

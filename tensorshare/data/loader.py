@@ -74,18 +74,17 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                  port: int | None = None, *, epochs: int = 1, window: int = 32,
                  on_lag: str = "wait", max_stall: float | None = None, replay: str = "none",
                  producers: int = 1, producer: int = 0, lease: float = 10.0,
-                 timeout: float = 60.0, wait_for: int = 0,
-                 samples_per_epoch: int | None = None, client: Client | None = None,
-                 progress: bool | Callable[[str], None] | None = None,
+                 timeout: float = 60.0, wait_for: int = 0, samples_per_epoch: int | None = None,
+                 client: Client | None = None, progress: bool | Callable[[str], None] | None = None,
                  device_ipc: bool = False, **client_options: Any) -> ServeReport:
     """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
-    consumer (:class:`SharedLoader`) of the stream gets every batch.
+    consumer (:class:`SharedLoader`) of the stream gets every batch. Returns a
+    :class:`ServeReport`.
 
     Args:
         loader: a DataLoader, or any iterable of batches (a tensor, or tuples, lists and
             dicts of tensors); iterated once per epoch.
-        name: the stream's bin name.
-        host, port: the server (as for :class:`~tensorshare.client.Client`).
+        name, host, port: the stream's bin name; the server (as for :class:`Client`).
         epochs: how many epochs to send (then the stream is finished).
         window: how far (in batches) this producer may run ahead of the slowest consumer;
             the server holds its batches beyond that.
@@ -98,34 +97,24 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
         producers, producer: ``producers=k`` means k processes each call this with their
             own ``producer`` index (0 to k-1) and their own part of the data (say, a
             ``DistributedSampler`` of k replicas): consumers get the union, epoch by epoch.
-        lease: seconds this producer may be unreachable before consumers get
-            ``ProducerGone``.
+            It returns once the stream finished (every producer ended its last epoch): a
+            producer that dies in the last epoch aborts it, and every producer sends it again.
+        lease: seconds this producer may be unreachable before consumers get ``ProducerGone``.
         timeout: seconds to connect; also how long to wait for ``wait_for`` consumers and,
             after ``ProducerGone``, for the stream to be whole again.
         wait_for: wait until this many consumers joined before the first epoch.
         samples_per_epoch: the samples this producer sends per epoch (default: from the
             loader's sampler and batch size, when it has them).
         client, client_options: a client to use, or more arguments for a new one.
-        progress: where its progress goes, a line at a time: one when it starts, one per
-            epoch sent (batches, samples, seconds, and how long the consumers held it
-            back), one every 30 s within a long epoch, one for an epoch sent again after a
-            producer died, one at the end. ``None`` (default): the logger
-            ``tensorshare.data`` at INFO (seen once logging is configured); ``True``:
-            printed to stderr; a callable: called with each line; ``False``: nowhere.
-        device_ipc: the loader's batches are CUDA tensors and every consumer runs on this
-            host (``unix://``) with this GPU: they travel as CUDA IPC handles into a ring of
-            ``window + 2`` GPU slots this process owns, and each consumer copies them out
-            (no trip through host memory). TCP consumers are refused; where IPC cannot work
-            (WSL2, containers without a shared PID namespace, ``expandable_segments``), the
-            first batch says so once and the batches travel through host memory. See the
-            README's "GPUs" section.
-
-    With several producers it returns once the stream finished (every producer ended its
-    last epoch): another producer that dies in the last epoch aborts it, and every producer,
-    this one included, sends it again.
-
-    Returns:
-        A :class:`ServeReport`.
+        progress: where its progress lines go: when it starts, per epoch sent (batches,
+            samples, seconds, how long the consumers held it back), every 30 s within a long
+            epoch, for an epoch sent again after a producer died, at the end. ``None``
+            (default): the logger ``tensorshare.data`` at INFO; ``True``: stderr; a callable:
+            called with each line; ``False``: nowhere.
+        device_ipc: the batches are CUDA tensors and every consumer is on this host
+            (``unix://``) with this GPU: they travel as CUDA IPC handles, TCP consumers are
+            refused (see :class:`~tensorshare.data.stream.StreamProducer` and the README's
+            "GPUs" section).
 
     Raises:
         ProducerGone: another producer stayed gone for ``timeout`` seconds.
@@ -135,13 +124,19 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be a positive int, not {epochs!r}")
     hint = samples_per_epoch if samples_per_epoch is not None else loader_samples(loader)
-    started = time.monotonic()
-    batches = samples = restarts = 0
     say = _Progress(name, epochs, progress, loader)
-    with StreamProducer(name, host, port, producer=producer, producers=producers,
-                        window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
-                        lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
-                        device_ipc=device_ipc, **client_options) as prod:
+    prod = StreamProducer(name, host, port, producer=producer, producers=producers,
+                          window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
+                          lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
+                          device_ipc=device_ipc, **client_options)
+    return _serve(prod, loader, epochs, wait_for, timeout, say)
+
+
+def _serve(prod: StreamProducer, loader: Iterable[Any], epochs: int, wait_for: int,
+           timeout: float, say: _Progress) -> ServeReport:
+    """:func:`serve_loader`'s epochs through ``prod`` (closed at the end)."""
+    batches = samples = restarts = 0
+    with prod:
         say.start(prod, wait_for)
         if wait_for:
             prod.wait_for_consumers(wait_for, timeout)
@@ -170,7 +165,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                 say.line(f"epoch {done + 1}/{epochs} cut short ({exc}); sending it again once "
                          f"the stream is whole")
                 prod.reopen(timeout)
-    report = ServeReport(done, batches, samples, restarts, time.monotonic() - started)
+    report = ServeReport(done, batches, samples, restarts, time.monotonic() - say.created)
     say.line(f"done: {report.epochs} epochs, {report.batches} batches, {report.samples} "
              f"samples in {report.seconds:.1f} s ({restarts} epochs sent again)")
     return report
@@ -183,6 +178,7 @@ class _Progress:
 
     def __init__(self, name: str, epochs: int, progress: bool | Callable[[str], None] | None,
                  loader: Any) -> None:
+        self.created = time.monotonic()  # (the report's seconds count from here)
         self.name, self.epochs, self.progress = name, epochs, progress
         try:
             self.per_epoch: int | None = len(loader)

@@ -38,6 +38,7 @@ from ..errors import DeviceCopyFailed
 from . import shm
 from .pinned import pinned_pool
 from .pool import receive_pool, send_pool
+from .trees import collect, replace
 
 __all__ = ["InFlight", "Stager", "check_device", "copy_async", "download", "host_tensor",
            "load_into", "mark_staged", "memory_stats", "moves", "stage_batch", "to_device", "upload",
@@ -113,31 +114,6 @@ def moves(device: Any) -> bool:
 # -- reads -----------------------------------------------------------------------------------
 
 
-def _collect(x: Any, tensor: type, out: list[Any]) -> None:
-    t = type(x)
-    if t is dict:
-        for v in x.values():
-            _collect(v, tensor, out)
-    elif t is list or t is tuple:
-        for v in x:
-            _collect(v, tensor, out)
-    elif isinstance(x, tensor):
-        out.append(x)
-
-
-def _rebuild(x: Any, tensor: type, moved: Any) -> Any:
-    t = type(x)
-    if t is dict:
-        return {k: _rebuild(v, tensor, moved) for k, v in x.items()}
-    if t is list:
-        return [_rebuild(v, tensor, moved) for v in x]
-    if t is tuple:
-        return tuple(_rebuild(v, tensor, moved) for v in x)
-    if isinstance(x, tensor):
-        return next(moved)
-    return x
-
-
 def to_device(value: Any, device: Any, *, non_blocking: bool = False,
               whole: Any = None) -> Any:
     """``value`` with every ``torch.Tensor`` leaf (in dicts, lists, tuples) copied to the
@@ -155,7 +131,7 @@ def to_device(value: Any, device: Any, *, non_blocking: bool = False,
     if torch is None or not moves(device):
         return value
     found: list[Any] = []
-    _collect(value, torch.Tensor, found)
+    collect(value, torch.Tensor, found)
     if not found:
         return value
     try:
@@ -165,7 +141,7 @@ def to_device(value: Any, device: Any, *, non_blocking: bool = False,
             f"the value was received but could not be copied to {device} ({type(exc).__name__}:"
             f" {exc}); it is in this error's .value, on the CPU", value=value if whole is None
             else whole, device=device) from exc
-    return _rebuild(value, torch.Tensor, iter(outs))
+    return replace(value, torch.Tensor, iter(outs))
 
 
 def _copy_tensors(tensors: list[Any], device: Any, non_blocking: bool) -> list[Any]:
@@ -243,7 +219,7 @@ def copy_async(value: Any, device: Any) -> InFlight:
     if torch is None or not moves(device):
         return InFlight(value)
     found: list[Any] = []
-    _collect(value, torch.Tensor, found)
+    collect(value, torch.Tensor, found)
     if not found or device.type != "cuda":
         return InFlight(to_device(value, device))
     try:
@@ -252,7 +228,7 @@ def copy_async(value: Any, device: Any) -> InFlight:
         raise DeviceCopyFailed(f"a batch could not be copied to {device} ({type(exc).__name__}:"
                                f" {exc}); it is in this error's .value, on the CPU",
                                value=value, device=device) from exc
-    return InFlight(_rebuild(value, torch.Tensor, iter(outs)), event, outs)
+    return InFlight(replace(value, torch.Tensor, iter(outs)), event, outs)
 
 
 def _issue(tensors: list[Any], device: Any) -> tuple[list[Any], Any]:
@@ -356,7 +332,7 @@ def mark_staged(value: Any) -> None:
     if torch is None or pool is None:
         return
     found: list[Any] = []
-    _collect(value, torch.Tensor, found)
+    collect(value, torch.Tensor, found)
     for t in found:
         if t.is_cpu and t.numel():
             pool.staged(t.data_ptr())

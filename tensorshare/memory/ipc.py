@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CodecError, Lagged, ProducerGone
+from .trees import collect, replace
 
 __all__ = ["IPC_ENV", "CudaIpcRing", "IpcTensor", "SlotReused", "boot_id", "copy_out",
            "ipc_stats"]
@@ -240,7 +241,7 @@ class CudaIpcRing:
         if torch is None or self.reason is not None and self._buf is None:
             return self._fallback(value)
         found: list[Any] = []
-        _collect_cuda(value, torch.Tensor, found)
+        collect(value, torch.Tensor, found, cuda_only=True)
         if not found:
             return value
         sizes = [_aligned(t.numel() * t.element_size()) for t in found]
@@ -252,7 +253,7 @@ class CudaIpcRing:
             return self._fallback(value)
         descs = self._write(found, sizes)
         it = iter(descs)
-        return _replace_cuda(value, torch.Tensor, it)
+        return replace(value, torch.Tensor, it, cuda_only=True)
 
     def _fallback(self, value: Any) -> Any:
         self.fallbacks += 1
@@ -446,31 +447,6 @@ def _aligned(n: int) -> int:
 
 def _wire_dtype(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _collect_cuda(x: Any, tensor: type, out: list[Any]) -> None:
-    t = type(x)
-    if t is dict:
-        for v in x.values():
-            _collect_cuda(v, tensor, out)
-    elif t is list or t is tuple:
-        for v in x:
-            _collect_cuda(v, tensor, out)
-    elif isinstance(x, tensor) and getattr(x, "is_cuda", False):
-        out.append(x)
-
-
-def _replace_cuda(x: Any, tensor: type, descs: Any) -> Any:
-    t = type(x)
-    if t is dict:
-        return {k: _replace_cuda(v, tensor, descs) for k, v in x.items()}
-    if t is list:
-        return [_replace_cuda(v, tensor, descs) for v in x]
-    if t is tuple:
-        return tuple(_replace_cuda(v, tensor, descs) for v in x)
-    if isinstance(x, tensor) and getattr(x, "is_cuda", False):
-        return next(descs)
-    return x
 
 
 # -- the consumer ---------------------------------------------------------------------------

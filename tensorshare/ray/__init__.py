@@ -395,6 +395,19 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str],
     ray = _ray()
     if not ray.is_initialized():
         ray.init()
+    options, config, loopback, local_ip = _shard_config(ray, server_options, loopback)
+    root = os.path.abspath(os.fspath(data_dir))
+    actors = _spawn_shards(ray, n, root, port, loopback, options, rebind_timeout, local_ip,
+                           sticky=sticky, actor_options=actor_options)
+    return _listening(ray, Shards(actors, [], config.token, root), relay_bins, loopback,
+                      options, timeout)
+
+
+def _shard_config(ray: Any, server_options: dict[str, Any], loopback: bool | None
+                  ) -> tuple[dict[str, Any], ServerConfig, bool, str | None]:
+    """The shards' server options (``token`` from the environment by default), their
+    config, whether they bind loopback and, when only this machine's nodes may hold a
+    shard, its IP."""
     options = dict(server_options)
     if "token" not in options:
         options["token"] = env_token()
@@ -409,7 +422,13 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str],
             "tensorshare.ray: the cluster spans several machines, so the shards listen on "
             "their nodes' IPs, and a server refuses that without a token: pass token=... (or "
             "set TENSORSHARE_TOKEN), or insecure=True if this network is trusted")
-    root = os.path.abspath(os.fspath(data_dir))
+    return options, config, loopback, local_ip
+
+
+def _spawn_shards(ray: Any, n: int, root: str, port: int, loopback: bool,
+                  options: dict[str, Any], rebind_timeout: float, local_ip: str | None, *,
+                  sticky: bool, actor_options: dict[str, Any] | None) -> list[Any]:
+    """The ``n`` shard actors, each placed as ``start_shards`` describes (not yet ready)."""
     settings: dict[str, Any] = {"num_cpus": 1, "max_restarts": -1, "max_task_retries": -1,
                                 "scheduling_strategy": "SPREAD"}
     settings.update(actor_options or {})
@@ -421,10 +440,15 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str],
         per_shard = [{"scheduling_strategy": NodeAffinitySchedulingStrategy(
             nodes[i % len(nodes)], soft=False)} for i in range(n)]
     cls = ray.remote(_Shard)
-    actors = [cls.options(**{**settings, **per_shard[i]}).remote(
+    return [cls.options(**{**settings, **per_shard[i]}).remote(
         i, os.path.join(root, f"shard-{i}"), port + i if port else 0, loopback, options,
         rebind_timeout, local_ip) for i in range(n)]
-    shards = Shards(actors, [], config.token, root)
+
+
+def _listening(ray: Any, shards: Shards, relay_bins: list[str], loopback: bool,
+               options: dict[str, Any], timeout: float) -> Shards:
+    """``shards`` once every one listens (and its relays, if any); on failure they are shut
+    down and the error raised."""
     try:
         shards.addresses = [i["address"] for i in shards.info(timeout)]
         if relay_bins:

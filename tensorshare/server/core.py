@@ -31,7 +31,7 @@ from ..wire.protocol import (
 from .auth import FailedAttempts
 from .config import ServerConfig
 from .handlers import Responder
-from .kinds import kinds_for
+from .kinds import Kind
 from .persist import Loaded, Persistence
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats, bin_stats, server_stats
@@ -515,3 +515,11 @@ class ServerFactory(Factory):
     def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
         """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
         return bin_stats(self, glob)
+
+
+def kinds_for(server: ServerFactory) -> list[Kind]:
+    """The kinds a server has (each bound to it)."""
+    from .services import ServiceKind
+    from .streams import StreamKind
+
+    return [StreamKind(server), ServiceKind(server)]

@@ -40,7 +40,6 @@ from twisted.internet.interfaces import IDelayedCall
 from ..errors import (
     BinFull,
     InvalidRequest,
-    MemoryLimitExceeded,
     ServiceFailed,
     WaitTimeout,
 )
@@ -55,6 +54,7 @@ from ..wire.services import (
     ServiceReply,
     ServiceTake,
 )
+from .kinds import check_memory, claim_name
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
@@ -265,28 +265,10 @@ class ServiceKind:
         if svc is not None:
             self._idle.pop(name, None)
             return svc
-        store = self.server.store
-        if store.n_items(name) or store.config(name).bounded:
-            raise InvalidRequest(f"bin {name!r} is a value or list bin: service operations "
-                                 f"are for service bins")
-        for kind in self.server.kinds:
-            if kind is not self and kind.owns(name):
-                raise InvalidRequest(f"bin {name!r} is a {kind.name} bin: service operations "
-                                     f"are for service bins")
-        self._check_memory(SERVICE_COST, f"a new service {name!r}")
+        claim_name(self, self.server, name)
+        check_memory(self.server, SERVICE_COST, f"a new service {name!r}", "queued")
         svc = self.services[name] = Service(name, changed_at=time.time())
         return svc
-
-    def _check_memory(self, nbytes: int, what: str) -> None:
-        f = self.server
-        limit = f.config.max_memory
-        if limit is None or nbytes <= 0:
-            return
-        total = f.store.nbytes + f.held_bytes() + nbytes
-        if total > limit:
-            raise MemoryLimitExceeded(f"{what} of {nbytes} bytes would take the server to "
-                                      f"{total} bytes, over its max_memory={limit}; nothing "
-                                      f"was queued")
 
     def _forget_if_idle(self, svc: Service) -> None:
         """A service with nothing in it stays listed (its statistics too, for ``ls`` and the
@@ -324,7 +306,7 @@ class ServiceKind:
         usage = conn.usage  # its user's quota first, then the server's memory
         if usage is not None:
             usage.check_room(nbytes + CALL_COST, f"a call to service {svc.name!r}")
-        self._check_memory(nbytes + CALL_COST, f"a call to service {svc.name!r}")
+        check_memory(self.server, nbytes + CALL_COST, f"a call to service {svc.name!r}", "queued")
         c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage)
         if usage is not None:
             usage.stored += nbytes + CALL_COST

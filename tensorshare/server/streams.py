@@ -46,7 +46,6 @@ from ..errors import (
     BinNotFound,
     InvalidRequest,
     LimitExceeded,
-    MemoryLimitExceeded,
     ServerError,
     WaitTimeout,
     code_for,
@@ -68,6 +67,7 @@ from ..wire.streams import (
     StreamOpened,
     StreamRead,
 )
+from .kinds import check_memory, claim_name
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
@@ -927,32 +927,14 @@ class StreamKind:
         st = self.streams.get(name)
         if st is not None:
             return st
-        store = self.server.store
-        if store.n_items(name) or store.config(name).bounded:
-            raise InvalidRequest(f"bin {name!r} is a value or list bin: stream operations are "
-                                 f"for stream bins")
-        for kind in self.server.kinds:
-            if kind is not self and kind.owns(name):
-                raise InvalidRequest(f"bin {name!r} is a {kind.name} bin: stream operations "
-                                     f"are for stream bins")
+        claim_name(self, self.server, name)
         if not create:
             raise BinNotFound(f"no stream {name!r}: a producer opens it (stream_open), or a "
                               f"consumer joins it (stream_join)")
-        self._check_memory(STREAM_COST, f"a new stream {name!r}")
+        check_memory(self.server, STREAM_COST, f"a new stream {name!r}", "stored")
         st = self.streams[name] = Stream(name, self._now())
         st.version = self._versions.pop(name, 0)
         return st
-
-    def _check_memory(self, nbytes: int, what: str) -> None:
-        f = self.server
-        limit = f.config.max_memory
-        if limit is None or nbytes <= 0:
-            return
-        total = f.store.nbytes + f.held_bytes() + nbytes
-        if total > limit:
-            raise MemoryLimitExceeded(f"{what} of {nbytes} bytes would take the server to "
-                                      f"{total} bytes, over its max_memory={limit}; nothing "
-                                      f"was stored")
 
     def _after(self, st: Stream, events: list[Event]) -> None:
         """After a change: notify listeners, serve what waits, drop an idle stream, and
@@ -1040,7 +1022,7 @@ class StreamKind:
         settings = Settings(msg.producers, msg.window, msg.on_lag, msg.max_stall, msg.replay,
                             msg.device_ipc)
         if msg.producer not in st.producers:
-            self._check_memory(CONSUMER_COST, f"a producer of stream {msg.bin!r}")
+            check_memory(self.server, CONSUMER_COST, f"a producer of stream {msg.bin!r}", "stored")
         try:
             reply, events = st.open(msg.producer, self._member(st, conn), settings, msg.lease,
                                     msg.samples, self._now())
@@ -1075,7 +1057,7 @@ class StreamKind:
         usage = w.conn.usage  # its user's quota first, then the server's memory
         if usage is not None:
             usage.check_room(nbytes, f"an append of {nbytes} bytes to stream {st.name!r}")
-        self._check_memory(nbytes, f"an append to stream {st.name!r}")
+        check_memory(self.server, nbytes, f"an append to stream {st.name!r}", "stored")
         pos = st.append(msg.producer, w.entries, self._now())
         self._recount(st)
         if usage is not None:
@@ -1118,7 +1100,7 @@ class StreamKind:
         st = self._stream(msg.bin, True)
         _same_host(st, conn)
         if msg.consumer not in st.consumers:
-            self._check_memory(CONSUMER_COST, f"a consumer of stream {msg.bin!r}")
+            check_memory(self.server, CONSUMER_COST, f"a consumer of stream {msg.bin!r}", "stored")
         try:
             reply, events = st.join(msg.consumer, self._member(st, conn), msg.start, msg.lease,
                                     msg.resume, self._now())

@@ -544,6 +544,19 @@ def _lz4_block() -> Any:
     return lz4.block
 
 
+def _bad_options(compress: str | None) -> ValueError:
+    """:func:`encode`'s error for options it does not take (a rare branch, kept out of its
+    way)."""
+    if compress not in (None, "lz4", "auto"):
+        return ValueError(f"unknown compress {compress!r} (use None, 'lz4' or 'auto')")
+    return ValueError("compress_min_bytes and max_depth must be >= 0")
+
+
+def _too_deep(max_depth: int) -> CodecError:
+    """:func:`encode`'s error for a value nested deeper than Python's recursion allows."""
+    return CodecError(f"cannot send value: nested too deeply for max_depth={max_depth}")
+
+
 def encode(
     value: Any,
     *,
@@ -584,10 +597,8 @@ def encode(
         CodecError: nesting deeper than ``max_depth``, or an int outside int64/uint64.
         ValueError: an unknown ``compress`` value or a negative limit.
     """
-    if compress not in (None, "lz4", "auto"):
-        raise ValueError(f"unknown compress {compress!r} (use None, 'lz4' or 'auto')")
-    if compress_min_bytes < 0 or max_depth < 0:
-        raise ValueError("compress_min_bytes and max_depth must be >= 0")
+    if compress not in (None, "lz4", "auto") or compress_min_bytes < 0 or max_depth < 0:
+        raise _bad_options(compress)
     torch = sys.modules.get("torch")
     if (torch is not None and type(value) is torch.Tensor
             and (compress is None or value.nbytes < compress_min_bytes)):
@@ -600,9 +611,7 @@ def encode(
     except _Refusal as e:
         raise e.error() from None
     except RecursionError:
-        raise CodecError(
-            f"cannot send value: nested too deeply for max_depth={max_depth}"
-        ) from None
+        raise _too_deep(max_depth) from None
     try:
         packed = msgpack.packb(tree, use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as exc:  # pragma: no cover - walk checks

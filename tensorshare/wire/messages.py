@@ -128,21 +128,26 @@ class ListBins:
 
 
 @dataclass(frozen=True, slots=True)
-class Delete:
+class _OfBin:
+    """A request that names one bin and nothing else."""
+
     id: int
     bin: str
 
 
 @dataclass(frozen=True, slots=True)
-class Listen:
-    id: int
-    bin: str
+class Delete(_OfBin):
+    """Delete the bin."""
 
 
 @dataclass(frozen=True, slots=True)
-class Unlisten:
-    id: int
-    bin: str
+class Listen(_OfBin):
+    """Hear of each change of the bin (``Changed``), from now on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unlisten(_OfBin):
+    """Hear no more of the bin's changes."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from tensorshare import Client, DeviceCopyFailed, EmbeddedServer, ShardedClient
 from tensorshare.client import ops
 from tensorshare.client.twisted import connect
 from tensorshare.memory import device as devmod
+from tensorshare.memory import trees
 from tests.client.test_both_clients import Reactor
 from tests.client.test_matrix import same
 
@@ -92,7 +93,7 @@ def faces(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faces]:
 
 def tensors_of(x: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    devmod._collect(x, torch.Tensor, out)
+    trees.collect(x, torch.Tensor, out)
     return out
 
 
