@@ -913,7 +913,7 @@ class Client(Connection, BinClient):
         self.address = str(self.endpoint)
         self._connector = connector
         self.shm_min_bytes = opts.shm_min_bytes
-        self.begin = _Begin(self)
+        self.begin = Begin(self)
         self._start()
         _CLIENTS.add(self)
         if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
@@ -1021,27 +1021,28 @@ def outcomes_of(calls: Sequence[PendingCall]) -> list[Any]:
     return outcomes
 
 
-class _Begin(Ops):
-    """The ops of a :class:`Client` that send at once and return a :class:`PendingCall`
-    (``client.begin.put(...)``; ``client.begin_put(...)`` is the same)."""
+class Begin(Ops):
+    """The ops of a face that send at once and return a :class:`PendingCall`
+    (``client.begin.put(...)``; ``client.begin_put(...)`` is the same): the face's options,
+    limits and encoding, its own way to submit."""
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
-        self.timeout = client.timeout
-        self.compress, self.compress_min_bytes = client.compress, client.compress_min_bytes
+    def __init__(self, face: Any) -> None:
+        self._face = face
+        self.timeout = face.timeout
+        self.compress, self.compress_min_bytes = face.compress, face.compress_min_bytes
 
     @property
     def limits(self) -> Limits:
-        return self._client.limits
+        return self._face.limits  # type: ignore[no-any-return]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return self._client._item(name, value, tag)
+        return self._face._item(name, value, tag)  # type: ignore[no-any-return]
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
-        return self._client._items(name, values, tags)
+        return self._face._items(name, values, tags)  # type: ignore[no-any-return]
 
     def _execute(self, cmd: Command) -> PendingCall:
-        return self._client._submit(cmd)
+        return self._face._submit(cmd)  # type: ignore[no-any-return]
 
 
 # Every live client, so that a forked child can give each its own connection.

@@ -14,11 +14,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from ..errors import CodecError, TensorShareError
 from .blocking import PendingCall
 from .ops import BinClient
+from .options import ClientOptions, OptionFields
 from .sharded import connect
 
 __all__ = ["TensorShare"]
@@ -43,7 +44,13 @@ class TensorShare:
     Args:
         host: server address ("localhost" works). port: server port.
         timeout: seconds to connect and to wait for each reply.
-        **client_options: passed to :class:`Client` (e.g. ``compress="lz4"``).
+        options: a :class:`~.options.ClientOptions` for the client (its ``timeout`` gives
+            way to ``timeout``).
+        **client_options: any field of :class:`~.options.ClientOptions` as a keyword (e.g.
+            ``compress="lz4"``): overrides that field of ``options``.
+
+    Raises:
+        ValueError, TypeError: a bad option (at once, not at :meth:`start`).
 
     Example::
 
@@ -54,10 +61,14 @@ class TensorShare:
         ts.start()  # runs the callbacks until stop(); any thread may call it
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0,
-                 **client_options: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
+                 options: ClientOptions | None = None,
+                 **client_options: Unpack[OptionFields]) -> None:
         self.host, self.port, self.timeout = host, port, timeout
-        self._client_options = client_options
+        changes: dict[str, Any] = dict(client_options)
+        if timeout is not None:
+            changes["timeout"] = timeout
+        self.options = ClientOptions.of(options, **changes)
         self._client: BinClient | None = None
         self._lock = threading.Lock()
         # Requests made before start(): (send it, deliver its outcome), in order.
@@ -130,7 +141,7 @@ class TensorShare:
                 raise RuntimeError("TensorShare.start() is already running")
             self._loop_thread = threading.current_thread()
         try:  # connect outside the lock: requests made meanwhile still return at once
-            client = connect(self.host, self.port, self.timeout, **self._client_options)
+            client = connect(self.host, self.port, options=self.options)
         except BaseException:
             with self._lock:
                 self._loop_thread = None
