@@ -19,7 +19,7 @@ from typing import Any, Unpack
 from ..errors import CodecError, TensorShareError
 from .blocking import PendingCall
 from .ops import BinClient
-from .options import ClientOptions, OptionFields
+from .options import UNSET, ClientOptions, OptionFields, Unset
 from .sharded import connect
 
 __all__ = ["TensorShare"]
@@ -43,9 +43,9 @@ class TensorShare:
 
     Args:
         host: server address ("localhost" works). port: server port.
-        timeout: seconds to connect and to wait for each reply.
-        options: a :class:`~.options.ClientOptions` for the client (its ``timeout`` gives
-            way to ``timeout``).
+        timeout: seconds to connect and to wait for each reply (default 30, or that of
+            ``options``).
+        options: a :class:`~.options.ClientOptions` for the client.
         **client_options: any field of :class:`~.options.ClientOptions` as a keyword (e.g.
             ``compress="lz4"``): overrides that field of ``options``.
 
@@ -61,14 +61,14 @@ class TensorShare:
         ts.start()  # runs the callbacks until stop(); any thread may call it
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0, *,
-                 options: ClientOptions | None = None,
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000,
+                 timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
                  **client_options: Unpack[OptionFields]) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
         changes: dict[str, Any] = dict(client_options)
-        if timeout is not None:
+        if timeout is not UNSET and timeout is not None:  # (None: the default, as before)
             changes["timeout"] = timeout
         self.options = ClientOptions.of(options, **changes)
+        self.host, self.port, self.timeout = host, port, self.options.timeout
         self._client: BinClient | None = None
         self._lock = threading.Lock()
         # Requests made before start(): (send it, deliver its outcome), in order.
