@@ -20,7 +20,7 @@ from twisted.internet.testing import MemoryReactorClock
 import tensorshare
 from tensorshare import Client, ClientOptions, ShardedClient, TensorShare
 from tensorshare.client import sharded
-from tensorshare.client.twisted import TxClient
+from tensorshare.client.twisted import TxClient, _Factory
 from tensorshare.client.twisted import connect as tx_connect
 from tensorshare.server import EmbeddedServer
 
@@ -98,8 +98,10 @@ def test_the_twisted_client_and_connect_take_options() -> None:
     reactor = MemoryReactorClock()
     d = tx_connect(reactor, HOST, 7001, options=opts, timeout=4)
     host, port, factory, timeout, _ = reactor.tcpClients[0]
+    assert isinstance(factory, _Factory)
+    client = factory.client
     assert (host, port, timeout) == (HOST, 7001, 4.0)  # it connects with its options
-    assert (factory.client.compress, factory.client.session.name) == ("auto", "tx-options")
+    assert (client.compress, client.session.name) == ("auto", "tx-options")
     d.addErrback(lambda _: None)
     d.cancel()
 
