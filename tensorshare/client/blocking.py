@@ -925,11 +925,6 @@ class Client(Connection, BinClient):
                                f"{error or 'no answer'}")
 
     @property
-    def options(self) -> ClientOptions:
-        """The options this client was made with (``options.replace(...)`` derives others)."""
-        return self._options
-
-    @property
     def limits(self) -> Limits:
         """The server's limits (from the last handshake)."""
         return self._session.limits
@@ -961,6 +956,12 @@ class Client(Connection, BinClient):
     def closed(self) -> bool:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
         return self._session.closed is not None
+
+    @property
+    def options(self) -> ClientOptions:
+        """The options this client was made with: ``Client(options=c.options.replace(
+        timeout=5))`` is another like it."""
+        return self._options
 
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """Queue many requests and send them together, without waiting for each reply.
