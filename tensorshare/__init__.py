@@ -51,6 +51,7 @@ __all__ = [
     "BinFull",
     "BinNotFound",
     "Client",
+    "ClientOptions",
     "CodecError",
     "ConnectError",
     "ConnectionLost",
@@ -93,6 +94,7 @@ __all__ = [
 _LAZY = {
     "NOWAIT": "client",
     "Client": "client",
+    "ClientOptions": "client",
     "ShardedClient": "client",
     "FetchResult": "client",
     "EmbeddedServer": "server",
@@ -121,7 +123,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .client import NOWAIT, Client, FetchResult, ShardedClient
+    from .client import NOWAIT, Client, ClientOptions, FetchResult, ShardedClient
     from .client.compat import TensorShare
     from .rl import RLTrainer, RLWorker, TrainerStopped
     from .server import EmbeddedServer, run_server

@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Unpack
 
 from ..errors import (
     ConnectError,
@@ -43,7 +43,6 @@ from ..errors import (
     error_from_code,
 )
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
-from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import Limits
 from ..wire.records import (
@@ -51,7 +50,7 @@ from ..wire.records import (
     Item,
 )
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
-from .endpoint import Endpoint, resolve
+from .endpoint import Endpoint
 from .ops import (
     NOWAIT,
     BinClient,
@@ -59,12 +58,11 @@ from .ops import (
     Command,
     FetchResult,
     Ops,
-    check_reconnect,
-    check_timeout,
     gc_paused,
 )
+from .options import UNSET, ClientOptions, OptionFields, Unset
 from .pipeline import Pipeline
-from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
+from .session import Call, Done, Drop, Notify, Ready, Send
 
 __all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
@@ -210,26 +208,16 @@ class Connection:
     shm_min_bytes: int
     begin: Any
     _connector: Callable[[], socket.socket] | None
-    _options: tuple[str, bool, float | None, bool]
+    _options: ClientOptions
 
     def _start(self) -> None:
         """Make the session and the threads' state, and start the reader thread (which
         connects). Also run in a forked child, which must not share its parent's socket or
         session."""
-        name, session, heartbeat, shm = self._options
         self._pid = os.getpid()
         self._forks = _FORKS  # the process it serves: a fork in the child starts it again
-        self._session = ClientSession(address=self.address, timeout=self.timeout,
-                                      reconnect=self.reconnect, name=name, session=session,
-                                      heartbeat=heartbeat, token=self.endpoint.token,
-                                      user=self.endpoint.user)
-        if shm and self.path is not None and self._connector is None:
-            from ..memory import shm as _shm
-
-            self._session.shm = _shm.available()
-        pool = receive_pool()
-        if pool is not None:  # large values land in memory a dropped value gave back
-            self._session.allocate = pool.take
+        self._session = self._options.new_session(self.endpoint, "tensorshare-python",
+                                                  self._connector is None)
         self._lock = threading.Lock()  # the session, and who reads (below)
         # Waits and wake-ups of who reads, on _lock itself: every "with" takes _lock directly
         # (a Condition's own __enter__ is a Python call on every request).
@@ -887,35 +875,15 @@ class Client(Connection, BinClient):
             ``127.0.0.1:8000`` (see :mod:`tensorshare.client.endpoint`).
         port: server port (ignored for a URL; default 8000).
         timeout: seconds the server has to answer a request (a get/peek that waits for data
-            gets its wait on top); also how long the first connection may take.
-        reconnect: ``True`` (default): when the connection drops, reconnect with backoff and
-            carry on where it stopped (calls wait within their own timeout); a number: give
-            up after that many seconds without a connection; ``False``: fail every call at
-            the first drop, as a plain socket would.
-        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
-            only large integer and bool buffers that shrink by an eighth (frames, masks;
-            never floats); ``None``: never.
-        compress_min_bytes: buffers smaller than this are never compressed.
-        name: how this client introduces itself in the server's log.
-        session: ``True`` (default): exactly-once replay across reconnects. ``False``: no
-            session (a tool that sends one request does not need one).
-        heartbeat: seconds of silence after which a ping checks that the server is still
-            there (a dead peer is noticed, and acknowledgements reach the server); default
-            a third of ``timeout``, at most 5 s.
+            gets its wait on top); also how long the first connection may take (default
+            30).
+        options: a :class:`~.options.ClientOptions` (``reconnect``, ``compress``, ``name``,
+            ``session``, ``heartbeat``, ``shm``, ``tls``, ``token``, ``user``, ...: each
+            described there, with its default); default: all defaults.
         connector: returns a new connected socket each time it is called, instead of a TCP
             connection to ``host:port`` (custom transports; tests use a socketpair).
-        shm: over a Unix socket (``unix://PATH``, Linux), pass tensors of at least
-            ``shm_min_bytes`` through shared memory instead of the socket: a put writes them
-            once into a sealed memfd, a get maps the server's with no copy at all.
-        shm_min_bytes: the smallest buffer worth sharing (below, the socket is faster).
-        tls: connect with TLS (default: as the URL or ``TENSORSHARE_URL`` says).
-        tls_ca: the CA that signed the server's certificate (default ``TENSORSHARE_TLS_CA``,
-            else the system's); the server's host name is checked too.
-        token, token_file: the server's token (default ``TENSORSHARE_TOKEN`` or the file
-            ``TENSORSHARE_TOKEN_FILE`` names); it never crosses the wire.
-        user: the user that token is for, on a server with a users file (default
-            ``TENSORSHARE_USER``; neither: the user ``default``). Its name is bound into the
-            handshake's proof.
+        **overrides: any field of :class:`~.options.ClientOptions` as a keyword
+            (``Client(timeout=5, compress="lz4")``): overrides that field of ``options``.
 
     Raises:
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
@@ -933,28 +901,22 @@ class Client(Connection, BinClient):
     """
 
     def __init__(self, host: str | None = None, port: int | None = None,
-                 timeout: float = 30.0, *, reconnect: bool | float = True,
-                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
-                 name: str = "tensorshare-python", session: bool = True,
-                 heartbeat: float | None = None,
-                 connector: Callable[[], socket.socket] | None = None, shm: bool = True,
-                 shm_min_bytes: int = 1 << 20, tls: bool | None = None,
-                 tls_ca: str | None = None, token: str | bytes | None = None,
-                 token_file: str | None = None, user: str | None = None) -> None:
-        if compress not in (None, "lz4", "auto"):
-            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
-        self.timeout = check_timeout(timeout)
-        self.reconnect = check_reconnect(reconnect)
-        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
-                                token_file=token_file, user=user)
+                 timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
+                 connector: Callable[[], socket.socket] | None = None,
+                 **overrides: Unpack[OptionFields]) -> None:
+        changes: dict[str, Any] = dict(overrides)
+        if timeout is not UNSET:
+            changes["timeout"] = timeout
+        opts = self._options = ClientOptions.of(options, **changes)
+        self.timeout, self.reconnect = opts.timeout, opts.reconnect
+        self.endpoint = opts.endpoint(host, port)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
-        self.compress, self.compress_min_bytes = compress, compress_min_bytes
+        self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
         self.address = str(self.endpoint)
         self._connector = connector
-        self._options = (name, session, heartbeat, shm)
-        self.shm_min_bytes = shm_min_bytes
-        self.begin = _Begin(self)
+        self.shm_min_bytes = opts.shm_min_bytes
+        self.begin = Begin(self)
         self._start()
         _CLIENTS.add(self)
         if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
@@ -997,6 +959,12 @@ class Client(Connection, BinClient):
     def closed(self) -> bool:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
         return self._session.closed is not None
+
+    @property
+    def options(self) -> ClientOptions:
+        """The options this client was made with: ``Client(options=c.options.replace(
+        timeout=5))`` is another like it."""
+        return self._options
 
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """Queue many requests and send them together, without waiting for each reply.
@@ -1057,27 +1025,28 @@ def outcomes_of(calls: Sequence[PendingCall]) -> list[Any]:
     return outcomes
 
 
-class _Begin(Ops):
-    """The ops of a :class:`Client` that send at once and return a :class:`PendingCall`
-    (``client.begin.put(...)``; ``client.begin_put(...)`` is the same)."""
+class Begin(Ops):
+    """The ops of a face that send at once and return a :class:`PendingCall`
+    (``client.begin.put(...)``; ``client.begin_put(...)`` is the same): the face's options,
+    limits and encoding, its own way to submit."""
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
-        self.timeout = client.timeout
-        self.compress, self.compress_min_bytes = client.compress, client.compress_min_bytes
+    def __init__(self, face: Any) -> None:
+        self._face = face
+        self.timeout = face.timeout
+        self.compress, self.compress_min_bytes = face.compress, face.compress_min_bytes
 
     @property
     def limits(self) -> Limits:
-        return self._client.limits
+        return self._face.limits  # type: ignore[no-any-return]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return self._client._item(name, value, tag)
+        return self._face._item(name, value, tag)  # type: ignore[no-any-return]
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
-        return self._client._items(name, values, tags)
+        return self._face._items(name, values, tags)  # type: ignore[no-any-return]
 
     def _execute(self, cmd: Command) -> PendingCall:
-        return self._client._submit(cmd)
+        return self._face._submit(cmd)  # type: ignore[no-any-return]
 
 
 # Every live client, so that a forked child can give each its own connection.

@@ -14,11 +14,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from ..errors import CodecError, TensorShareError
 from .blocking import PendingCall
 from .ops import BinClient
+from .options import UNSET, ClientOptions, OptionFields, Unset
 from .sharded import connect
 
 __all__ = ["TensorShare"]
@@ -42,8 +43,14 @@ class TensorShare:
 
     Args:
         host: server address ("localhost" works). port: server port.
-        timeout: seconds to connect and to wait for each reply.
-        **client_options: passed to :class:`Client` (e.g. ``compress="lz4"``).
+        timeout: seconds to connect and to wait for each reply (default 30, or that of
+            ``options``).
+        options: a :class:`~.options.ClientOptions` for the client.
+        **client_options: any field of :class:`~.options.ClientOptions` as a keyword (e.g.
+            ``compress="lz4"``): overrides that field of ``options``.
+
+    Raises:
+        ValueError, TypeError: a bad option (at once, not at :meth:`start`).
 
     Example::
 
@@ -54,10 +61,14 @@ class TensorShare:
         ts.start()  # runs the callbacks until stop(); any thread may call it
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 30.0,
-                 **client_options: Any) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
-        self._client_options = client_options
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000,
+                 timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
+                 **client_options: Unpack[OptionFields]) -> None:
+        changes: dict[str, Any] = dict(client_options)
+        if timeout is not UNSET and timeout is not None:  # (None: the default, as before)
+            changes["timeout"] = timeout
+        self.options = ClientOptions.of(options, **changes)
+        self.host, self.port, self.timeout = host, port, self.options.timeout
         self._client: BinClient | None = None
         self._lock = threading.Lock()
         # Requests made before start(): (send it, deliver its outcome), in order.
@@ -130,7 +141,7 @@ class TensorShare:
                 raise RuntimeError("TensorShare.start() is already running")
             self._loop_thread = threading.current_thread()
         try:  # connect outside the lock: requests made meanwhile still return at once
-            client = connect(self.host, self.port, self.timeout, **self._client_options)
+            client = connect(self.host, self.port, options=self.options)
         except BaseException:
             with self._lock:
                 self._loop_thread = None

@@ -33,7 +33,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from ..errors import (
     BinNotFound,
@@ -56,8 +56,9 @@ from ..wire.messages import (
     Stats,
     Unlisten,
 )
-from .blocking import Client, PendingCall, Pipeline, outcomes_of
-from .ops import BLOCK_SHARE, BinClient, Command, Ops, _version
+from .blocking import Begin, Client, PendingCall, Pipeline, outcomes_of
+from .ops import BLOCK_SHARE, BinClient, Command, _version
+from .options import AllOptionFields, ClientOptions, OptionFields
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -149,8 +150,11 @@ class ShardedClient(BinClient):
             stats and the other bins still go to the shards.
         relay_bins: names or glob patterns (``fnmatch``) of the value bins read through
             ``relay``, as the relay's own ``bins``.
-        **options: passed to each server's :class:`~.blocking.Client` (``timeout``,
-            ``token``, ``tls_ca``, ``reconnect``, ...), and to the relay's.
+        options: a :class:`~.options.ClientOptions` for each server's
+            :class:`~.blocking.Client` (``timeout``, ``token``, ``tls_ca``, ``reconnect``,
+            ...), and the relay's.
+        **overrides: any field of :class:`~.options.ClientOptions` as a keyword: overrides
+            that field of ``options``.
 
     A read through the relay sees what the relay serves: the shard's versions, data and
     server id, up to one download behind (a peek right after this client's own put may
@@ -170,7 +174,9 @@ class ShardedClient(BinClient):
 
     def __init__(self, servers: Sequence[str] | str | None = None, *,
                  relay: str | None = None, relay_bins: Sequence[str] | str = (),
-                 **options: Any) -> None:
+                 options: ClientOptions | None = None,
+                 **overrides: Unpack[AllOptionFields]) -> None:
+        opts = self.options = ClientOptions.of(options, **overrides)
         self.servers = expand_servers(servers if servers is not None else servers_from_env())
         self.relay = None if relay is None else \
             relay if "://" in relay else f"tensorshare://{relay}"
@@ -178,15 +184,13 @@ class ShardedClient(BinClient):
         if self.relay is not None and not self.relay_bins:
             raise ValueError("a ShardedClient with a relay needs relay_bins: the value bins "
                              "to read through it")
-        self._options = options
         self._clients: dict[int, Client] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._first = 0
-        first = self._first_client()
-        self.timeout = first.timeout
-        self.compress = first.compress
-        self.compress_min_bytes = first.compress_min_bytes
+        self._first_client()
+        self.timeout = opts.timeout
+        self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
         self.begin = _ShardedBegin(self)
 
     def _first_client(self) -> Client:
@@ -216,7 +220,7 @@ class ShardedClient(BinClient):
             client = self._clients.get(index)
         if client is None:
             made = Client(self.relay if index == RELAY else self.servers[index],
-                          **self._options)
+                          options=self.options)
             with self._lock:
                 client = self._clients.setdefault(index, made)
             if client is not made:
@@ -398,7 +402,7 @@ class ShardedClient(BinClient):
             RuntimeWarning: a new server ignored ``min_version`` (an older server): the
                 bin moved, but its version started again there.
         """
-        leaving = [Client(url, **self._options) for url in self._drained(drain)]
+        leaving = [Client(url, options=self.options) for url in self._drained(drain)]
         try:
             plan = [(here, name, kind) for index, here in
                     [(i, self._client(i)) for i in range(len(self.servers))]
@@ -517,38 +521,37 @@ def _give_back(here: Client, name: str, res: Any, exc: BaseException) -> None:
                  f"its old server")
 
 
-class _ShardedBegin(Ops):
+class _ShardedBegin(Begin):
     """``sharded.begin.put(...)``: the bin's server's ``begin`` face; ``list``, ``stats`` and
     ``ping`` ask every server before they return (an already complete PendingCall)."""
 
-    def __init__(self, sharded: ShardedClient) -> None:
-        self._sharded = sharded
-        self.timeout = sharded.timeout
-        self.compress, self.compress_min_bytes = sharded.compress, sharded.compress_min_bytes
-
-    @property
-    def limits(self) -> Limits:
-        return self._sharded.limits
-
-    def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return self._sharded._item(name, value, tag)
-
     def _execute(self, cmd: Command) -> PendingCall:
+        sharded = self._face
         if cmd.bin is not None:
-            return self._sharded._client(self._sharded._route(cmd)).begin._execute(cmd)
-        return PendingCall.done(self._sharded._execute(cmd))
+            return sharded._client(sharded._route(cmd)).begin._execute(cmd)  # type: ignore[no-any-return]
+        return PendingCall.done(sharded._execute(cmd))
 
 
 def connect(host: str | None = None, port: int | None = None,
-            timeout: float | None = None, **options: Any) -> BinClient:
+            timeout: float | None = None, *, options: ClientOptions | None = None,
+            **overrides: Unpack[OptionFields]) -> BinClient:
     """The client for ``host``: a :class:`ShardedClient` when ``host`` names several servers
     (``"h1:7000,h2:7000"``), or when neither host nor ``TENSORSHARE_URL`` is given and
     ``TENSORSHARE_SERVERS`` is; else a :class:`~.blocking.Client`. What ``RLTrainer``,
-    ``RLWorker`` and ``TensorShare`` use, so that each accepts several servers."""
+    ``RLWorker`` and ``TensorShare`` use, so that each accepts several servers.
+
+    ``options`` (a :class:`~.options.ClientOptions`) and the keywords, which override its
+    fields (``timeout`` too, unless ``None``), make the one options object the client gets.
+
+    Raises:
+        ValueError, TypeError: a bad option (before any connection is tried).
+    """
+    changes: dict[str, Any] = dict(overrides)
     if timeout is not None:
-        options["timeout"] = timeout
+        changes["timeout"] = timeout
+    opts = ClientOptions.of(options, **changes)
     if host is not None and "," in host:
-        return ShardedClient(host, **options)
+        return ShardedClient(host, options=opts)
     if host is None and not os.environ.get("TENSORSHARE_URL") and servers_from_env():
-        return ShardedClient(None, **options)
-    return Client(host, port, **options)
+        return ShardedClient(None, options=opts)
+    return Client(host, port, options=opts)

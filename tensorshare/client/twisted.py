@@ -35,7 +35,7 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Unpack
 
 from twisted.internet.defer import Deferred, fail, gatherResults, succeed
 from twisted.internet.error import ConnectionDone
@@ -46,21 +46,18 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
-from ..memory import shm as _shm
-from ..memory.pool import receive_pool
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply, Limits
-from .endpoint import Endpoint, resolve
+from .endpoint import Endpoint
 from .ops import (
     NOWAIT,
     Command,
     FetchResult,
     Ops,
-    check_reconnect,
-    check_timeout,
 )
+from .options import AllOptionFields, ClientOptions
 from .pipeline import Pipeline
-from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
+from .session import Call, Done, Drop, Notify, Ready, Send
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -122,13 +119,13 @@ class TxClient(Ops):
         host, port: the server's address (``host`` may be a ``tensorshare://``,
             ``tensorshare+tls://`` or ``unix://`` URL; neither: ``TENSORSHARE_URL``), as for
             :class:`tensorshare.Client`.
-        timeout: seconds the server has to answer (and the first connection may take).
-        reconnect: as for :class:`tensorshare.Client`.
-        tls, tls_ca, token, token_file, user: as for :class:`tensorshare.Client` (see
-            :mod:`tensorshare.client.endpoint`).
-        compress, compress_min_bytes, name, session, heartbeat, shm, shm_min_bytes: as
-            for :class:`tensorshare.Client` (over a ``unix://`` address, tensors of at least
-            ``shm_min_bytes`` travel through shared memory both ways).
+        options: a :class:`~.options.ClientOptions` (``timeout``, ``reconnect``,
+            ``compress``, ``name``, ``shm``, ``tls``, ``token``, ...), as for
+            :class:`tensorshare.Client` (over a ``unix://`` address, tensors of at least
+            ``shm_min_bytes`` travel through shared memory both ways); the default name is
+            ``"tensorshare-twisted"``.
+        **overrides: any field of :class:`~.options.ClientOptions` as a keyword: overrides
+            that field of ``options``.
         connector: ``connector(client)`` starts a connection attempt instead of
             ``reactor.connectTCP`` (tests attach in-memory transports this way).
 
@@ -139,36 +136,19 @@ class TxClient(Ops):
     """
 
     def __init__(self, reactor: Any, host: str | None = None, port: int | None = None, *,
-                 timeout: float = 30.0, reconnect: bool | float = True,
-                 tls: bool | None = None, tls_ca: str | None = None,
-                 token: str | bytes | None = None, token_file: str | None = None,
-                 compress: str | None = None, compress_min_bytes: int = 64 * 1024,
-                 name: str = "tensorshare-twisted", session: bool = True,
-                 heartbeat: float | None = None, shm: bool = True,
-                 shm_min_bytes: int = 1 << 20,
+                 options: ClientOptions | None = None,
                  connector: Callable[[TxClient], Any] | None = None,
-                 user: str | None = None) -> None:
-        if compress not in (None, "lz4", "auto"):
-            raise ValueError(f"compress must be None, 'lz4' or 'auto', not {compress!r}")
+                 **overrides: Unpack[AllOptionFields]) -> None:
+        opts = self.options = ClientOptions.of(options, **overrides)
         self.reactor = reactor
-        self.endpoint = resolve(host, port, tls=tls, tls_ca=tls_ca, token=token,
-                                token_file=token_file, user=user)
+        self.endpoint = opts.endpoint(host, port)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)
-        self.timeout = check_timeout(timeout)
-        self.reconnect = check_reconnect(reconnect)
-        self.compress, self.compress_min_bytes = compress, compress_min_bytes
-        self.session = ClientSession(address=self.address, timeout=self.timeout,
-                                     reconnect=self.reconnect, name=name, session=session,
-                                     heartbeat=heartbeat, token=self.endpoint.token,
-                                     user=self.endpoint.user)
-        pool = receive_pool()
-        if pool is not None:  # large values land in memory a dropped value gave back
-            self.session.allocate = pool.take
-        if shm and self.path is not None and connector is None:
-            self.session.shm = _shm.available()
-        self.shm_min_bytes = shm_min_bytes
+        self.timeout, self.reconnect = opts.timeout, opts.reconnect
+        self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
+        self.session = opts.new_session(self.endpoint, "tensorshare-twisted", connector is None)
+        self.shm_min_bytes = opts.shm_min_bytes
         self.protocol: TxProtocol | None = None
         self.ready: Deferred[TxClient] = Deferred(lambda d: self._cancel_connect())
         self._connector = connector
@@ -654,31 +634,20 @@ def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
 
 
 def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
-            timeout: float = 30.0, reconnect: bool | float = True, compress: str | None = None,
-            name: str = "tensorshare-twisted", compress_min_bytes: int = 64 * 1024,
-            session: bool = True, heartbeat: float | None = None, tls: bool | None = None,
-            tls_ca: str | None = None, token: str | bytes | None = None,
-            token_file: str | None = None, shm: bool = True,
-            shm_min_bytes: int = 1 << 20, user: str | None = None) -> Deferred[TxClient]:
+            options: ClientOptions | None = None,
+            **overrides: Unpack[AllOptionFields]) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
         reactor: the reactor to use (``reactor.connectTCP`` and ``reactor.callLater``).
         host, port: the server's address.
-        timeout: seconds the first connection may take (with ``reconnect`` on, attempts are
-            repeated until then), and the server has to answer each request.
-        reconnect: as for :class:`tensorshare.Client`.
-        compress: ``"lz4"`` to compress large tensor buffers before sending; ``"auto"``:
-            only large integer and bool buffers that shrink by an eighth (frames, masks;
-            never floats); ``None``: never.
-        name: how this client introduces itself in the server's log.
-        compress_min_bytes: buffers smaller than this are never compressed.
-        session: exactly-once replay across reconnects (see :class:`tensorshare.Client`).
-        heartbeat: seconds of silence before a ping checks the connection (see
-            :class:`tensorshare.Client`).
-        tls, tls_ca, token, token_file, user: see :mod:`tensorshare.client.endpoint`.
-        shm, shm_min_bytes: over a ``unix://`` address, pass tensors of at least
-            ``shm_min_bytes`` through shared memory (see :class:`tensorshare.Client`).
+        options: a :class:`~.options.ClientOptions`: ``timeout`` is how long the first
+            connection may take (with ``reconnect`` on, attempts are repeated until then),
+            and the server has to answer each request; the others are as for
+            :class:`tensorshare.Client` (``compress``, ``name``, ``session``,
+            ``heartbeat``, ``tls``, ``token``, ``shm``, ...).
+        **overrides: any field of :class:`~.options.ClientOptions` as a keyword: overrides
+            that field of ``options``.
 
     Errbacks with :class:`~tensorshare.errors.ConnectError` (naming ``host:port``) when no
     server answered within ``timeout``, or with the server's typed refusal of the handshake
@@ -688,9 +657,4 @@ def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
     Raises:
         ValueError: a bad ``compress``, ``timeout`` or ``reconnect`` (synchronously).
     """
-    client = TxClient(reactor, host, port, timeout=timeout, reconnect=reconnect,
-                      compress=compress, compress_min_bytes=compress_min_bytes, name=name,
-                      session=session, heartbeat=heartbeat, tls=tls, tls_ca=tls_ca,
-                      token=token, token_file=token_file, shm=shm, shm_min_bytes=shm_min_bytes,
-                      user=user)
-    return client.start()
+    return TxClient(reactor, host, port, options=ClientOptions.of(options, **overrides)).start()

@@ -70,6 +70,7 @@ from typing import Any
 
 from twisted.internet.error import BindError
 
+from ..client.options import ClientOptions
 from ..client.sharded import ShardedClient
 from ..server import EmbeddedServer, ServerConfig
 from ..server.config import env_token
@@ -265,9 +266,11 @@ class Shards:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def client(self, *, via_relay: bool = True, **options: Any) -> ShardedClient:
+    def client(self, *, via_relay: bool = True, options: ClientOptions | None = None,
+               **overrides: Any) -> ShardedClient:
         """A :class:`~tensorshare.ShardedClient` over the shards (with their token unless
-        ``token`` is given). ``options`` go to each shard's client (``timeout``, ...).
+        ``token`` is given). ``options`` (a :class:`~tensorshare.ClientOptions`) and the
+        keywords (``timeout``, ...; they override ``options``) go to each shard's client.
 
         With relays (``start_shards(..., relays=...)``) and ``via_relay``, the reads of the
         relayed bins (peek, ``fetch(remove=False)``, listen) go to the relay of the node
@@ -276,12 +279,14 @@ class Shards:
         downloaded: a read right after a put may see the one before (wait with
         ``fetch(newer_than=...)``). ``via_relay=False``, or a node without a relay: every
         read from the shards."""
-        if self.token is not None:
-            options.setdefault("token", self.token)
+        opts = ClientOptions.of(options, **overrides)
+        if self.token is not None and opts.token is None:
+            opts = opts.replace(token=self.token)
         relay = self.params_via() if via_relay else None
         if relay is not None:
-            options.update(relay=relay, relay_bins=self.relay_bins)
-        return ShardedClient(self.addresses, **options)
+            return ShardedClient(self.addresses, relay=relay, relay_bins=self.relay_bins,
+                                 options=opts)
+        return ShardedClient(self.addresses, options=opts)
 
     def info(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each shard's ``address``, ``node_id``, ``node_ip`` and ``pid`` (waiting for a

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..client.blocking import Client
 from ..client.ops import Command
+from ..client.options import ClientOptions
 from ..errors import TensorShareError
 from ..server.config import ServerConfig
 from ..server.embedded import EmbeddedServer
@@ -72,14 +73,24 @@ class Relay:
             ``relay_of`` set; what ``tensorshare relay`` does).
         poll: seconds between listings of the upstream (to find new bins).
         timeout: the upstream client's timeout.
-        upstream_options: more arguments of the upstream client (``token``, ``user``,
-            ``tls_ca``...): the relay reads the upstream as its own user.
+        options, upstream_options: the upstream client's
+            :class:`~tensorshare.ClientOptions`, and fields of it as keywords (``token``,
+            ``user``, ``tls_ca``...; they override ``options``): the relay reads the
+            upstream as its own user, never through shared memory, named
+            ``"tensorshare-relay"`` unless ``name`` says otherwise.
+
+    Raises:
+        ValueError, TypeError: a bad upstream option (before the relay's server starts).
     """
 
     def __init__(self, upstream: str, bins: Sequence[str] | str = ("*",), *,
                  host: str = "127.0.0.1", port: int | None = 0, unix: str | None = None,
                  config: ServerConfig | None = None, server: EmbeddedServer | None = None,
-                 poll: float = 1.0, timeout: float = 10.0, **upstream_options: Any) -> None:
+                 poll: float = 1.0, timeout: float = 10.0, options: ClientOptions | None = None,
+                 **upstream_options: Any) -> None:
+        given = ClientOptions.of(options, **upstream_options)
+        self._options = given.replace(timeout=timeout, shm=False,
+                                      name=given.name or "tensorshare-relay")
         if "://" not in upstream:
             upstream = f"tensorshare://{upstream}"
         self.upstream = upstream
@@ -98,8 +109,6 @@ class Relay:
         self._skipped: set[str] = set()
         self._wake = threading.Condition()
         self._stopping = False
-        self._timeout = timeout
-        self._options = upstream_options
         self.client: Client | None = None  # connected by the relay's thread (it retries)
         self._server_id = ""
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -127,8 +136,7 @@ class Relay:
         its primary) is tried again every second until it is, or the relay stops."""
         while not self._stopping:
             try:
-                return Client(self.upstream, timeout=self._timeout, shm=False,
-                              name="tensorshare-relay", **self._options)
+                return Client(self.upstream, options=self._options)
             except (TensorShareError, OSError) as exc:
                 log.warning("relay: cannot reach %s (%s); trying again", self.upstream, exc)
                 with self._wake:

@@ -106,9 +106,12 @@ def _host(port: int, host: str, client_options: dict[str, Any]) -> Any:
     server), and so is ``TENSORSHARE_TLS_CERT``/``_KEY``'s TLS."""
     from ..server import EmbeddedServer, ServerConfig
 
-    token = client_options.get("token")
-    if token is None and client_options.get("token_file"):
-        with open(client_options["token_file"], encoding="utf-8") as f:
+    given = client_options.get("options")  # a ClientOptions: the keywords override it
+    token = client_options.get("token", given.token if given is not None else None)
+    token_file = client_options.get("token_file",
+                                    given.token_file if given is not None else None)
+    if token is None and token_file:
+        with open(token_file, encoding="utf-8") as f:
             token = f.read()
     config = ServerConfig(token=token) if token is not None else None
     return EmbeddedServer(port, host=host, config=config)

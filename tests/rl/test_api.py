@@ -351,3 +351,18 @@ def test_a_trainer_that_hosts_its_server_gives_it_its_token() -> None:
             RLWorker("127.0.0.1", trainer.port, timeout=10)
     finally:
         trainer.stop()
+
+
+def test_a_trainer_that_hosts_its_server_gives_it_the_token_of_its_options() -> None:
+    from tensorshare import AuthenticationError, ClientOptions
+
+    opts = ClientOptions(token="rl-options-token", timeout=10)
+    trainer = RLTrainer("127.0.0.1", 0, host_server=True, options=opts)
+    try:
+        trainer.publish_parameters({"w": torch.ones(2)})
+        with RLWorker("127.0.0.1", trainer.port, options=opts) as worker:
+            assert torch.equal(worker.get_parameters()["w"], torch.ones(2))
+        with pytest.raises(AuthenticationError):
+            RLWorker("127.0.0.1", trainer.port, timeout=10)
+    finally:
+        trainer.stop()
