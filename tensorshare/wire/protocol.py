@@ -838,7 +838,7 @@ def encode_reply(msg: Reply, shared: list[Any] | None = None) -> list[BytesLike]
         return [stored_frame(msg.id, msg.version, msg.n_items, msg.dropped)]  # type: ignore[union-attr]
     if cls is Acked:
         return [acked_frame(msg.id, msg.flag)]  # type: ignore[union-attr]
-    if cls is Fetched and not shared and msg.items:  # type: ignore[union-attr]
+    if cls is Fetched and shared is None and msg.items:  # type: ignore[union-attr]
         f: Fetched = msg  # type: ignore[assignment]
         tail, buffers, fields = encode_fetched_parts(f, None)
         return encode_fetched_with_id(f.id, tail, buffers, fields)

@@ -91,6 +91,33 @@ def test_large_tensors_go_through_shared_memory_and_come_back_exact(unix_server:
         assert torch.equal(c.get("t"), x)
 
 
+def _in_memfd(t: torch.Tensor) -> bool:
+    """Whether tensor ``t``'s memory lies in a mapped memfd of this process."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return "/memfd:" in line
+    return False
+
+
+@pytest.mark.parametrize("read", ["get", "peek", "fetch"])
+def test_a_read_over_the_unix_socket_maps_the_servers_memfd(unix_server: Any,
+                                                             read: str) -> None:
+    """Every read of a value held in shared memory passes its memfd, whatever path encodes
+    the reply (a get's came from the prepared pieces of a Fetched and sent the bytes)."""
+    srv, path = unix_server
+    x = torch.randn(4 * MiB // 4)
+    with Client(f"unix://{path}") as c:
+        c.put("m", x)
+        got = c.fetch("m", remove=True).value if read == "fetch" else getattr(c, read)("m")
+        assert torch.equal(got, x)
+        assert _in_memfd(got), f"{read} of a shared value came as bytes"
+        c.put("s", torch.arange(10))  # small values still travel as bytes
+        assert not _in_memfd(c.get("s"))
+
+
 def test_shm_can_be_turned_off_and_small_tensors_never_use_it(unix_server: Any) -> None:
     srv, path = unix_server
     with Client(f"unix://{path}", shm=False) as c:
