@@ -1242,19 +1242,23 @@ def _tiny_rows(b: Bench, res: dict[str, Tiny], redis_side: RedisSide | None,
     return rows
 
 
+#: Issue 28: a notification's p50 at most 1.5x the baseline's (ratio = baseline / tensorshare).
+_NOTIFY_GOAL = ">= 0.67 (p50 <= 1.5x)"
+
+
 def section_notify(b: Bench) -> list[Row]:
     """notify p50 / p99: put-to-listener latency, listener in a separate process."""
     cfg = b.cfg
     ts_p50, ts_p99, ts_n = measure_notify(b.ts, b.servers["tensorshare"].port, cfg, b.ctx)
     b_p50, b_p99, b_n = measure_notify(b.base, b.servers["baseline"].port, cfg, b.ctx)
     notify = Row("notify p50 / p99", f"{ts_p50:.2f} / {ts_p99:.2f} ms",
-                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / ts_p50, None, "p50 < 0.3 ms",
-                 round(ts_p50, 2) < 0.3)
+                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / ts_p50, None, _NOTIFY_GOAL,
+                 _meets(b_p50 / ts_p50, 1 / 1.5))
     i_p50, i_p99, i_n = measure_notify(b.ts, b.servers["tensorshare"].port, cfg, b.ctx,
                                        inline=True)
     inline = Row("notify inline p50 / p99", f"{i_p50:.2f} / {i_p99:.2f} ms",
-                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / i_p50, None, "p50 < 0.3 ms",
-                 round(i_p50, 2) < 0.3)
+                 f"{b_p50:.2f} / {b_p99:.2f} ms", b_p50 / i_p50, None, _NOTIFY_GOAL,
+                 _meets(b_p50 / i_p50, 1 / 1.5))
     for row, name, n in ((notify, "tensorshare", ts_n), (notify, "baseline", b_n),
                          (inline, "tensorshare inline", i_n)):
         if n < cfg.notify_puts:
@@ -1385,7 +1389,7 @@ def section_batched_appends(b: Bench) -> list[Row]:
                 appends.median >= 100_000),
             Row("drain get(max_items)", f"{drains.median:,.0f} items/s",
                 f"{base.median:,.0f} puts/s", drains.median / base.median,
-                drains.total / base.total, ">= 100,000/s", drains.median >= 100_000)]
+                drains.total / base.total, ">= 1.5", _meets(drains.median / base.median, 1.5))]
     b.info.append(f"appends: {b.cfg.batch_items} tiny (4-byte) tensors per repeat through one "
                   "pipeline (consecutive appends to one bin travel as batched requests), then "
                   "drained with get(max_items); baseline: the same number of tiny puts "

@@ -231,8 +231,10 @@ def section_inference(b: Bench) -> list[Row]:
             med = {k: {m: statistics.median(v) if v else 0.0 for m, v in r.items()}
                    for k, r in results.items() if k[1] == callers}
             ts, base = med[("tensorshare", callers)], med[("baseline", callers)]
-            goal, met = {1: ("p50 <= 1.0 ms", ts["p50"] <= 1.0),
-                         16: (">= 3,000/s, batch >= 4", ts["rate"] >= 3000 and ts["batch"] >= 4),
+            # Issue 28: one caller's p50 at most 4x the per-call server's; 16 callers at
+            # least half its calls/s (batching should pay, not cost).
+            goal, met = {1: ("p50 <= 4x per call", ts["p50"] <= 4 * base["p50"]),
+                         16: (">= 0.5", ts["rate"] >= 0.5 * base["rate"]),
                          64: ("batch >= 8", ts["batch"] >= 8)}[callers]
             rows.append(Row(f"predict {callers} caller{'s' if callers > 1 else ''}",
                             f"{_fmt(ts['rate'])}/s", f"{_fmt(base['rate'])}/s",

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("compiled modules: none in this tree")
     else:
         print(f"compiled modules built: {sum(_ext.compiled().values())} of "
-              f"{len(_ext.TWINS)}")
+              f"{len(getattr(_ext, 'TWINS', None) or _ext.COMPILED)}")  # (or an older tree's)
     base_env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as workdir:
         frames = os.path.join(workdir, "frames.bin")
