@@ -27,7 +27,8 @@ TWIN_TESTS = [
     "tests/client/test_blocking_scripted.py", "tests/client/test_pipeline.py",
     "tests/client/test_fork_and_takeover.py", "tests/server/test_connection.py",
     "tests/server/test_store.py", "tests/server/test_session_table.py",
-    "tests/server/test_limits.py", "tests/server/test_transports.py"]
+    "tests/server/test_limits.py", "tests/server/test_transports.py",
+    "tests/server/test_churn.py"]
 
 
 def _built(name: str) -> bool:

@@ -48,7 +48,7 @@ cdef class Connection:
     cdef public _Reader _reader
     cdef public object _wake_r, _wake_w, _sock, _events, _dispatcher, _ready, _wakeup
     cdef public object _attempt, _lost_at, _thread
-    cdef public bint _closing
+    cdef public bint _closing, _leaving
     cdef dict __dict__
 
     @cython.locals(call=Call, slot=_Slot)

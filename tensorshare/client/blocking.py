@@ -235,6 +235,9 @@ class Connection:
         self._events: queue.SimpleQueue[tuple[list[Any], dict[str, Any], str] | None] | None = None
         self._dispatcher: threading.Thread | None = None
         self._closing = False
+        # A bye is on its way: the server closes the connection once it has answered, and
+        # the reader must take that end as the client's, not as a drop to recover from.
+        self._leaving = False
         self._ready = threading.Event()
         self._wakeup = threading.Event()  # interrupts the reader's backoff sleep (close)
         self._attempt = 0  # reconnect attempts since the last handshake (for the backoff)
@@ -321,6 +324,7 @@ class Connection:
                 return
             slot = _Slot()
             call.token = slot
+            self._leaving = True
         self._flush()
         with self._lock:  # (a closed session reconnects no more)
             events = self._session.close(
@@ -530,7 +534,7 @@ class Connection:
                     continue
                 reason = self._serve(sock)
                 self._connection_ended(sock, reason)
-                if self._closing or session.closed is not None:
+                if self._closing or self._leaving or session.closed is not None:
                     break
                 if session.server is None and time.monotonic() - start >= self.timeout:
                     # The first connection kept dropping mid-handshake until the timeout.

@@ -420,7 +420,6 @@ class ServerProtocol(Connection, Protocol):
 
     def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
         self._release()
-        self.factory.connections.discard(self)
         self._stop_timer()
         why = reason.getErrorMessage() if reason else "closed"
         if self.version is None:
@@ -516,11 +515,24 @@ class ServerProtocol(Connection, Protocol):
         self._timer = None
 
     def _release(self) -> None:
-        """Stop serving this connection: withdraw its waiting requests and its listeners,
-        and leave its session to wait for the client to come back.
+        """Leave every registry this connection joined: the one place that undoes them, run
+        once whichever way the connection ends (``bye``, a clean close, a cut, a fatal frame,
+        a timeout, a removed user, the server's shutdown). A connection joins:
+
+        - the server's open connections (``factory.connections``, in ``connectionMade``);
+        - its user's (``usage.conns``, in ``Users.bind``);
+        - the listeners of every bin in ``listening`` (``factory.subscribe``);
+        - the store, or its user's queue of writes waiting for room, for every request it
+          keeps waiting (``wait``), each with its timer;
+        - the other kinds' records (streams' cursors and reads, services' hosts, takes and
+          calls: ``Kind.connection_lost``);
+        - its session, left to wait ``session_ttl`` for its client (``factory.detach``);
+        - the reactor, through its timers: the stall watch (here) and the hello deadline or
+          the close grace (cancelled in ``connectionLost``).
 
         Done as soon as we decide to close, not when the socket is finally gone: a waiter of
-        a closing connection must never take data it can no longer deliver.
+        a closing connection must never take data it can no longer deliver, and a closing
+        connection no longer counts against ``max_connections``.
         """
         if self._closed:
             return
@@ -532,6 +544,9 @@ class ServerProtocol(Connection, Protocol):
         self.started.clear()
         self.conn.close()
         f = self.factory
+        f.connections.discard(self)
+        if self.usage is not None:
+            self.usage.conns.discard(self)
         f.stats.add_bytes_in(self.conn.bytes_in)
         for name in self.listening:
             f.unsubscribe(name, self)

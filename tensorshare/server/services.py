@@ -92,10 +92,12 @@ class _Call:
 @dataclass(eq=False, slots=True)
 class _Attach:
     """A call's reply slot on one connection (the waiter the connection keeps: a timeout or
-    a disconnect withdraws it; ``name`` is empty, never a bin of the store's)."""
+    a disconnect withdraws it; ``name`` is empty, never a bin of the store's). ``conn`` is
+    ``None`` once that connection is gone: the call then waits for its session to come
+    back, and holds nothing of the connection meanwhile."""
 
     call: _Call
-    conn: ServerProtocol
+    conn: ServerProtocol | None
     msg: ServiceCall
     active: bool = True
     name: str = ""
@@ -320,7 +322,7 @@ class ServiceKind:
     def _attach(self, c: _Call, conn: ServerProtocol, msg: ServiceCall) -> None:
         """Make ``conn`` the connection that gets the call's answer."""
         old = c.attach
-        if old is not None and old.active:
+        if old is not None and old.active and old.conn is not None:
             old.active = False
             old.conn.stop_waiting(old.msg.id)
         a = c.attach = _Attach(c, conn, msg)
@@ -329,7 +331,7 @@ class ServiceKind:
     def _timed_out(self, a: _Attach) -> None:
         c = a.call
         a.active = False
-        if c.done:
+        if c.done or a.conn is None:
             return
         svc = self.services.get(a.msg.bin)
         if svc is not None:
@@ -375,7 +377,7 @@ class ServiceKind:
             return
         self._finish(c)
         a = c.attach
-        if a is not None and a.active and not a.conn._closed:
+        if a is not None and a.active and a.conn is not None and not a.conn._closed:
             a.active = False
             a.conn.stop_waiting(a.msg.id)
             _respond(a.conn, a.msg, reply)
@@ -521,7 +523,7 @@ class ServiceKind:
         while q:
             c = q[0]
             a = c.attach
-            if not c.done and (a is None or a.active or a.conn._closed):
+            if not c.done and (a is None or a.active or a.conn is None or a.conn._closed):
                 return
             q.popleft()
             if not c.done:
@@ -585,6 +587,9 @@ class ServiceKind:
 
     # -- connections and sessions -----------------------------------------------------------
     def connection_lost(self, conn: ServerProtocol) -> None:
+        """A host's takes and batches leave with its connection (the batches' calls go back
+        to the queue); so do the calls of a caller without a session. A session's calls wait
+        for it to come back (or to end), holding nothing of the connection."""
         touched = set(self._hosting.pop(conn, ()))
         for name in touched:
             svc = self.services.get(name)
@@ -594,10 +599,16 @@ class ServiceKind:
             for t in svc.takes:
                 if t.conn is conn:
                     t.active = False
+            svc.takes = deque(t for t in svc.takes if t.active)
             for bid in [bid for bid, b in svc.batches.items() if b.conn is conn]:
                 self._requeue(svc, svc.batches.pop(bid))
-        # The calls of a client without a session end with its connection; a session's wait
-        # for it to come back (or for the session to end).
+        s = conn.session
+        if s is not None:
+            for c in self._owned.get(s.id, {}).values():
+                a = c.attach
+                if a is not None and a.conn is conn:
+                    a.active = False
+                    a.conn = None
         touched |= self._withdraw_all(conn)
         for name in touched:
             svc = self.services.get(name)

@@ -652,12 +652,17 @@ class Stream:
         yield from self.producers.values()
         yield from self.consumers.values()
 
-    def lost(self, owned: Callable[[Any], bool], now: float) -> None:
+    def lost(self, owned: Callable[[Any], bool], now: float, gone: Any = None) -> None:
         """The connection of the members ``owned`` says they have is gone: their lease runs
-        from now."""
+        from now. ``gone``: the owner they have from now on when theirs was that connection
+        itself (a client without a session, which never comes back as that owner), so that
+        the stream holds nothing of a closed connection."""
         for m in self.members():
-            if m.state == "live" and owned(m.owner):
-                m.state, m.seen = "away", now
+            if owned(m.owner):
+                if m.state == "live":
+                    m.state, m.seen = "away", now
+                if gone is not None:
+                    m.owner = gone
 
     def ended(self, owner: Any, now: float) -> list[Event]:
         """The session ``owner`` ended (its client said goodbye, or it expired): its
@@ -814,6 +819,19 @@ def _respond(conn: ServerProtocol, msg: Any, reply: Any) -> None:
     """``conn.reply`` for the stream messages (the connection's signature names the
     store's messages; any registered message goes through it alike)."""
     conn.reply(msg, reply)
+
+
+class _Gone:
+    """The owner of a stream's member whose client had no session, once its connection is
+    gone (equal to nothing else: no later connection is that owner)."""
+
+    __slots__ = ("peer",)
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def __repr__(self) -> str:
+        return f"<gone client at {self.peer}>"
 
 
 @dataclass(eq=False, slots=True)
@@ -1295,15 +1313,19 @@ class StreamKind:
         now = self._now()
         owner = self._owner(conn)
         names = self._by_owner.get(owner, set())
+        gone = None
         if owner is conn:  # (no session: this owner never comes back)
             self._by_owner.pop(conn, None)
+            gone = _Gone(conn.peer)
         for name in list(names):
+            # Its waiting requests were withdrawn by the connection (marked inactive): they
+            # leave the queues now, not when the stream is next served.
+            self._prune(self._held, name)
+            self._prune(self._reads, name)
             st = self.streams.get(name)
             if st is not None:
-                st.lost(lambda o: self._conn_of(o) is conn, now)
+                st.lost(lambda o: self._conn_of(o) is conn, now, gone)
                 self._track(st)
-        # Its waiting requests were withdrawn by the connection (marked inactive); they are
-        # dropped from the queues the next time those are served.
 
     def session_ended(self, sid: bytes) -> None:
         now = self._now()

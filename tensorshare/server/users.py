@@ -310,7 +310,7 @@ class Usage:
         receiving: bytes reserved by its frames still arriving.
         waiting: bytes of its writes waiting for room in its quota (``wait_room``).
         max_memory: its quota (``None``: none), as the users file says now.
-        conns: its connections (those closed since are pruned when counted).
+        conns: its open connections (each leaves when it closes).
         requests, denials, refusals: requests it sent, those refused ``permission_denied``,
             and writes or connections refused ``quota_exceeded``.
     """
@@ -329,10 +329,8 @@ class Usage:
         self.timer: IDelayedCall | None = None
 
     def live(self) -> list[ServerProtocol]:
-        """Its open connections (dropping those that closed)."""
-        gone = [c for c in self.conns if c._closed]
-        for c in gone:
-            self.conns.discard(c)
+        """Its open connections (a connection leaves ``conns`` when it closes: see
+        ``Connection._release``)."""
         return list(self.conns)
 
     def output(self) -> int:
