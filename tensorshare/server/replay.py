@@ -90,6 +90,8 @@ MAX_WEIGHT = 1e280
 HISTOGRAM_EDGES = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6)
 #: The layout version of :meth:`ReplayTable.state`.
 STATE_VERSION = 1
+#: Keys, counts and byte sizes are int64.
+_INT64 = 1 << 63
 #: The first capacity of the trees (they double as the table grows).
 _FIRST_CAPACITY = 1024
 
@@ -115,6 +117,11 @@ def histogram_bucket(priority: float) -> int:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    """An int in [0, 2**63): what a key, a count or a byte size may be."""
+    return _is_int(value) and 0 <= value < _INT64  # type: ignore[operator]
 
 
 def _is_number(value: object) -> bool:
@@ -275,10 +282,14 @@ class ExtremeTree:
         if capacity <= self.capacity:
             return
         old = self.capacity
-        self.priorities.extend(array("d", bytes(8 * (capacity - old))))
-        self.seqs.extend(array("q", bytes(8 * (capacity - old))))
+        priorities = array("d", bytes(8 * capacity))
+        seqs = array("q", bytes(8 * capacity))
         winners = array("q", [-1]) * (2 * capacity)
+        priorities[:old] = self.priorities[:old]
+        seqs[:old] = self.seqs[:old]
         winners[capacity:capacity + old] = self.winners[old:2 * old]
+        self.priorities = priorities
+        self.seqs = seqs
         self.winners = winners
         self.capacity = capacity
         for i in range(capacity - 1, 0, -1):
@@ -669,8 +680,8 @@ class ReplayTable:
                                  "byte sizes")
         checked = [_check_priority(p, self._alpha) for p in priorities]
         for size in nbytes:
-            if not _is_int(size) or size < 0:
-                raise InvalidRequest(f"an item's byte size must be an int >= 0, not {size!r}")
+            if not _is_count(size):
+                raise InvalidRequest(f"an item's byte size must be an int64 >= 0, not {size!r}")
         keys = []
         for i in range(count):
             priority, weight = checked[i]
@@ -916,19 +927,20 @@ def _restore(cls: type[ReplayTable], state: Mapping[str, Any],
     table = cls(ReplayConfig.from_dict(state["config"]))
     next_key, seq = state["next_key"], state["seq"]
     rows = state["items"]
-    if not (_is_int(next_key) and _is_int(seq) and len(rows) <= table._max_size):
+    if not (_is_count(next_key) and _is_count(seq) and len(rows) <= table._max_size):
         raise InvalidRequest("replay state: bad next_key, seq or item count")
     if len(rows) > table._capacity:
         table._grow(len(rows))
     max_times = table._max_times
     for row in rows:
         key, priority, times_sampled, nbytes, item_seq = row
-        checks = (_is_int(key) and 1 <= key < next_key and key not in table._items,
-                  _is_int(times_sampled) and times_sampled >= 0
-                  and (not max_times or times_sampled < max_times),
-                  _is_int(nbytes) and nbytes >= 0, _is_int(item_seq) and 0 <= item_seq < seq)
+        checks = (_is_count(key) and 1 <= key < next_key and key not in table._items,
+                  _is_count(times_sampled) and (not max_times or times_sampled < max_times),
+                  _is_count(nbytes), _is_count(item_seq) and item_seq < seq)
         if not all(checks):
             raise InvalidRequest(f"replay state: bad item {row!r}")
+        if key not in payloads:
+            raise InvalidRequest(f"replay state: no payload for key {key}")
         p, weight = _check_priority(priority, table._alpha)
         item = ReplayItem(key, payloads[key], nbytes, p, 0, item_seq, times_sampled)
         table._items[key] = item
@@ -948,8 +960,8 @@ def _restore_counters(table: ReplayTable, state: Mapping[str, Any]) -> None:
     values = [counters[name] for name in ("inserts", "samples", "evicted", "expired",
                                           "deleted")]
     values += [limiter[name] for name in ("inserts", "samples", "deletes")]
-    if not all(_is_int(v) and v >= 0 for v in values):
-        raise InvalidRequest("replay state: counters must be ints >= 0")
+    if not all(_is_count(v) for v in values):
+        raise InvalidRequest("replay state: counters must be int64s >= 0")
     (table._inserted, table._sampled, table._evicted, table._expired, table._deleted,
      table.limiter.inserts, table.limiter.samples, table.limiter.deletes) = values
     if table.limiter.inserts - table.limiter.deletes != len(table):

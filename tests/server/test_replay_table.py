@@ -396,7 +396,7 @@ def test_from_state_refuses_what_state_could_not_have_written() -> None:
     payloads = {item.key: item.payload for item in t.items()}
     good = t.state()
     cases: list[dict[str, Any]] = []
-    for change in ("version", "dup", "key", "limiter", "priority", "rng", "config"):
+    for change in ("version", "dup", "key", "limiter", "priority", "rng", "config", "int64"):
         state = json.loads(json.dumps(good))
         if change == "version":
             state["version"] = 99
@@ -410,13 +410,15 @@ def test_from_state_refuses_what_state_could_not_have_written() -> None:
             state["items"][0][1] = -1.0
         elif change == "rng":
             state["rng"][1] = [1, 2]
+        elif change == "int64":
+            state["counters"]["samples"] = 2 ** 63  # keys and counts are int64
         else:
             state["config"]["sampler"] = "nope"
         cases.append(state)
     for state in cases:
         with pytest.raises(InvalidRequest):
             ReplayTable.from_state(state, payloads)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest, match="no payload for key"):
         ReplayTable.from_state(good, {})  # payloads are the caller's
 
 
