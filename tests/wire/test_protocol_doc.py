@@ -84,7 +84,6 @@ from tensorshare.wire.protocol import (
     BadRequest,
     ClientConnection,
     ProtocolViolation,
-    ServerConnection,
     encode_message,
 )
 from tensorshare.wire.services import (
@@ -107,7 +106,7 @@ from tensorshare.wire.streams import (
     StreamOpened,
     StreamRead,
 )
-from tests.rawwire import Get, Peek, WireClient
+from tests.rawwire import Get, Peek, ServerWire, WireClient
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 DOC = DOC_PATH.read_text(encoding="utf-8")
@@ -424,6 +423,15 @@ def test_the_docs_op_table_is_the_code_op_table() -> None:
         assert (remembered == "yes") == op.mutating, f"{name}: Remembered column is wrong"
 
 
+def test_the_op_table_is_in_the_order_of_the_docs_sections() -> None:
+    """OPS, the table of §3.2 and the sections §3.2.1, §3.2.2, ... list the ops in one order."""
+    sections = re.findall(r"^#### 3\.2\.(\d+) `(\w+)`$", DOC, re.MULTILINE)
+    assert [int(n) for n, _ in sections] == list(range(1, len(OPS) + 1))
+    assert [op for _, op in sections] == list(OPS)
+    rows = table("<!-- table: ops -->")
+    assert [row[1] for row in rows] == [f"§3.2.{n}" for n in range(1, len(OPS) + 1)]
+
+
 def test_remembered_ops_are_named_in_the_sessions_section() -> None:
     mutating = [name for name, op in OPS.items() if op.mutating]
     listed = ", ".join(f"`{name}`" for name in mutating[:-1]) + f" and `{mutating[-1]}`"
@@ -510,7 +518,7 @@ def test_the_code_writes_exactly_the_documented_request_fields(op: str) -> None:
 @pytest.mark.parametrize("op", list(OPS))
 def test_server_accepts_each_documented_op(op: str) -> None:
     """Behaviourally: the server knows the op (a bare request is never an 'unknown op')."""
-    conn = ServerConnection()
+    conn = ServerWire()
     header = msgpack.packb({"op": op, "id": 7})
     out = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
     assert len(out) == 1
@@ -520,7 +528,7 @@ def test_server_accepts_each_documented_op(op: str) -> None:
 
 def test_server_refuses_an_undocumented_op() -> None:
     assert "`frob`" not in DOC
-    conn = ServerConnection()
+    conn = ServerWire()
     header = msgpack.packb({"op": "frob", "id": 7})
     (out,) = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
     assert isinstance(out, BadRequest) and out.code == "invalid_request"
@@ -696,7 +704,7 @@ def test_the_service_limits_are_the_codes() -> None:
     assert f"1 to {svc.MAX_QUEUE} (default {svc.DEFAULT_MAX_QUEUE})" in take["max_queue"]
     assert f"cut to {svc.MAX_ERROR_CHARS} characters" in reply["error"]
     # The server holds to them: one more is refused.
-    conn = ServerConnection()
+    conn = ServerWire()
     conn.handshake_done()
     for header in ({"op": "service_take", "id": 7, "bin": "s", "max_batch": svc.MAX_BATCH},
                    {"op": "service_take", "id": 7, "bin": "s",
