@@ -13,8 +13,8 @@ cdef class Fds:
     cdef public object limit
 
 
-cpdef str check_bin(dict h, object limits, str key=*)
+cpdef str check_bin(dict h, object limits)
 
 @cython.locals(end=Py_ssize_t, items=list, size=Py_ssize_t, buffers=list,
                total=Py_ssize_t, view=memoryview)
-cpdef list parse_items(dict h, object payload, Py_ssize_t max_depth, bint client=*)
+cpdef list read_items(dict h, object payload, Py_ssize_t max_depth, bint check)

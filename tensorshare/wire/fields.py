@@ -8,7 +8,7 @@ unpacked into a dict) and raises :class:`InvalidField` (a ``ValueError``) when i
 with the error code the server answers (``invalid_request`` unless said otherwise); the
 server turns it into an error reply, and a client into a protocol violation.
 
-:func:`parse_items` reads the ``items`` of a header and the buffers they describe in the
+:func:`read_items` reads the ``items`` of a header and the buffers they describe in the
 frame's payload (``docs/PROTOCOL.md`` §4), memfd buffers included (:class:`Fds`).
 
 No I/O: this module is compiled with the protocol (``fields.pxd``), and runs on every request.
@@ -41,6 +41,7 @@ __all__ = [
     "ParseRequest",
     "check_bin",
     "check_bin_name",
+    "check_name",
     "check_bool",
     "check_int",
     "check_str",
@@ -48,7 +49,7 @@ __all__ = [
     "is_int",
     "opt_int",
     "parse_acked",
-    "parse_items",
+    "read_items",
 ]
 
 # The most items one append may carry (a pipeline sends larger batches as several appends).
@@ -195,15 +196,20 @@ def check_bin_name(name: object, max_name_bytes: int) -> str:
     return name
 
 
-def check_bin(h: dict[str, Any], limits: Limits, key: str = "bin") -> str:
-    """A name field (``bin``, or a stream's ``consumer``): see :func:`check_bin_name`; one
-    over ``max_name_bytes`` is ``limit_exceeded``."""
-    name = h.get(key)
+def check_bin(h: dict[str, Any], limits: Limits) -> str:
+    """The ``bin`` field: see :func:`check_name`."""
+    name = h.get("bin")
     if type(name) is str and name and len(name) * 4 <= limits.max_name_bytes:
         return name  # (short enough whatever its characters: the usual case)
+    return check_name(h, "bin", limits)
+
+
+def check_name(h: dict[str, Any], key: str, limits: Limits) -> str:
+    """A name field (``bin``, or one held to the same rules: a stream's ``consumer``), checked
+    by :func:`check_bin_name`; one over ``max_name_bytes`` is ``limit_exceeded``."""
     what = "" if key == "bin" else f"{key} name: "
     try:
-        return check_bin_name(name, limits.max_name_bytes)
+        return check_bin_name(h.get(key), limits.max_name_bytes)
     except NameTooLong as exc:
         raise InvalidField(f"{what}{exc}", LimitExceeded.code) from None
     except (TypeError, ValueError) as exc:
@@ -264,12 +270,13 @@ class Fds:
 PARSING_FDS: ContextVar[Fds | None] = ContextVar("tensorshare_fds", default=None)
 
 
-def parse_items(h: dict[str, Any], payload: Payload, max_depth: int,
-                client: bool = False) -> list[Item]:
+def read_items(h: dict[str, Any], payload: Payload, max_depth: int,
+               check: bool) -> list[Item]:
     """The ``items`` of a header, with their buffers in ``payload`` (docs/PROTOCOL.md §4).
 
-    The server (``client=False``) also checks every value, so that whatever it hands out,
-    readers can decode; a client decodes (and so checks) each value when used.
+    ``check``: also check every value (at most ``max_depth`` deep, its ext types and
+    buffers): the server does, so that whatever it hands out, readers can decode; a client
+    decodes (and so checks) each value when used.
 
     Raises:
         InvalidField: the items, their buffers or their values are malformed.
@@ -305,7 +312,7 @@ def parse_items(h: dict[str, Any], payload: Payload, max_depth: int,
             buf, end = _parse_buffer(desc, view, end, fds)  # (also says what is wrong)
             buffers.append(buf)
             total += len(buf.data)
-        if not client:
+        if check:
             try:
                 validate(value, len(buffers), max_depth=max_depth,
                          raw_sizes=[b.raw_nbytes for b in buffers])

@@ -2,7 +2,7 @@
 # The .py stays the reference: this file only declares what Cython may type.
 import cython
 
-from tensorshare.wire.fields cimport Fds, check_bin, parse_items
+from tensorshare.wire.fields cimport Fds, check_bin, read_items
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 

@@ -59,7 +59,7 @@ from .fields import (
     is_int,
     opt_int,
     parse_acked,
-    parse_items,
+    read_items,
 )
 from .frames import (
     FORMAT_VERSION,
@@ -241,7 +241,7 @@ def _parse_store(cls: type[Put] | type[Append]) -> ParseRequest:
         if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
             raise InvalidField(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
                            f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
-        items = parse_items(h, payload, limits.max_depth)
+        items = read_items(h, payload, limits.max_depth, True)
         wait_room = check_bool(h, "wait_room") if "wait_room" in h else False
         if cls is Append:
             if not items:
@@ -288,7 +288,7 @@ def _parse_fetch(remove: bool) -> ParseRequest:
 
 def _reply_fetched(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     unchanged = bool(h.get("unchanged", False))
-    items = () if unchanged else tuple(parse_items(h, payload, limits.max_depth, client=True))
+    items = () if unchanged else tuple(read_items(h, payload, limits.max_depth, False))
     return Fetched(rid, check_str(h, "kind"), items, check_int(h, "version"), check_int(h, "n_items"),
                    check_int(h, "dropped"), unchanged)
 
@@ -790,6 +790,17 @@ def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[A
     """Describe items for a header (``[value, buffers, tag]`` each) and collect their buffers
     in payload order; what a put/append/get frame carries (also used by the data log)."""
     return _items_header(items, buffers, None)
+
+
+def parse_items(h: dict[str, Any], payload: Payload, max_depth: int) -> list[Item]:
+    """Parse and check the ``items`` of a header against its payload, as the server does
+    (the data log reads its records with it).
+
+    Raises:
+        ValueError: the items, their buffers or their values are malformed
+            (:class:`~.fields.InvalidField`).
+    """
+    return read_items(h, payload, max_depth, True)
 
 
 # -- parsing helpers --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from .fields import (
     is_int,
     opt_int,
     parse_acked,
-    parse_items,
+    read_items,
 )
 from .frames import Payload
 from .messages import Item, Limits
@@ -183,7 +183,7 @@ def _call_header(m: ServiceCall) -> dict[str, Any]:
 
 def _parse_call(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     name = check_bin(h, limits)
-    items = parse_items(h, payload, limits.max_depth)
+    items = read_items(h, payload, limits.max_depth, True)
     if len(items) != 1:
         raise InvalidField("service_call carries exactly one item (its input)")
     rows = opt_int(h, "rows", minimum=1)
@@ -193,7 +193,7 @@ def _parse_call(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 
 def _reply_answer(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     items = () if h.get("items") is None else \
-        tuple(parse_items(h, payload, limits.max_depth, client=True))
+        tuple(read_items(h, payload, limits.max_depth, False))
     return ServiceAnswer(rid, items, opt_int(h, "version"))
 
 
@@ -233,7 +233,7 @@ def _parse_take(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 
 def _reply_batch(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     items = () if h.get("items") is None else \
-        tuple(parse_items(h, payload, limits.max_depth, client=True))
+        tuple(read_items(h, payload, limits.max_depth, False))
     rows = h.get("rows")
     if not isinstance(rows, list) or len(rows) != len(items) or \
             not all(is_int(n) and n >= 1 for n in rows):
@@ -260,7 +260,7 @@ def _parse_reply(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     raw = h.get("items")
     if isinstance(raw, list) and len(raw) > MAX_BATCH:
         raise InvalidField(f"a reply of {len(raw)} items exceeds MAX_BATCH={MAX_BATCH}")
-    items = [] if raw is None else parse_items(h, payload, limits.max_depth)
+    items = [] if raw is None else read_items(h, payload, limits.max_depth, True)
     if error is None and not items:
         raise InvalidField("service_reply carries one item per call of the batch, or an 'error'")
     if error is not None and items:

@@ -35,11 +35,12 @@ from .fields import (
     check_bin,
     check_bool,
     check_int,
+    check_name,
     check_timeout,
     is_int,
     opt_int,
     parse_acked,
-    parse_items,
+    read_items,
 )
 from .frames import Payload
 from .messages import Item, Limits
@@ -378,7 +379,7 @@ def _parse_append(rid: int, h: dict[str, Any], payload: Payload, limits: Limits)
     if isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
         raise InvalidField(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
                        f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
-    items = parse_items(h, payload, limits.max_depth)
+    items = read_items(h, payload, limits.max_depth, True)
     if not items:
         raise InvalidField("stream_append carries at least one item")
     samples = h.get("samples")
@@ -420,7 +421,7 @@ def _join_header(m: StreamJoin) -> dict[str, Any]:
 
 
 def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamJoin(rid, check_bin(h, limits), check_bin(h, limits, "consumer"),
+    return StreamJoin(rid, check_bin(h, limits), check_name(h, "consumer", limits),
                       _choice(h, "start", STARTS, "now"),
                       _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
                       check_bool(h, "resume", True))
@@ -445,7 +446,7 @@ def _read_header(m: StreamRead) -> dict[str, Any]:
 
 def _parse_read(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     # (A read without a timeout answers at once: there is no unlimited wait for it.)
-    return StreamRead(rid, check_bin(h, limits), check_bin(h, limits, "consumer"),
+    return StreamRead(rid, check_bin(h, limits), check_name(h, "consumer", limits),
                       opt_int(h, "at", minimum=0), opt_int(h, "max_items", minimum=1),
                       check_timeout(h) or 0.0)
 
@@ -467,7 +468,7 @@ def _read_reply_header(m: StreamItems) -> dict[str, Any]:
 def _reply_items(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     # (A reply without items, at an epoch's end, has no "items" key: as every frame.)
     items = () if h.get("items") is None else \
-        tuple(parse_items(h, payload, limits.max_depth, client=True))
+        tuple(read_items(h, payload, limits.max_depth, False))
     return StreamItems(rid, items, check_int(h, "first"), check_int(h, "next"),
                        check_int(h, "epoch"), opt_int(h, "offset") or 0,
                        opt_int(h, "epoch_samples"), opt_int(h, "end"), check_bool(h, "aborted"),
@@ -480,7 +481,7 @@ def _leave_header(m: StreamLeave) -> dict[str, Any]:
 
 
 def _parse_leave(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamLeave(rid, check_bin(h, limits), check_bin(h, limits, "consumer"))
+    return StreamLeave(rid, check_bin(h, limits), check_name(h, "consumer", limits))
 
 
 # -- the rows, exported for the op table ------------------------------------------------------
