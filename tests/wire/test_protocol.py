@@ -858,6 +858,24 @@ def test_an_append_over_max_append_items_is_limit_exceeded(sconn: ServerWire) ->
     assert_bad(sconn, raw_frame(header), 8, "limit_exceeded", "MAX_APPEND_ITEMS")
 
 
+def test_a_malformed_field_is_a_value_error_outside_a_connection() -> None:
+    """What the data log reads back (its items, its remembered replies) is checked by the
+    same rows; a malformed field is a ``ValueError`` (``InvalidField``) it reports as a
+    corrupt record, with the code a connection would answer."""
+    from tensorshare.wire.fields import InvalidField
+    from tensorshare.wire.protocol import parse_items
+
+    with pytest.raises(ValueError, match="'items' must be a list"):
+        parse_items({"items": 3}, b"", 8)
+    with pytest.raises(InvalidField, match="'version' must be an integer") as caught:
+        OPS["put"].parse_reply(1, {"version": "1", "n_items": 1}, b"", Limits())
+    assert isinstance(caught.value, ValueError) and caught.value.code == "invalid_request"
+    deep = msgpack.packb([[[[1]]]])
+    with pytest.raises(InvalidField, match="malformed value") as caught:
+        parse_items({"items": [[deep, [], None]]}, b"", 2)
+    assert caught.value.code == "limit_exceeded"
+
+
 @pytest.mark.parametrize("op", ["get", "peek"])
 @pytest.mark.parametrize(
     ("field", "value", "match"),
@@ -1267,6 +1285,31 @@ def test_import_protocol_does_not_import_threading_without_site() -> None:
     before, added = _probe("-S", env=env)
     assert "threading" not in before  # so the check below means something
     assert not _top(added) & set(FORBIDDEN), sorted(added)
+
+
+ORDER_PROBE = textwrap.dedent(
+    """
+    import sys
+    import tensorshare.wire.services, tensorshare.wire.streams
+    # The other kinds' rows are plain data: exporting them needs no protocol.
+    assert not any(n.startswith("tensorshare.wire.protocol") for n in sys.modules)
+    from tensorshare.wire.protocol import OPS
+    print(" ".join(OPS))
+    """
+)
+
+
+def test_the_op_table_does_not_depend_on_what_was_imported_first() -> None:
+    """A fresh interpreter that imports the stream and service modules before the protocol
+    gets the same table, in the same order: core, streams, services, then reload."""
+    from tensorshare.wire import services, streams
+
+    out = subprocess.run([sys.executable, "-c", ORDER_PROBE], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == list(OPS)
+    kinds = [op.name for op in (*streams.ROWS, *services.ROWS)]
+    assert out[-len(kinds) - 1:] == [*kinds, "reload"] and out[0] == "hello"
+    assert all(OPS[op.name] is op for op in (*streams.ROWS, *services.ROWS))
 
 
 def test_a_frame_of_many_items_is_parsed_with_the_garbage_collector_paused() -> None:
