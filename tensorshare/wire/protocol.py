@@ -13,15 +13,22 @@ exactly-once replay (``mutating``). Replies and notifications are encoded by the
 the checks of :mod:`.fields`), a server handler and a section of ``docs/PROTOCOL.md`` (whose
 field tables a test checks against this table).
 
-The two sides of a connection::
+The server's side of a connection (as ``server/connection.py`` drives it)::
 
-    conn = ServerConnection(limits)                  conn = ClientConnection()
-    frames, error = conn.frames(data)                chunks = conn.send(msg, ack)
-    for frame in frames:                             for msg in conn.receive_data(data, op_of):
-        request, through, open_ids = conn.parse(frame)   ...  # replies, Changed, Orphan, ...
-        ...  # a request or a BadRequest; then       # (a ProtocolViolation last, if any)
-    ...      # close if error is not None
+    conn = ServerConnection(limits)
+    frames, error = conn.frames(data)        # or conn.buffered(n), after conn.get_buffer()
+    for frame in frames:
+        request, through, open_ids = conn.parse(frame)   # a request, or a BadRequest
+        ...
+    ...                                      # error: the peer broke the format, close
     chunks = encode_reply(reply)
+
+The client's side::
+
+    conn = ClientConnection()
+    chunks = conn.send(msg, ack)
+    for msg in conn.receive_data(data, op_of):   # replies, Changed, Orphan, ...
+        ...                                      # (a ProtocolViolation last, if any)
 
 A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 """
