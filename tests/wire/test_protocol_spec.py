@@ -46,6 +46,7 @@ from tensorshare.wire.protocol import MAX_VERSION, PROTOCOL_VERSIONS
 from tensorshare.wire.services import ServiceCall
 from tensorshare.wire.streams import StreamAppend, StreamEnd, StreamEnded, StreamOpen
 from tests.rawwire import Peek, WireClient
+from tests.server.test_users import write_users as _write_users
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text(encoding="utf-8")
 TEXT = " ".join(DOC.split())
@@ -107,11 +108,8 @@ class Conn:
 
 
 def write_users(where: Path, text: str = USERS, tokens: dict[str, str] = TOKENS) -> Path:
-    for name, token in tokens.items():
-        (where / f"{name}.token").write_text(token + "\n")
-    path = where / "users.toml"
-    path.write_text(text)
-    return path
+    """The users file ``text`` and its token files in ``where``."""
+    return _write_users(where, text, tokens)
 
 
 @pytest.fixture
