@@ -38,6 +38,7 @@ __all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 TWINS = (
     "tensorshare.wire.records",
     "tensorshare.wire.frames",
+    "tensorshare.wire.fields",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",
     "tensorshare.server.sessions",

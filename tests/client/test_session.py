@@ -1,6 +1,6 @@
 """Unit tests for tensorshare.session: the sans-I/O client session, with time passed in.
 
-A ``Server`` here is a ServerConnection that parses what the session writes and builds the
+A ``Server`` here is a ``ServerWire`` (tests/rawwire.py) that parses what the session writes and builds the
 frames a server would answer with; nothing touches a socket or a clock.
 """
 
@@ -37,7 +37,8 @@ from tensorshare.wire.messages import (
     Put,
     Stored,
 )
-from tensorshare.wire.protocol import MAX_OPEN_ACKS, AckInfo, ServerConnection
+from tensorshare.wire.protocol import MAX_OPEN_ACKS, AckInfo
+from tests.rawwire import ServerWire
 
 T = 10.0  # the session's timeout in these tests
 
@@ -46,7 +47,7 @@ class Server:
     """Reads the session's frames as a server would, and writes frames back into it."""
 
     def __init__(self) -> None:
-        self.conn = ServerConnection()
+        self.conn = ServerWire()
         self.conn.handshake_done()
 
     def read(self, chunks: list[Any]) -> list[Any]:
@@ -57,7 +58,7 @@ class Server:
 
     @staticmethod
     def frames(*msgs: Any) -> bytes:
-        conn = ServerConnection()
+        conn = ServerWire()
         return b"".join(b"".join(conn.send(m)) for m in msgs)
 
 
