@@ -254,7 +254,7 @@ def _bin_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
 
 
 def _user_families(users: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    """Per user (see tensorshare.server.users): memory held against its quota, connections,
+    """Per user (see tensorshare.server.accounts): memory held against its quota, connections,
     requests, denials and quota refusals."""
     fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "memory": GaugeMetricFamily("tensorshare_user_memory_bytes",

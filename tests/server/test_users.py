@@ -14,9 +14,10 @@ import pytest
 from twisted.internet.testing import MemoryReactorClock
 
 from tensorshare.server import ServerConfig
+from tensorshare.server.accounts import load_users, parse_size
 from tensorshare.server.core import ServerFactory
 from tensorshare.server.sessions import SessionTable
-from tensorshare.server.users import ROOM_POLL, load_users, parse_size
+from tensorshare.server.users import ROOM_POLL
 from tensorshare.wire import codec
 from tensorshare.wire.auth import client_proof, server_proof, token_bytes
 from tensorshare.wire.messages import (
@@ -336,6 +337,7 @@ def test_a_write_over_the_quota_fails_at_once_naming_the_user(factory: ServerFac
     refused = alice.request(Put(rid, "alice/b", item(big)))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
     assert "user 'alice'" in refused.message and f"max_memory={QUOTA}" in refused.message
+    assert "wait_room=True" in refused.message  # a put could have waited for room
     assert "alice/b" not in factory.store
     assert isinstance(alice.put("alice/a", big), Stored)  # replacing its own value fits
     got = alice.request(Get(alice.rid(), "alice/a"))
@@ -536,6 +538,7 @@ def test_stream_appends_and_service_calls_count_against_the_quota(
     refused = alice.request(StreamAppend(alice.rid(), "alice/s", 0, opened.epoch, big))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
     assert "user 'alice'" in refused.message and "stream 'alice/s'" in refused.message
+    assert "wait_room" not in refused.message  # (a stream append cannot wait for room)
     alice.lose()  # the producer leaves: once its lease ends the stream goes, and its items
     factory.reactor.advance(30)
     assert usage.stored == 0
@@ -545,7 +548,7 @@ def test_stream_appends_and_service_calls_count_against_the_quota(
     assert caller.received() == [] and usage.stored > 40 * 1024
     refused = caller.request(ServiceCall(caller.rid(), "alice/p", big, 5.0))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
-    assert "service 'alice/p'" in refused.message
+    assert "service 'alice/p'" in refused.message and "wait_room" not in refused.message
     factory.reactor.advance(5)  # the first call times out: no longer alice's to hold
     assert [r.code for r in caller.received() if isinstance(r, ErrorReply)] == ["timeout"]
     assert usage.stored == 0
