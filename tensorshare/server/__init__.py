@@ -15,6 +15,7 @@ Inside, by what each part does (each imports only those above it in the import g
     kinds        what every kind of bin checks (streams, services: beside the store's)
     streams      stream bins: one sequence, a cursor per consumer, epochs, leases
     services     service bins: calls queued per service, batches leased to hosts
+    replay       the replay table under replay bins (pure data structure)
     accounts     who the users are (the users file, rights, quotas) and what each holds
     users        the one check of every request, writes waiting for room, reload
     auth         protected mode, failed attempts per address
