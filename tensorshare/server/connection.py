@@ -84,8 +84,8 @@ def _in_turn(first: Callable[[], None], second: Callable[[], None]) -> Callable[
 class Connection:
     """What one connection does on every read (the hot half of :class:`ServerProtocol`,
     typed for the compiler: a cdef class in the compiled twin, see ``connection_c.pxd``):
-    one pass per read, and the one owner of its output. :class:`ServerProtocol` adds the
-    Twisted hooks, the handshake, waiting requests and closing."""
+    one pass per read, the one owner of its output, and the requests waiting on the server.
+    :class:`ServerProtocol` adds the Twisted hooks, the handshake and closing."""
 
     def __init__(self, factory: Server) -> None:
         self.factory = factory
@@ -538,7 +538,7 @@ class ServerProtocol(Connection, Protocol):
             return
         self._stall = self.factory.reactor.callLater(limit - idle, self._watch_stall)
 
-    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._release()
         self._stop_timer()
         why = reason.getErrorMessage() if reason else "closed"

@@ -202,13 +202,13 @@ class Responder:
         if not user.unrestricted:  # type: ignore[union-attr]
             verdict = self._users.admit(conn, route, msg)
             if verdict is not True:  # refused (the reply), or waiting for room (None)
-                return None if verdict is False else verdict  # type: ignore[return-value]
+                return None if verdict is False else verdict
         s = conn.session
         if s is not None and route.mutating:
             old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
-                return old.reply  # type: ignore[no-any-return]
+                return old.reply
         try:
             if route.store:
                 name = msg.bin
@@ -299,16 +299,23 @@ class Responder:
         if not spec.wait:
             return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
         rid = msg.id
+        now: list[Fetched] = []  # served while fetch_or_wait runs: returned, not answered
 
         def served(taken: Fetched) -> None:
+            if not waits:
+                now.append(taken)
+                return
             conn.stop_waiting(rid)
             conn.answer(msg, _fetched(msg, taken))
 
+        waits = False
         result = f.store.fetch_or_wait(msg.bin, spec, served, max_bytes, conn.ctx(msg))
         if isinstance(result, Fetched):
             return _fetched(msg, result)
-        if result.active:  # else served at once, through ``served``, behind earlier waiters
-            conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
+        if now:  # served at once, behind earlier waiters the store served first
+            return _fetched(msg, now[0])
+        waits = True
+        conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
         return None
 
     def _timed_out(self, conn: Conn, msg: Fetch) -> None:

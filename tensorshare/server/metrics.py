@@ -112,7 +112,7 @@ class ServerCollector:
         factory = server.factory
         try:
             # In the reactor thread: the server's state is only ever touched there.
-            return server.call(lambda: (factory.server_stats(), factory.bin_stats()),  # type: ignore[no-any-return]
+            return server.call(lambda: (factory.server_stats(), factory.bin_stats()),
                                timeout=self.timeout)
         except Exception:  # a stopping or stuck server: the scrape says so with up 0
             return None

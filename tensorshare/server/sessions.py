@@ -219,7 +219,7 @@ class SessionTable:
             s.usage.owned.discard(s)
         self.sessions.pop(s.id, None)
         self.detached.pop(s.id, None)
-        return restore  # type: ignore[return-value]
+        return restore
 
     def _drop(self, s: ServerSession, rids: list[int]) -> int:
         freed = 0
