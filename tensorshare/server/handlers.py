@@ -296,8 +296,12 @@ class Responder:
                     f"this client's session holds {s.held} bytes of items from gets it has "
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
-        if not spec.wait:
+        if not spec.wait:  # (no closure here: nothing allocated beyond the reply)
             return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
+        return self._fetch_or_wait(conn, msg, max_bytes)
+
+    def _fetch_or_wait(self, conn: Conn, msg: Fetch, max_bytes: int) -> Reply | None:
+        """A fetch that waits for data (``wait``): served now, or kept waiting on ``conn``."""
         rid = msg.id
         now: list[Fetched] = []  # served while fetch_or_wait runs: returned, not answered
 
@@ -309,13 +313,14 @@ class Responder:
             conn.answer(msg, _fetched(msg, taken))
 
         waits = False
-        result = f.store.fetch_or_wait(msg.bin, spec, served, max_bytes, conn.ctx(msg))
+        result = self.server.store.fetch_or_wait(msg.bin, msg.spec, served, max_bytes,
+                                                 conn.ctx(msg))
         if isinstance(result, Fetched):
             return _fetched(msg, result)
         if now:  # served at once, behind earlier waiters the store served first
             return _fetched(msg, now[0])
         waits = True
-        conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
+        conn.wait(rid, result, msg.spec.timeout, lambda: self._timed_out(conn, msg))
         return None
 
     def _timed_out(self, conn: Conn, msg: Fetch) -> None:
