@@ -188,9 +188,9 @@ class Ops(StreamOps, ServiceOps):
         """The server's limits (from the last handshake)."""
         raise NotImplementedError
 
-    def _execute(self, cmd: Command) -> Any:
-        """Send ``cmd`` the way this face does; return what the caller gets."""
-        raise NotImplementedError
+    #: Send a command the way this face does; return what the caller gets (a method of the
+    #: face, or its engine's, bound when the face is made: ``Client``).
+    _execute: Callable[[Command], Any]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
@@ -373,14 +373,14 @@ class Ops(StreamOps, ServiceOps):
                     raise ValueError(f"timeout must be a finite number >= 0, or None; got "
                                      f"{timeout!r}")
                 seconds = float(timeout)
-        self._check_name(name)
+        limits = self.limits  # (read once: a face's property)
+        check_bin_name(name, limits.max_name_bytes)
         spec = FetchSpec(remove, max_items, wait, seconds, min_tag, newer_than, min_items)
         if dev is None:
-            convert = _Decode(self.limits.max_depth, value_only, face=self, name=name)
+            convert = _Decode(limits.max_depth, value_only, face=self, name=name)
         else:
             want_pinned(dev)
-            convert = _Decode(self.limits.max_depth, value_only, dev, bool(non_blocking),
-                              self, name)
+            convert = _Decode(limits.max_depth, value_only, dev, bool(non_blocking), self, name)
         return self._execute(Command(Fetch(0, name, spec), f"{spec.op} on bin {name!r}",
                                      convert))
 

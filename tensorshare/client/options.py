@@ -107,7 +107,10 @@ class ClientOptions:
 
     @classmethod
     def of(cls, options: ClientOptions | None, **changes: Any) -> ClientOptions:
-        """``options`` (default: all defaults) with the keywords a face was given."""
+        """``options`` (default: all defaults) with the keywords a face was given (those
+        given as :data:`UNSET` left out: a face's ``timeout`` that was not given)."""
+        if UNSET in changes.values():
+            changes = {k: v for k, v in changes.items() if v is not UNSET}
         if options is None:
             return cls(**changes)
         if not isinstance(options, ClientOptions):

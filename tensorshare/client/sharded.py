@@ -56,7 +56,8 @@ from ..wire.messages import (
     Stats,
     Unlisten,
 )
-from .blocking import Begin, Client, PendingCall, Pipeline, outcomes_of
+from .blocking import Begin, Client, PendingCall, Pipeline
+from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
 
