@@ -140,7 +140,9 @@ class ConnectionLost(TransportError):
     """The connection was lost (or closed) before the server answered.
 
     With automatic reconnect this is raised only once the server stayed unreachable for the
-    call's whole timeout (the message says for how long), or the client was closed.
+    call's whole timeout (the message says for how long), or the client was closed. A
+    ``ShardedClient`` raises it too for a call to a server that could not be reached at its
+    first use (nothing was sent; the ``ConnectError`` is its ``__cause__``).
     """
 
 
