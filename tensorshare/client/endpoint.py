@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..wire.address import Address, parse_address
 from ..wire.auth import check_user_name, token_bytes, tokens_of
 
-__all__ = ["Endpoint", "resolve"]
+__all__ = ["Endpoint", "resolve", "with_token_hint"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -128,3 +128,10 @@ def _token(token: str | bytes | None, token_file: str | None) -> bytes | None:
             # last, the newest, which the server accepts as long as it holds it.
             return tokens_of(f.read())[-1]
     return None
+
+
+def with_token_hint(message: str, how: str) -> str:
+    """An authentication refusal's ``message`` with its hint on how to give the token (the
+    server's, in the terms of the Python API: ``token=``, ``token_file=``) replaced by
+    ``how``: a command's own terms (``--token-file PATH``)."""
+    return f"{message.split(': give ', 1)[0]}: {how}"
