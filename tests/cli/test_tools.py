@@ -52,6 +52,14 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 # --------------------------------------------------------------------------- ls
 
 
+def test_sizes_are_printed_in_binary_units_as_the_server_counts_its_limits() -> None:
+    """A 64 KiB quota reads 64.0 KiB, never 65.5 kB (the server's --max-memory and quotas
+    are binary: one unit for both)."""
+    assert [fmt_bytes(n) for n in (0, 1023, 1024, 64 << 10, 3 << 29, 5 << 40, 1 << 52)] == [
+        "0 B", "1023 B", "1.0 KiB", "64.0 KiB", "1.5 GiB", "5.0 TiB", "4096.0 TiB"]
+    assert fmt_bytes((1 << 20) - 1) == "1.0 MiB"  # (rounds up into the next unit)
+
+
 def test_ls_shows_kind_items_bytes_contents_version_listeners_and_totals(
         loaded: tuple[EmbeddedServer, Client], capsys: pytest.CaptureFixture[str]) -> None:
     server, c = loaded
