@@ -242,7 +242,8 @@ class Ops(StreamOps, ServiceOps):
         Raises:
             UnsupportedType: ``value`` holds a type that cannot be sent (nothing was sent).
             MemoryLimitExceeded: the server's memory limit would be exceeded.
-            LimitExceeded: the value is larger than the server's frame limit.
+            FrameTooLarge: the value is larger than the server's frame limit: refused here,
+                before anything is sent (a ``ValueError``, and a ``LimitExceeded``).
             BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
             QuotaExceeded: this client's user is at its ``max_memory`` (after waiting, with
                 ``wait_room``); the message names the user and the quota.
@@ -385,7 +386,8 @@ class Ops(StreamOps, ServiceOps):
                                      convert))
 
     def list(self) -> Any:
-        """Return ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
+        """Return ``{bin: n_items}`` for every non-empty bin: how many items each holds (1
+        for a put bin), not its version (:meth:`stats` has both, per bin)."""
         return self._execute(Command(ListBins(0), "list", _bins))
 
     def stats(self, glob: str | None = None) -> Any:
