@@ -720,12 +720,16 @@ class Connection:
             beat = session.heartbeat_due(now) if session.connected else None
             due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
             turn = election.reader_turn(now, session.connected)
-            if turn.do is ReaderDo.READ:
-                return due
             if turn.do is ReaderDo.STOP:
                 return turn.reason
-            if turn.until is not None:
+            if turn.until is not None:  # parked for a linger: it looks again by then anyway
                 due = min(due, turn.until)
+            else:  # reading, or parked until woken: wake to acknowledge a get's items
+                ack = session.ack_due()
+                if ack is not None and ack < due:
+                    due = ack
+            if turn.do is ReaderDo.READ:
+                return due
             cv.wait(min(max(due - now, 0.0), 60.0))
 
     def _reader_read(self, poller: select.poll, reader: _Reader, due: float) -> str | None:

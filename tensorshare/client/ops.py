@@ -232,7 +232,9 @@ class Ops(StreamOps, ServiceOps):
             tag: optional integer stored with the item (see ``min_tag`` in :meth:`fetch`).
             wait_room: when this client's user is at its quota (``max_memory`` in the
                 server's users file), wait on the server for room (up to 80% of the client's
-                timeout, then ``QuotaExceeded``) instead of failing at once.
+                timeout, then ``QuotaExceeded``) instead of failing at once. (Items a get
+                took count until its client acknowledges them: with its next request, or
+                by itself ``ACK_DELAY``, 0.2 s, after the reply when it sends nothing.)
 
         Returns:
             The bin's new version; the server holds the value when it is returned. Do not
