@@ -88,8 +88,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             dicts of tensors); iterated once per epoch.
         name, host, port: the stream's bin name; the server (as for :class:`Client`).
         epochs: how many epochs to send (then the stream is finished).
-        window: how far (in batches) this producer may run ahead of the slowest consumer;
-            the server holds its batches beyond that.
+        window: how far (in batches) this producer may run ahead of the slowest consumer.
         on_lag: ``"wait"``: everyone keeps the slowest consumer's pace (one DataLoader);
             ``"detach"``: a consumer that held the window full for ``max_stall`` seconds
             stops holding the others back; when it reads again it gets ``Lagged`` once and
@@ -105,12 +104,10 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
         timeout: seconds to connect; also how long to wait for ``wait_for`` consumers and,
             after ``ProducerGone``, for the stream to be whole again.
         wait_for: wait until this many consumers joined before the first epoch.
-        samples_per_epoch: the samples this producer sends per epoch (default: from the
-            loader's sampler and batch size, when it has them).
-        client: a client to use (not closed at the end) instead of a new one.
-        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
-            fields of it as keywords (``token``, ``tls_ca``, ``compress``...; they override
-            ``options``); its ``timeout`` comes from ``timeout``.
+        samples_per_epoch: samples sent per epoch (default: as the loader's sampler says).
+        client, options, client_options: a client to use (not closed at the end), or the
+            new one's :class:`~tensorshare.ClientOptions` and fields of it as keywords
+            (``token``, ``compress``...: they override ``options``; ``timeout`` is ours).
         progress: where its progress lines go: when it starts, per epoch sent (batches,
             samples, seconds, how long the consumers held it back), every 30 s within a long
             epoch, for an epoch sent again after a producer died, at the end. ``None``
@@ -118,8 +115,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             called with each line; ``False``: nowhere.
         device_ipc: the batches are CUDA tensors and every consumer is on this host
             (``unix://``) with this GPU: they travel as CUDA IPC handles, TCP consumers are
-            refused (see :class:`~tensorshare.data.stream.StreamProducer` and the README's
-            "GPUs" section).
+            refused (see :class:`~tensorshare.data.stream.StreamProducer`, README "GPUs").
 
     Raises:
         ProducerGone: another producer stayed gone for ``timeout`` seconds.
