@@ -1,5 +1,4 @@
-"""The blocking, thread-safe client: :class:`Client`, a face over one :class:`~.connection.
-Connection`.
+"""The blocking, thread-safe client: :class:`Client`, a face over one connection.
 
 A :class:`Client` holds its connection (the engine: the session, the reader thread, the read
 election, the path of every request; see :mod:`.connection`) and adds the op surface, written

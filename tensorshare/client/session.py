@@ -838,8 +838,9 @@ class ClientSession:
     def ack_due(self) -> float | None:
         """When a ping must carry the acknowledgement of a get's reply, if one is waiting for
         it (:data:`ACK_DELAY` after the reply, unless a request carries it first): the shell
-        wakes then and :meth:`tick` sends it."""
-        if self._held_at == 0.0 or not self.connected:
+        wakes then and :meth:`tick` sends it. ``None`` while a ping is on its way: its
+        answer wakes the shell anyway, and a time already past would spin it."""
+        if self._held_at == 0.0 or not self.connected or self._ping is not None:
             return None
         return self._held_at + ACK_DELAY
 

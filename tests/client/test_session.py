@@ -430,6 +430,17 @@ def test_a_gets_reply_is_acknowledged_by_a_ping_when_nothing_else_is_sent() -> N
     # A put's reply (nothing held) and a session without a session id never ask for one.
     s.receive_data(Server.frames(Stored(p.id, 1, 1)), 2.2)
     assert s.ack_due() is None
+    # While a ping is on its way (it left before a get's reply came), nothing is due: its
+    # answer comes first, and then the next ping carries the acknowledgement.
+    g4, g5 = (s.call(get(), "get", 3.0, token=t) for t in (4, 5))
+    server.read(s.pop_sendable(3.0))
+    s.receive_data(Server.frames(Fetched(g4.id, "list", (item(4),), 5, 0)), 3.1)
+    s.tick(3.1 + ACK_DELAY)
+    (ping,) = server.requests(s.pop_sendable(3.1 + ACK_DELAY))
+    s.receive_data(Server.frames(Fetched(g5.id, "list", (item(5),), 6, 0)), 3.4)
+    assert s.ack_due() is None and s.tick(4.0) == [] and not s.has_sendable
+    s.receive_data(Server.frames(Acked(ping.id, True)), 4.1)
+    assert s.ack_due() == 3.4 + ACK_DELAY
     plain = new_session(session=False)
     server, _, _ = connect(plain)
     g3 = plain.call(get(), "get", 0.0, token=1)
