@@ -71,7 +71,7 @@ def test_ls_shows_kind_items_bytes_contents_version_listeners_and_totals(
                       "value", "/", "first", "item", "last", "item"]
     assert set(lines[1]) == {"─"} and set(lines[-2]) == {"─"}
     bins = c.stats()["bins"]
-    row = re.compile(r"(\S+) +(value|list) +(\d+) +(\d+(?:\.\d)? k?B) +(\d+) +(\d+) +"
+    row = re.compile(r"(\S+) +(value|list) +(\d+) +(\d+(?:\.\d)? (?:[KMG]i)?B) +(\d+) +(\d+) +"
                      r"([\d.]+[smhd][\d]*[smh]? ago) +(.*)$")
     rows = {}
     for line in lines[2:-2]:
@@ -120,7 +120,7 @@ def test_ls_of_an_empty_server(server: EmbeddedServer,
 # --------------------------------------------------------------------------- peek
 
 _TENSOR = re.compile(r"(?:(?P<key>\S+): |\[\d+\] )?(?P<dtype>[a-z0-9]+)\[(?P<shape>[\d,]*)\]  "
-                     r"(?P<bytes>\S+ k?B)(?:  (?P<stats>.*))?")
+                     r"(?P<bytes>\S+ (?:[KMG]i)?B)(?:  (?P<stats>.*))?")
 
 
 def _tensor_lines(out: str) -> dict[str, dict[str, str]]:
@@ -241,7 +241,7 @@ def test_stats_shows_uptime_connections_memory_and_counters(
     assert info["listeners"] == "1"
     assert info["bins"] == "4 holding 6 items"
     stored = c.stats()["server"]["memory"]["stored"]
-    size = r"\d+(?:\.\d)? k?B"
+    size = r"\d+(?:\.\d)? (?:[KMG]i)?B"
     # The total counts what the fixture's session holds too (its remembered replies).
     limit = re.escape(fmt_bytes(c.stats()["server"]["memory"]["max_memory"]))
     assert re.fullmatch(rf"{size} of max_memory {limit}: stored {re.escape(fmt_bytes(stored))}, "
@@ -301,7 +301,7 @@ class _Proc:
 
 
 _WATCH = re.compile(r"\d\d:\d\d:\d\d\.\d{3}  (?P<bin>\S+) +(?P<op>\w+) +version=(?P<version>\d+)"
-                    r"  items=(?P<items>\d+)  bytes=(?P<bytes>\?|\d+(?:\.\d)? k?B)")
+                    r"  items=(?P<items>\d+)  bytes=(?P<bytes>\?|\d+(?:\.\d)? (?:[KMG]i)?B)")
 
 
 def test_watch_prints_one_line_per_change_and_stops_on_ctrl_c(

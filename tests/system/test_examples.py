@@ -204,11 +204,12 @@ needs_gymnasium = pytest.mark.skipif(not HAVE_GYMNASIUM, reason="needs the rl ex
 
 @pytest.fixture
 def no_gymnasium(tmp_path: Path) -> str:
-    """A PYTHONPATH entry under which ``import gymnasium`` fails, as if not installed."""
+    """A PYTHONPATH under which ``import gymnasium`` fails, as if not installed, and this
+    checkout's tensorshare imports (installed or not)."""
     blocker = tmp_path / "gymnasium"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('gymnasium blocked for this test')\n")
-    return str(tmp_path)
+    return os.pathsep.join([str(tmp_path), str(ROOT)])
 
 
 @pytest.mark.long
