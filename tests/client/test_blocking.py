@@ -341,11 +341,14 @@ def test_get_with_a_huge_timeout_waits_or_refuses_and_loses_no_data(
     """
     c, writer = connect(server), connect(server)
     registered = waiter_registered(server)
-    either = threading.Event()
     t, done, box = in_thread(lambda: c.get("huge", timeout=timeout))
-    threading.Thread(target=lambda: (done.wait(WAIT), either.set()), daemon=True).start()
-    threading.Thread(target=lambda: (registered.wait(WAIT), either.set()), daemon=True).start()
-    assert either.wait(WAIT)
+    # Whichever comes first: the get's outcome, or its waiter on the server (polled, and
+    # no longer once the test goes on: a thread left polling a stopped server would fail).
+    watcher, _, seen = in_thread(lambda: wait_until(
+        lambda: done.is_set() or registered.is_set(), WAIT,
+        "the get to end or its waiter to be registered"))
+    watcher.join(WAIT + 1)
+    assert not watcher.is_alive() and seen == [("ok", None)], seen
     writer.put("huge", 42)
     if done.is_set() and box[0][0] == "err":
         exc = box[0][1]
