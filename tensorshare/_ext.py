@@ -48,7 +48,7 @@ TWINS = (
     "tensorshare.client.session",
     "tensorshare.client.election",
     "tensorshare.client.ops",
-    "tensorshare.client.blocking",
+    "tensorshare.client.connection",
 )
 #: Set (to anything but ``""`` or ``"0"``) to run the pure-Python modules only.
 NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"
