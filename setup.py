@@ -178,7 +178,11 @@ setup(
                   "tensorshare.dashboard": ["static/*.html", "static/*.js", "static/*.css",
                                             "static/*.svg"]},
     install_requires=[
-        # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity.
+        # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity. Verified
+        # from the lower bound (tests/server/test_reactor.py runs the server's tests on it) to
+        # the newest release (26.10). No upper bound: the server checks at start that the
+        # Twisted privates its lean reactor uses are there and behave (server/reactor.py), and
+        # otherwise runs Twisted's own epoll reactor, saying so.
         "twisted[tls]>=23.10",
         "msgpack>=1.0",
         "lz4>=4.0",
