@@ -22,6 +22,7 @@ than its ``.py``, its ``.pxd`` and its C file is reused as it is. The README's s
 
 import ast
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -155,70 +156,95 @@ def extensions() -> list[Extension]:
     except ImportError:
         _pure("Cython is not available")
         return []
-    modules = []
-    for name in twin_modules():
-        source = name.replace(".", "/")
-        depends = [f"{source}.py", f"{source}.pxd", os.path.join(GENERATED_PXD, f"{source}_c.pxd")]
-        modules.append(Extension(f"{name}_c", [f"{source}.py"], depends=depends))
-    return modules
+    return [twin_extension(name) for name in twin_modules()]
 
 
-setup(
-    name="tensorshare",
-    version="0.1.0",
-    description="Share PyTorch tensors between processes and machines: a Twisted server of named "
-    "in-memory bins, thread-safe clients, and helpers for distributed deep RL.",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    license="MIT",
-    python_requires=">=3.11",
-    packages=find_packages(include=["tensorshare", "tensorshare.*"]),
-    # The dashboard's page, script and style ship with the package (no build step, no CDN).
-    package_data={"tensorshare": ["py.typed"],
-                  "tensorshare.dashboard": ["static/*.html", "static/*.js", "static/*.css",
-                                            "static/*.svg"]},
-    install_requires=[
-        # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity. Verified
-        # from the lower bound (tests/server/test_reactor.py runs the server's tests on it) to
-        # the newest release (26.10). No upper bound: the server checks at start that the
-        # Twisted privates its lean reactor uses are there and behave (server/reactor.py), and
-        # otherwise runs Twisted's own epoll reactor, saying so.
-        "twisted[tls]>=23.10",
-        "msgpack>=1.0",
-        "lz4>=4.0",
-        # torch is needed to send and receive tensors; the server itself never imports it.
-        # Install the build you want first (CPU or CUDA); any 2.x satisfies this.
-        "torch>=2.1",
-        # Tensors are sent from and received into their own memory through numpy views
-        # (Tensor.numpy() / torch.from_numpy), the zero-copy path torch supports; the CPU
-        # torch wheel does not pull numpy in by itself.
-        "numpy>=1.24",
-        "rich>=13",  # the CLI's tables, trees and live monitor
-        "prometheus-client>=0.17",  # serve --metrics-port (0.17+ hands back its HTTP server)
-    ],
-    extras_require={
-        # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
-        "rl": ["gymnasium>=1.0"],
-        # tensorshare.ray: shard servers as Ray actors (start_shards).
-        "ray": ["ray>=2.60"],
-        # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
-        # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
-                 "trustme",
-                 "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
-                 # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
-                 'ray==2.60.0; python_version < "3.14"',
-                 # drives the dashboard in Debian's Chromium (.ci/run installs it; the tests
-                 # never download a browser)
-                 "playwright>=1.50"],
-    },
-    entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
-    ext_modules=extensions(),
-    cmdclass={"build_ext": TwinBuildExt},
-    classifiers=[
-        "License :: OSI Approved :: MIT License",
-        "Programming Language :: Python :: 3",
-        "Framework :: Twisted",
-        "Topic :: Scientific/Engineering :: Artificial Intelligence",
-    ],
-)
+def twin_extension(name: str) -> Extension:
+    """Module ``name``'s twin, from its ``.py``, depending on everything that types it: its
+    ``.pxd``, the ``X_c.pxd`` that includes it, and every ``.pxd`` of the package it cimports,
+    directly or not (a twin compiled against another's old declarations fails to load)."""
+    source = name.replace(".", "/")
+    depends = [f"{source}.py", f"{source}.pxd", os.path.join(GENERATED_PXD, f"{source}_c.pxd"),
+               *cimported(f"{source}.pxd")]
+    return Extension(f"{name}_c", [f"{source}.py"], depends=depends)
+
+
+def cimported(pxd: str) -> list[str]:
+    """The ``.pxd`` files of the package that ``pxd`` cimports, and those they cimport."""
+    found: list[str] = []
+    todo = [pxd]
+    while todo:
+        with open(todo.pop(), encoding="utf-8") as f:
+            text = f.read()
+        for module in re.findall(r"^from\s+(tensorshare(?:\.\w+)+)\s+cimport\b", text, re.M):
+            path = module.replace(".", "/") + ".pxd"
+            if path not in found:
+                found.append(path)
+                todo.append(path)
+    return found
+
+
+# (Run as a script, as pip and setuptools run it; tests/test_build.py imports the functions.)
+if __name__ == "__main__":
+    setup(
+        name="tensorshare",
+        version="0.1.0",
+        description="Share PyTorch tensors between processes and machines: a Twisted server of named "
+        "in-memory bins, thread-safe clients, and helpers for distributed deep RL.",
+        long_description=open("README.md", encoding="utf-8").read(),
+        long_description_content_type="text/markdown",
+        license="MIT",
+        python_requires=">=3.11",
+        packages=find_packages(include=["tensorshare", "tensorshare.*"]),
+        # The dashboard's page, script and style ship with the package (no build step, no CDN).
+        package_data={"tensorshare": ["py.typed"],
+                      "tensorshare.dashboard": ["static/*.html", "static/*.js", "static/*.css",
+                                                "static/*.svg"]},
+        install_requires=[
+            # TLS (tensorshare+tls://) through Twisted: pyOpenSSL and service_identity. Verified
+            # from the lower bound (tests/server/test_reactor.py runs the server's tests on it) to
+            # the newest release (26.10). No upper bound: the server checks at start that the
+            # Twisted privates its lean reactor uses are there and behave (server/reactor.py), and
+            # otherwise runs Twisted's own epoll reactor, saying so.
+            "twisted[tls]>=23.10",
+            "msgpack>=1.0",
+            "lz4>=4.0",
+            # torch is needed to send and receive tensors; the server itself never imports it.
+            # Install the build you want first (CPU or CUDA); any 2.x satisfies this.
+            "torch>=2.1",
+            # Tensors are sent from and received into their own memory through numpy views
+            # (Tensor.numpy() / torch.from_numpy), the zero-copy path torch supports; the CPU
+            # torch wheel does not pull numpy in by itself.
+            "numpy>=1.24",
+            "rich>=13",  # the CLI's tables, trees and live monitor
+            "prometheus-client>=0.17",  # serve --metrics-port (0.17+ hands back its HTTP server)
+        ],
+        extras_require={
+            # The RL demo and examples on Gymnasium's environments (without it: a built-in CartPole).
+            "rl": ["gymnasium>=1.0"],
+            # tensorshare.ray: shard servers as Ray actors (start_shards).
+            "ray": ["ray>=2.60"],
+            # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
+            # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
+            "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
+                     "trustme",
+                     # tests/test_build.py builds two twins as pip does (the build's own Cython is
+                     # in pip's isolated build environment, not here)
+                     "Cython>=3.1",
+                     "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
+                     # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
+                     'ray==2.60.0; python_version < "3.14"',
+                     # drives the dashboard in Debian's Chromium (.ci/run installs it; the tests
+                     # never download a browser)
+                     "playwright>=1.50"],
+        },
+        entry_points={"console_scripts": ["tensorshare=tensorshare.cli.main:main"]},
+        ext_modules=extensions(),
+        cmdclass={"build_ext": TwinBuildExt},
+        classifiers=[
+            "License :: OSI Approved :: MIT License",
+            "Programming Language :: Python :: 3",
+            "Framework :: Twisted",
+            "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        ],
+    )

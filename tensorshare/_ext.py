@@ -114,6 +114,8 @@ def _survey(root: str) -> tuple[dict[str, str], list[Stale]]:
         if path is None:
             continue
         built[name] = path
+        # (an installed wheel is not stale: its installer writes each .py before its twin,
+        # in the order of their names)
         when = os.path.getmtime(path)
         base = os.path.join(os.path.dirname(path), name.rpartition(".")[2])
         for source in (base + ".py", base + ".pxd"):
