@@ -230,7 +230,7 @@ if __name__ == "__main__":
                      "trustme",
                      # tests/test_build.py builds two twins as pip does (the build's own Cython is
                      # in pip's isolated build environment, not here)
-                     "Cython>=3.1",
+                     "Cython>=3.1",  # (as pyproject.toml builds with)
                      "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
                      # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
                      'ray==2.60.0; python_version < "3.14"',
