@@ -164,8 +164,10 @@ def _check(reactor: LeanEPollReactor) -> str | None:
 
 def _close(reactor: EPollReactor) -> None:
     """Give back a reactor's descriptors (its waker and its epoll)."""
+    waker = getattr(reactor, "waker", None)  # (not in Twisted's types)
     try:
-        reactor.waker.connectionLost(None)  # type: ignore[attr-defined]
+        if waker is not None:
+            waker.connectionLost(None)
         reactor._poller.close()
     except (AttributeError, OSError):
         pass
