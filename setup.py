@@ -78,6 +78,7 @@ def cythonized(modules: list[Extension], jobs: int) -> list[Extension]:
     """``modules`` (sources: their ``.py``) translated to C by Cython, ``jobs`` at a time."""
     from Cython.Build import cythonize
 
+    modules = [ext for ext in modules if ext.sources[0].endswith(".py")]  # (not yet C)
     for ext in modules:
         source = ext.sources[0][:-len(".py")]
         augmenting_pxd(source)
@@ -103,8 +104,9 @@ class TwinBuildExt(build_ext):
         # (here, not when setup.py is read: pip reads it twice for metadata first)
         translated = {e.name: e.sources for e in cythonized(self.extensions, int(self.parallel))}
         for ext in self.extensions:
-            ext.sources = translated[ext.name]  # (the same objects: setuptools marked them)
-            if self.compiler.compiler_type == "unix":
+            # (the same objects keep their sources' C: setuptools marked them)
+            ext.sources = translated.get(ext.name, ext.sources)
+            if self.compiler.compiler_type == "unix" and "-g0" not in ext.extra_compile_args:
                 ext.extra_compile_args.append("-g0")  # no debug information: a third faster
         # The longest first, so that no core waits at the end on a long one started last.
         self.extensions.sort(key=lambda e: os.path.getsize(e.sources[0]), reverse=True)
@@ -126,7 +128,7 @@ class TwinBuildExt(build_ext):
             return False
         if newer([*ext.sources, *ext.depends], in_tree):
             return False
-        print(f"tensorshare: {in_tree} is up to date; not compiled again", file=sys.stderr)
+        sys.stderr.write(f"tensorshare: {in_tree} is up to date; not compiled again\n")
         self.mkpath(os.path.dirname(out))
         shutil.copy2(in_tree, out)
         return True
