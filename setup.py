@@ -6,7 +6,7 @@ The modules ``tensorshare/_ext.py`` lists in ``TWINS`` are compiled by Cython fr
 Cython types the module ``frames_c`` by a file named after it, ``frames_c.pxd``: the build
 writes that one-line file (``include "tensorshare/wire/frames.pxd"``) under
 ``build/twins/pxd``, so it is never committed. The ``.py`` and the ``.pxd`` are dependencies
-of the build: changing either rebuilds its module, and only its module.
+of the build: changing either rebuilds its module (and a ``.pxd``, the twins that cimport it).
 
 Where a C compiler is found, a module that fails to compile fails the install: it never
 installs quietly slower. Without a compiler (or Cython, or with ``TENSORSHARE_NO_EXTENSIONS=1``
