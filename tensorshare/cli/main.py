@@ -662,9 +662,7 @@ def _hot_path_line() -> str:
                                                             "tensorshare.server."))]
     if all(_ext.compiled(mine).values()):
         return "hot path: compiled (see tensorshare._ext)"
-    why = f"{_ext.NO_EXTENSIONS_ENV} is set" if os.environ.get(_ext.NO_EXTENSIONS_ENV, "") \
-        not in ("", "0") else "not built at install: no C compiler was found"
-    return f"hot path: pure Python ({why})"
+    return f"hot path: pure Python ({_ext.pure_reason()})"
 
 
 def _max_memory(value: int | str | None) -> int | None:

@@ -4,7 +4,7 @@
 import cython
 
 from tensorshare.client.election cimport ReadElection
-from tensorshare.client.session cimport Call, ClientSession, Done
+from tensorshare.client.session cimport Call, ClientSession
 
 
 cdef class _Slot:
@@ -60,7 +60,7 @@ cdef class Connection:
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)
-    @cython.locals(ev=object, done=Done)
+    @cython.locals(ev=object)
     cpdef _process(self, object events)
     @cython.locals(session=ClientSession, reader=_Reader)
     cpdef object _read_once(self, _Reader reader)
