@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Attributes a class with ``cdef dict __dict__`` keeps in its dict on purpose, with why.
 IN_DICT: dict[tuple[str, str], str] = {}
 
+#: Slots Cython gives a cdef class when its .pxd declares them, which no method assigns: a
+#: weak reference to the object (a WeakSet of connections) and its instance dict.
+CYTHON_SLOTS = frozenset({"__weakref__", "__dict__"})
+
 
 @dataclass
 class PxdFunction:
@@ -241,7 +245,8 @@ def _class_drift(pxd_path: str, pxd: Pxd, py: Py, cls: PxdClass) -> list[str]:
     assigned = {a for c in _descendants(py, cls.name) for a in self_assigned(c)}
     problems += [f"{pxd_path}:{line}: {cls.name}.{attr} is declared but no method of "
                  f"{cls.name} (or of a class deriving from it) assigns it"
-                 for attr, line in cls.attributes.items() if attr not in assigned]
+                 for attr, line in cls.attributes.items()
+                 if attr not in assigned and attr not in CYTHON_SLOTS]
     methods = {n.name: n for n in node.body
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     for fn in cls.methods:
