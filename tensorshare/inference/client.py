@@ -12,7 +12,7 @@ from ..client.services import check_compress
 from ..client.sharded import connect
 from ..memory.device import check_device, moves, to_device, want_pinned
 
-__all__ = ["InferenceClient"]
+__all__ = ["InferenceClient", "predict_command"]
 
 
 def _add_batch_dim(x: Any) -> Any:
@@ -60,6 +60,25 @@ class _Result:
         if self.device is not None:
             out = to_device(out, self.device)
         return (out, res.version) if self.with_version else out
+
+
+def predict_command(face: Any, name: str, inputs: Any, *, batched: bool, return_version: bool,
+                    wait_room: bool, timeout: float, compress: str | None,
+                    device: Any = None) -> Any:
+    """The service call a ``predict`` of ``inputs`` sends through ``face`` (a client of the
+    server holding service ``name``), its conversion giving what ``predict`` returns (on
+    ``device``, if it moves tensors): one place for :class:`InferenceClient` and
+    ``tensorshare.aio.AsyncInferenceClient``.
+
+    Raises:
+        TypeError, ValueError: ``inputs`` is not a tensor or a dict of tensors with rows.
+    """
+    x = inputs if batched else _add_batch_dim(inputs)
+    cmd = face.service_call_command(name, x, rows=_rows(x), timeout=timeout,
+                                    wait_room=wait_room, compress=compress)
+    convert = cmd.convert
+    result = _Result(batched, return_version, device if moves(device) else None)
+    return replace(cmd, convert=lambda reply: result(convert(reply)))
 
 
 class InferenceClient:
@@ -112,14 +131,12 @@ class InferenceClient:
 
     def _command(self, inputs: Any, batched: bool, return_version: bool,
                  wait_room: bool | None) -> Any:
-        x = inputs if batched else _add_batch_dim(inputs)
-        cmd = self._shard.service_call_command(
-            self.name, x, rows=_rows(x), timeout=self.timeout,
-            wait_room=self.wait_room if wait_room is None else bool(wait_room),
-            compress=self.compress)
-        convert = cmd.convert
-        result = _Result(batched, return_version, self.device if moves(self.device) else None)
-        return replace(cmd, convert=lambda reply: result(convert(reply)))
+        return predict_command(self._shard, self.name, inputs, batched=batched,
+                               return_version=return_version,
+                               wait_room=self.wait_room if wait_room is None
+                               else bool(wait_room),
+                               timeout=self.timeout, compress=self.compress,
+                               device=self.device)
 
     def predict(self, inputs: Any, *, batched: bool = False, return_version: bool = False,
                 wait_room: bool | None = None) -> Any:
