@@ -460,7 +460,7 @@ class ClientSession:
                 through = open_ids[0] - 1
                 open_ids = []
                 break
-        if self.held:
+        if self.held or through in self.calls:
             through, open_ids = self._held_ack(through, open_ids)
         last = self._last_ack
         if last is not None and through == last.through and tuple(open_ids) == last.open:
@@ -471,7 +471,8 @@ class ClientSession:
 
     def _held_ack(self, through: int, open_ids: list[int]) -> tuple[int, list[int]]:
         """The acknowledgement ``(through, open_ids)`` with the held ids left open: an ack
-        covers its own id, so it goes below a held (or pending) one."""
+        covers its own id, so it goes below a held one, or a pending one (a get given up
+        on whose late reply was the last to come: its cancel is not answered yet)."""
         held, calls = self.held, self.calls
         while through in held or through in calls:
             through -= 1

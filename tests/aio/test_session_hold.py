@@ -87,3 +87,18 @@ def test_a_session_the_server_forgot_or_closed_holds_nothing() -> None:
     g2, _ = _got(s2, server2)
     s2.close(ConnectionLost("closed"))
     assert not s2.held
+
+
+def test_a_late_reply_to_an_abandoned_get_is_never_acknowledged_before_its_cancel() -> None:
+    """A get given up on (its cancel not sent yet) whose reply then comes, the last reply so
+    far: the ack that goes with the cancel must not cover it, or the server would forget
+    the items before the cancel could give them back (an ack covers its own id)."""
+    s = new_session()
+    server, _, _ = connect(s)
+    g = s.call(get(), "get", 0.0, token=1)
+    server.read(s.pop_sendable(0.0))
+    s.abandon(g, 1.0)
+    s.receive_data(Server.frames(Fetched(g.id, "append", (item(7),), 1, 0)), 1.0)  # late
+    ack, cancel = server.read(s.pop_sendable(1.0))
+    assert cancel.target == g.id
+    assert ack.through < g.id and g.id not in ack.open
