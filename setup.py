@@ -120,10 +120,16 @@ setup(
         "rl": ["gymnasium>=1.0"],
         # tensorshare.ray: shard servers as Ray actors (start_shards).
         "ray": ["ray>=2.60"],
+        # tensorshare.aio runs on any asyncio loop; this only installs uvloop (the library
+        # never sets a loop policy: uvloop.run(main()) is the caller's choice).
+        "uvloop": ["uvloop"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
         # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
                  "trustme",
+                 # tests/aio: both event loops, and Starlette and FastAPI gateways (the
+                 # README's) driven by httpx
+                 "uvloop", "starlette", "fastapi", "httpx",
                  "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
                  # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
                  'ray==2.60.0; python_version < "3.14"',
