@@ -38,6 +38,7 @@ __all__ = ["NO_EXTENSIONS_ENV", "TWINS", "compiled", "install", "twin_of"]
 TWINS = (
     "tensorshare.wire.records",
     "tensorshare.wire.frames",
+    "tensorshare.wire.fields",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",
     "tensorshare.server.sessions",
@@ -47,7 +48,7 @@ TWINS = (
     "tensorshare.client.session",
     "tensorshare.client.election",
     "tensorshare.client.ops",
-    "tensorshare.client.blocking",
+    "tensorshare.client.connection",
 )
 #: Set (to anything but ``""`` or ``"0"``) to run the pure-Python modules only.
 NO_EXTENSIONS_ENV = "TENSORSHARE_NO_EXTENSIONS"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
+from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
 from ..memory.device import check_device, moves, to_device, want_pinned
@@ -105,7 +106,10 @@ class InferenceClient:
             torch without CUDA is a ``ValueError``); ``None``: the CPU. If the copy fails,
             ``DeviceCopyFailed`` carries the output on the CPU. (Inputs may be CUDA tensors
             whatever this says: they are copied once to host memory to travel.)
-        client_options: more arguments of the client (``token``, ``tls_ca``, ...).
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...; they override ``options``);
+            its ``timeout`` is ``timeout`` and a bit more (the server says ``WaitTimeout``
+            first).
 
     ``predict(x)`` sends one input (no batch dimension) and returns the model's output row
     for it; ``predict(x, batched=True)`` sends a batch (first dimension) and returns the
@@ -115,7 +119,8 @@ class InferenceClient:
 
     def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
                  timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
-                 client: Any = None, device: Any = None, **client_options: Any) -> None:
+                 client: Any = None, device: Any = None, options: ClientOptions | None = None,
+                 **client_options: Unpack[TransportFields]) -> None:
         self.device = check_device(device)
         want_pinned(self.device)
         self.name = name
@@ -124,7 +129,7 @@ class InferenceClient:
         self.compress = check_compress(compress)
         self._own = client is None
         # The client's own timeout leaves the server time to say WaitTimeout first.
-        self.client = connect(host, port, max(timeout * 1.25, timeout + 1.0),
+        self.client = connect(host, port, max(timeout * 1.25, timeout + 1.0), options=options,
                               **client_options) if client is None else client
         self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
             else self.client
