@@ -1,21 +1,20 @@
 """AsyncInferenceClient: an asyncio program's handle on a model an ``InferenceHost`` serves
 (an inference gateway's handlers, say), built like
 :class:`~tensorshare.inference.InferenceClient`: the same arguments, the same call (one
-place, :func:`~tensorshare.inference.client.predict_command`), awaited."""
+place, :class:`~tensorshare.inference.client.InferenceCaller`), awaited."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
-from ..client.services import check_compress
-from ..inference.client import predict_command
-from ..memory.device import check_device, want_pinned
+from ..client.options import ClientOptions, TransportFields
+from ..inference.client import InferenceCaller
 from .client import AsyncClient
 
 __all__ = ["AsyncInferenceClient"]
 
 
-class AsyncInferenceClient:
+class AsyncInferenceClient(InferenceCaller):
     """Calls the model an ``InferenceHost`` serves on service bin ``name``, from asyncio.
 
     Usage::
@@ -33,26 +32,23 @@ class AsyncInferenceClient:
             need the blocking client's ``ShardedClient``).
         client: an :class:`~.client.AsyncClient` to use instead of connecting (not closed
             by :meth:`aclose`).
-        client_options: more arguments of the client (``token``, ``tls_ca``, ...).
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...), as for
+            ``InferenceClient``.
     """
 
     def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
                  timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
                  client: AsyncClient | None = None, device: Any = None,
-                 **client_options: Any) -> None:
-        self.device = check_device(device)
-        want_pinned(self.device)
-        self.name = name
-        self.timeout = timeout
-        self.wait_room = bool(wait_room)
-        self.compress = check_compress(compress)
-        self._own = client is None
+                 options: ClientOptions | None = None,
+                 **client_options: Unpack[TransportFields]) -> None:
+        super().__init__(name, timeout, wait_room, compress, device, client is None)
         if host is not None and "," in host:
             raise ValueError("AsyncInferenceClient connects to one server; for a service on "
                              "several, use InferenceClient (a ShardedClient)")
-        # The client's own timeout leaves the server time to say WaitTimeout first.
-        self.client = AsyncClient(host, port, max(timeout * 1.25, timeout + 1.0),
+        self.client = AsyncClient(host, port, self.client_timeout, options=options,
                                   **client_options) if client is None else client
+        self._shard = self.client
 
     async def connect(self) -> AsyncInferenceClient:
         """Connect the client this object made (``async with`` does it)."""
@@ -65,12 +61,7 @@ class AsyncInferenceClient:
         """The model's output for ``inputs`` (its row; with ``batched``, its rows), as
         ``InferenceClient.predict``: the same keywords, results and errors (``WaitTimeout``,
         ``ServiceFailed``, ``BinFull``)."""
-        cmd = predict_command(self.client, self.name, inputs, batched=batched,
-                              return_version=return_version,
-                              wait_room=self.wait_room if wait_room is None
-                              else bool(wait_room),
-                              timeout=self.timeout, compress=self.compress,
-                              device=self.device)
+        cmd = self._command(inputs, batched, return_version, wait_room)
         return await self.client._execute(cmd)
 
     async def aclose(self) -> None:
