@@ -211,6 +211,7 @@ class AsyncClient(Ops):
             raise
         if self._session.held:
             self._session.release(call, loop.time())
+            self._ack_soon()
         if type(reply) is ErrorReply:
             raise error_from_code(reply.code, reply.message)
         convert = call.convert
@@ -326,6 +327,7 @@ class AsyncClient(Ops):
                 continue
             if session.held:
                 session.release(call, now)
+                self._ack_soon()
             try:
                 if type(reply) is ErrorReply:
                     raise error_from_code(reply.code, reply.message)
@@ -457,6 +459,7 @@ class AsyncClient(Ops):
             events = session.receive_data(proto.view[:nbytes], now)
         if events:
             self._process(events)
+            self._ack_soon()
         if session.has_sendable or session.has_finished:
             self._flush()
 
@@ -469,9 +472,15 @@ class AsyncClient(Ops):
             _close_fd(fd)
 
     # -- time -----------------------------------------------------------------------------------
+    def _ack_soon(self) -> None:
+        """A get's items wait for their acknowledgement: wake up in time to send it."""
+        due, t = self._session.ack_due(), self._timer
+        if due is not None and (t is None or due < t.when()):
+            self._reschedule()
+
     def _reschedule(self) -> None:
-        """Keep one timer, at the session's next deadline or heartbeat (a timer that fires
-        early only looks again)."""
+        """Keep one timer, at the session's next deadline, acknowledgement or heartbeat (a
+        timer that fires early only looks again)."""
         session, loop = self._session, self._loop
         t = self._timer
         if loop is None or session.closed is not None:
@@ -479,10 +488,9 @@ class AsyncClient(Ops):
                 t.cancel()
                 self._timer = None
             return
-        wake = session.next_deadline()
-        if session.connected:
-            beat = session.heartbeat_due(loop.time())
-            wake = beat if wake is None else min(wake, beat)
+        times = (session.next_deadline(), session.ack_due(),
+                 session.heartbeat_due(loop.time()) if session.connected else None)
+        wake = min((w for w in times if w is not None), default=None)
         if wake is None:
             return
         if t is not None:

@@ -27,14 +27,8 @@ class AsyncPipeline(Pipeline):
     """
 
     async def execute(self) -> list[Any]:
-        """Send every queued request and await every reply.
-
-        Returns:
-            :attr:`results`.
-
-        Raises:
-            the first error among the results (with ``raise_on_error``, the default).
-        """
+        """Send every queued request and await every reply: ``Pipeline.execute``, awaited
+        (what ``async with`` does at the end of its block)."""
         if self.results is not None:
             return self.results
         results: list[Any] = await super().execute()
