@@ -31,6 +31,7 @@ import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..client.connection import _skip_sent  # (the blocking client's: one way to count)
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
 from ..wire.frames import BytesLike
 
@@ -146,22 +147,6 @@ class _Out:
             self.i = _skip_sent(views, self.i, sent)
         self.keep = None
         return True
-
-
-def _skip_sent(views: list[memoryview], i: int, sent: int) -> int:
-    """Past ``sent`` bytes from ``views[i]`` on (a partly sent view is sliced) and past
-    empty views: the index of the first view with bytes left."""
-    while sent:
-        n = views[i].nbytes
-        if sent >= n:
-            sent -= n
-            i += 1
-        else:
-            views[i] = views[i][sent:]
-            sent = 0
-    while i < len(views) and views[i].nbytes == 0:
-        i += 1
-    return i
 
 
 class SocketStream:

@@ -416,3 +416,16 @@ def test_the_library_sets_no_loop_policy(run: Run) -> None:
     run(scenario())
     assert type(asyncio.get_event_loop_policy()) is before
     assert before is asyncio.DefaultEventLoopPolicy
+
+
+def test_importing_the_face_imports_neither_torch_nor_twisted() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, tensorshare.aio as a; a.AsyncClient; "
+            "print(sorted(m for m in ('torch', 'twisted', 'tensorshare.inference') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
