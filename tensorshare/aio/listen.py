@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -145,6 +146,10 @@ class ListenEvents:
             assert self._started is not None
             await asyncio.shield(self._started)
         return self
+
+    def __await__(self) -> Generator[Any, None, ListenEvents]:
+        """``events = await client.listen(name)``: registered, then iterated later."""
+        return self.start().__await__()
 
     def __aiter__(self) -> ListenEvents:
         return self

@@ -89,8 +89,8 @@ def test_async_with_is_live_in_its_body_and_several_listeners_share_a_bin(
             await until(lambda: _true(len(async_called) == 2), "the async callback")
             assert [e["version"] for e in called] == [1, 2] and async_called == [1, 2]
             # unlisten ends every listener of the bin, iterators too.
-            events = c.listen("b")
-            await events.start()
+            events = await c.listen("b")  # (registered; iterated later)
+            assert isinstance(events, ListenEvents) and await listeners(c, "b") == 1
             assert await c.unlisten("b") is True
             assert [e async for e in events] == []
             assert await listeners(c, "b") == 0 and await c.unlisten("b") is False
