@@ -46,6 +46,7 @@ READ_CHUNK = 256 * 1024
 # (a tensor's own memory, not a copy, where the transport sends at once).
 _JOIN_MAX = 64 * 1024
 _MAX_IOV = 512  # buffers per sendmsg (Linux: IOV_MAX is 1024)
+_READS_PER_TURN = 64  # the most reads of a large part in one turn of the loop
 
 
 class AioProtocol(asyncio.BufferedProtocol):
@@ -167,7 +168,16 @@ class SocketStream:
         protocol.connection_made(self)
 
     def _read_ready(self) -> None:
+        """Read what came; while a large part streams in (into the session's own buffer),
+        read again at once rather than through another turn of the loop, up to
+        :data:`_READS_PER_TURN` reads."""
         proto = self._protocol
+        for _ in range(_READS_PER_TURN):
+            if not self._read_once(proto) or not proto.direct or self._closed:
+                return
+
+    def _read_once(self, proto: AioProtocol) -> bool:
+        """One read into ``proto``'s buffer; whether it brought bytes."""
         target = proto.get_buffer(-1)
         fds = None
         try:
@@ -178,16 +188,17 @@ class SocketStream:
             else:
                 n = self._sock.recv_into(target)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self._end(exc)
-            return
+            return False
         if fds:
             proto.fds_received(fds)
-        if n:
-            proto.buffer_updated(n)
-        else:
+        if not n:
             self._end(None)
+            return False
+        proto.buffer_updated(n)
+        return True
 
     def send(self, chunks: Sequence[BytesLike], shared: list[Any] | None) -> None:
         if self._closed or self._closing:
