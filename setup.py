@@ -226,10 +226,16 @@ if __name__ == "__main__":
             "rl": ["gymnasium>=1.0"],
             # tensorshare.ray: shard servers as Ray actors (start_shards).
             "ray": ["ray>=2.60"],
+            # tensorshare.aio runs on any asyncio loop; this only installs uvloop (the library
+            # never sets a loop policy: uvloop.run(main()) is the caller's choice).
+            "uvloop": ["uvloop"],
             # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
             # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
             "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
                      "trustme",
+                     # tests/aio: both event loops, and Starlette and FastAPI gateways (the
+                     # README's) driven by httpx
+                     "uvloop", "starlette", "fastapi", "httpx",
                      # tests/test_build.py builds two twins as pip does (the build's own Cython is
                      # in pip's isolated build environment, not here)
                      "Cython>=3.1",  # (as pyproject.toml builds with)

@@ -56,7 +56,7 @@ cdef class ClientSession:
     cdef public object server_said, _next_id, _through, _last_ack, _ping, _hello, allocate
     cdef public ClientConnection conn
     cdef public bint connected, shm
-    cdef public dict calls, listeners
+    cdef public dict calls, listeners, held
     cdef public list _deadlines, _queue, _out_shared, _finished_now
     cdef public double _last_tx, _last_rx, _held_at
 
