@@ -46,6 +46,7 @@ from ..errors import (
     BinNotFound,
     InvalidRequest,
     LimitExceeded,
+    PermissionDenied,
     ServerError,
     WaitTimeout,
     code_for,
@@ -1111,6 +1112,14 @@ class StreamKind:
 
     # -- consumers --------------------------------------------------------------------------
     def _join(self, conn: Conn, msg: StreamJoin) -> StreamJoined:
+        user = conn.user
+        if user is not None and msg.bin not in self.streams and not user.may_write(msg.bin):
+            # Joining makes a stream that does not exist yet: a bin in the name's namespace,
+            # which a user who may only read there must not add.
+            raise PermissionDenied(
+                f"user {user.name!r} may not stream_join bin {msg.bin!r} yet: no such stream, "
+                f"and joining would make it, which needs write permission on it; join once its "
+                f"producer has opened it")
         st = self._stream(msg.bin, True)
         _same_host(st, conn)
         if msg.consumer not in st.consumers:

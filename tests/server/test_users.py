@@ -176,10 +176,13 @@ def test_each_op_of_every_kind_is_allowed_or_refused_as_the_users_file_says(
             rid = p.rid()
             msg = _request(op, rid, name)
             assert getattr(msg, "bin", name) == name
+            existed = set(factory.bin_stats())
             p.send(msg)
             denied = [r for r in p.received() if isinstance(r, ErrorReply) and r.id == rid
                       and r.code == "permission_denied"]
             expected = _allowed(user, access, name if hasattr(msg, "bin") else "")
+            if op == "stream_join" and name not in existed:  # (joining makes it: a write)
+                expected = expected and _allowed(user, "write", name)
             assert bool(denied) != expected, (op, user, name, denied)
             if denied:
                 text = denied[0].message
@@ -188,6 +191,21 @@ def test_each_op_of_every_kind_is_allowed_or_refused_as_the_users_file_says(
                     assert repr(name) in text, text
                 if op != "bye":
                     p.ping()  # the connection stays usable
+
+
+def test_a_reader_joins_a_stream_once_a_writer_made_it(factory: ServerFactory) -> None:
+    """Joining a stream that does not exist makes it: alice, who may only read ``shared/*``,
+    is refused there (and no bin appears) until bob, who may write it, has opened it."""
+    from tensorshare.wire.streams import StreamJoin, StreamJoined, StreamOpen, StreamOpened
+
+    alice, bob = peer(factory, "alice"), peer(factory, "bob")
+    reply = alice.request(StreamJoin(alice.rid(), "shared/s", "job"))
+    assert isinstance(reply, ErrorReply) and reply.code == "permission_denied", reply
+    assert "join once its producer has opened it" in reply.message
+    assert "shared/s" not in factory.bin_stats()
+    assert isinstance(alice.request(StreamJoin(alice.rid(), "alice/s", "job")), StreamJoined)
+    assert isinstance(bob.request(StreamOpen(bob.rid(), "shared/s")), StreamOpened)
+    assert isinstance(alice.request(StreamJoin(alice.rid(), "shared/s", "job")), StreamJoined)
 
 
 def test_what_was_refused_changed_nothing(factory: ServerFactory) -> None:
