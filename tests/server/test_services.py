@@ -15,13 +15,27 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
+from twisted.internet.testing import MemoryReactorClock
 
 from tensorshare import BinFull, Client, EmbeddedServer, InvalidRequest, ServiceFailed, WaitTimeout
 from tensorshare.server import ServerConfig
+from tensorshare.server.core import ServerFactory
+from tensorshare.wire import codec
+from tensorshare.wire.frames import encode_frame
+from tensorshare.wire.messages import Acked, ErrorReply, Item
+from tensorshare.wire.services import (
+    MAX_BATCH,
+    ServiceBatch,
+    ServiceCall,
+    ServiceReply,
+    ServiceTake,
+)
 from tests.chaos import ChaosProxy, Faults
 from tests.conftest import wait_until
+from tests.server.test_connection import Peer
 
 DEADLINE = 10.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,3 +351,39 @@ def test_calls_through_cut_connections_are_answered_exactly_once() -> None:
         with Client("127.0.0.1", srv.port) as c:
             st = _service(c, "svc")["service"]
         assert st["answered"] == n and st["calls"] == n
+
+
+@pytest.mark.parametrize("header", [
+    {"items": [0] * (MAX_BATCH + 1)},  # more items than a batch may have
+    {"items": [0], "error": 7},  # a field of the wrong type
+], ids=["too_many_items", "bad_error_field"])
+def test_a_refused_service_reply_fails_every_call_of_its_batch(header: dict) -> None:
+    # §3.2.24: a reply the server refuses (invalid_request) still names its batch: every call
+    # of the batch fails at once (service_failed), not when the lease runs out.
+    f = ServerFactory(MemoryReactorClock())
+    caller, host = Peer(f), Peer(f)
+    calls = [ServiceCall(caller.rid(), "svc", Item(codec.encode(i))) for i in range(2)]
+    for call in calls:
+        caller.send(call)
+    assert caller.received() == []
+    take = ServiceTake(host.rid(), "svc", max_batch=2, lease=60.0)
+    batch = host.request(take)
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 2
+    rid = host.rid()
+    host.conn.ops[rid] = "service_reply"
+    host.write(b"".join(encode_frame(msgpack.packb(
+        {"op": "service_reply", "id": rid, "bin": "svc", "batch": batch.batch, **header}))))
+    (refused,) = host.received()
+    assert isinstance(refused, ErrorReply) and refused.id == rid
+    assert refused.code == "invalid_request"
+    failed = caller.received()
+    assert sorted(r.id for r in failed) == [c.id for c in calls]
+    assert all(isinstance(r, ErrorReply) and r.code == "service_failed"
+               and "service_reply was refused" in r.message for r in failed)
+    stats = f.bin_stats("svc")["svc"]["service"]
+    assert stats["failed"] == 2 and stats["with_hosts"] == 0 and stats["queue"] == 0
+    # The host is still usable, and a late reply to that batch is dropped.
+    rid = host.rid()
+    late = host.request(ServiceReply(rid, "svc", batch.batch, Item(codec.encode(0)),
+                                     (Item(codec.encode(1)),)))
+    assert late == Acked(rid, False)

@@ -400,7 +400,7 @@ def _fuzz_frame(rng: Any, rid: int) -> bytes:
 
 def _outside_alice(f: Any) -> dict[str, Any]:
     """What every bin alice may not write holds: no frame of hers may change it."""
-    from tensorshare.server.users import User
+    from tensorshare.server.accounts import User
 
     alice = User("alice", write=("alice/*",))
     out: dict[str, Any] = {}
