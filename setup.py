@@ -122,7 +122,9 @@ setup(
         "ray": ["ray>=2.60"],
         # The tests run the Gymnasium examples too (and the fallback, with Gymnasium hidden).
         # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
+        # pytest-xdist: the suite runs on as many workers as tests/conftest.py chooses.
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "ruff", "mypy",
+                 "import-linter>=2.17",
                  "trustme",
                  "mypy-zope", "gymnasium>=1.0", "kubernetes-validate==1.37.0", "pyyaml",
                  # a real local Ray cluster in tests/ray (wheels up to Python 3.13)
