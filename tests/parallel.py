@@ -9,8 +9,9 @@
   own ``--dist loadgroup`` names a test's group in its node id, which pytest 9.2 no longer
   lets it change (pytest-xdist issue 1386): here each worker writes the groups it collected
   to a file of the run, and the scheduler reads them from there.
-* The long tests start first, and a test marked ``alone`` (it measures the whole machine)
-  runs last, while no other test does (:class:`Alone`).
+* The long tests start first, and a test marked ``alone`` (it measures the whole machine, or
+  hands off between threads and processes at every step) runs last, while no other test
+  does (:class:`Alone`).
 """
 
 from __future__ import annotations
@@ -104,10 +105,15 @@ def write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 # -- the order, and the tests that run alone -----------------------------------------------------
-def _order(item: pytest.Item) -> int:
+def _order(item: pytest.Item) -> tuple[int, float]:
     """The long tests first, so that a parallel run starts them at once instead of ending on
-    them; the tests that must run alone last (they wait for all the others)."""
-    return 2 if item.get_closest_marker("alone") else 0 if item.get_closest_marker("long") else 1
+    them, those that may run longest (the largest ``timeout`` mark) before the others; the
+    tests that must run alone last (they wait for all the others)."""
+    timeout = item.get_closest_marker("timeout")
+    longest = -float(timeout.args[0]) if timeout is not None and timeout.args else 0.0
+    if item.get_closest_marker("alone"):
+        return 2, longest
+    return (0 if item.get_closest_marker("long") else 1), longest
 
 
 @pytest.hookimpl(trylast=True)
@@ -118,8 +124,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 class Alone:
     """Across the workers of one parallel run, a test marked ``alone`` runs while no other
-    test does (it measures the whole machine: /dev/shm, the memory in use); every other test
-    may run beside any but those. A readers-writer lock of ``flock`` on two files in the
+    test does; every other test may run beside any but those. A readers-writer lock of ``flock`` on two files in the
     run's temporary folder, the writer first: a test marked ``alone`` closes the gate to the
     tests that have yet to start, then waits for the running ones to end."""
 

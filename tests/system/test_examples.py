@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # The runs that learn (a trainer and its workers, each busy): one after the other on one
-# worker of a parallel run, so that they never compete with each other for the cores.
+# worker of a parallel run, so that they never compete with each other for the cores
+# (central inference, the longest, runs alone).
 LEARNING = pytest.mark.xdist_group("learning")
 
 
@@ -258,8 +259,9 @@ def test_triplet_mining_loss_falls() -> None:
     assert "Traceback" not in res.stderr, res.stderr  # miners exit quietly
 
 
-@LEARNING
 @pytest.mark.long
+@pytest.mark.alone  # each step a chain of hand-offs between threads and processes, which
+# other tests' work on the same cores would slow many times over
 @pytest.mark.timeout(330)
 def test_central_inference_example_reaches_the_target_both_ways() -> None:
     # Workers acting through one InferenceHost learn CartPole as workers with local copies do.
