@@ -43,12 +43,13 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """Workers for ``-n auto`` (the default): twice the cores this process may run on, as
-    most tests wait on sockets and child processes rather than compute;
+    most tests wait on sockets and child processes rather than compute, up to 8 (each holds
+    torch and the suite in memory, and past that the longest tests set the pace);
     ``$PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it."""
     given = os.environ.get(WORKERS_ENV)
     if given:
         return int(given)
-    return 2 * len(os.sched_getaffinity(0))
+    return min(2 * len(os.sched_getaffinity(0)), 8)
 
 
 # -- groups ------------------------------------------------------------------------------------
