@@ -123,7 +123,7 @@ def _client_half(port: int, pairs: int) -> None:
         # Under callgrind a request takes milliseconds, not tens of microseconds: longer than
         # the reader thread's LINGER, so it would wake for every request, which it does not
         # do at full speed (a lone caller reads its own replies). Count that path.
-        c._election.linger = 60.0
+        c._conn._election.linger = 60.0
         for _ in range(50):
             c.put("x", t)
             c.get("x")

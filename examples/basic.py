@@ -1,4 +1,6 @@
-"""The seed's client example, unchanged except that the port comes from TENSORSHARE_PORT.
+"""The seed's client example, unchanged except where the server is: ``TENSORSHARE_URL`` if set
+(any address ``Client`` takes: ``tensorshare://HOST:PORT``, ``tensorshare+tls://HOST:PORT``),
+else ``localhost`` on port ``TENSORSHARE_PORT`` (default 8000, the seed's).
 
 Start a server first (``tensorshare serve --port 8000``), then run ``python examples/basic.py``.
 """
@@ -8,6 +10,7 @@ from tensorshare import TensorShare
 from threading import Thread
 import torch
 
+HOST = os.environ.get("TENSORSHARE_URL") or "localhost"
 PORT = int(os.environ.get("TENSORSHARE_PORT", "8000"))
 
 
@@ -36,6 +39,6 @@ def do_something(ts):
     ts.list(cb_print_and_exit)  # List the number of items in all bins
 
 
-tmp = TensorShare('localhost', PORT)
+tmp = TensorShare(HOST, PORT)
 Thread(target=do_something, args=(tmp, ), daemon=True).start()
 tmp.start() # This is blocking and must be started in the main thread.

@@ -1,4 +1,7 @@
-"""The seed's RL trainer, unchanged except that the port comes from TENSORSHARE_PORT.
+"""The seed's RL trainer, unchanged except where its server listens: ``TENSORSHARE_URL`` if set
+(``tensorshare://HOST:PORT`` or ``tensorshare+tls://HOST:PORT``; TLS with the certificate
+``TENSORSHARE_TLS_CERT`` and ``TENSORSHARE_TLS_KEY`` name), else ``localhost`` on port
+``TENSORSHARE_PORT`` (default 8000, the seed's).
 
 It hosts the server itself. Start it, then one or more ``python examples/rl_worker.py``.
 """
@@ -9,6 +12,7 @@ import torch
 from threading import Thread
 from time import sleep
 
+HOST = os.environ.get("TENSORSHARE_URL") or "localhost"
 PORT = int(os.environ.get("TENSORSHARE_PORT", "8000"))
 
 
@@ -45,6 +49,6 @@ def train(ts):
         ts.stop()
 
 # Also host the server. In a real application it's better to have a dedicated process host the server.
-tmp = RLTrainer('localhost', PORT, host_server=True, filter_version=False)
+tmp = RLTrainer(HOST, PORT, host_server=True, filter_version=False)
 Thread(target=train, args=(tmp, ), daemon=True).start()
 tmp.start()

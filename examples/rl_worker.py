@@ -1,4 +1,6 @@
-"""The seed's RL worker, unchanged except that the port comes from TENSORSHARE_PORT.
+"""The seed's RL worker, unchanged except where the server is: ``TENSORSHARE_URL`` if set
+(any address ``Client`` takes: ``tensorshare://HOST:PORT``, ``tensorshare+tls://HOST:PORT``),
+else ``localhost`` on port ``TENSORSHARE_PORT`` (default 8000, the seed's).
 
 Run it after ``examples/rl_trainer.py``; start as many as you like, whenever you like.
 """
@@ -9,6 +11,7 @@ import torch
 from threading import Thread
 from time import sleep
 
+HOST = os.environ.get("TENSORSHARE_URL") or "localhost"
 PORT = int(os.environ.get("TENSORSHARE_PORT", "8000"))
 
 
@@ -34,6 +37,6 @@ def generate_rollouts(ts):
         ts.stop()
 
 
-tmp = RLWorker('localhost', PORT)
+tmp = RLWorker(HOST, PORT)
 Thread(target=generate_rollouts, args=(tmp, ), daemon=True).start()
 tmp.start()

@@ -30,6 +30,8 @@
         ├── BinNotFound (LookupError)      the bin is missing or empty
         ├── InvalidRequest (ValueError)    a malformed request, a bad bin name, an unknown op
         ├── LimitExceeded                  a frame, header, depth or name limit was hit
+        │   ├── FrameTooLarge (ValueError) the client refused a value over the server's
+        │   │                              max_frame_bytes: nothing was sent (never from the wire)
         │   ├── MemoryLimitExceeded        storing the value would exceed the server's memory limit
         │   ├── BinFull                    the bin is at its configured max_items / max_bytes
         │   └── QuotaExceeded              the user is at its max_memory / max_connections
@@ -46,7 +48,10 @@
 Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError`` /
 ``ValueError`` / ``CodecError`` before anything is sent. ``except Timeout`` catches both kinds
 of timeout; ``except TransportError`` only real connection trouble; ``except ServerError``
-only answers from the server (a ``WaitTimeout`` is one: the server is fine, the bin was empty).
+only answers from the server (a ``WaitTimeout`` is one: the server is fine, the bin was empty),
+but for ``FrameTooLarge``: a value over the server's frame limit is refused by the client
+itself, before anything is sent, as a ``ValueError`` that is also the ``LimitExceeded`` the
+server would have answered (``except LimitExceeded`` catches it either way).
 
 Every error that travels has its wire code as the class attribute ``code`` (``BinFull.code ==
 "bin_full"``); :data:`ERROR_CODES` is built from them, and clients turn a code back into the
@@ -65,6 +70,7 @@ __all__ = [
     "DeviceCopyFailed",
     "InvalidRequest",
     "Lagged",
+    "FrameTooLarge",
     "LimitExceeded",
     "MemoryLimitExceeded",
     "BinFull",
@@ -140,7 +146,9 @@ class ConnectionLost(TransportError):
     """The connection was lost (or closed) before the server answered.
 
     With automatic reconnect this is raised only once the server stayed unreachable for the
-    call's whole timeout (the message says for how long), or the client was closed.
+    call's whole timeout (the message says for how long), or the client was closed. A
+    ``ShardedClient`` raises it too for a call to a server that could not be reached at its
+    first use (nothing was sent; the ``ConnectError`` is its ``__cause__``).
     """
 
 
@@ -217,6 +225,12 @@ class LimitExceeded(ServerError):
     """A configured limit (frame size, header size, nesting depth, name length) was hit."""
 
     code = "limit_exceeded"
+
+
+class FrameTooLarge(LimitExceeded, ValueError):
+    """A value is larger than the server's frame limit (``max_frame_bytes``): the client
+    refused it before anything was sent (a local error, never from the wire; it is a
+    ``LimitExceeded`` too, what the server would have answered, with its code)."""
 
 
 class MemoryLimitExceeded(LimitExceeded):

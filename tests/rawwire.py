@@ -1,18 +1,29 @@
-"""Wire helpers for tests: a bare client side that numbers requests and parses replies.
+"""Wire helpers for tests: a bare client side that numbers requests and parses replies, and
+the server's side of a connection driven as the server drives it.
 
 Tests that speak the protocol by hand (a raw socket, a server on a StringTransport) use
-:class:`WireClient`; ``Get``/``Peek`` build the one fetch message the protocol has.
+:class:`WireClient`; tests that play the server (a scripted peer for a client, the parser's
+own tests) use :class:`ServerWire`; ``Get``/``Peek`` build the one fetch message the protocol
+has.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tensorshare.wire.frames import BytesLike
-from tensorshare.wire.messages import Fetch, FetchSpec, Limits, Request
-from tensorshare.wire.protocol import AckInfo, ClientConnection, ServerConnection, op_name
+from tensorshare.errors import ProtocolError
+from tensorshare.wire.frames import BytesLike, Frame, OversizedFrame
+from tensorshare.wire.messages import Fetch, FetchSpec, Limits, Message, Request
+from tensorshare.wire.protocol import (
+    AckInfo,
+    ClientConnection,
+    ProtocolViolation,
+    ServerConnection,
+    encode_reply,
+    op_name,
+)
 
-__all__ = ["Get", "Peek", "WireClient", "replaced", "server_frames"]
+__all__ = ["Get", "Peek", "ServerWire", "WireClient", "replaced", "server_frames"]
 
 
 def replaced(msg: Any, **changes: Any) -> Any:
@@ -78,7 +89,47 @@ class WireClient:
         return self.conn.receive_data(data, self.ops.get)
 
 
+class ServerWire:
+    """The server's side of one connection, driven as ``server/connection.py`` drives it:
+    :meth:`ServerConnection.frames` (or ``buffered``), then :meth:`ServerConnection.parse`
+    frame by frame; replies and notifications encoded by :func:`encode_reply`.
+
+    ``receive_data`` returns what the server would act on, in order: each request (or
+    ``BadRequest``) preceded by the ``AckInfo`` it carried, and a ``ProtocolViolation`` last
+    when the peer broke the wire format. Other attributes are the ``ServerConnection``'s.
+    """
+
+    def __init__(self, limits: Limits | None = None, **kw: Any) -> None:
+        self.conn = ServerConnection(limits, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    def receive_data(self, data: BytesLike) -> list[Any]:
+        return self._events(*self.conn.frames(data))
+
+    def buffer_updated(self, nbytes: int) -> list[Any]:
+        return self._events(*self.conn.buffered(nbytes))
+
+    def send(self, msg: Message) -> list[BytesLike]:
+        return encode_reply(msg)  # (notifications and errors take the general path)
+
+    def _events(self, frames: list[Frame | OversizedFrame],
+                error: ProtocolError | None) -> list[Any]:
+        out: list[Any] = []
+        try:
+            for frame in frames:
+                msg, through, open_ids = self.conn.parse(frame)
+                if through >= 0:
+                    out.append(AckInfo(through, open_ids))
+                out.append(msg)
+        except ProtocolError as exc:
+            error = exc
+        if error is not None:
+            out.append(ProtocolViolation(str(error)))
+        return out
+
+
 def server_frames(*msgs: Any) -> bytes:
     """Frames as the server would send them."""
-    conn = ServerConnection()
-    return b"".join(b"".join(conn.send(m)) for m in msgs)
+    return b"".join(b"".join(encode_reply(m)) for m in msgs)

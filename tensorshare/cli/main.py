@@ -662,9 +662,7 @@ def _hot_path_line() -> str:
                                                             "tensorshare.server."))]
     if all(_ext.compiled(mine).values()):
         return "hot path: compiled (see tensorshare._ext)"
-    why = f"{_ext.NO_EXTENSIONS_ENV} is set" if os.environ.get(_ext.NO_EXTENSIONS_ENV, "") \
-        not in ("", "0") else "not built at install: no C compiler was found"
-    return f"hot path: pure Python ({why})"
+    return f"hot path: pure Python ({_ext.pure_reason()})"
 
 
 def _max_memory(value: int | str | None) -> int | None:
@@ -718,6 +716,21 @@ def _run_server(args: argparse.Namespace, ready: Any, config: Any, running: list
     return 0
 
 
+#: How a command is given the server's token, in a refusal's message.
+TOKEN_HINT = ("give the server's token with --token-file PATH (or TENSORSHARE_TOKEN_FILE / "
+              "TENSORSHARE_TOKEN in the environment)")
+
+
+def _failure(exc: BaseException) -> str:
+    """The first line of what ``exc`` says, an authentication refusal's hint in the command
+    line's terms (the server's names the Python API's keywords)."""
+    from ..client.endpoint import with_token_hint
+    from ..errors import AuthenticationError
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return with_token_hint(text, TOKEN_HINT) if isinstance(exc, AuthenticationError) else text
+
+
 def _tool(args: argparse.Namespace) -> int:
     """Run an inspection command; a failure is one line on stderr and exit status 1."""
     from ..errors import TensorShareError
@@ -728,7 +741,7 @@ def _tool(args: argparse.Namespace) -> int:
     try:
         return run(args)
     except (TensorShareError, tools.ToolError) as exc:
-        print(f"tensorshare {args.command}: {exc}", file=sys.stderr)
+        print(f"tensorshare {args.command}: {_failure(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (`tensorshare ls | head`): not an error worth a traceback.
@@ -781,9 +794,7 @@ def _health(args: argparse.Namespace) -> int:
         return 1
     outcome = result[0]
     if isinstance(outcome, BaseException):
-        text = str(outcome).strip().splitlines()[0] if str(outcome).strip() else \
-            type(outcome).__name__
-        print(f"tensorshare health: {text}", file=sys.stderr)
+        print(f"tensorshare health: {_failure(outcome)}", file=sys.stderr)
         return 1
     address, took = outcome
     print(f"ok: {address} answered in {took * 1000:.1f} ms")
@@ -810,13 +821,14 @@ class _Progress:
 def _rebalance(args: argparse.Namespace) -> int:
     """``tensorshare rebalance``: move bins to their owners (ShardedClient.rebalance)."""
     from ..client.sharded import ShardedClient
+    from ..errors import TensorShareError
 
     try:
         with ShardedClient(args.servers, timeout=args.timeout,
                            token_file=args.token_file, user=args.user) as c:
             moved = c.rebalance(args.drain, progress=_Progress())
-    except (ValueError, OSError) as exc:
-        print(f"tensorshare rebalance: {exc}", file=sys.stderr)
+    except (TensorShareError, ValueError, OSError) as exc:
+        print(f"tensorshare rebalance: {_failure(exc)}", file=sys.stderr)
         return 1
     for name, where in sorted(moved.items()):
         print(f"{name} -> {where}")
@@ -836,7 +848,7 @@ def _reload(args: argparse.Namespace) -> int:
             c.reload_users()
             where = c.address
     except (TensorShareError, ValueError, OSError) as exc:
-        print(f"tensorshare reload: {exc}", file=sys.stderr)
+        print(f"tensorshare reload: {_failure(exc)}", file=sys.stderr)
         return 1
     print(f"ok: {where} reloaded its users")
     return 0

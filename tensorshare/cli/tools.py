@@ -57,12 +57,13 @@ class ToolError(Exception):
 
 
 def fmt_bytes(n: float) -> str:
-    """A byte count for people, in decimal units: ``36 B``, ``4.1 kB``, ``1.2 GB``."""
-    if n < 1000:
+    """A byte count for people, in binary units, as the server counts its limits
+    (``--max-memory``, quotas): ``36 B``, ``4.0 KiB``, ``1.2 GiB``. (Rates stay MB/s.)"""
+    if n < 1024:
         return f"{int(n)} B"
-    for unit in ("kB", "MB", "GB", "TB"):
-        n /= 1000
-        if n < 999.95 or unit == "TB":
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1023.95 or unit == "TiB":
             return f"{n:.1f} {unit}"
     raise AssertionError("unreachable")
 

@@ -1,56 +1,24 @@
-"""The blocking, thread-safe client: a socket and a reader thread over :mod:`.session`.
+"""The blocking, thread-safe client: :class:`Client`, a face over one connection.
 
-One connection per client. Any number of threads may call it at once: each request is added
-to the session's table and written whole under a send lock, and a reader thread hands each
-reply to the thread waiting for it, so replies may come back in any order. Tensor bytes are
-not copied on the way out (``sendmsg`` of the header and the tensor's own memory) and are
-read on the way in with ``recv_into`` straight into the buffer the received tensors will
-live in.
-
-The connection is elastic: if it drops, the reader thread connects again (with backoff and
-jitter), resumes the session and resends what had no reply; the server answers requests it
-already ran with the reply it remembered, so nothing is lost or applied twice. Calls made
-meanwhile wait for the connection within their own timeout.
-
-Listen callbacks run on a separate dispatcher thread, in the order events arrived, so a slow
-callback never delays replies to other requests.
-
-The ops themselves (put, get, ...) are written once in :mod:`.ops`, for every client face.
+A :class:`Client` holds its connection (the engine: the session, the reader thread, the read
+election, the path of every request; see :mod:`.connection`) and adds the op surface, written
+once in :mod:`.ops` for every client face: each op makes a :class:`~.ops.Command` and hands it
+to the connection's ``_execute``, bound once when the client is made (no extra call per
+request). Any number of threads may call one client at once; a dropped connection is made
+again by itself (see :mod:`.connection`).
 """
 
 from __future__ import annotations
 
-import array
-import builtins
-import logging
-import os
-import queue
-import select
 import socket
-import ssl
-import threading
-import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, Unpack
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Unpack
 
-from ..errors import (
-    ConnectError,
-    ConnectionLost,
-    ServerError,
-    TensorShareError,
-    error_from_code,
-)
-from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
-from ..wire.frames import BytesLike
 from ..wire.messages import Limits
-from ..wire.records import (
-    ErrorReply,
-    Item,
-)
-from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
-from .endpoint import Endpoint
+from ..wire.records import Item
+from .connection import Connection, PendingCall
 from .ops import (
     NOWAIT,
     BinClient,
@@ -58,825 +26,23 @@ from .ops import (
     Command,
     FetchResult,
     Ops,
-    gc_paused,
 )
 from .options import UNSET, ClientOptions, OptionFields, Unset
 from .pipeline import Pipeline
-from .session import Call, Done, Drop, Notify, Ready, Send
 
 __all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
-log = logging.getLogger("tensorshare.client")
 
-_MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
-_READ_CHUNK = 256 * 1024
-# A pipeline's requests go out in writes of at least this many items (see _run_pipeline).
-PIPELINE_FLUSH_ITEMS = 10_000
-
-class _Slot:
-    """Where the reading thread leaves one reply for the thread waiting on it."""
-
-    __slots__ = ("_lock", "reply", "error", "done")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self.reply: Any = None
-        self.error: BaseException | None = None
-        self.done = False
-
-    def resolve(self, reply: Any, error: BaseException | None = None) -> None:
-        """Called exactly once (the session finishes each call once)."""
-        self.reply, self.error = reply, error
-        self.done = True
-        self._lock.release()
-
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until resolved; any number of threads may wait, any number of times."""
-        if timeout is None or timeout >= threading.TIMEOUT_MAX:  # "forever", in lock terms
-            ok = self._lock.acquire()
-        else:
-            ok = self._lock.acquire(timeout=max(timeout, 0.0))
-        if ok:
-            self._lock.release()  # stay "resolved" for every later wait
-        return ok
-
-
-class _FutureSlot(_Slot):
-    """A slot that also completes a ``concurrent.futures.Future`` with the converted result
-    (in the thread that read the reply: the future's callbacks run there)."""
-
-    __slots__ = ("future", "call")
-
-    def __init__(self, future: Future[Any]) -> None:
-        _Slot.__init__(self)  # (named: a compiled twin's cpdef override has no super() cell)
-        self.future = future
-        self.call: Call | None = None
-
-    def resolve(self, reply: Any, error: BaseException | None = None) -> None:
-        _Slot.resolve(self, reply, error)
-        assert self.call is not None
-        ok, value = _outcome(self, self.call)
-        if self.future.set_running_or_notify_cancel():
-            if ok:
-                self.future.set_result(value)
-            else:
-                self.future.set_exception(value)
-
-
-def _outcome(slot: _Slot, call: Call) -> tuple[bool, Any]:
-    """What a resolved call returns: ``(True, result)`` or ``(False, error)``."""
-    if slot.error is not None:
-        return False, slot.error
-    reply = slot.reply
-    if type(reply) is ErrorReply:
-        return False, error_from_code(reply.code, reply.message)
-    try:
-        return True, call.convert(reply) if call.convert is not None else reply
-    except TensorShareError as exc:  # e.g. a malformed value from a peer
-        return False, exc
-
-
-class PendingCall:
-    """A request that was sent (or queued while reconnecting) and whose reply may not have
-    arrived yet.
-
-    ``result()`` waits for the reply (up to the client's timeout, plus the wait time of a
-    waiting get/peek) and returns what the blocking method would return, or raises its error.
-    """
-
-    __slots__ = ("_client", "_call", "_slot", "_outcome")
-
-    def __init__(self, client: Connection | None, call: Call | None, slot: _Slot | None) -> None:
-        self._client, self._call, self._slot = client, call, slot
-        self._outcome: tuple[bool, Any] | None = None
-
-    @classmethod
-    def done(cls, value: Any) -> PendingCall:
-        """A call that is already complete with ``value``."""
-        call = cls(None, None, None)
-        call._outcome = (True, value)
-        return call
-
-    def result(self) -> Any:
-        """Wait for the reply and return the converted result.
-
-        Raises:
-            ReplyTimeout: no reply within the time allowed (a waiting get/peek is cancelled).
-            ConnectionLost: no connection to the server within the time allowed.
-            SessionLost: the server lost this client's session; the outcome is unknown.
-            ServerError and subclasses: the server refused the request.
-        """
-        if self._outcome is None:
-            self._outcome = self._wait()
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
-
-    def _wait(self) -> tuple[bool, Any]:
-        slot, client, call = self._slot, self._client, self._call
-        assert slot is not None and client is not None and call is not None
-        if not slot.done:
-            client._await(call, slot)
-        # (_outcome, inlined for the common case: one call fewer per request)
-        if slot.error is None and type(slot.reply) is not ErrorReply:
-            try:
-                return True, call.convert(slot.reply) if call.convert is not None else slot.reply
-            except TensorShareError as exc:  # e.g. a malformed value from a peer
-                return False, exc
-        return _outcome(slot, call)
-
-
-
-class Connection:
-    """What a :class:`Client` is under its face: one connection to a server that rides out
-    drops, its session, the reader thread and the read election, and the path of every
-    request (typed for the compiler: a cdef class in the compiled twin, see
-    ``blocking.pxd``). :class:`Client` adds the op surface and the constructor."""
-
-    # (set by the face's constructor)
-    timeout: float
-    reconnect: bool | float
-    endpoint: Endpoint
-    address: str
-    host: str | None
-    port: int | None
-    path: str | None
-    compress: str | None
-    compress_min_bytes: int
-    shm_min_bytes: int
-    begin: Any
-    _connector: Callable[[], socket.socket] | None
-    _options: ClientOptions
-
-    def _start(self) -> None:
-        """Make the session and the threads' state, and start the reader thread (which
-        connects). Also run in a forked child, which must not share its parent's socket or
-        session."""
-        self._pid = os.getpid()
-        self._forks = _FORKS  # the process it serves: a fork in the child starts it again
-        self._session = self._options.new_session(self.endpoint, "tensorshare-python",
-                                                  self._connector is None)
-        self._lock = threading.Lock()  # the session, and who reads (below)
-        # Waits and wake-ups of who reads, on _lock itself: every "with" takes _lock directly
-        # (a Condition's own __enter__ is a Python call on every request).
-        self._cv = threading.Condition(self._lock)
-        self._send_lock = threading.Lock()  # the socket's write side; taken before _lock
-        # Who reads the socket (the reader thread or a lone caller): see .election. Every
-        # call to it is made holding _lock; its decisions are carried out by _await, _lead
-        # and _serve.
-        self._election = ReadElection()
-        self._reader: _Reader | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._sock: socket.socket | None = None
-        self._events: queue.SimpleQueue[tuple[list[Any], dict[str, Any], str] | None] | None = None
-        self._dispatcher: threading.Thread | None = None
-        self._closing = False
-        # A bye is on its way: the server closes the connection once it has answered, and
-        # the reader must take that end as the client's, not as a drop to recover from.
-        self._leaving = False
-        self._ready = threading.Event()
-        self._wakeup = threading.Event()  # interrupts the reader's backoff sleep (close)
-        self._attempt = 0  # reconnect attempts since the last handshake (for the backoff)
-        self._lost_at: float | None = None  # when the current outage began
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"tensorshare-reader-{self.address}")
-        self._thread.start()
-
-    def _after_fork(self) -> None:
-        """In a forked child (a DataLoader worker that inherited this client): leave the
-        parent's connection, threads and session alone and open this process's own, as
-        redis-py does. Listen callbacks stay with the parent."""
-        sock, wake = self._sock, (self._wake_r, self._wake_w)
-        if sock is not None:
-            sock.close()  # the child's copy of the descriptor only: no shutdown
-        for fd in wake:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        closing = self._closing
-        self._start()
-        if closing:
-            self.close()
-
-    def _execute(self, cmd: Command) -> Any:
-        if cmd.kind != "call":
-            return self._submit(cmd).result()
-        # (a call: _submit and PendingCall.result written out, the path of every request)
-        if self._forks != _FORKS:
-            raise ConnectionLost(f"the client for {self.address} was made in another process")
-        with self._lock:
-            call, slot = self._call(cmd)
-        self._flush()
-        if not slot.done:
-            self._await(call, slot)
-        if slot.error is None and type(slot.reply) is not ErrorReply:
-            return call.convert(slot.reply) if call.convert is not None else slot.reply
-        ok, value = _outcome(slot, call)
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        """End the session on the server (``bye``, waiting at most a second for its answer)
-        and close the connection. Pending calls fail with ConnectionLost. Idempotent."""
-        if self._pid == os.getpid():
-            self._goodbye()
-        with self._lock:
-            self._closing = True
-            events = self._session.close(ConnectionLost(f"client for {self.address} was closed"))
-            sock = self._sock
-        if sock is not None:
-            try:  # wakes the reader, and a send blocked in another thread fails now
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._wakeup.set()
-        with self._lock:
-            self._cv.notify_all()
-        self._wake()
-        self._process(events)
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
-        if self._events is not None:
-            self._events.put(None)
-        if not self._thread.is_alive():
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._wake_r = self._wake_w = -1
-
-    def _goodbye(self) -> None:
-        """Send ``bye`` and wait (briefly) for its answer: the server then ends our session at
-        once instead of keeping it for its session_ttl (pending calls fail meanwhile)."""
-        with self._lock:
-            if self._closing:
-                return
-            call = self._session.goodbye(time.monotonic())
-            if call is None:
-                return
-            slot = _Slot()
-            call.token = slot
-            self._leaving = True
-        self._flush()
-        with self._lock:  # (a closed session reconnects no more)
-            events = self._session.close(
-                ConnectionLost(f"client for {self.address} was closed"), keep=call)
-        self._process(events)
-        PendingCall(self, call, slot)._wait()
-
-    def _wake(self) -> None:
-        """Interrupt the reader thread's poll() (it then checks what changed)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # full (already woken) or closed
-            pass
-
-    def _submit(self, cmd: Command) -> PendingCall:
-        """Add one request to the session and send what can be sent now."""
-        if self._forks != _FORKS:  # (no system call per request)
-            raise ConnectionLost(f"the client for {self.address} was made in another process")
-        if cmd.kind == "call":
-            with self._lock:
-                call, slot = self._call(cmd)
-        else:
-            entry = cmd.listener
-            if cmd.kind == "listen" and not entry[1]:
-                self._start_dispatcher()
-            name = cmd.bin
-            assert name is not None
-            with self._lock:
-                if cmd.kind == "listen":
-                    if not self._session.add_listener(name, entry):
-                        return PendingCall.done(None)
-                elif not self._session.remove_listener(name):
-                    return PendingCall.done(False)
-                call, slot = self._call(cmd)
-        self._flush()
-        return PendingCall(self, call, slot)
-
-    def _submit_future(self, cmd: Command) -> Future[Any]:
-        """Send one call and return a future of its result, completed by whichever thread
-        reads the reply (no thread waits for it). The call keeps the client's timeout."""
-        if self._forks != _FORKS:
-            raise ConnectionLost(f"the client for {self.address} was made in another process")
-        future: Future[Any] = Future()
-        slot = _FutureSlot(future)
-        with self._lock:
-            slot.call = self._session.call(cmd.request, cmd.what, time.monotonic(), token=slot,
-                                           convert=cmd.convert)
-        self._flush()
-        return future
-
-    def _call(self, cmd: Command) -> tuple[Call, _Slot]:
-        slot = _Slot()
-        call = self._session.call(cmd.request, cmd.what, time.monotonic(), slot,
-                                  cmd.convert, None, cmd.listener)
-        return call, slot
-
-    def _run_pipeline(self, pipeline: Pipeline, batch: Iterable[tuple[Command, int]]
-                      ) -> builtins.list[Any]:
-        """Send the batch's requests as the pipeline makes them, in writes of at least
-        :data:`PIPELINE_FLUSH_ITEMS` items (a big batch of appends: the server stores one
-        request while the next is encoded), then wait for every reply."""
-        if self._forks != _FORKS:
-            raise ConnectionLost(f"the client for {self.address} was made in another process")
-        calls: builtins.list[PendingCall] = []
-        counts: builtins.list[int] = []
-        pending = 0
-        for cmd, n in batch:
-            with self._lock:
-                call, slot = self._call(cmd)
-            calls.append(PendingCall(self, call, slot))
-            counts.append(n)
-            pending += n
-            if pending >= PIPELINE_FLUSH_ITEMS:
-                self._flush()
-                pending = 0
-        self._flush()
-        return pipeline.finish(outcomes_of(calls), counts)
-
-    def _submit_many(self, cmds: Iterable[Command]) -> builtins.list[PendingCall]:
-        """Add many calls to the session and send them in one write (a pipeline's batch)."""
-        calls = []
-        with self._lock:
-            for cmd in cmds:
-                call, slot = self._call(cmd)
-                calls.append(PendingCall(self, call, slot))
-        self._flush()
-        return calls
-
-    def _flush(self) -> None:
-        """Write every request not yet sent on the current connection, in id order."""
-        session = self._session
-        with self._send_lock:
-            with self._lock:
-                sock = self._sock
-                chunks = session.pop_sendable(time.monotonic()) if sock else []
-                shared = session.take_shared() if session.has_shared else None
-                failed = session.take_finished() if session.has_finished else None
-            if failed:
-                self._process(failed)
-            if not chunks or sock is None:
-                return
-            try:
-                _sendall(sock, chunks, [m.fd for m in shared] if shared else None,
-                         self.timeout)
-            except OSError as exc:
-                # A partly written frame leaves the stream unusable: drop the connection; the
-                # reader reconnects and the session resends what had no reply.
-                log.debug("send to %s failed: %s", self.address, exc)
-                _shutdown(sock)
-
-    def _flush_soon(self) -> None:
-        """Flush from another thread: the reader must never block on a send."""
-        threading.Thread(target=self._flush, daemon=True,
-                         name=f"tensorshare-flush-{self.address}").start()
-
-    def _await(self, call: Call, slot: _Slot) -> None:
-        """Wait until ``slot`` is resolved: read the reply ourselves when we are the only
-        caller waiting (no thread handoff), else let the reading thread hand it over. Who
-        reads is the election's call (see :mod:`.election`); this does what it says."""
-        cv, election, session = self._cv, self._election, self._session
-        lock = self._lock  # (cv's own lock, taken directly: Condition.__enter__ is Python)
-        me = threading.get_ident()
-        counted = False
-        try:
-            while True:
-                with lock:
-                    if not counted:  # (one lock for both: taken on every request)
-                        election.caller_waits()
-                        counted = True
-                    if slot.done:
-                        break
-                    turn = election.caller_turn(me, time.monotonic(), session.connected)
-                    if turn is Caller.WAKE_AND_WAIT or turn is Caller.WAIT:
-                        # We asked the reader thread to step aside: we lead next.
-                        if turn is Caller.WAKE_AND_WAIT:
-                            self._wake()
-                        cv.wait(CHECK_BACK)
-                        continue
-                if turn is Caller.LEAD:
-                    self._lead(call, slot)
-                else:
-                    self._wait_slot(call, slot)
-        finally:
-            if counted:
-                with lock:
-                    if election.caller_done(me):
-                        cv.notify_all()  # we had asked the reader to step aside: it may read
-
-    def _wait_slot(self, call: Call, slot: _Slot) -> None:
-        """Wait on ``slot`` for a while (another thread reads); expire the call when its
-        deadline passed and nobody did yet."""
-        deadline = call.deadline
-        # Check back now and then: we may be able to read for ourselves later (say, once a
-        # reconnect completes, or when the other waiting callers are done).
-        wait = CHECK_BACK if deadline is None else \
-            min(deadline - time.monotonic() + 0.002, CHECK_BACK)
-        if slot.wait(wait):
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            # Our deadline passed and nobody expired us yet: ask the session ourselves.
-            # Exactly one of us finishes the call.
-            self._expire(call)
-
-    def _expire(self, call: Call) -> None:
-        with self._lock:
-            events = self._session.expire(call, time.monotonic())
-        self._process(events)
-        if events:
-            self._flush()  # a cancel for a get we gave up on
-
-    def _process(self, events: Sequence[Any]) -> None:
-        """Act on session events (any thread; never holding ``_lock``)."""
-        for ev in events:
-            cls = type(ev)
-            if cls is Done:
-                if ev.call.token is not None:
-                    try:
-                        ev.call.token.resolve(ev.reply, ev.error)
-                    except Exception:  # a bug: it must not keep the other calls waiting
-                        log.exception("resolving %s failed", ev.call.what)
-            elif cls is Notify:
-                self._notify(ev)
-
-    def _notify(self, ev: Notify) -> None:
-        queued = False
-        for cb, inline in ev.callbacks:
-            if inline:
-                _call_listener(cb, ev.event, ev.bin)
-            else:
-                queued = True
-        if queued and self._events is not None:
-            self._events.put((ev.callbacks, ev.event, ev.bin))
-
-    def _run(self) -> None:
-        session = self._session
-        start = time.monotonic()
-        try:
-            while not self._closing and session.closed is None:
-                try:
-                    sock = self._connect()
-                except _Refused as refused:  # TLS says no: retrying would not help
-                    self._end(refused.error)
-                    break
-                except OSError as exc:
-                    if not self._connect_failed(exc, start):
-                        break
-                    continue
-                reason = self._serve(sock)
-                self._connection_ended(sock, reason)
-                if self._closing or self._leaving or session.closed is not None:
-                    break
-                if session.server is None and time.monotonic() - start >= self.timeout:
-                    # The first connection kept dropping mid-handshake until the timeout.
-                    self._end(ConnectError(
-                        f"cannot connect to tensorshare server at {self.address}: no "
-                        f"handshake within {self.timeout:g} s (last: {reason})"))
-                    break
-                if self._lost_at is None:
-                    self._lost_at = time.monotonic()
-                    log.warning("lost connection to tensorshare server at %s (%s); "
-                                "reconnecting", self.address, reason)
-                self._sleep(session.backoff(self._attempt))
-                self._attempt += 1
-        except BaseException:  # never leave callers waiting
-            log.exception("tensorshare reader thread for %s failed", self.address)
-            self._end(ConnectionLost(f"the reader thread of the client for {self.address} failed"))
-        finally:
-            self._ready.set()
-            if self._events is not None:
-                self._events.put(None)
-
-    def _end(self, error: TensorShareError) -> None:
-        """Close the session with ``error``: every waiting call gets it."""
-        with self._lock:
-            events = self._session.close(error)
-        self._process(events)
-
-    def _connect_failed(self, exc: OSError, start: float) -> bool:
-        """A connection attempt failed: wait before the next one and say True, or end the
-        session (never connected within the timeout, or the give-up time passed) and say
-        False."""
-        session, now = self._session, time.monotonic()
-        if session.server is None:  # never connected yet
-            if not self.reconnect or now - start >= self.timeout:
-                self._end(ConnectError(
-                    f"cannot connect to tensorshare server at {self.address}: {exc}"))
-                return False
-        elif session.give_up_due(now):
-            self._give_up(now)
-            return False
-        session.last_loss = f"cannot connect: {exc}"
-        self._sleep(session.backoff(self._attempt))
-        self._attempt += 1
-        return True
-
-    def _connection_ended(self, sock: socket.socket, reason: str) -> None:
-        with self._lock:
-            while not self._election.end_connection():  # a caller still reads it
-                self._cv.wait(1.0)
-            self._sock = None
-            self._reader = None
-            events = self._session.connection_lost(reason, time.monotonic())
-        _close_socket(sock)
-        self._process(events)
-
-    def _give_up(self, now: float) -> None:
-        session = self._session
-        since = session.disconnected_since or now
-        with self._lock:
-            events = session.close(ConnectionLost(
-                f"the tensorshare server at {self.address} has been unreachable for "
-                f"{now - since:.1f} s ({session.last_loss}); gave up (reconnect="
-                f"{self.reconnect:g})"))
-        self._process(events)
-        log.warning("gave up reconnecting to tensorshare server at %s", self.address)
-
-    def _sleep(self, seconds: float) -> None:
-        """Wait before the next connection attempt, expiring calls meanwhile."""
-        end = time.monotonic() + seconds
-        while not self._closing:
-            now = time.monotonic()
-            with self._lock:
-                events = self._session.tick(now)
-                nxt = self._session.next_deadline()
-            self._process(events)
-            if now >= end:
-                return
-            wake = end if nxt is None else min(end, nxt)
-            self._wakeup.wait(max(wake - now, 0.0))
-
-    def _connect(self) -> socket.socket:
-        if self._connector is not None:
-            sock = self._connector()
-        elif self.path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(self.timeout)
-                sock.connect(self.path)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.endpoint.tls:
-                sock = _tls(sock, self.endpoint, self.address)
-        # Non-blocking from here on: reads already wait in poll (Python's own poll before every
-        # recv and send on a socket with a timeout would be one more system call each), and
-        # _sendall waits for room itself, up to the timeout (a server that stops reading).
-        sock.setblocking(False)
-        return sock
-
-    def _serve(self, sock: socket.socket) -> str:
-        """Handshake, then read (or let a caller read) until the connection ends; return why.
-
-        Who reads the socket: normally this thread. But a caller that is the only one waiting
-        for a reply reads it itself (see :meth:`_await`), which saves a thread handoff per
-        request; this thread then stays parked (see :mod:`.election`).
-        """
-        with self._send_lock:
-            with self._lock:
-                if self._closing:
-                    return "closed"
-                self._sock = sock
-                self._reader = reader = _Reader(sock)
-                self._election.connection_made()
-                hello = self._session.connection_made(time.monotonic())
-            try:
-                _sendall(sock, hello, None, self.timeout)
-            except OSError as exc:
-                return f"handshake failed: {exc}"
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        while True:
-            with self._lock:
-                due = self._reader_turn()
-            if isinstance(due, str):
-                return due
-            reason = self._reader_read(poller, reader, due)
-            if reason is not None:
-                return reason
-
-    def _reader_turn(self) -> float | str:
-        """In the reader thread, holding ``_cv``: keep the session's timers, and wait until
-        the election says to read. Returns until when to poll, or why the connection ends."""
-        session, election, cv = self._session, self._election, self._cv
-        while True:
-            if self._closing:
-                return "closed"
-            now = time.monotonic()
-            tick = session.tick(now)
-            if session.has_sendable:  # a heartbeat, or a cancel for a call given up
-                self._flush_soon()
-            if tick:
-                cv.release()
-                try:
-                    if self._handle(tick):
-                        return self._drop_reason(tick)
-                finally:
-                    cv.acquire()
-                continue
-            nxt = session.next_deadline()
-            beat = session.heartbeat_due(now) if session.connected else None
-            due = min((t for t in (nxt, beat) if t is not None), default=now + 60.0)
-            turn = election.reader_turn(now, session.connected)
-            if turn.do is ReaderDo.READ:
-                return due
-            if turn.do is ReaderDo.STOP:
-                return turn.reason
-            if turn.until is not None:
-                due = min(due, turn.until)
-            cv.wait(min(max(due - now, 0.0), 60.0))
-
-    def _reader_read(self, poller: select.poll, reader: _Reader, due: float) -> str | None:
-        """In the reader thread, leading: wait in poll() until ``due`` (or data, or a caller
-        that wants the lead), read what came, and give the lead back. Returns why the
-        connection must end, or ``None``."""
-        try:
-            ready = poller.poll(min(max((due - time.monotonic()) * 1000.0, 1.0), 60e3))
-        finally:
-            with self._lock:
-                self._election.poll_returned()
-        reason: str | None = None
-        try:
-            if any(fd == self._wake_r for fd, _ in ready):
-                _drain(self._wake_r)
-            if any(fd != self._wake_r for fd, _ in ready):
-                reason = self._read_once(reader)
-        finally:
-            with self._lock:
-                self._election.reader_done()  # a caller that asked us to step aside leads next
-                self._cv.notify_all()
-        return reason
-
-    def _read_once(self, reader: _Reader) -> str | None:
-        """One ``recv`` from the current socket and everything it completes, handled.
-
-        Called by whoever leads (see :mod:`.election`). Returns why the connection must end, or
-        ``None``.
-        """
-        session = self._session
-        fds: list[int] = []
-        try:
-            direct = session.get_buffer()
-            target = direct if direct is not None else reader.scratch
-            if reader.is_unix:
-                n, ancdata, _, _ = reader.sock.recvmsg_into([target], ANC_SPACE)
-                if ancdata:
-                    fds = fds_of(ancdata)
-            elif reader.tls:
-                n = _tls_recv_into(reader.sock, target)
-            else:
-                n = reader.sock.recv_into(target)
-        except (BlockingIOError, InterruptedError, TimeoutError, ssl.SSLWantReadError,
-                ssl.SSLWantWriteError):
-            return None
-        except OSError as exc:
-            return str(exc) or type(exc).__name__
-        if not n:
-            for fd in fds:
-                os.close(fd)
-            return "the server closed the connection"
-        with self._lock:
-            now = time.monotonic()
-            if fds:
-                if session.conn is not None and session.conn.shm:
-                    session.conn.add_fds(fds)
-                else:
-                    for fd in fds:  # not agreed: nobody will take them
-                        os.close(fd)
-            if direct is not None:
-                # The end of a large message may complete thousands of items at once.
-                with gc_paused(len(direct) if n == len(direct) else 0):
-                    events = session.buffer_updated(n, now)
-            else:
-                events = session.receive_data(reader.view[:n], now)
-            nxt = session.next_deadline()
-            ticked = nxt is not None and nxt <= now
-            if ticked:
-                events.extend(session.tick(now))
-                ticked = session.has_sendable
-        if self._handle(events):
-            return self._drop_reason(events)
-        if ticked:
-            self._flush_soon()
-        sock = reader.sock
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # bytes poll() cannot see
-            return self._read_once(reader)
-        return None
-
-    def _lead(self, call: Call, slot: _Slot) -> None:
-        """Read the socket in this (calling) thread until ``slot`` is resolved or the call's
-        deadline passes; then give the lead back (and wake the reader thread if the
-        election says so)."""
-        reason: str | None = None
-        try:
-            reader = self._reader
-            if reader is not None:
-                reason = self._lead_read(reader, call, slot)
-        finally:
-            with self._lock:
-                if self._election.lead_ended(time.monotonic(), reason):
-                    self._cv.notify_all()
-
-    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot) -> str | None:
-        """Leading: read until ``slot`` is resolved or the call's deadline passes. Returns
-        why the connection must end, or ``None``."""
-        poll = reader.poll
-        while not slot.done:
-            deadline = call.deadline
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                self._expire(call)
-                if slot.done:
-                    return None
-                deadline = call.deadline
-            wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
-            if not poll.poll(wait * 1000.0):
-                continue
-            reason = self._read_once(reader)
-            if reason is not None:
-                return reason
-        return None
-
-    def _handle(self, events: builtins.list[Any]) -> bool:
-        """Act on events from the reader thread; return whether the connection must go."""
-        drop = False
-        for ev in events:
-            cls = type(ev)
-            if cls is Ready:
-                self._ready_event(ev)
-            elif cls is Drop:
-                drop = True
-            elif cls is Send:  # the next step of the handshake (only the reader reads then)
-                with self._send_lock:
-                    sock = self._sock
-                    if sock is not None:
-                        try:
-                            _sendall(sock, ev.chunks, None, self.timeout)
-                        except OSError:
-                            drop = True
-        self._process(events)
-        return drop
-
-    @staticmethod
-    def _drop_reason(events: builtins.list[Any]) -> str:
-        return next(ev.reason for ev in events if type(ev) is Drop)
-
-    def _ready_event(self, ev: Ready) -> None:
-        self._attempt = 0
-        if ev.first:
-            self._ready.set()
-        else:
-            away = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
-            self._lost_at = None
-            how = "session resumed" if ev.resumed else \
-                "new session: the server did not know ours"
-            log.warning("reconnected to tensorshare server at %s after %.1f s (%s)",
-                        self.address, away, how)
-        self._flush_soon()
-
-    def _start_dispatcher(self) -> None:
-        with self._lock:
-            if self._dispatcher is not None:
-                return
-            self._events = queue.SimpleQueue()
-            self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
-                                                name=f"tensorshare-events-{self.address}")
-            self._dispatcher.start()
-
-    def _dispatch_loop(self) -> None:
-        assert self._events is not None
-        while True:
-            entry = self._events.get()
-            if entry is None:
-                return
-            callbacks, event, name = entry
-            for cb, inline in callbacks:
-                if not inline:
-                    _call_listener(cb, event, name)
-
-
-class Client(Connection, BinClient):
+class Client(BinClient):
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
         host: server address (a host name or IP), or a URL: ``tensorshare://HOST:PORT``,
             ``tensorshare+tls://HOST:PORT``, or ``unix://PATH`` for a server on this
             machine's Unix socket (faster, and large tensors may travel through shared
-            memory, see ``shm``). Neither host nor port: ``TENSORSHARE_URL``, else
-            ``127.0.0.1:8000`` (see :mod:`tensorshare.client.endpoint`).
+            memory, see ``shm``; a bare path is refused: write ``unix:///tmp/x.sock``).
+            Neither host nor port: ``TENSORSHARE_URL``, else ``127.0.0.1:8000`` (see
+            :mod:`tensorshare.client.endpoint`).
         port: server port (ignored for a URL; default 8000).
         timeout: seconds the server has to answer a request (a get/peek that waits for data
             gets its wait on top); also how long the first connection may take (default
@@ -890,6 +56,8 @@ class Client(Connection, BinClient):
             (``Client(timeout=5, compress="lz4")``): overrides that field of ``options``.
 
     Raises:
+        ValueError, FileNotFoundError: a bad address or option, or a ``tls_ca`` that names no
+            CA file (before anything is tried; see :func:`~.endpoint.resolve`).
         ConnectError: no server answered within ``timeout`` (with ``reconnect`` on, it
             keeps trying until then, through connections dropped mid-handshake: workers may
             start before their server), or TLS failed (a wrong CA or host name, a server
@@ -904,71 +72,76 @@ class Client(Connection, BinClient):
             print(c.peek("weights"))
     """
 
+    #: The engine this face holds (see :mod:`.connection`).
+    _conn: Connection
+    # The engine's entry points (and _execute), bound when the client is made.
+    _submit: Callable[[Command], PendingCall]
+    _submit_future: Callable[[Command], Future[Any]]
+    _submit_many: Callable[[Iterable[Command]], list[PendingCall]]
+    _run_pipeline: Callable[[Pipeline, Iterable[tuple[Command, int]]], list[Any]]
+
     def __init__(self, host: str | None = None, port: int | None = None,
                  timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
                  connector: Callable[[], socket.socket] | None = None,
                  **overrides: Unpack[OptionFields]) -> None:
-        changes: dict[str, Any] = dict(overrides)
-        if timeout is not UNSET:
-            changes["timeout"] = timeout
-        opts = self._options = ClientOptions.of(options, **changes)
+        opts = ClientOptions.of(options, timeout=timeout, **overrides)
+        endpoint = opts.endpoint(host, port)
+        conn = self._conn = Connection(endpoint, opts, connector)
+        # The connection's entry points, bound once: a call is one step from its op to the
+        # engine, as when the client was its connection.
+        self._execute = conn._execute
+        self._submit, self._submit_future = conn._submit, conn._submit_future
+        self._submit_many, self._run_pipeline = conn._submit_many, conn._run_pipeline
         self.timeout, self.reconnect = opts.timeout, opts.reconnect
-        self.endpoint = opts.endpoint(host, port)
-        where = self.endpoint.address
-        self.host, self.port, self.path = where.host, where.port, where.path
+        self.endpoint, self.address = endpoint, conn.address
+        self.host, self.port, self.path = conn.host, conn.port, conn.path
         self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
-        self.address = str(self.endpoint)
-        self._connector = connector
         self.shm_min_bytes = opts.shm_min_bytes
         self.begin = Begin(self)
-        self._start()
-        _CLIENTS.add(self)
-        if not self._ready.wait(self.timeout + 5.0) or self._session.server is None:
-            error = self._session.closed
-            self.close()
-            if isinstance(error, (ConnectError, ServerError)):  # a typed refusal keeps its type
-                raise error
-            raise ConnectError(f"cannot connect to tensorshare server at {self.address}: "
-                               f"{error or 'no answer'}")
+        conn.wait_connected()
 
-    @property
-    def limits(self) -> Limits:
-        """The server's limits (from the last handshake)."""
-        return self._session.limits
+    if TYPE_CHECKING:
+        @property
+        def limits(self) -> Limits:
+            """The server's limits (from the last handshake)."""
+    else:  # (read on every request: a getter in C, no Python frame)
+        limits = property(attrgetter("_conn._session.limits"),
+                          doc="The server's limits (from the last handshake).")
 
     @property
     def server_version(self) -> str:
         """The server's software and version, e.g. ``"tensorshare/0.2.0"``."""
-        hello = self._session.server
+        hello = self._conn._session.server
         return hello.server if hello else ""
 
     @property
     def protocol_version(self) -> int:
-        hello = self._session.server
+        hello = self._conn._session.server
         return hello.version if hello else 0
 
     @property
     def server_id(self) -> str:
         """Random per server data set: it changes when the server restarted without
         persistence (bin versions then started again)."""
-        hello = self._session.server
+        hello = self._conn._session.server
         return hello.server_id if hello else ""
 
     @property
     def connected(self) -> bool:
         """Whether the client is connected right now (``False`` while reconnecting)."""
-        return self._session.connected and self._session.closed is None
+        session = self._conn._session
+        return session.connected and session.closed is None
 
     @property
     def closed(self) -> bool:
         """Whether the client is closed (or gave up reconnecting): every call fails."""
-        return self._session.closed is not None
+        return self._conn._session.closed is not None
 
     @property
     def options(self) -> ClientOptions:
         """The options this client was made with: ``Client(options=c.options.replace(
         timeout=5))`` is another like it."""
-        return self._options
+        return self._conn._options
 
     def pipeline(self, *, raise_on_error: bool = True) -> Pipeline:
         """Queue many requests and send them together, without waiting for each reply.
@@ -1004,29 +177,24 @@ class Client(Connection, BinClient):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def close(self) -> None:
+        """End the session on the server (``bye``, waiting at most a second for its answer)
+        and close the connection. Pending calls fail with ConnectionLost. Idempotent."""
+        self._conn.close()
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
         return f"<tensorshare.Client {self.address} {state}>"
 
     def _share_min_bytes(self) -> int | None:
-        conn = self._session.conn
+        conn = self._conn._session.conn
         return self.shm_min_bytes if conn is not None and conn.shm else None
 
     @property
     def shared_memory(self) -> bool:
         """Whether large tensors travel through shared memory on this connection."""
-        conn = self._session.conn
+        conn = self._conn._session.conn
         return conn is not None and conn.shm
-
-def outcomes_of(calls: Sequence[PendingCall]) -> list[Any]:
-    """Each call's result, or the error it raised (a pipeline's outcomes)."""
-    outcomes: list[Any] = []
-    for pending in calls:
-        try:
-            outcomes.append(pending.result())
-        except TensorShareError as exc:
-            outcomes.append(exc)
-    return outcomes
 
 
 class Begin(Ops):
@@ -1053,190 +221,3 @@ class Begin(Ops):
         return self._face._submit(cmd)  # type: ignore[no-any-return]
 
 
-# Every live client, so that a forked child can give each its own connection.
-_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
-# Forks this process went through: a client made before the last one and not started again
-# in this process refuses calls (see Client._submit).
-_FORKS = 0
-
-
-def _after_fork_in_child() -> None:
-    global _FORKS
-    _FORKS += 1
-    for client in list(_CLIENTS):
-        client._after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _call_listener(callback: Callable[[dict[str, Any]], Any], event: dict[str, Any],
-                   name: str) -> None:
-    try:
-        callback(dict(event))  # a copy each: one callback cannot change what another sees
-    except Exception:
-        log.exception("listen callback for bin %r raised", name)
-
-
-class _Reader:
-    """What reading one connection needs: its socket, a poll object and a scratch buffer.
-
-    Only the thread that leads (see ``Client._serve``) uses it, so one is enough.
-    """
-
-    __slots__ = ("sock", "poll", "scratch", "view", "is_unix", "tls")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.is_unix = sock.family == socket.AF_UNIX
-        self.tls = isinstance(sock, ssl.SSLSocket)
-        self.poll = select.poll()
-        self.poll.register(sock, select.POLLIN)
-        self.scratch = bytearray(_READ_CHUNK)
-        self.view = memoryview(self.scratch)
-
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError:
-        pass
-
-
-def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | None = None,
-             timeout: float | None = None) -> None:
-    """Send every chunk on a non-blocking socket, waiting up to ``timeout`` seconds each time
-    it is full; ``fds`` (a Unix socket) go along, at most ``MAX_FDS_PER_MESSAGE`` per
-    ``sendmsg``.
-
-    Raises:
-        TimeoutError: the socket stayed full for ``timeout`` seconds (the peer stopped reading).
-        OSError: the send failed.
-    """
-    sent = 0
-    if not fds and type(sock) is socket.socket and len(chunks) <= _MAX_IOV:
-        # The usual case: the socket takes the whole frame in one call (no views, no loop).
-        try:
-            sent = sock.sendmsg(chunks)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        if sent == sum(map(len, chunks)):
-            return
-    views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
-    i = _skip_sent(views, 0, sent)
-    pending = list(fds) if fds else []
-    poller = None
-    tls = isinstance(sock, ssl.SSLSocket)
-    while i < len(views):
-        try:
-            if tls:  # no scatter/gather through TLS: one chunk at a time
-                sent = sock.send(views[i])
-            elif pending:
-                # At most MAX_FDS_PER_MESSAGE with one message; while more wait, a message
-                # carries one byte, so none is left behind when the data runs out.
-                now = pending[:MAX_FDS_PER_MESSAGE]
-                data = views[i : i + _MAX_IOV] if len(pending) == len(now) else [views[i][:1]]
-                sent = sock.sendmsg(data, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                            array.array("i", now).tobytes())])
-                pending = pending[len(now):]
-            else:
-                sent = sock.sendmsg(views[i : i + _MAX_IOV])
-        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError,
-                ssl.SSLWantReadError):
-            if poller is None:
-                poller = select.poll()
-                poller.register(sock, select.POLLOUT)
-            if not poller.poll(None if timeout is None else timeout * 1000.0):
-                raise TimeoutError(f"the server did not read for {timeout:g} s") from None
-            continue
-        i = _skip_sent(views, i, sent)
-
-
-def _skip_sent(views: list[memoryview], i: int, sent: int) -> int:
-    """Advance past ``sent`` bytes from ``views[i]`` on (a partly sent view is re-sliced)
-    and past empty views; return the index of the first view with bytes left."""
-    while sent:
-        n = views[i].nbytes
-        if sent >= n:
-            sent -= n
-            i += 1
-        else:
-            views[i] = views[i][sent:]
-            sent = 0
-    while i < len(views) and views[i].nbytes == 0:
-        i += 1
-    return i
-
-
-def _tls_recv_into(sock: socket.socket, target: memoryview | bytearray) -> int:
-    """Decrypt into ``target`` until it is full or nothing more has arrived: one TLS record
-    per ``recv_into`` otherwise (16 KiB), each a trip through Python.
-
-    Raises:
-        ssl.SSLWantReadError: nothing at all had arrived.
-    """
-    view = memoryview(target)
-    n = 0
-    while n < len(view):
-        try:
-            got = sock.recv_into(view[n:])
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            if n:
-                break
-            raise
-        if not got:
-            break
-        n += got
-    return n
-
-
-class _Refused(Exception):
-    """A connection attempt that retrying would not fix (TLS refused it)."""
-
-    def __init__(self, error: TensorShareError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _tls(sock: socket.socket, endpoint: Endpoint, address: str) -> socket.socket:
-    """Wrap a connected socket in TLS (the handshake within the socket's timeout), checking
-    the server's certificate against the endpoint's CA and its host name.
-
-    Raises:
-        _Refused: the certificate check failed, or the server does not speak TLS.
-        OSError: the connection dropped or timed out (a blip: retried).
-    """
-    ctx = ssl.create_default_context(cafile=endpoint.tls_ca)
-    try:
-        return ctx.wrap_socket(sock, server_hostname=endpoint.address.host)
-    except ssl.SSLCertVerificationError as exc:
-        sock.close()
-        ca = endpoint.tls_ca or "the system's"
-        raise _Refused(ConnectError(
-            f"TLS with tensorshare server at {address} failed: its certificate does not "
-            f"check out ({exc.verify_message}; CA: {ca}): give the CA that signed it with "
-            f"tls_ca= or TENSORSHARE_TLS_CA, and connect by a name the certificate holds")) \
-            from None
-    except ssl.SSLError as exc:
-        sock.close()
-        raise _Refused(ConnectError(
-            f"TLS with tensorshare server at {address} failed ({exc.reason or exc}): is the "
-            f"server started with --tls-cert? (a plain server: connect with "
-            f"tensorshare://)")) from None
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _close_socket(sock: socket.socket) -> None:
-    _shutdown(sock)
-    sock.close()

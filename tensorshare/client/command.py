@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
-from ..errors import LimitExceeded
+from ..errors import FrameTooLarge
 from ..memory.device import Stager
 from ..wire.codec import encode, encode_lone_tensors
 from ..wire.messages import Limits, Request
@@ -97,7 +97,7 @@ class FaceNeeds:
         @property
         def limits(self) -> Limits: ...
 
-        def _execute(self, cmd: Command) -> Any: ...
+        _execute: Callable[[Command], Any]
 
         def _item(self, name: str, value: Any, tag: int | None) -> Item: ...
 
@@ -166,7 +166,8 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
     Raises:
         TypeError, ValueError: a bad bin name or tag.
         UnsupportedType: the value holds a type that cannot be sent.
-        LimitExceeded: the value is larger than the server's frame limit.
+        FrameTooLarge: the value is larger than the server's frame limit (a ``ValueError``
+            and a ``LimitExceeded``; nothing was sent).
     """
     check_bin_name(name, limits.max_name_bytes)
     if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
@@ -176,9 +177,10 @@ def make_item(name: str, value: Any, tag: int | None, limits: Limits, compress: 
     if enc.nbytes + _FRAME_SLACK > limits.max_frame_bytes:
         size = enc.nbytes + 64 * (len(enc.buffers) + 1)
         if size > limits.max_frame_bytes:
-            raise LimitExceeded(f"value for bin {name!r} not sent: it takes about {size} "
+            raise FrameTooLarge(f"value for bin {name!r} not sent: it takes about {size} "
                                 f"bytes, over the server's max_frame_bytes="
-                                f"{limits.max_frame_bytes}")
+                                f"{limits.max_frame_bytes} (refused by this client; nothing "
+                                f"was sent)")
     if share_min_bytes is not None and any(
             b.codec is None and b.shm is None and b.nbytes >= share_min_bytes
             for b in enc.buffers):

@@ -96,7 +96,8 @@ class TensorShare:
         self._request(lambda c: c.begin.fetch(bin, remove=False), callback, _value)
 
     def list(self, callback: Callback | None = None) -> None:
-        """Callback data: ``{bin: n_items}`` for every non-empty bin."""
+        """Callback data: ``{bin: n_items}`` for every non-empty bin: how many items each
+        holds (1 for a put bin), not its version."""
         self._request(lambda c: c.begin.list(), callback)
 
     def delete(self, bin: str, callback: Callback | None = None) -> None:

@@ -3,7 +3,8 @@ environment, resolved once for every client API and command.
 
 * The address: ``host`` and ``port`` as given (``host`` may be a URL, see
   :mod:`tensorshare.wire.address`); with neither, ``TENSORSHARE_URL``; else
-  ``127.0.0.1:8000``.
+  ``127.0.0.1:8000``. A Unix socket is ``unix://PATH``: a bare path (``"/tmp/x.sock"``) is
+  refused with a message that says so, never taken for a host name.
 * TLS: ``tls=True``, or a ``tensorshare+tls://`` URL, or ``TENSORSHARE_URL`` naming the same
   host and port with ``tensorshare+tls://`` (so a script that says ``localhost, 8000`` reaches
   a TLS server when the environment says that server speaks TLS). The CA that signed the
@@ -18,12 +19,13 @@ environment, resolved once for every client API and command.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 
 from ..wire.address import Address, parse_address
 from ..wire.auth import check_user_name, token_bytes, tokens_of
 
-__all__ = ["Endpoint", "resolve"]
+__all__ = ["Endpoint", "resolve", "with_token_hint"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -59,10 +61,17 @@ def resolve(host: str | None = None, port: int | None = None, *, tls: bool | Non
     """Resolve a client's connection arguments (see the module docstring).
 
     Raises:
-        ValueError: a malformed URL, an empty token, TLS asked for a Unix socket, a malformed
-            user name, or a user without a token.
+        ValueError: a malformed URL, a path without ``unix://`` (``"/tmp/x.sock"``: a host
+            name has no ``/``), an empty token, TLS asked for a Unix socket, a malformed
+            user name, a user without a token, or (TLS on) a ``tls_ca`` file that holds no
+            CA certificate.
+        FileNotFoundError: (TLS on) ``tls_ca`` (or ``TENSORSHARE_TLS_CA``) names no file;
+            the message names both, and nothing is tried.
         OSError: ``token_file`` (or ``TENSORSHARE_TOKEN_FILE``) cannot be read.
     """
+    if host is not None and "://" not in host and "/" in host:
+        raise ValueError(f"{host!r} is a path, not a host name: a server's Unix socket is "
+                         f"written unix://{host}")
     env_url = os.environ.get("TENSORSHARE_URL") or None
     if host is None and port is None and env_url:
         address = parse_address(env_url, DEFAULT_PORT)
@@ -77,8 +86,23 @@ def resolve(host: str | None = None, port: int | None = None, *, tls: bool | Non
             raise ValueError("TLS is for TCP; a Unix socket is already private to this machine")
         address = Address(address.host, address.port, tls=True)
     key = _token(token, token_file)
-    return Endpoint(address, tls_ca or os.environ.get("TENSORSHARE_TLS_CA") or None, key,
-                    _user(user, key))
+    ca = tls_ca or os.environ.get("TENSORSHARE_TLS_CA") or None
+    if address.tls and ca is not None:
+        _check_ca(ca, "tls_ca=" if tls_ca else "TENSORSHARE_TLS_CA")
+    return Endpoint(address, ca, key, _user(user, key))
+
+
+def _check_ca(path: str, given: str) -> None:
+    """A CA file that cannot be used fails the client at once, naming the file and where it
+    was given (a connection attempt would only fail again, until the timeout)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{given} names {path!r}, which is not a file: give the CA "
+                                f"certificate (PEM) that signed the server's certificate")
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"{given} names {path!r}, which holds no CA certificate this "
+                         f"client can load ({exc})") from None
 
 
 def _user(user: str | None, key: bytes | None) -> str | None:
@@ -104,3 +128,10 @@ def _token(token: str | bytes | None, token_file: str | None) -> bytes | None:
             # last, the newest, which the server accepts as long as it holds it.
             return tokens_of(f.read())[-1]
     return None
+
+
+def with_token_hint(message: str, how: str) -> str:
+    """An authentication refusal's ``message`` with its hint on how to give the token (the
+    server's, in the terms of the Python API: ``token=``, ``token_file=``) replaced by
+    ``how``: a command's own terms (``--token-file PATH``)."""
+    return f"{message.split(': give ', 1)[0]}: {how}"

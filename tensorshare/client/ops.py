@@ -188,9 +188,9 @@ class Ops(StreamOps, ServiceOps):
         """The server's limits (from the last handshake)."""
         raise NotImplementedError
 
-    def _execute(self, cmd: Command) -> Any:
-        """Send ``cmd`` the way this face does; return what the caller gets."""
-        raise NotImplementedError
+    #: Send a command the way this face does; return what the caller gets (a method of the
+    #: face, or its engine's, bound when the face is made: ``Client``).
+    _execute: Callable[[Command], Any]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
@@ -232,7 +232,9 @@ class Ops(StreamOps, ServiceOps):
             tag: optional integer stored with the item (see ``min_tag`` in :meth:`fetch`).
             wait_room: when this client's user is at its quota (``max_memory`` in the
                 server's users file), wait on the server for room (up to 80% of the client's
-                timeout, then ``QuotaExceeded``) instead of failing at once.
+                timeout, then ``QuotaExceeded``) instead of failing at once. (Items a get
+                took count until its client acknowledges them: with its next request, or
+                by itself ``ACK_DELAY``, 0.2 s, after the reply when it sends nothing.)
 
         Returns:
             The bin's new version; the server holds the value when it is returned. Do not
@@ -242,7 +244,8 @@ class Ops(StreamOps, ServiceOps):
         Raises:
             UnsupportedType: ``value`` holds a type that cannot be sent (nothing was sent).
             MemoryLimitExceeded: the server's memory limit would be exceeded.
-            LimitExceeded: the value is larger than the server's frame limit.
+            FrameTooLarge: the value is larger than the server's frame limit: refused here,
+                before anything is sent (a ``ValueError``, and a ``LimitExceeded``).
             BinFull: the bin is configured with ``max_bytes`` and the value does not fit.
             QuotaExceeded: this client's user is at its ``max_memory`` (after waiting, with
                 ``wait_room``); the message names the user and the quota.
@@ -373,19 +376,20 @@ class Ops(StreamOps, ServiceOps):
                     raise ValueError(f"timeout must be a finite number >= 0, or None; got "
                                      f"{timeout!r}")
                 seconds = float(timeout)
-        self._check_name(name)
+        limits = self.limits  # (read once: a face's property)
+        check_bin_name(name, limits.max_name_bytes)
         spec = FetchSpec(remove, max_items, wait, seconds, min_tag, newer_than, min_items)
         if dev is None:
-            convert = _Decode(self.limits.max_depth, value_only, face=self, name=name)
+            convert = _Decode(limits.max_depth, value_only, face=self, name=name)
         else:
             want_pinned(dev)
-            convert = _Decode(self.limits.max_depth, value_only, dev, bool(non_blocking),
-                              self, name)
+            convert = _Decode(limits.max_depth, value_only, dev, bool(non_blocking), self, name)
         return self._execute(Command(Fetch(0, name, spec), f"{spec.op} on bin {name!r}",
                                      convert))
 
     def list(self) -> Any:
-        """Return ``{bin: n_items}`` for every non-empty bin (1 for a put bin)."""
+        """Return ``{bin: n_items}`` for every non-empty bin: how many items each holds (1
+        for a put bin), not its version (:meth:`stats` has both, per bin)."""
         return self._execute(Command(ListBins(0), "list", _bins))
 
     def stats(self, glob: str | None = None) -> Any:

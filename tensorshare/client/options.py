@@ -19,7 +19,8 @@ from .command import check_reconnect, check_timeout
 from .endpoint import Endpoint, resolve
 from .session import ClientSession
 
-__all__ = ["UNSET", "AllOptionFields", "ClientOptions", "OptionFields", "Unset"]
+__all__ = ["UNSET", "AllOptionFields", "ClientOptions", "ConnectFields", "OptionFields",
+           "TransportFields", "Unset"]
 
 COMPRESSIONS = (None, "lz4", "auto")
 
@@ -107,7 +108,10 @@ class ClientOptions:
 
     @classmethod
     def of(cls, options: ClientOptions | None, **changes: Any) -> ClientOptions:
-        """``options`` (default: all defaults) with the keywords a face was given."""
+        """``options`` (default: all defaults) with the keywords a face was given (those
+        given as :data:`UNSET` left out: a face's ``timeout`` that was not given)."""
+        if UNSET in changes.values():
+            changes = {k: v for k, v in changes.items() if v is not UNSET}
         if options is None:
             return cls(**changes)
         if not isinstance(options, ClientOptions):
@@ -140,14 +144,14 @@ class ClientOptions:
         return session
 
 
-class OptionFields(TypedDict, total=False):
-    """The fields of :class:`ClientOptions` but ``timeout`` as a face's keywords (for type
-    checkers; a face whose ``timeout`` is positional takes it on its own)."""
+class TransportFields(TypedDict, total=False):
+    """The fields of :class:`ClientOptions` but ``timeout``, ``name`` and ``compress``: how
+    a connection reaches its server and keeps its session, as the keywords of a wing whose
+    own ``timeout``, ``name`` and ``compress`` mean something else (``InferenceHost``,
+    ``InferenceClient``: the client's own go in ``options=``)."""
 
     reconnect: bool | float
-    compress: str | None
     compress_min_bytes: int
-    name: str
     session: bool
     heartbeat: float | None
     shm: bool
@@ -157,6 +161,21 @@ class OptionFields(TypedDict, total=False):
     token: str | bytes | None
     token_file: str | None
     user: str | None
+
+
+class ConnectFields(TransportFields, total=False):
+    """The fields of :class:`ClientOptions` but ``timeout`` and ``name``, as the keywords of
+    a wing whose own ``timeout`` and ``name`` mean something else (``serve_loader``'s
+    stream, ``SharedLoader``'s job: the client's name goes in ``options=``)."""
+
+    compress: str | None
+
+
+class OptionFields(ConnectFields, total=False):
+    """The fields of :class:`ClientOptions` but ``timeout`` as a face's keywords (for type
+    checkers; a face whose ``timeout`` is positional takes it on its own)."""
+
+    name: str
 
 
 class AllOptionFields(OptionFields, total=False):

@@ -56,9 +56,9 @@ cdef class ClientSession:
     cdef public object server_said, _next_id, _through, _last_ack, _ping, _hello, allocate
     cdef public ClientConnection conn
     cdef public bint connected, shm
-    cdef public dict calls, listeners
+    cdef public dict calls, listeners, held
     cdef public list _deadlines, _queue, _out_shared, _finished_now
-    cdef public double _last_tx, _last_rx
+    cdef public double _last_tx, _last_rx, _held_at
 
     cpdef object op_of(self, object rid)
     @cython.locals(c=Call)
@@ -75,5 +75,6 @@ cdef class ClientSession:
     cpdef _reply(self, object msg, list out, double now)
     cpdef object next_deadline(self)
     cpdef double heartbeat_due(self, double now)
+    cpdef object ack_due(self)
     @cython.locals(out=list, heap=list, c=Call)
     cpdef list tick(self, double now)

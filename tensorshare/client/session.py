@@ -78,6 +78,7 @@ from ..wire.records import (
     Changed,
     ErrorReply,
     Fetch,
+    Fetched,
     Put,
 )
 
@@ -104,6 +105,12 @@ BYE_WAIT = 1.0
 # in [0.5, 1] so that dozens of workers that lost the same server do not return in lockstep.
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 2.0
+# A get's items stay held on the server for the session (counted against its user's quota)
+# until the client acknowledges the reply, which rides on its next request. A client that
+# sends nothing for this long after a get's reply sends a ping to carry the acknowledgement
+# (see ClientSession.ack_due): a writer of the same user waiting for room in its quota is not
+# held back by items already delivered.
+ACK_DELAY = 0.2
 
 
 class Call:
@@ -315,6 +322,8 @@ class ClientSession:
         self._last_ack: AckInfo | None = None
         self._last_tx = 0.0
         self._last_rx = 0.0
+        # When a get's reply arrived that no request sent since acknowledged (0.0: none).
+        self._held_at = 0.0
         self._ping: Call | None = None  # the heartbeat in flight
         self._hello: Call | None = None
         self._queue: list[Call] = []  # calls to send on the current connection, in id order
@@ -325,6 +334,9 @@ class ClientSession:
         self.allocate: Callable[[int], Any] | None = None
         self._finished_now: list[Done] = []
         self.last_loss = ""  # why the last connection was lost, for messages
+        # Replies the shell got and has not handed to their caller yet (see hold): kept
+        # open in the acknowledgements, so that a get's items can still be given back.
+        self.held: dict[int, Call] = {}
 
     # -- ids and the table ------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -457,12 +469,53 @@ class ClientSession:
                 through = open_ids[0] - 1
                 open_ids = []
                 break
+        if through == self._through:
+            self._held_at = 0.0  # (every reply in is acknowledged by what is sent now, but
+            #                       the held ones: their release arms it again)
+        if self.held or through in self.calls:
+            through, open_ids = self._held_ack(through, open_ids)
         last = self._last_ack
         if last is not None and through == last.through and tuple(open_ids) == last.open:
             return None  # (compared before making a new one: asked for every request sent)
         ack = AckInfo(through, tuple(open_ids))
         self._last_ack = ack
         return ack
+
+    def _held_ack(self, through: int, open_ids: list[int]) -> tuple[int, list[int]]:
+        """The acknowledgement ``(through, open_ids)`` with the held ids left open: an ack
+        covers its own id, so it goes below a held one, or a pending one (a get given up
+        on whose late reply was the last to come: its cancel is not answered yet)."""
+        held, calls = self.held, self.calls
+        while through in held or through in calls:
+            through -= 1
+        ids = sorted({rid for rid in open_ids if rid < through}.union(
+            rid for rid in held if rid < through))
+        if len(ids) > MAX_OPEN_ACKS:
+            return ids[0] - 1, []
+        return through, ids
+
+    def hold(self, call: Call) -> None:
+        """Keep finished ``call``'s id open in the acknowledgements: its reply came, but the
+        shell hands it to its caller only later (an asyncio task resumes on a later turn
+        of its loop, and may be cancelled meanwhile). Until :meth:`release`, the server
+        keeps what a get took for the session."""
+        self.held[call.id] = call
+
+    def release(self, call: Call, now: float, undo: bool = False) -> None:
+        """The caller of held ``call`` took its reply (acknowledged from now on) or, with
+        ``undo``, is gone without it: a ``cancel`` gives the items of a get back to the
+        front of their bin (docs/PROTOCOL.md §6.7), and the id stays open until the cancel
+        is answered. Nothing for a call that is not held."""
+        if self.held.pop(call.id, None) is None:
+            return
+        if self.closed is not None or self.session_id is None:
+            return
+        if undo:
+            call.state = ABANDONED
+            self.held[call.id] = call
+            self.call(Cancel(0, call.id), "cancel", now, None, None, None, call.id)
+        elif self._held_at == 0.0:
+            self._held_at = now  # to be acknowledged soon (see ack_due)
 
     def goodbye(self, now: float) -> Call | None:
         """End the session on the server (a ``bye``, sent with the current acknowledgements):
@@ -579,6 +632,7 @@ class ClientSession:
             self.closed = error
         calls, self.calls = self.calls, {}
         self._deadlines.clear()
+        self.held.clear()
         out: list[Event] = []
         for c in calls.values():
             if c is keep:
@@ -672,7 +726,10 @@ class ClientSession:
         c.state = FINISHED
         del self.calls[rid]
         if c.token is not None:
-            if type(msg) is ErrorReply and c.op == "listen":
+            if type(msg) is Fetched:
+                if c.op == "get" and self._held_at == 0.0 and self.session_id is not None:
+                    self._held_at = now  # its items are held for us until acknowledged
+            elif type(msg) is ErrorReply and c.op == "listen":
                 self.remove_listener(c.request.bin, c.extra)  # type: ignore[union-attr]
             elif type(msg) is Listening:
                 self._listening(c.request.bin, msg, None, out)  # type: ignore[union-attr]
@@ -684,6 +741,7 @@ class ClientSession:
         if c is self._ping:
             self._ping = None
         elif c.op == "cancel":
+            self.held.pop(c.extra, None)
             target = self.calls.get(c.extra)
             if target is not None and target.state == ABANDONED:
                 del self.calls[target.id]
@@ -783,6 +841,8 @@ class ClientSession:
 
     def _after_reconnect(self, resumed: bool, restarted: bool, out: list[Event],
                          now: float) -> None:
+        if not resumed:
+            self.held.clear()  # that server keeps nothing of ours to give back
         for c in list(self.calls.values()):
             if c.sent_on == 0 or c.state == FINISHED:
                 continue  # never sent: it simply goes out now
@@ -821,6 +881,15 @@ class ClientSession:
         """When a heartbeat ping is next due (the shell may wake then and :meth:`tick`)."""
         return max(self._last_tx, self._last_rx) + self.heartbeat
 
+    def ack_due(self) -> float | None:
+        """When a ping must carry the acknowledgement of a get's reply, if one is waiting for
+        it (:data:`ACK_DELAY` after the reply, unless a request carries it first): the shell
+        wakes then and :meth:`tick` sends it. ``None`` while a ping is on its way: its
+        answer wakes the shell anyway, and a time already past would spin it."""
+        if self._held_at == 0.0 or not self.connected or self._ping is not None:
+            return None
+        return self._held_at + ACK_DELAY
+
     def tick(self, now: float) -> list[Event]:
         """Time has passed: expire calls, and send a heartbeat when the line was quiet.
 
@@ -838,7 +907,9 @@ class ClientSession:
                     out.append(Drop(f"no answer to the handshake within {self.timeout:g} s"))
                 continue
             self._expire(c, now, out)
-        if self.connected and self._ping is None and now >= self.heartbeat_due(now):
+        if self.connected and self._ping is None and (
+                now >= self.heartbeat_due(now)
+                or (self._held_at != 0.0 and now >= self._held_at + ACK_DELAY)):
             self._ping = self.call(Ping(0), "heartbeat", now)
         return out
 

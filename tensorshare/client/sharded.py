@@ -56,7 +56,8 @@ from ..wire.messages import (
     Stats,
     Unlisten,
 )
-from .blocking import Begin, Client, PendingCall, Pipeline, outcomes_of
+from .blocking import Begin, Client, PendingCall, Pipeline
+from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
 
@@ -204,8 +205,10 @@ class ShardedClient(BinClient):
         for i in range(len(self.servers)):
             try:
                 client = self._client(i)
-            except ConnectError as exc:
-                errors.append(exc)
+            except ConnectionLost as exc:
+                if not isinstance(exc.__cause__, ConnectError):
+                    raise
+                errors.append(exc.__cause__)
                 continue
             self._first = i
             return client
@@ -213,14 +216,24 @@ class ShardedClient(BinClient):
 
     def _client(self, index: int) -> Client:
         """The client of server ``index`` (of the relay for :data:`RELAY`), made on first
-        use."""
+        use.
+
+        Raises:
+            ConnectionLost: this client is closed, or that server cannot be reached (the
+                ``ConnectError`` is its cause): a server down before its first use fails
+                its bins' calls as one that went down later does.
+        """
         with self._lock:
             if self._closed:
                 raise ConnectionLost("this ShardedClient is closed")
             client = self._clients.get(index)
         if client is None:
-            made = Client(self.relay if index == RELAY else self.servers[index],
-                          options=self.options)
+            where = self.relay if index == RELAY else self.servers[index]
+            try:
+                made = Client(where, options=self.options)
+            except ConnectError as exc:
+                raise ConnectionLost(f"{exc} (nothing was sent to it: no connection within "
+                                     f"{self.options.timeout:g} s)") from exc
             with self._lock:
                 client = self._clients.setdefault(index, made)
             if client is not made:

@@ -376,9 +376,9 @@ class TxClient(Ops):
 
     # -- time -------------------------------------------------------------------------------
     def _reschedule(self) -> None:
-        """Keep one timer, at the session's next deadline or heartbeat."""
+        """Keep one timer, at the session's next deadline, heartbeat or acknowledgement."""
         now = self.reactor.seconds()
-        times = [self.session.next_deadline()]
+        times = [self.session.next_deadline(), self.session.ack_due()]
         if self.session.connected:
             times.append(self.session.heartbeat_due(now))
         wake = min((t for t in times if t is not None), default=None)

@@ -37,6 +37,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from .._version import __version__
+from ..client.endpoint import with_token_hint
 from ..client.rates import Rates
 from ..client.twisted import TxClient
 from ..errors import AuthenticationError, TensorShareError, UnsupportedVersion
@@ -74,6 +75,11 @@ def server_url(text: str) -> str:
     if ":" not in text.rsplit("]", 1)[-1]:
         text += ":8000"
     return f"tensorshare://{text}"
+
+
+#: How the dashboard is given its token, in a refusal's message.
+READ_TOKEN_HINT = ("give the dashboard the servers' read-only token with --read-token-file PATH "
+                   "(or TENSORSHARE_TOKEN_FILE / TENSORSHARE_TOKEN in its environment)")
 
 
 def _message(failure: Failure) -> str:
@@ -153,7 +159,10 @@ class Upstream:
         # A refused token, or no common protocol version: trying again would not help (and
         # a server slows down a peer that keeps failing to authenticate).
         fatal = failure.check(AuthenticationError, UnsupportedVersion) is not None
-        self._fail(_message(failure), fatal=fatal)
+        message = _message(failure)
+        if failure.check(AuthenticationError) is not None:  # (in the command's terms)
+            message = with_token_hint(message, READ_TOKEN_HINT)
+        self._fail(message, fatal=fatal)
         if not fatal and not self._stopped:
             self._retry = self.reactor.callLater(RETRY, self.start)
 

@@ -28,9 +28,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
-from ..client import Client
+from ..client import Client, ClientOptions
+from ..client.options import ConnectFields
 from ..client.streams import Lagged, ProducerGone, StreamBatch
 from ..errors import StreamFinished
 from ..memory.device import InFlight, check_device, copy_async, moves, want_pinned
@@ -76,7 +77,8 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
                  producers: int = 1, producer: int = 0, lease: float = 10.0,
                  timeout: float = 60.0, wait_for: int = 0, samples_per_epoch: int | None = None,
                  client: Client | None = None, progress: bool | Callable[[str], None] | None = None,
-                 device_ipc: bool = False, **client_options: Any) -> ServeReport:
+                 device_ipc: bool = False, options: ClientOptions | None = None,
+                 **client_options: Unpack[ConnectFields]) -> ServeReport:
     """Feed the batches of ``loader`` to stream bin ``name`` for ``epochs`` epochs; every
     consumer (:class:`SharedLoader`) of the stream gets every batch. Returns a
     :class:`ServeReport`.
@@ -86,8 +88,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             dicts of tensors); iterated once per epoch.
         name, host, port: the stream's bin name; the server (as for :class:`Client`).
         epochs: how many epochs to send (then the stream is finished).
-        window: how far (in batches) this producer may run ahead of the slowest consumer;
-            the server holds its batches beyond that.
+        window: how far (in batches) this producer may run ahead of the slowest consumer.
         on_lag: ``"wait"``: everyone keeps the slowest consumer's pace (one DataLoader);
             ``"detach"``: a consumer that held the window full for ``max_stall`` seconds
             stops holding the others back; when it reads again it gets ``Lagged`` once and
@@ -103,9 +104,10 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
         timeout: seconds to connect; also how long to wait for ``wait_for`` consumers and,
             after ``ProducerGone``, for the stream to be whole again.
         wait_for: wait until this many consumers joined before the first epoch.
-        samples_per_epoch: the samples this producer sends per epoch (default: from the
-            loader's sampler and batch size, when it has them).
-        client, client_options: a client to use, or more arguments for a new one.
+        samples_per_epoch: samples sent per epoch (default: as the loader's sampler says).
+        client, options, client_options: a client to use (not closed at the end), or the
+            new one's :class:`~tensorshare.ClientOptions` and fields of it as keywords
+            (``token``, ``compress``...: they override ``options``; ``timeout`` is ours).
         progress: where its progress lines go: when it starts, per epoch sent (batches,
             samples, seconds, how long the consumers held it back), every 30 s within a long
             epoch, for an epoch sent again after a producer died, at the end. ``None``
@@ -113,8 +115,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
             called with each line; ``False``: nowhere.
         device_ipc: the batches are CUDA tensors and every consumer is on this host
             (``unix://``) with this GPU: they travel as CUDA IPC handles, TCP consumers are
-            refused (see :class:`~tensorshare.data.stream.StreamProducer` and the README's
-            "GPUs" section).
+            refused (see :class:`~tensorshare.data.stream.StreamProducer`, README "GPUs").
 
     Raises:
         ProducerGone: another producer stayed gone for ``timeout`` seconds.
@@ -128,7 +129,7 @@ def serve_loader(loader: Iterable[Any], name: str, host: str | None = None,
     prod = StreamProducer(name, host, port, producer=producer, producers=producers,
                           window=window, on_lag=on_lag, max_stall=max_stall, replay=replay,
                           lease=lease, samples_per_epoch=hint, timeout=timeout, client=client,
-                          device_ipc=device_ipc, **client_options)
+                          device_ipc=device_ipc, options=options, **client_options)
     return _serve(prod, loader, epochs, wait_for, timeout, say)
 
 
@@ -287,7 +288,10 @@ class SharedLoader:
             reused): the copy of batch k+1 runs while the caller computes on batch k. Each
             yielded batch is ordered before the caller's current stream. 0: each batch is
             copied when it is yielded.
-        client, client_options: a client to use, or more arguments for a new one.
+        client: a client to use (not closed by ``close``) instead of a new one.
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (they override ``options``); its ``timeout`` comes from
+            ``timeout``.
 
     Joining never waits for the producer (it may not have started yet). A ``for`` loop
     raises ``ProducerGone`` when the producer died mid-epoch (the next one starts at the
@@ -303,7 +307,8 @@ class SharedLoader:
                  start: str = "next_epoch", timeout: float = 60.0, lease: float = 10.0,
                  drop_last: bool = False, max_items: int | None = None,
                  device: Any = None, prefetch: int = 2,
-                 client: Client | None = None, **client_options: Any) -> None:
+                 client: Client | None = None, options: ClientOptions | None = None,
+                 **client_options: Unpack[ConnectFields]) -> None:
         if batch_size is not None and (isinstance(batch_size, bool)
                                        or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None, not {batch_size!r}")
@@ -323,7 +328,7 @@ class SharedLoader:
             else None
         self._consumer = StreamConsumer(stream, self.name, host, port, start=start, lease=lease,
                                         timeout=timeout, prefetch=True, client=client,
-                                        device=on_read, **client_options)
+                                        device=on_read, options=options, **client_options)
         self._pass: _Pass | None = None
         self._restart = False  # after ProducerGone: the next pass starts at the next epoch
         self._item_samples: int | None = None  # samples of a producer batch (seen)

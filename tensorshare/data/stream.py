@@ -28,9 +28,10 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from ..client import Client, PendingCall
+from ..client import Client, ClientOptions, PendingCall
+from ..client.options import ConnectFields, OptionFields
 from ..client.streams import (
     Lagged,
     ProducerGone,
@@ -58,18 +59,24 @@ _WAIT_SHARE = 0.8
 
 
 def connect(host: str | None, port: int | None, timeout: float, lease: float,
-            options: dict[str, Any]) -> Client:
-    """A client for a stream member: its heartbeat well within the member's lease, so that
-    an idle but live member is never taken for dead.
+            options: ClientOptions | None = None, **overrides: Unpack[OptionFields]) -> Client:
+    """A client for a stream member: its heartbeat well within the member's lease (unless
+    the options give one), so that an idle but live member is never taken for dead.
 
     Args:
-        timeout: the member's patience; the client's own reply timeout is at most 30 s.
-        options: more :class:`~tensorshare.client.Client` arguments.
+        timeout: the member's patience; the client's own reply timeout is derived from it
+            (at most 30 s, at least 1 s), whatever ``options.timeout`` says.
+        options, overrides: the client's :class:`~tensorshare.ClientOptions`, and fields of
+            it as keywords (they override ``options``); named ``"tensorshare-data"`` unless
+            ``name`` says otherwise.
     """
-    options = dict(options)
-    options.setdefault("heartbeat", max(min(lease / 3, 5.0), 0.05))
-    options.setdefault("name", "tensorshare-data")
-    return Client(host, port, timeout=max(min(timeout, 30.0), 1.0), **options)
+    opts = ClientOptions.of(options, **overrides)
+    changes: dict[str, Any] = {"timeout": max(min(timeout, 30.0), 1.0)}
+    if opts.heartbeat is None:
+        changes["heartbeat"] = max(min(lease / 3, 5.0), 0.05)
+    if opts.name is None:
+        changes["name"] = "tensorshare-data"
+    return Client(host, port, options=opts.replace(**changes))
 
 
 def _pause(seconds: float) -> None:
@@ -115,7 +122,9 @@ class StreamProducer:
             must be on this host (``unix://``) and see the GPU; where IPC cannot work, the
             first batch says so once in the log and every batch travels through host memory
             (:mod:`tensorshare.memory.ipc`). Not with ``replay="epoch"``.
-        client_options: more :class:`~tensorshare.client.Client` arguments.
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...; they override ``options``);
+            its ``timeout`` comes from ``timeout`` (see :func:`connect`).
 
     Raises:
         ConnectError: no server within ``timeout``.
@@ -127,7 +136,8 @@ class StreamProducer:
                  max_stall: float | None = None, replay: str = "none", lease: float = 10.0,
                  samples_per_epoch: int | None = None, timeout: float = 60.0,
                  hold_timeout: float | None = None, client: Client | None = None,
-                 device_ipc: bool = False, **client_options: Any) -> None:
+                 device_ipc: bool = False, options: ClientOptions | None = None,
+                 **client_options: Unpack[ConnectFields]) -> None:
         self.name = name
         self.producer = producer
         self.hold_timeout = hold_timeout
@@ -145,8 +155,8 @@ class StreamProducer:
                                  "(replay='epoch'): the ring's slots are reused long before")
             self.ring = CudaIpcRing(window + 2)
         self._own = client is None
-        self.client = client if client is not None else connect(host, port, timeout, lease,
-                                                                client_options)
+        self.client = client if client is not None else connect(
+            host, port, timeout, lease, options, **client_options)
         self.epoch = 0  # the epoch this producer appends to
         self.sent = 0  # samples it appended to it
         self._server_id = ""  # the server it opened the stream on (a restart changes it)
@@ -375,7 +385,7 @@ class StreamConsumer:
             the last ones.
         device: copy the items' tensors to this device as they are read (see
             ``Client.get``; a ``device_ipc`` stream's items arrive on their GPU anyway).
-        client, client_options: as for :class:`StreamProducer`.
+        client, options, client_options: as for :class:`StreamProducer`.
 
     Raises:
         ConnectError: no server within ``timeout``.
@@ -385,13 +395,14 @@ class StreamConsumer:
                  port: int | None = None, *, start: str = "now", lease: float = 10.0,
                  resume: bool = True, timeout: float = 60.0, prefetch: bool = False,
                  client: Client | None = None, device: Any = None,
-                 **client_options: Any) -> None:
+                 options: ClientOptions | None = None,
+                 **client_options: Unpack[ConnectFields]) -> None:
         self.device = device  # (checked by the client's reads)
         self.name, self.consumer, self.start = name, consumer, start
         self.lease, self.timeout, self.prefetch = lease, timeout, prefetch
         self._own = client is None
-        self.client = client if client is not None else connect(host, port, timeout, lease,
-                                                                client_options)
+        self.client = client if client is not None else connect(
+            host, port, timeout, lease, options, **client_options)
         self.position: int | None = None  # where the next read starts (None: the server's)
         self.epoch = 0  # the epoch at that position
         self.offset = 0  # samples of that epoch before it

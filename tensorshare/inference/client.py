@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
+from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
 from ..memory.device import check_device, moves, to_device, want_pinned
 
-__all__ = ["InferenceClient"]
+__all__ = ["InferenceCaller", "InferenceClient"]
 
 
 def _add_batch_dim(x: Any) -> Any:
@@ -62,7 +63,55 @@ class _Result:
         return (out, res.version) if self.with_version else out
 
 
-class InferenceClient:
+class InferenceCaller:
+    """What a caller of an :class:`InferenceHost` is, whatever its face: the service, how
+    long a prediction may take, ``wait_room``, ``compress``, where outputs go, and the call
+    ``predict`` sends (written once for :class:`InferenceClient` and
+    ``tensorshare.aio.AsyncInferenceClient``). A face sets ``_shard``: the client that
+    reaches the service's server.
+
+    Raises:
+        ValueError: a ``device`` this torch cannot use, or a bad ``compress``.
+    """
+
+    _shard: Any
+
+    def __init__(self, name: str, timeout: float, wait_room: bool, compress: str | None,
+                 device: Any, own: bool) -> None:
+        self.device = check_device(device)
+        want_pinned(self.device)
+        self.name = name
+        self.timeout = timeout
+        self.wait_room = bool(wait_room)
+        self.compress = check_compress(compress)
+        self._own = own
+
+    @property
+    def client_timeout(self) -> float:
+        """The timeout of a client made for this caller: ``timeout`` and a bit more, so
+        that the server's ``WaitTimeout`` comes first."""
+        return max(self.timeout * 1.25, self.timeout + 1.0)
+
+    def _command(self, inputs: Any, batched: bool, return_version: bool,
+                 wait_room: bool | None) -> Any:
+        """The service call of a ``predict`` of ``inputs``; its conversion gives what
+        ``predict`` returns (on ``device``, if it moves tensors).
+
+        Raises:
+            TypeError, ValueError: ``inputs`` is not a tensor or a dict of tensors with
+                rows.
+        """
+        x = inputs if batched else _add_batch_dim(inputs)
+        cmd = self._shard.service_call_command(
+            self.name, x, rows=_rows(x), timeout=self.timeout,
+            wait_room=self.wait_room if wait_room is None else bool(wait_room),
+            compress=self.compress)
+        convert = cmd.convert
+        result = _Result(batched, return_version, self.device if moves(self.device) else None)
+        return replace(cmd, convert=lambda reply: result(convert(reply)))
+
+
+class InferenceClient(InferenceCaller):
     """Calls the model an :class:`InferenceHost` serves on service bin ``name``.
 
     Args:
@@ -86,7 +135,10 @@ class InferenceClient:
             torch without CUDA is a ``ValueError``); ``None``: the CPU. If the copy fails,
             ``DeviceCopyFailed`` carries the output on the CPU. (Inputs may be CUDA tensors
             whatever this says: they are copied once to host memory to travel.)
-        client_options: more arguments of the client (``token``, ``tls_ca``, ...).
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...; they override ``options``);
+            its ``timeout`` is ``timeout`` and a bit more (the server says ``WaitTimeout``
+            first).
 
     ``predict(x)`` sends one input (no batch dimension) and returns the model's output row
     for it; ``predict(x, batched=True)`` sends a batch (first dimension) and returns the
@@ -96,30 +148,13 @@ class InferenceClient:
 
     def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
                  timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
-                 client: Any = None, device: Any = None, **client_options: Any) -> None:
-        self.device = check_device(device)
-        want_pinned(self.device)
-        self.name = name
-        self.timeout = timeout
-        self.wait_room = bool(wait_room)
-        self.compress = check_compress(compress)
-        self._own = client is None
-        # The client's own timeout leaves the server time to say WaitTimeout first.
-        self.client = connect(host, port, max(timeout * 1.25, timeout + 1.0),
+                 client: Any = None, device: Any = None, options: ClientOptions | None = None,
+                 **client_options: Unpack[TransportFields]) -> None:
+        super().__init__(name, timeout, wait_room, compress, device, client is None)
+        self.client = connect(host, port, self.client_timeout, options=options,
                               **client_options) if client is None else client
-        self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
+        self._shard = self.client.client_for(name) if hasattr(self.client, "client_for") \
             else self.client
-
-    def _command(self, inputs: Any, batched: bool, return_version: bool,
-                 wait_room: bool | None) -> Any:
-        x = inputs if batched else _add_batch_dim(inputs)
-        cmd = self._shard.service_call_command(
-            self.name, x, rows=_rows(x), timeout=self.timeout,
-            wait_room=self.wait_room if wait_room is None else bool(wait_room),
-            compress=self.compress)
-        convert = cmd.convert
-        result = _Result(batched, return_version, self.device if moves(self.device) else None)
-        return replace(cmd, convert=lambda reply: result(convert(reply)))
 
     def predict(self, inputs: Any, *, batched: bool = False, return_version: bool = False,
                 wait_room: bool | None = None) -> Any:

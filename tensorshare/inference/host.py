@@ -6,10 +6,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
+from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
 from ..errors import ConnectionLost, Timeout, TransportError
@@ -162,7 +163,9 @@ class InferenceHost:
             an eighth (a model that returns frames), never floats; ``None``, ``"lz4"`` or
             ``"client"`` (the client's own ``compress``).
         client: a client to use instead of connecting (it is not closed by ``stop``).
-        client_options: more arguments of the client (``token``, ``tls_ca``, ...).
+        options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...; they override ``options``);
+            its ``timeout`` is ``timeout``.
 
     Several hosts may serve one name: they share the calls. ``start()`` serves in a thread,
     ``serve_forever()`` in the calling one; ``stop()`` ends both.
@@ -173,15 +176,18 @@ class InferenceHost:
                  params_bin: str | None = None, device: str | torch.device | None = None,
                  lease: float = 10.0, max_queue: int | None = None, timeout: float = 10.0,
                  compress: str | None = "auto", client: Any = None,
-                 devices: list[Any] | None = None, **client_options: Any) -> None:
+                 devices: list[Any] | None = None, options: ClientOptions | None = None,
+                 **client_options: Unpack[TransportFields]) -> None:
         self.replicas: list[InferenceHost] = []
         self._counts = [0, 0, 0]  # batches, calls, rows (shared with the replicas)
         self._count_lock = threading.Lock()
+        if client is None:  # (checked before anything else)
+            options = ClientOptions.of(options, **client_options)
         if devices is not None:
-            self._group(name, model, devices, device, host, port, timeout, client,
-                        client_options, dict(max_batch=max_batch, max_wait_ms=max_wait_ms,
-                                             params_bin=params_bin, lease=lease,
-                                             max_queue=max_queue, compress=compress))
+            self._group(name, model, devices, device, host, port, timeout, client, options,
+                        dict(max_batch=max_batch, max_wait_ms=max_wait_ms,
+                             params_bin=params_bin, lease=lease, max_queue=max_queue,
+                             compress=compress))
             return
         self.name = name
         self.compress = check_compress(compress)
@@ -197,7 +203,7 @@ class InferenceHost:
         self.device = None if device is None else check_device(device)
         want_pinned(self.device)
         self._own = client is None
-        self.client = connect(host, port, timeout, **client_options) if client is None \
+        self.client = connect(host, port, timeout, options=options) if client is None \
             else client
         self._shard: Any = self.client.client_for(name) if hasattr(self.client, "client_for") \
             else self.client
@@ -211,7 +217,7 @@ class InferenceHost:
             self._load_params(force=True)
 
     def _group(self, name: str, model: Any, devices: list[Any], device: Any, host: Any,
-               port: Any, timeout: float, client: Any, client_options: dict[str, Any],
+               port: Any, timeout: float, client: Any, client_options: ClientOptions | None,
                options: dict[str, Any]) -> None:
         """``devices=``: one replica of ``model`` per device, each a host of its own on a
         shared client and shared counters."""
@@ -228,7 +234,7 @@ class InferenceHost:
         self.name, self.model, self.device = name, model, None
         self.params_bin, self.version = options["params_bin"], None
         self._own = client is None
-        self.client = connect(host, port, timeout, **client_options) if client is None \
+        self.client = connect(host, port, timeout, options=client_options) if client is None \
             else client
         self._stop = threading.Event()
         self._thread = None

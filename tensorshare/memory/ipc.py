@@ -7,7 +7,7 @@ private memory pool where torch has one, so no neighbouring allocation is expose
 IPC handle is made once, for the whole ring. Each :meth:`CudaIpcRing.export` copies an item's
 CUDA tensors into the next slot (on the caller's current stream), records a fresh
 interprocess event after the copy, and replaces each tensor by an :class:`IpcTensor`: the
-descriptor that travels as the codec's ext 4 (docs/PROTOCOL.md §2.6: handle bytes, offsets,
+descriptor that travels as the codec's ext 4 (docs/PROTOCOL.md §5.2: handle bytes, offsets,
 the GPU's UUID and the host's boot id, the slot and its generation; no pickle).
 
 **A consumer** (:func:`copy_out`, which the client hands the codec on a ``unix://``

@@ -66,11 +66,11 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from twisted.internet.error import BindError
 
-from ..client.options import ClientOptions
+from ..client.options import AllOptionFields, ClientOptions
 from ..client.sharded import ShardedClient
 from ..server import EmbeddedServer, ServerConfig
 from ..server.config import env_token
@@ -267,7 +267,7 @@ class Shards:
         return len(self.actors)
 
     def client(self, *, via_relay: bool = True, options: ClientOptions | None = None,
-               **overrides: Any) -> ShardedClient:
+               **overrides: Unpack[AllOptionFields]) -> ShardedClient:
         """A :class:`~tensorshare.ShardedClient` over the shards (with their token unless
         ``token`` is given). ``options`` (a :class:`~tensorshare.ClientOptions`) and the
         keywords (``timeout``, ...; they override ``options``) go to each shard's client.

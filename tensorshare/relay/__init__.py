@@ -36,11 +36,11 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 from ..client.blocking import Client
 from ..client.ops import Command
-from ..client.options import ClientOptions
+from ..client.options import ClientOptions, OptionFields
 from ..errors import TensorShareError
 from ..server.config import ServerConfig
 from ..server.embedded import EmbeddedServer
@@ -87,7 +87,7 @@ class Relay:
                  host: str = "127.0.0.1", port: int | None = 0, unix: str | None = None,
                  config: ServerConfig | None = None, server: EmbeddedServer | None = None,
                  poll: float = 1.0, timeout: float = 10.0, options: ClientOptions | None = None,
-                 **upstream_options: Any) -> None:
+                 **upstream_options: Unpack[OptionFields]) -> None:
         given = ClientOptions.of(options, **upstream_options)
         self._options = given.replace(timeout=timeout, shm=False,
                                       name=given.name or "tensorshare-relay")

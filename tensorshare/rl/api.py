@@ -39,10 +39,12 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import Any, TypeVar, Unpack
 
 from ..client.blocking import NOWAIT
 from ..client.ops import BinClient
+from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.sharded import ShardedClient, connect
 from ..errors import (
     BinNotFound,
@@ -100,32 +102,43 @@ def _local(host: str) -> str:
     return "127.0.0.1" if host == "localhost" else host
 
 
-def _host(port: int, host: str, client_options: dict[str, Any]) -> Any:
-    """A server in this process for :class:`RLTrainer` (``host_server=True``): the token the
-    trainer's client is given is the server's too (else ``TENSORSHARE_TOKEN``, as for any
-    server), and so is ``TENSORSHARE_TLS_CERT``/``_KEY``'s TLS."""
+def _host(port: int, host: str, options: ClientOptions, insecure: bool) -> tuple[Any, str]:
+    """A server in this process for :class:`RLTrainer` (``host_server=True``), on ``host``
+    and ``port`` or where a ``tensorshare://`` URL ``host`` says, and the host its client
+    connects to (a URL then names the port the server took): the token the trainer's client
+    is given is the server's too (else ``TENSORSHARE_TOKEN``, as for any server), and so is
+    ``TENSORSHARE_TLS_CERT``/``_KEY``'s TLS; ``insecure``: beyond loopback without a token.
+
+    Raises:
+        ValueError: a ``unix://`` address (the hosted server listens on TCP).
+    """
     from ..server import EmbeddedServer, ServerConfig
 
-    given = client_options.get("options")  # a ClientOptions: the keywords override it
-    token = client_options.get("token", given.token if given is not None else None)
-    token_file = client_options.get("token_file",
-                                    given.token_file if given is not None else None)
-    if token is None and token_file:
-        with open(token_file, encoding="utf-8") as f:
+    where = options.endpoint(host, port).address
+    if where.path is not None:
+        raise ValueError(f"host_server=True listens on TCP: give a host and port or a "
+                         f"tensorshare:// URL, not {host!r}")
+    token = options.token
+    if token is None and options.token_file:
+        with open(options.token_file, encoding="utf-8") as f:
             token = f.read()
+    if isinstance(token, bytes):
+        token = token.decode()
     config = ServerConfig(token=token) if token is not None else None
-    return EmbeddedServer(port, host=host, config=config)
+    server = EmbeddedServer(where.port, host=_local(where.host), config=config,
+                            insecure=insecure)
+    return server, replace(where, port=server.port).url if "://" in host else host
 
 
 class _Base:
-    def __init__(self, host: str, port: int, timeout: float, params_bin: str, data_bin: str,
-                 client_options: dict[str, Any]) -> None:
+    def __init__(self, host: str, port: int, params_bin: str, data_bin: str,
+                 options: ClientOptions) -> None:
         self.host, self.port = host, port
         self.params_bin, self.data_bin = params_bin, data_bin
         self.stop_bin = stop_bin_for(data_bin)
         self._stopped = threading.Event()
         self._server: Any = None
-        self.client: BinClient = connect(host, port, timeout, **client_options)
+        self.client: BinClient = connect(host, port, options=options)
         # Over several servers, rollouts are spread over one bin per server (workers take
         # turns, the trainer drains them all); the parameters live on one of them.
         self.data_bins = self.client.spread(data_bin) if isinstance(
@@ -162,28 +175,46 @@ class RLTrainer(_Base):
     """The learner side: publishes parameters, collects rollouts.
 
     Args:
-        host, port: the server. With ``host_server=True`` a server is started in this
-            process on that port (0 picks a free one; read it back from ``.port``).
+        host, port: the server (``host`` may be a URL, see :class:`~tensorshare.Client`).
+            With ``host_server=True`` a server is started in this process on that host and
+            port (0 picks a free one; read it back from ``.port``).
         host_server: run the server inside this process. When the trainer stops, it first
             signals the end of the run (:meth:`signal_stop`), then stops the server; connected
             workers get :class:`TrainerStopped` (a ``ConnectionLost``).
         filter_version: keep only rollouts made with the newest published parameters.
         max_version_lag: keep rollouts made with parameters at most this many versions old
             (0 is the same as ``filter_version=True``). Overrides ``filter_version``.
-        timeout: seconds to connect and to wait for each reply.
+        timeout: seconds to connect and to wait for each reply (default: ``options``', 30).
         params_bin, data_bin: bin names, to run several experiments on one server.
+        insecure: with ``host_server``, let the server listen beyond loopback (``host``
+            ``"0.0.0.0"``, say) without a token, on a network you trust (as
+            ``EmbeddedServer(insecure=True)``); without ``host_server`` a ``ValueError``.
+        options, client_options: the client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``token_file``, ``tls_ca``, ...; they
+            override ``options``). With ``host_server``, the client's token (``token``,
+            ``token_file``) is the server's too.
+
+    Raises:
+        ConnectError: the server could not be reached within ``timeout``.
+        ValueError: ``host_server`` beyond loopback without a token or ``insecure=True``.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, host_server: bool = False,
                  filter_version: bool = True, *, max_version_lag: int | None = None,
-                 timeout: float = 30.0, params_bin: str = PARAMS_BIN, data_bin: str = DATA_BIN,
-                 **client_options: Any) -> None:
+                 timeout: float | Unset = UNSET, params_bin: str = PARAMS_BIN,
+                 data_bin: str = DATA_BIN, insecure: bool = False,
+                 options: ClientOptions | None = None,
+                 **client_options: Unpack[OptionFields]) -> None:
+        opts = ClientOptions.of(options, timeout=timeout, **client_options)
+        if insecure and not host_server:
+            raise ValueError("insecure=True is for a trainer that hosts its server "
+                             "(host_server=True): a client needs a token, not insecure")
         server = None
         if host_server:
-            server = _host(port, _local(host), client_options)
+            server, host = _host(port, host, opts, insecure)
             port = server.port
         try:
-            super().__init__(host, port, timeout, params_bin, data_bin, client_options)
+            super().__init__(host, port, params_bin, data_bin, opts)
         except BaseException:
             if server is not None:
                 server.stop()
@@ -321,7 +352,8 @@ class RLWorker(_Base):
     """The actor side: fetches parameters, pushes rollouts tagged with their version.
 
     Args:
-        host, port: the server. timeout: seconds to connect and to wait for each reply.
+        host, port: the server. timeout: seconds to connect and to wait for each reply
+            (default: ``options``', 30).
         params_bin, data_bin: bin names (must match the trainer's).
         watch_stop: listen for the trainer's end-of-run signal (:meth:`RLTrainer.signal_stop`).
             When it comes, the connection is closed and every call made then or later,
@@ -336,24 +368,29 @@ class RLWorker(_Base):
             without CUDA is a ``ValueError``); ``None``: the CPU. To load them into a model
             that is already on its device, :meth:`load_parameters_into` copies straight
             into the model's own tensors instead.
+        options, client_options: the client's :class:`~tensorshare.ClientOptions`, and
+            fields of it as keywords (``token``, ``tls_ca``, ...; they override ``options``);
+            ``params_via``'s client has the same.
 
     Raises:
         ConnectError: the server could not be reached within ``timeout``.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 30.0,
-                 params_bin: str = PARAMS_BIN, data_bin: str = DATA_BIN,
-                 watch_stop: bool = True, params_via: str | None = None,
-                 device: Any = None, **client_options: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *,
+                 timeout: float | Unset = UNSET, params_bin: str = PARAMS_BIN,
+                 data_bin: str = DATA_BIN, watch_stop: bool = True,
+                 params_via: str | None = None, device: Any = None,
+                 options: ClientOptions | None = None,
+                 **client_options: Unpack[OptionFields]) -> None:
+        opts = ClientOptions.of(options, timeout=timeout, **client_options)
         self.device = check_device(device)  # (before connecting)
         want_pinned(self.device)
-        super().__init__(host, port, timeout, params_bin, data_bin, client_options)
+        super().__init__(host, port, params_bin, data_bin, opts)
         self.params_client: BinClient = self.client
         if params_via is not None:
             try:
                 self.params_client = connect(params_via if "://" in params_via else
-                                             f"tensorshare://{params_via}", None, timeout,
-                                             **client_options)
+                                             f"tensorshare://{params_via}", None, options=opts)
             except BaseException:
                 self.client.close()
                 raise

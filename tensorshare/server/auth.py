@@ -21,7 +21,6 @@ def read_ops() -> list[str]:
     """The ops a connection with the read-only token (or any client of a relay) may send
     after the handshake: those the op table marks ``read`` (``hello`` and ``auth`` are the
     handshake's own)."""
-    from ..wire import services, streams  # noqa: F401  (their ops join the table at import)
     from ..wire.protocol import OPS
 
     return [name for name, op in OPS.items() if op.read and name not in ("hello", "auth")]

@@ -16,7 +16,7 @@ from ..wire.messages import Limits
 from .auth import check_exposure
 from .config import ServerConfig
 from .core import ServerFactory
-from .reactor import LeanEPollReactor
+from .reactor import make_reactor
 from .transports import listen_fast_tcp, listen_fast_unix
 
 __all__ = ["EmbeddedServer", "run_server"]
@@ -74,7 +74,7 @@ class EmbeddedServer:
         self.host = host
         self.unix = unix
         self._ports: list[Any] = []
-        self.reactor = LeanEPollReactor()
+        self.reactor = make_reactor()
         self._stopping = False
         self._reactor_closed = False
         try:

@@ -30,7 +30,6 @@ cdef class SessionTable:
     cdef public object held, remembered
     cdef public object detached
 
-    @cython.locals(r=Remembered)
     cpdef remember(self, ServerSession s, object rid, object reply, object bin=*,
                    object held=*)
     @cython.locals(replies=dict, order=list, gone=list, kept=list)

@@ -22,7 +22,7 @@ raw byte buffers. The tree is packed with the msgpack "bin" type for bytes and "
   not allowed for ext 2 (numpy has no such dtype).
 * ext type 4 (``EXT_CUDA_IPC``, a CUDA tensor in another process's GPU memory on this
   host): the ext data is a msgpack map of exactly the keys of :data:`CUDA_IPC_FIELDS`
-  (docs/PROTOCOL.md §2.6): where the memory is (GPU UUID, boot id, producer pid, the
+  (docs/PROTOCOL.md §5.2): where the memory is (GPU UUID, boot id, producer pid, the
   CUDA IPC handle and its storage), the tensor's dtype, shape, strides and offset, and the
   ring slot and generation it was written with. It refers to no buffer. Only a client on
   the producer's host (over ``unix://``) can read it; a server checks and stores it as it is.
@@ -81,7 +81,7 @@ EXT_CUDA_IPC = 4
 
 #: The keys of a CUDA IPC descriptor (ext 4) and what each must be: ``bin``/N: bytes of
 #: exactly N (``bin<=N``: 1 to N) bytes; ``int``: an int >= 0 (``int>0``: >= 1); ``dims``: a
-#: list of at most 64 ints >= 0. See docs/PROTOCOL.md §2.6.
+#: list of at most 64 ints >= 0. See docs/PROTOCOL.md §5.2.
 CUDA_IPC_FIELDS: dict[str, str] = {
     "v": "int>0",  # the descriptor's version: 1
     "uuid": "bin16",  # the GPU's UUID (the same GPU, whatever CUDA_VISIBLE_DEVICES says)
@@ -712,7 +712,7 @@ def _parse_cuda_ipc(data: bytes) -> dict[str, Any]:
 
 #: What a client reading a CUDA IPC item over a connection that cannot (TCP) hears.
 CUDA_IPC_REMOTE = ("it is a CUDA tensor in another process's GPU memory (cuda-ipc, "
-                   "docs/PROTOCOL.md §2.6): only a client on the producer's host, connected "
+                   "docs/PROTOCOL.md §5.2): only a client on the producer's host, connected "
                    "over unix://, can read it; read it there, or have the producer send host "
                    "copies (device_ipc=False)")
 

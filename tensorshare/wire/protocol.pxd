@@ -2,24 +2,18 @@
 # The .py stays the reference: this file only declares what Cython may type.
 import cython
 
+from tensorshare.wire.fields cimport Fds, check_bin, read_items
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
-from tensorshare.wire.records cimport Buffer, Encoded, Item
+from tensorshare.wire.records cimport Item
 
 cdef object _packb, _FRAME_HEAD
 cdef tuple _STORED_OK, _ACKED_OK
 cdef bytes _PACKED_REPLY_OK
 
 
-@cython.final
-cdef class _Fds:
-    cdef public object queue
-    cdef public bint writable
-    cdef public object limit
-
-
 cdef class _Side:
     cdef FrameDecoder _decoder
-    cdef public _Fds fds
+    cdef public Fds fds
 
     cdef tuple _frames(self, object data, Py_ssize_t nbytes)
 
@@ -62,12 +56,6 @@ cpdef tuple encode_message(object msg, object extra=*, object shared=*)
 @cython.locals(k=Py_ssize_t, out=list, descs=list, sizes=list, offsets=list)
 cpdef list _items_header(object items, list buffers, object shared)
 
-@cython.locals(end=Py_ssize_t, items=list, size=Py_ssize_t, buffers=list,
-               total=Py_ssize_t, view=memoryview)
-cpdef list _parse_items(dict h, object payload, Py_ssize_t max_depth, bint client=*)
-
 cpdef dict _header_map(object frame)
 
 cpdef tuple _ack_of(dict h)
-
-cpdef str _name(dict h, object limits)

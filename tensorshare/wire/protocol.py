@@ -3,19 +3,32 @@
 Shared by the Twisted server, the Twisted client and the blocking client. Nothing here touches
 a socket, a thread, a clock or Twisted, so it can be tested byte by byte.
 
-There is one table of ops (:data:`OPS`). Each row says how a request becomes a header and back,
-how its reply is parsed, and whether the server must remember the reply for exactly-once
-replay (``mutating``). Replies and notifications are encoded by their class
-(:data:`REPLY_HEADERS`). Adding an op means adding a row, a store method, a server handler and
-a section of ``docs/PROTOCOL.md`` (whose field tables a test checks against this table).
+There is one table of ops (:data:`OPS`), built here from the rows of every kind of bin: the
+core ops' (value and list bins, the handshake, the connection's own ops), those that
+:mod:`.streams` and :mod:`.services` export, then the administration ops, which is the order
+of ``docs/PROTOCOL.md`` §3.2. Each row (:class:`~.fields.Op`) says how a request becomes a
+header and back, how its reply is parsed, and whether the server must remember the reply for
+exactly-once replay (``mutating``). Replies and notifications are encoded by their class
+(:data:`REPLY_HEADERS`). Adding an op means adding a row (its parse functions read fields with
+the checks of :mod:`.fields`), a server handler and a section of ``docs/PROTOCOL.md`` (whose
+field tables a test checks against this table).
 
-The two sides of a connection::
+The server's side of a connection (as ``server/connection.py`` drives it)::
 
-    conn = ServerConnection(limits)              conn = ClientConnection()
-    for event in conn.receive_data(data):        chunks = conn.send(msg, ack)
-        ...  # requests, AckInfo, BadRequest,    for msg in conn.receive_data(data, op_of):
-             # ProtocolViolation                     ...  # replies, Changed, Orphan, ...
-    chunks = conn.send(reply)
+    conn = ServerConnection(limits)
+    frames, error = conn.frames(data)        # or conn.buffered(n), after conn.get_buffer()
+    for frame in frames:
+        request, through, open_ids = conn.parse(frame)   # a request, or a BadRequest
+        ...
+    ...                                      # error: the peer broke the format, close
+    chunks = encode_reply(reply)
+
+The client's side::
+
+    conn = ClientConnection()
+    chunks = conn.send(msg, ack)
+    for msg in conn.receive_data(data, op_of):   # replies, Changed, Orphan, ...
+        ...                                      # (a ProtocolViolation last, if any)
 
 A header is a msgpack map; see ``docs/PROTOCOL.md`` for every field.
 """
@@ -25,24 +38,36 @@ from __future__ import annotations
 import gc
 import math
 import struct
-from collections import deque
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeGuard, Union, cast
+from typing import Any, Union, cast
 
 import msgpack
 
-from ..errors import (
-    CodecError,
-    InvalidRequest,
-    LimitExceeded,
-    MemoryLimitExceeded,
-    NestingTooDeep,
-    ProtocolError,
-)
+from ..errors import InvalidRequest, LimitExceeded, MemoryLimitExceeded, ProtocolError
+from . import services, streams
 from .auth import MECH, NONCE_BYTES, check_user_name
-from .codec import validate
+from .fields import (
+    ACCESS,
+    MAX_APPEND_ITEMS,
+    PARSING_FDS,
+    Fds,
+    InvalidField,
+    NameTooLong,
+    Op,
+    ParseReply,
+    ParseRequest,
+    check_bin,
+    check_bin_name,
+    check_bool,
+    check_int,
+    check_str,
+    check_timeout,
+    is_int,
+    opt_int,
+    parse_acked,
+    read_items,
+)
 from .frames import (
     FORMAT_VERSION,
     MAGIC,
@@ -83,7 +108,6 @@ from .messages import (
 from .records import (
     Acked,
     Append,
-    Buffer,
     Changed,
     ErrorReply,
     Fetch,
@@ -92,8 +116,6 @@ from .records import (
     Item,
     Put,
     Stored,
-    encoded_of,
-    raw_buffer,
 )
 
 __all__ = [
@@ -125,8 +147,6 @@ __all__ = [
     "items_header",
     "op_name",
     "parse_items",
-    "register",
-    "register_reply",
     "stored_frame",
 ]
 
@@ -138,12 +158,9 @@ PRE_HELLO_MAX_BYTES = 64 * 1024
 SESSION_ID_BYTES = 16
 # At most this many request ids below ``ack`` may be listed as still open (see AckInfo).
 MAX_OPEN_ACKS = 64
-# The most items one append may carry (a pipeline sends larger batches as several appends).
-MAX_APPEND_ITEMS = 100_000
 # The largest ``min_version`` a put or append may ask for (a version fits an int64).
 MAX_VERSION = (1 << 63) - 1
 OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
-_ALIGN_MASK = 63
 
 _packb = msgpack.Packer(use_bin_type=True).pack
 
@@ -160,8 +177,8 @@ _unpackb = msgpack.unpackb
 class ProtocolViolation:
     """The peer broke the wire format: the connection must be closed.
 
-    It comes last in the list returned by ``receive_data``, after every message that was
-    complete before the violation, so those are still handled in order.
+    It comes last in the list returned by :meth:`ClientConnection.receive_data`, after every
+    message that was complete before the violation, so those are still handled in order.
     """
 
     message: str
@@ -184,7 +201,8 @@ class AckInfo:
     """What a request said about the replies its client has received (exactly-once bookkeeping).
 
     The client has received the reply of every request with an id up to ``through``, except
-    those listed in ``open``. It comes right before the request that carried it.
+    those listed in ``open``. :meth:`ClientConnection.send` writes it into a request; the
+    server reads it back from :meth:`ServerConnection.parse` (``through`` and ``open``).
     """
 
     through: int
@@ -199,135 +217,7 @@ class Orphan:
     n_items: int
 
 
-class NameTooLong(ValueError):
-    """A bin name is longer than ``max_name_bytes`` (a limit, not a malformed request)."""
-
-
-def check_bin_name(name: object, max_name_bytes: int) -> str:
-    """Check a bin name: a non-empty str of at most ``max_name_bytes`` UTF-8 bytes.
-
-    Any characters are allowed (spaces, '|', '/', unicode).
-
-    Returns:
-        The name.
-
-    Raises:
-        TypeError: the name is not a str.
-        ValueError: the name is empty; :class:`NameTooLong` (a ValueError): it is too long.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"bin name must be a str, not {type(name).__name__}")
-    if not name:
-        raise ValueError("bin name must not be empty")
-    if len(name) * 4 > max_name_bytes:  # cheap pre-check: at most 4 bytes per code point
-        n = len(name.encode("utf-8", "surrogatepass"))
-        if n > max_name_bytes:
-            raise NameTooLong(f"bin name of {n} bytes exceeds max_name_bytes={max_name_bytes}")
-    return name
-
-
-class _Invalid(Exception):
-    """Internal: a header is malformed; carries the error code."""
-
-    def __init__(self, message: str, code: str = InvalidRequest.code) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# -- field readers ----------------------------------------------------------------------------
-def _is_int(v: object) -> TypeGuard[int]:
-    """An integer, and not a bool (msgpack keeps them apart; Python does not)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _opt_int(h: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
-    v = h.get(key)
-    if v is None:
-        return None
-    if type(v) is not int:  # (not a bool either: msgpack keeps them apart)
-        raise _Invalid(f"{key!r} must be an integer")
-    if minimum is not None and v < minimum:
-        raise _Invalid(f"{key!r} must be at least {minimum}")
-    return v
-
-
-def _int(h: dict[str, Any], key: str) -> int:
-    v = h.get(key)
-    if type(v) is not int:
-        raise _Invalid(f"{key!r} must be an integer")
-    return v
-
-
-def _str(h: dict[str, Any], key: str) -> str:
-    v = h.get(key)
-    if not isinstance(v, str):
-        raise _Invalid(f"{key!r} must be a string")
-    return v
-
-
-def _bool(h: dict[str, Any], key: str, default: bool = False) -> bool:
-    v = h.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _Invalid(f"{key!r} must be a bool")
-    return v
-
-
-def _name(h: dict[str, Any], limits: Limits) -> str:
-    name = h.get("bin")
-    if type(name) is str and name and len(name) * 4 <= limits.max_name_bytes:
-        return name  # (short enough whatever its characters: the usual case)
-    try:
-        return check_bin_name(h.get("bin"), limits.max_name_bytes)
-    except NameTooLong as exc:
-        raise _Invalid(str(exc), LimitExceeded.code) from None
-    except (TypeError, ValueError) as exc:
-        raise _Invalid(str(exc)) from None
-
-
-# -- the op table -----------------------------------------------------------------------------
-_Parse = Callable[[int, dict[str, Any], Payload, Limits], Request]
-_ParseReply = Callable[[int, dict[str, Any], Payload, Limits], Reply]
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """One row of the op table.
-
-    Attributes:
-        name: the wire ``op``.
-        request: the request class.
-        header: the request's header fields besides ``op``, ``id`` and ``items``.
-        parse: builds the request from a header (server side); raises ``_Invalid``.
-        parse_reply: builds an ``ok`` reply to this op from its header (client side).
-        mutating: the server remembers the reply for exactly-once replay after a reconnect
-            (re-running the request would change something twice).
-        fields: every header key the request may carry (docs/PROTOCOL.md lists these).
-        read: a connection with the read-only token may send it (it changes nothing others
-            can see); a relay serves only these.
-        access: what a user must be allowed on the request's ``bin`` (see :data:`ACCESS`):
-            ``"read"``, ``"write"``, ``"take"`` (both: a get reads and removes), ``"admin"``
-            (not about a bin: only a user with ``admin = true``) or ``"none"`` (no bin, or
-            one it only answers with what the user may read). A new op needs write unless
-            its row says otherwise.
-    """
-
-    name: str
-    request: type
-    header: Callable[[Any], dict[str, Any]]
-    parse: _Parse
-    parse_reply: _ParseReply
-    mutating: bool
-    fields: tuple[str, ...]
-    read: bool = False
-    access: str = "write"
-
-
-#: The values of :attr:`Op.access`.
-ACCESS = ("none", "read", "write", "take", "admin")
-
-
+# -- the core rows ----------------------------------------------------------------------------
 def _store_header(m: Put | Append) -> dict[str, Any]:
     h: dict[str, Any] = {"bin": m.bin}
     if isinstance(m, Append):
@@ -345,40 +235,30 @@ def _store_header(m: Put | Append) -> dict[str, Any]:
 
 
 def _min_version(h: dict[str, Any]) -> int | None:
-    v = _opt_int(h, "min_version", minimum=1)
+    v = opt_int(h, "min_version", minimum=1)
     if v is not None and v > MAX_VERSION:
-        raise _Invalid(f"'min_version' must be at most {MAX_VERSION}")
+        raise InvalidField(f"'min_version' must be at most {MAX_VERSION}")
     return v
 
 
-def _timeout(h: dict[str, Any]) -> float | None:
-    timeout = h.get("timeout")
-    if timeout is None:
-        return None
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout) or timeout < 0):
-        raise _Invalid("'timeout' must be a finite non-negative number or nil")
-    return float(timeout)
-
-
-def _parse_store(cls: type[Put] | type[Append]) -> _Parse:
+def _parse_store(cls: type[Put] | type[Append]) -> ParseRequest:
     def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
-        name = _name(h, limits)
+        name = check_bin(h, limits)
         raw = h.get("items")
         if cls is Append and isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
-            raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
+            raise InvalidField(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
                            f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
-        items = _parse_items(h, payload, limits.max_depth)
-        wait_room = _bool(h, "wait_room") if "wait_room" in h else False
+        items = read_items(h, payload, limits.max_depth, True)
+        wait_room = check_bool(h, "wait_room") if "wait_room" in h else False
         if cls is Append:
             if not items:
-                raise _Invalid("append carries at least one item")
-            return Append(rid, name, items[0], _timeout(h), tuple(items[1:]),
+                raise InvalidField("append carries at least one item")
+            return Append(rid, name, items[0], check_timeout(h), tuple(items[1:]),
                           _min_version(h), wait_room)
         if len(items) != 1:
-            raise _Invalid(f"put carries exactly one item, got {len(items)}")
+            raise InvalidField(f"put carries exactly one item, got {len(items)}")
         if wait_room:
-            room = _timeout(h)
+            room = check_timeout(h)
             return Put(rid, name, items[0], _min_version(h),
                        math.inf if room is None else room)
         return Put(rid, name, items[0], _min_version(h))
@@ -402,39 +282,35 @@ def _fetch_header(m: Fetch) -> dict[str, Any]:
     return h
 
 
-def _parse_fetch(remove: bool) -> _Parse:
+def _parse_fetch(remove: bool) -> ParseRequest:
     def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
-        name = _name(h, limits)
-        spec = FetchSpec(remove, _opt_int(h, "max_items", minimum=1), _bool(h, "wait"),
-                         _timeout(h),
-                         _opt_int(h, "min_tag"), _opt_int(h, "newer_than"),
-                         _opt_int(h, "min_items", minimum=1) or 1)
+        name = check_bin(h, limits)
+        spec = FetchSpec(remove, opt_int(h, "max_items", minimum=1), check_bool(h, "wait"),
+                         check_timeout(h),
+                         opt_int(h, "min_tag"), opt_int(h, "newer_than"),
+                         opt_int(h, "min_items", minimum=1) or 1)
         return Fetch(rid, name, spec)
     return parse
 
 
 def _reply_fetched(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     unchanged = bool(h.get("unchanged", False))
-    items = () if unchanged else tuple(_parse_items(h, payload, limits.max_depth, client=True))
-    return Fetched(rid, _str(h, "kind"), items, _int(h, "version"), _int(h, "n_items"),
-                   _int(h, "dropped"), unchanged)
+    items = () if unchanged else tuple(read_items(h, payload, limits.max_depth, False))
+    return Fetched(rid, check_str(h, "kind"), items, check_int(h, "version"), check_int(h, "n_items"),
+                   check_int(h, "dropped"), unchanged)
 
 
 def _reply_stored(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
-    return Stored(rid, _int(h, "version"), _int(h, "n_items"), _opt_int(h, "dropped") or 0)
-
-
-def _reply_acked(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
-    return Acked(rid, _bool(h, "flag", True))
+    return Stored(rid, check_int(h, "version"), check_int(h, "n_items"), opt_int(h, "dropped") or 0)
 
 
 def _bin_header(m: Delete | Listen | Unlisten) -> dict[str, Any]:
     return {"bin": m.bin}
 
 
-def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> _Parse:
+def _parse_bin_only(cls: type[Delete] | type[Listen] | type[Unlisten]) -> ParseRequest:
     def parse(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
-        return cls(rid, _name(h, limits))
+        return cls(rid, check_bin(h, limits))
     return parse
 
 
@@ -455,31 +331,31 @@ def _hello_header(m: Hello) -> dict[str, Any]:
 
 def _parse_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     versions = h.get("versions")
-    if not isinstance(versions, list) or not all(_is_int(v) for v in versions):
-        raise _Invalid("hello needs 'versions', a list of integers")
+    if not isinstance(versions, list) or not all(is_int(v) for v in versions):
+        raise InvalidField("hello needs 'versions', a list of integers")
     client, session = h.get("client", ""), h.get("session")
     if session is not None and (not isinstance(session, bytes)
                                 or len(session) != SESSION_ID_BYTES):
-        raise _Invalid(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
+        raise InvalidField(f"'session' must be {SESSION_ID_BYTES} bytes (msgpack bin)")
     user = h.get("user")
     if user is not None:
         try:
             check_user_name(user)
         except ValueError as exc:
-            raise _Invalid(f"'user': {exc}") from None
+            raise InvalidField(f"'user': {exc}") from None
     return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
                  _hello_nonce(h.get("auth")), session,
-                 _bool(h, "resume") and session is not None, _bool(h, "shm"), user)
+                 check_bool(h, "resume") and session is not None, check_bool(h, "shm"), user)
 
 
 def _hello_nonce(auth: Any) -> bytes | None:
     if auth is None:
         return None
     if not isinstance(auth, dict) or auth.get("mech") != MECH:
-        raise _Invalid(f"'auth' must be a map with 'mech': {MECH!r} and a 'nonce'")
+        raise InvalidField(f"'auth' must be a map with 'mech': {MECH!r} and a 'nonce'")
     nonce = auth.get("nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-        raise _Invalid(f"the auth 'nonce' must be {NONCE_BYTES} bytes (msgpack bin)")
+        raise InvalidField(f"the auth 'nonce' must be {NONCE_BYTES} bytes (msgpack bin)")
     return nonce
 
 
@@ -488,21 +364,21 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     if challenge is not None:
         if not isinstance(challenge, dict) or challenge.get("mech") != MECH or \
                 not isinstance(challenge.get("nonce"), bytes):
-            raise _Invalid(f"'challenge' must be a map with 'mech': {MECH!r} and a 'nonce'")
+            raise InvalidField(f"'challenge' must be a map with 'mech': {MECH!r} and a 'nonce'")
         return Challenge(rid, challenge["nonce"])
     lim = h.get("limits")
     if not isinstance(lim, dict):
-        raise _Invalid("'limits' must be a map")
+        raise InvalidField("'limits' must be a map")
     try:
-        server_limits = Limits(_int(lim, "max_frame_bytes"), _int(lim, "max_header_bytes"),
-                               _int(lim, "max_depth"), _int(lim, "max_name_bytes"))
+        server_limits = Limits(check_int(lim, "max_frame_bytes"), check_int(lim, "max_header_bytes"),
+                               check_int(lim, "max_depth"), check_int(lim, "max_name_bytes"))
     except ValueError as exc:
-        raise _Invalid(f"impossible limits in the handshake: {exc}") from None
+        raise InvalidField(f"impossible limits in the handshake: {exc}") from None
     server_id, proof, role = h.get("server_id", ""), h.get("proof"), h.get("role", "write")
     user = h.get("user", "default")
-    return HelloReply(rid, _int(h, "version"), _str(h, "server"), server_limits,
-                      _bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
-                      _bool(h, "shm"), proof if isinstance(proof, bytes) else None,
+    return HelloReply(rid, check_int(h, "version"), check_str(h, "server"), server_limits,
+                      check_bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
+                      check_bool(h, "shm"), proof if isinstance(proof, bytes) else None,
                       role if role in ("read", "write") else "write",
                       user if isinstance(user, str) else "default")
 
@@ -510,36 +386,36 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
 def _parse_auth(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     proof = h.get("proof")
     if not isinstance(proof, bytes):
-        raise _Invalid("auth needs a 'proof' (msgpack bin)")
+        raise InvalidField("auth needs a 'proof' (msgpack bin)")
     return Auth(rid, proof)
 
 
 def _reply_listing(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     bins = h.get("bins")
-    if not isinstance(bins, dict) or not all(_is_int(v) for v in bins.values()):
-        raise _Invalid("'bins' must be a map of str to int")
+    if not isinstance(bins, dict) or not all(is_int(v) for v in bins.values()):
+        raise InvalidField("'bins' must be a map of str to int")
     return Listing(rid, bins)
 
 
 def _reply_deleted(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
-    return Deleted(rid, _bool(h, "existed"), _int(h, "version"))
+    return Deleted(rid, check_bool(h, "existed"), check_int(h, "version"))
 
 
 def _reply_listening(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
-    return Listening(rid, _int(h, "version"), _int(h, "n_items"))
+    return Listening(rid, check_int(h, "version"), check_int(h, "n_items"))
 
 
 def _parse_cancel(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
-    target = _opt_int(h, "target")
+    target = opt_int(h, "target")
     if target is None:
-        raise _Invalid("cancel needs an integer 'target'")
+        raise InvalidField("cancel needs an integer 'target'")
     return Cancel(rid, target)
 
 
 def _parse_stats(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
     glob = h.get("glob")
     if glob is not None and not isinstance(glob, str):
-        raise _Invalid("'glob' must be a string or nil")
+        raise InvalidField("'glob' must be a string or nil")
     return Stats(rid, glob)
 
 
@@ -550,7 +426,7 @@ def _stats_header(m: Stats) -> dict[str, Any]:
 def _reply_stats(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
     server, bins = h.get("stats"), h.get("bins")
     if not isinstance(server, dict) or not isinstance(bins, dict):
-        raise _Invalid("'stats' and 'bins' must be maps")
+        raise InvalidField("'stats' and 'bins' must be maps")
     return StatsReply(rid, server, bins)
 
 
@@ -560,25 +436,25 @@ def _configure_header(m: Configure) -> dict[str, Any]:
 
 
 def _parse_configure(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
-    name = _name(h, limits)
+    name = check_bin(h, limits)
     overflow = h.get("overflow", "reject")
     if overflow not in OVERFLOW_POLICIES:
-        raise _Invalid(f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}")
-    return Configure(rid, name, _opt_int(h, "max_items", minimum=1),
-                     _opt_int(h, "max_bytes", minimum=1), overflow)
+        raise InvalidField(f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}")
+    return Configure(rid, name, opt_int(h, "max_items", minimum=1),
+                     opt_int(h, "max_bytes", minimum=1), overflow)
 
 
 def _reply_configured(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Reply:
-    overflow = _str(h, "overflow")
-    return Configured(rid, _opt_int(h, "max_items"), _opt_int(h, "max_bytes"), overflow)
+    overflow = check_str(h, "overflow")
+    return Configured(rid, opt_int(h, "max_items"), opt_int(h, "max_bytes"), overflow)
 
 
 def _no_fields(m: Any) -> dict[str, Any]:
     return {}
 
 
-def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: _Parse,
-        parse_reply: _ParseReply, mutating: bool, *fields: str) -> Op:
+def _op(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: ParseRequest,
+        parse_reply: ParseReply, mutating: bool, *fields: str) -> Op:
     return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
               name in _READ_OPS, _ACCESS[name])
 
@@ -597,8 +473,8 @@ _ACCESS = {"hello": "none", "auth": "none", "put": "write", "append": "write", "
 
 _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", "newer_than")
 
-#: The op table: wire op -> how to encode, parse and reply to it.
-OPS: dict[str, Op] = {op.name: op for op in (
+# The core ops: value and list bins, the handshake, the connection's own (§3.2.1-15).
+_CORE_ROWS = (
     _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
         "versions", "client", "auth", "session", "resume", "shm", "user"),
     _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items",
@@ -612,18 +488,38 @@ OPS: dict[str, Op] = {op.name: op for op in (
         False),
     _op("delete", Delete, _bin_header, _parse_bin_only(Delete), _reply_deleted, True, "bin"),
     _op("listen", Listen, _bin_header, _parse_bin_only(Listen), _reply_listening, False, "bin"),
-    _op("unlisten", Unlisten, _bin_header, _parse_bin_only(Unlisten), _reply_acked, False,
+    _op("unlisten", Unlisten, _bin_header, _parse_bin_only(Unlisten), parse_acked, False,
         "bin"),
-    _op("ping", Ping, _no_fields, lambda rid, h, p, lim: Ping(rid), _reply_acked, False),
-    _op("cancel", Cancel, lambda m: {"target": m.target}, _parse_cancel, _reply_acked, False,
+    _op("ping", Ping, _no_fields, lambda rid, h, p, lim: Ping(rid), parse_acked, False),
+    _op("cancel", Cancel, lambda m: {"target": m.target}, _parse_cancel, parse_acked, False,
         "target"),
     _op("stats", Stats, _stats_header, _parse_stats, _reply_stats, False, "glob"),
     _op("configure", Configure, _configure_header, _parse_configure, _reply_configured, True,
         "bin", "max_items", "max_bytes", "overflow"),
-    _op("bye", Bye, _no_fields, lambda rid, h, p, lim: Bye(rid), _reply_acked, False),
+    _op("bye", Bye, _no_fields, lambda rid, h, p, lim: Bye(rid), parse_acked, False),
     _op("auth", Auth, lambda m: {"proof": m.proof}, _parse_auth, _reply_hello, False, "proof"),
-    _op("reload", Reload, _no_fields, lambda rid, h, p, lim: Reload(rid), _reply_acked, False),
-)}
+)
+# The administration ops, after every kind's (§3.2.25).
+_ADMIN_ROWS = (
+    _op("reload", Reload, _no_fields, lambda rid, h, p, lim: Reload(rid), parse_acked, False),
+)
+
+
+def _table(*groups: Sequence[Op]) -> dict[str, Op]:
+    """The op table from groups of rows, in order (no two rows may share a name)."""
+    table: dict[str, Op] = {}
+    for rows in groups:
+        for op in rows:
+            if op.name in table:
+                raise ValueError(f"op {op.name!r} has two rows")
+            table[op.name] = op
+    return table
+
+
+#: The op table: wire op -> how to encode, parse and reply to it. In the order of
+#: docs/PROTOCOL.md §3.2: the core ops, the stream bins' (:data:`.streams.ROWS`), the service
+#: bins' (:data:`.services.ROWS`), then the administration ops.
+OPS: dict[str, Op] = _table(_CORE_ROWS, streams.ROWS, services.ROWS, _ADMIN_ROWS)
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")
 _OP_OF_CLASS: dict[type, str] = {op.request: op.name for op in OPS.values()
@@ -676,6 +572,14 @@ REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     StatsReply: lambda m: {"stats": m.server, "bins": m.bins},
     Configured: lambda m: {"max_items": m.max_items, "max_bytes": m.max_bytes,
                            "overflow": m.overflow},
+    **streams.REPLY_HEADERS,
+    **services.REPLY_HEADERS,
+}
+#: Message class -> the items it carries in the payload (in order).
+_ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
+    Put: lambda m: (m.item,), Append: lambda m: m.items, Fetched: lambda m: m.items,
+    **streams.ITEMS_OF,
+    **services.ITEMS_OF,
 }
 
 
@@ -739,35 +643,6 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
     h.update(OPS[name].header(msg))
     return h, (items(msg) if items is not None else ())
-
-
-#: Message class -> the items it carries in the payload (in order).
-_ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
-    Put: lambda m: (m.item,), Append: lambda m: m.items, Fetched: lambda m: m.items,
-}
-
-
-def register(op: Op, *, items: Callable[[Any], Sequence[Item]] | None = None) -> None:
-    """Add an op to the table: what the wire modules of other bin kinds do at import
-    (:mod:`.streams`, :mod:`.services`). ``items``: the request's items, if it has any.
-
-    Raises:
-        ValueError: an op of that name exists.
-    """
-    if op.name in OPS:
-        raise ValueError(f"op {op.name!r} is in the table already")
-    OPS[op.name] = op
-    _OP_OF_CLASS[op.request] = op.name
-    if items is not None:
-        _ITEMS_OF[op.request] = items
-
-
-def register_reply(cls: type, header: Callable[[Any], dict[str, Any]], *,
-                   items: Callable[[Any], Sequence[Item]] | None = None) -> None:
-    """Add a reply class: its ``ok`` header fields, and its items, if it has any."""
-    REPLY_HEADERS[cls] = header
-    if items is not None:
-        _ITEMS_OF[cls] = items
 
 
 _PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
@@ -925,66 +800,17 @@ def items_header(items: Sequence[Item], buffers: list[BytesLike]) -> list[list[A
 
 
 def parse_items(h: dict[str, Any], payload: Payload, max_depth: int) -> list[Item]:
-    """Parse and check the ``items`` of a header against its payload, as the server does.
+    """Parse and check the ``items`` of a header against its payload, as the server does
+    (the data log reads its records with it).
 
     Raises:
-        ValueError: the items, their buffers or their values are malformed.
+        ValueError: the items, their buffers or their values are malformed
+            (:class:`~.fields.InvalidField`).
     """
-    try:
-        return _parse_items(h, payload, max_depth)
-    except _Invalid as exc:
-        raise ValueError(str(exc)) from None
+    return read_items(h, payload, max_depth, True)
 
 
 # -- parsing helpers --------------------------------------------------------------------------
-class _Fds:
-    """Descriptors a peer passed (Unix socket), waiting for the ``memfd`` buffers they carry.
-
-    A ``memfd`` buffer takes the next descriptor in arrival order: the peer sends each one
-    no later than the frame that uses it.
-    """
-
-    __slots__ = ("queue", "writable", "limit")
-
-    def __init__(self, writable: bool, limit: int = 1 << 62) -> None:
-        self.queue: deque[int] = deque()
-        self.writable = writable
-        self.limit = limit  # the largest buffer accepted (the frame limit, as for bytes)
-
-    def take(self, size: int) -> tuple[memoryview, None, int, Any]:
-        """The next descriptor, checked and mapped: the arguments of its :class:`Buffer`."""
-        if not self.queue:
-            raise ProtocolError("a memfd buffer arrived without its file descriptor")
-        if size > self.limit:
-            import os
-
-            os.close(self.queue.popleft())
-            raise _Invalid(f"a shared buffer of {size} bytes exceeds max_frame_bytes="
-                           f"{self.limit}", LimitExceeded.code)
-        from ..memory import shm  # only connections that pass descriptors need it
-
-        try:
-            mem = shm.receive(self.queue.popleft(), size, writable=self.writable)
-        except (ValueError, OSError) as exc:
-            raise _Invalid(str(exc)) from None
-        return mem.view, None, size, mem
-
-    def close(self) -> None:
-        """Close descriptors nobody took (the connection ended)."""
-        import os
-
-        while self.queue:
-            try:
-                os.close(self.queue.popleft())
-            except OSError:
-                pass
-
-
-# The descriptors of the connection parsing right now (set around each parse, so that the
-# op table's parse functions need not carry them).
-_PARSING_FDS: ContextVar[_Fds | None] = ContextVar("tensorshare_fds", default=None)
-
-
 # A frame whose header is at least this large (a batch of about 1,000 items or more) is
 # parsed with the cyclic garbage collector paused: tens of thousands of new small objects (the
 # header's lists, then the items) otherwise trigger collections that scan every live object
@@ -1005,77 +831,6 @@ class _GcPaused:
     def __exit__(self, *exc: object) -> None:
         if self.on:
             gc.enable()
-
-
-def _parse_items(h: dict[str, Any], payload: Payload, max_depth: int,
-                 client: bool = False) -> list[Item]:
-    raw_items = h.get("items")
-    if not isinstance(raw_items, list):
-        raise _Invalid("'items' must be a list")
-    view = memoryview(payload)
-    end = 0  # buffers must be ordered and disjoint: no aliasing tricks
-    items = []
-    fds = _PARSING_FDS.get()
-    size = len(view)
-    for raw in raw_items:
-        if type(raw) is not list or len(raw) != 3:
-            raise _Invalid("an item must be [value, buffers, tag]")
-        value, bufs, tag = raw
-        if type(value) is not bytes or type(bufs) is not list:
-            raise _Invalid("an item must be [bin value, list of buffers, tag]")
-        if tag is not None and type(tag) is not int:
-            raise _Invalid("an item's tag must be an integer or nil")
-        buffers = []
-        total = len(value)
-        for desc in bufs:
-            if type(desc) is list and len(desc) == 2:  # [offset, nbytes]: the usual case
-                off, n = desc
-                if (type(off) is int and type(n) is int and end <= off and not off & _ALIGN_MASK
-                        and 0 <= n and off + n <= size):
-                    end = off + n
-                    buffers.append(raw_buffer(view[off:end], n))
-                    total += n
-                    continue
-            buf, end = _parse_buffer(desc, view, end, fds)  # (also says what is wrong)
-            buffers.append(buf)
-            total += len(buf.data)
-        if not client:
-            # The server checks every value it stores, so that whatever it hands out,
-            # readers can decode; a client decodes (and so checks) each value when used.
-            try:
-                validate(value, len(buffers), max_depth=max_depth,
-                         raw_sizes=[b.raw_nbytes for b in buffers])
-            except NestingTooDeep as exc:
-                raise _Invalid(f"malformed value: {exc}", LimitExceeded.code) from None
-            except CodecError as exc:
-                raise _Invalid(f"malformed value: {exc}") from None
-        items.append(Item(encoded_of(value, tuple(buffers), total), tag))
-    if end != len(payload):
-        raise _Invalid(f"payload of {len(payload)} bytes but buffers end at {end}")
-    return items
-
-
-def _parse_buffer(desc: Any, view: memoryview, end: int, fds: _Fds | None = None
-                  ) -> tuple[Buffer, int]:
-    if not isinstance(desc, list) or len(desc) not in (2, 4):
-        raise _Invalid("a buffer must be [offset, nbytes] or [offset, nbytes, codec, raw_nbytes]")
-    off, n = desc[0], desc[1]
-    if type(off) is not int or type(n) is not int or off < 0 or n < 0:
-        raise _Invalid("buffer offset and size must be non-negative integers")
-    if off & _ALIGN_MASK:
-        raise _Invalid(f"buffer offset {off} is not a multiple of 64")
-    if off < end:
-        raise _Invalid(f"buffer at offset {off} overlaps the previous one (ends at {end})")
-    if off + n > len(view):
-        raise _Invalid(f"buffer [{off}, {off + n}) lies outside the {len(view)}-byte payload")
-    if len(desc) == 4:
-        codec, raw = desc[2], desc[3]
-        if codec == "memfd" and fds is not None and _is_int(raw) and raw >= 0 and n == 0:
-            return Buffer(*fds.take(raw)), off
-        if codec != "lz4" or not _is_int(raw) or raw < 0:
-            raise _Invalid(f"unsupported buffer codec {codec!r}")
-        return Buffer(view[off : off + n], codec, raw), off + n
-    return Buffer(view[off : off + n]), off + n
 
 
 def _header_map(frame: Frame | OversizedFrame) -> dict[str, Any]:
@@ -1105,7 +860,6 @@ def _ack_of(h: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
 
 
 # -- the two sides ----------------------------------------------------------------------------
-ServerEvent = Union[Request, AckInfo, BadRequest, ProtocolViolation]
 ClientEvent = Union[Reply, Changed, Orphan, ProtocolViolation]
 
 
@@ -1113,7 +867,7 @@ class _Side:
     """What both sides share: the frame decoder and its two ways of being fed, and the
     descriptors a peer passed on a Unix socket."""
 
-    fds: _Fds
+    fds: Fds
 
     def __init__(self, max_frame_bytes: int, max_header_bytes: int, *,
                  allocate: Callable[[int], Payload] | None = None,
@@ -1160,7 +914,9 @@ class _Side:
 
 
 class ServerConnection(_Side):
-    """The server side of one connection: bytes in -> requests; replies -> bytes.
+    """The server side of one connection: bytes in -> frames (:meth:`frames`,
+    :meth:`buffered`) -> requests (:meth:`parse`, one frame at a time). Replies and
+    notifications become bytes through :func:`encode_reply` and :func:`encode_message`.
 
     Args:
         limits: the limits applied to received frames and values once the handshake is done.
@@ -1181,7 +937,7 @@ class ServerConnection(_Side):
         # Bytes of each complete request frame, by op (statistics), as they are parsed.
         self.bytes_in: dict[str, int] = {}
         # What the server stores, nobody may change; as large as a frame may be.
-        self.fds = _Fds(writable=False, limit=self.limits.max_frame_bytes)
+        self.fds = Fds(writable=False, limit=self.limits.max_frame_bytes)
 
     def handshake_done(self) -> None:
         """Lift the small pre-hello cap to the configured limits."""
@@ -1215,7 +971,7 @@ class ServerConnection(_Side):
             ProtocolError: the frame breaks the format: the connection must be closed.
         """
         fds = self.fds
-        token = _PARSING_FDS.set(fds) if fds.queue else None
+        token = PARSING_FDS.set(fds) if fds.queue else None
         try:
             if len(frame.header) < _GC_PAUSE_HEADER:
                 return self._parse_frame(frame)
@@ -1223,39 +979,7 @@ class ServerConnection(_Side):
                 return self._parse_frame(frame)
         finally:
             if token is not None:
-                _PARSING_FDS.reset(token)
-
-    def receive_data(self, data: BytesLike) -> list[ServerEvent]:
-        """Feed received bytes; return the requests they complete, in order, each preceded
-        by its :class:`AckInfo` (the event form of :meth:`frames` and :meth:`parse`).
-
-        Never raises for bad input: if the peer broke the wire format, the last event is a
-        :class:`ProtocolViolation` and the connection must be closed.
-        """
-        return self._events(*self._frames(data, 0))
-
-    def buffer_updated(self, nbytes: int) -> list[ServerEvent]:
-        """Account for bytes received into :meth:`get_buffer`'s view (see :meth:`receive_data`)."""
-        return self._events(*self._frames(None, nbytes))
-
-    def send(self, msg: Message) -> list[BytesLike]:
-        """Serialise a reply or notification into frame chunks (buffers are not copied)."""
-        return encode_message(msg)[0]
-
-    def _events(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None
-                ) -> list[ServerEvent]:
-        out: list[ServerEvent] = []
-        try:
-            for frame in frames:
-                msg, through, open_ids = self.parse(frame)
-                if through >= 0:
-                    out.append(AckInfo(through, open_ids))
-                out.append(msg)
-        except ProtocolError as exc:
-            error = exc
-        if error is not None:
-            out.append(ProtocolViolation(str(error)))
-        return out
+                PARSING_FDS.reset(token)
 
     def _parse_frame(self, frame: Frame | OversizedFrame
                      ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
@@ -1279,7 +1003,7 @@ class ServerConnection(_Side):
         by_op[name] = by_op.get(name, 0) + len(frame.header) + len(frame.payload) + 16
         try:
             return op.parse(rid, h, frame.payload, self.limits), through, open_ids
-        except _Invalid as exc:
+        except InvalidField as exc:
             return BadRequest(rid, exc.code, str(exc)), through, open_ids
 
     def _oversized(self, rid: int, frame: OversizedFrame) -> BadRequest:
@@ -1313,7 +1037,7 @@ class ClientConnection(_Side):
         self.limits = limits or Limits()
         super().__init__(self.limits.max_frame_bytes + REPLY_SLACK,
                          self.limits.max_frame_bytes + REPLY_SLACK, allocate=allocate)
-        self.fds = _Fds(writable=True)  # received tensors are the caller's to change
+        self.fds = Fds(writable=True)  # received tensors are the caller's to change
         self.shm = False  # the handshake allowed memfd buffers, both ways
 
     def set_limits(self, limits: Limits) -> None:
@@ -1384,9 +1108,9 @@ class ClientConnection(_Side):
 
     def _parse(self, frames: list[Frame | OversizedFrame], error: ProtocolError | None,
                op_of: Callable[[int], str | None]) -> list[ClientEvent]:
-        # The server's loop (see ServerConnection._parse), with its op lookup per reply.
+        # What ServerConnection.parse does per frame, with the op lookup of each reply.
         out: list[ClientEvent] = []
-        token = _PARSING_FDS.set(self.fds) if self.fds.queue else None
+        token = PARSING_FDS.set(self.fds) if self.fds.queue else None
         try:
             for frame in frames:
                 if type(frame) is OversizedFrame:
@@ -1401,7 +1125,7 @@ class ClientConnection(_Side):
             error = exc
         finally:
             if token is not None:
-                _PARSING_FDS.reset(token)
+                PARSING_FDS.reset(token)
         if error is not None:
             out.append(ProtocolViolation(str(error)))
         return out
@@ -1411,21 +1135,21 @@ class ClientConnection(_Side):
         op = h.get("op")
         try:
             if op == "reply":
-                rid = _int(h, "id")
-                if not _bool(h, "ok"):
-                    return ErrorReply(rid, _str(h, "code"), _str(h, "message"))
+                rid = check_int(h, "id")
+                if not check_bool(h, "ok"):
+                    return ErrorReply(rid, check_str(h, "code"), check_str(h, "message"))
                 req_op = op_of(rid)
                 if req_op is None:
                     items = h.get("items")
                     return Orphan(rid, len(items) if isinstance(items, list) else 0)
                 return OPS[req_op].parse_reply(rid, h, frame.payload, self.limits)
             if op == "notify":
-                return Changed(_str(h, "bin"), _str(h, "event"), _int(h, "n_items"),
-                               _int(h, "version"), _opt_int(h, "skipped") or 0,
-                               _opt_int(h, "dropped") or 0)
+                return Changed(check_str(h, "bin"), check_str(h, "event"), check_int(h, "n_items"),
+                               check_int(h, "version"), opt_int(h, "skipped") or 0,
+                               opt_int(h, "dropped") or 0)
             if op == "error":
-                return ErrorReply(0, _str(h, "code"), _str(h, "message"))
-        except _Invalid as exc:
+                return ErrorReply(0, check_str(h, "code"), check_str(h, "message"))
+        except InvalidField as exc:
             raise ProtocolError(f"malformed message from server: {exc}") from None
         raise ProtocolError(f"unexpected message op {op!r} from server")
 

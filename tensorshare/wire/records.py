@@ -21,9 +21,10 @@ class Record:
     """What a record is beside its fields, as a frozen dataclass would give it: equality and
     a hash over the compared fields, and a repr. The records made on every request (the
     messages of the common requests and replies, the codec's buffers) are written out by
-    hand over this base so that their compiled twins can make them cdef classes with
-    declared attributes (``messages_c.pxd``, ``codec_c.pxd``): made with no dict and no
-    ``object.__setattr__`` per field. Treat them as immutable (the twins enforce it)."""
+    hand over this base so that the compiled twin of this module can make them cdef classes
+    with declared, read-only attributes (``records.pxd``, which the other twins cimport):
+    made with no dict and no ``object.__setattr__`` per field. Treat them as immutable (the
+    twin enforces it)."""
 
     __slots__ = ()
     _fields: tuple[str, ...] = ()  # compared and hashed, in order

@@ -1,5 +1,5 @@
-"""The wire of service bins: their messages and ops, registered in the op table of
-:mod:`.protocol` at import.
+"""The wire of service bins: their messages, and the rows they add to the op table
+(:data:`ROWS`, :data:`REPLY_HEADERS`, :data:`ITEMS_OF`; :mod:`.protocol` builds the table).
 
 A service bin is a queue of *calls* answered by *hosts*. A caller sends ``service_call`` with
 one item (its input) and gets, as the reply to that very request, the item a host computed
@@ -22,28 +22,28 @@ Ops (all carry ``bin``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ServiceFailed
-from .frames import Payload
-from .messages import Item, Limits, Reply, Request
-from .protocol import (
+from .fields import (
     MAX_APPEND_ITEMS,
+    InvalidField,
     Op,
-    _bool,
-    _int,
-    _Invalid,
-    _is_int,
-    _name,
-    _opt_int,
-    _parse_items,
-    _reply_acked,
-    _timeout,
-    register,
-    register_reply,
+    ParseReply,
+    ParseRequest,
+    check_bin,
+    check_bool,
+    check_int,
+    check_timeout,
+    is_int,
+    opt_int,
+    parse_acked,
+    read_items,
 )
+from .frames import Payload
+from .messages import Item, Limits
 
 __all__ = [
     "DEFAULT_MAX_QUEUE",
@@ -182,19 +182,19 @@ def _call_header(m: ServiceCall) -> dict[str, Any]:
 
 
 def _parse_call(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    name = _name(h, limits)
-    items = _parse_items(h, payload, limits.max_depth)
+    name = check_bin(h, limits)
+    items = read_items(h, payload, limits.max_depth, True)
     if len(items) != 1:
-        raise _Invalid("service_call carries exactly one item (its input)")
-    rows = _opt_int(h, "rows", minimum=1)
-    return ServiceCall(rid, name, items[0], _timeout(h), _bool(h, "wait_room", True),
+        raise InvalidField("service_call carries exactly one item (its input)")
+    rows = opt_int(h, "rows", minimum=1)
+    return ServiceCall(rid, name, items[0], check_timeout(h), check_bool(h, "wait_room", True),
                        1 if rows is None else rows)
 
 
 def _reply_answer(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     items = () if h.get("items") is None else \
-        tuple(_parse_items(h, payload, limits.max_depth, client=True))
-    return ServiceAnswer(rid, items, _opt_int(h, "version"))
+        tuple(read_items(h, payload, limits.max_depth, False))
+    return ServiceAnswer(rid, items, opt_int(h, "version"))
 
 
 # -- service_take ---------------------------------------------------------------------------
@@ -213,32 +213,32 @@ def _number(h: dict[str, Any], key: str, default: float, low: float, high: float
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (low <= v <= high) or \
             (positive and v == 0):
-        raise _Invalid(f"{key!r} must be a number between {low:g} and {high:g}"
+        raise InvalidField(f"{key!r} must be a number between {low:g} and {high:g}"
                        + (" (not 0)" if positive else ""))
     return float(v)
 
 
 def _parse_take(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    name = _name(h, limits)
-    max_batch = _opt_int(h, "max_batch", minimum=1)
+    name = check_bin(h, limits)
+    max_batch = opt_int(h, "max_batch", minimum=1)
     if max_batch is not None and max_batch > MAX_BATCH:
-        raise _Invalid(f"'max_batch' must be between 1 and {MAX_BATCH}")
-    max_queue = _opt_int(h, "max_queue", minimum=1)
+        raise InvalidField(f"'max_batch' must be between 1 and {MAX_BATCH}")
+    max_queue = opt_int(h, "max_queue", minimum=1)
     if max_queue is not None and max_queue > MAX_QUEUE:
-        raise _Invalid(f"'max_queue' must be between 1 and {MAX_QUEUE}")
+        raise InvalidField(f"'max_queue' must be between 1 and {MAX_QUEUE}")
     return ServiceTake(rid, name, 256 if max_batch is None else max_batch,
-                       _number(h, "max_wait_ms", 2.0, 0.0, MAX_WAIT_MS), _timeout(h),
+                       _number(h, "max_wait_ms", 2.0, 0.0, MAX_WAIT_MS), check_timeout(h),
                        _number(h, "lease", 10.0, 0.0, MAX_LEASE, positive=True), max_queue)
 
 
 def _reply_batch(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     items = () if h.get("items") is None else \
-        tuple(_parse_items(h, payload, limits.max_depth, client=True))
+        tuple(read_items(h, payload, limits.max_depth, False))
     rows = h.get("rows")
     if not isinstance(rows, list) or len(rows) != len(items) or \
-            not all(_is_int(n) and n >= 1 for n in rows):
-        raise _Invalid("'rows' must be a list of positive integers, one per item")
-    return ServiceBatch(rid, _int(h, "batch"), items, tuple(rows))
+            not all(is_int(n) and n >= 1 for n in rows):
+        raise InvalidField("'rows' must be a list of positive integers, one per item")
+    return ServiceBatch(rid, check_int(h, "batch"), items, tuple(rows))
 
 
 # -- service_reply --------------------------------------------------------------------------
@@ -252,38 +252,37 @@ def _reply_header(m: ServiceReply) -> dict[str, Any]:
 
 
 def _parse_reply(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    name = _name(h, limits)
-    batch = _int(h, "batch")
+    name = check_bin(h, limits)
+    batch = check_int(h, "batch")
     error = h.get("error")
     if error is not None and not isinstance(error, str):
-        raise _Invalid("'error' must be a string or nil")
+        raise InvalidField("'error' must be a string or nil")
     raw = h.get("items")
     if isinstance(raw, list) and len(raw) > MAX_BATCH:
-        raise _Invalid(f"a reply of {len(raw)} items exceeds MAX_BATCH={MAX_BATCH}")
-    items = [] if raw is None else _parse_items(h, payload, limits.max_depth)
+        raise InvalidField(f"a reply of {len(raw)} items exceeds MAX_BATCH={MAX_BATCH}")
+    items = [] if raw is None else read_items(h, payload, limits.max_depth, True)
     if error is None and not items:
-        raise _Invalid("service_reply carries one item per call of the batch, or an 'error'")
+        raise InvalidField("service_reply carries one item per call of the batch, or an 'error'")
     if error is not None and items:
-        raise _Invalid("service_reply carries items or an 'error', not both")
+        raise InvalidField("service_reply carries items or an 'error', not both")
     failed = h.get("failed")
     if failed is None:
         failed = ()
     elif not isinstance(failed, list) or len(failed) > len(items) or not all(
-            isinstance(f, list) and len(f) == 2 and _is_int(f[0]) and 0 <= f[0] < len(items)
+            isinstance(f, list) and len(f) == 2 and is_int(f[0]) and 0 <= f[0] < len(items)
             and isinstance(f[1], str) for f in failed):
-        raise _Invalid("'failed' must be a list of [index, message] pairs, indexes of the "
+        raise InvalidField("'failed' must be a list of [index, message] pairs, indexes of the "
                        "batch's calls")
     else:
         failed = tuple((int(i), why[:MAX_ERROR_CHARS]) for i, why in failed)
     return ServiceReply(rid, name, batch, items[0] if items else None, tuple(items[1:]),
-                        _opt_int(h, "version"),
+                        opt_int(h, "version"),
                         None if error is None else error[:MAX_ERROR_CHARS], failed)
 
 
-# -- the rows -------------------------------------------------------------------------------
+# -- the rows, exported for the op table ------------------------------------------------------
 def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
-         parse: Callable[..., Request], parse_reply: Callable[..., Reply], mutating: bool,
-         *fields: str) -> Op:
+         parse: ParseRequest, parse_reply: ParseReply, mutating: bool, *fields: str) -> Op:
     # No service op is open to the read-only token: a call runs a host's work, a take and a
     # reply answer other clients' calls. A user's patterns: a call needs write on the
     # service (it queues work), hosting (take, reply) read and write ("take": it sees the
@@ -293,19 +292,30 @@ def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
               access=access)
 
 
-# Remembered (mutating): a call (resent after a reconnect, it is the same call, answered
-# once; its answer is kept for the caller's session until acknowledged). Not remembered: a
-# take (a batch whose host's connection is gone goes back to the queue; a take resent
-# after a reconnect is a new take) and a reply (a batch answers once; a resent reply finds
-# its batch gone and is acknowledged with flag false).
-register(_row("service_call", ServiceCall, _call_header, _parse_call, _reply_answer, True,
-              "bin", "items", "timeout", "wait_room", "rows"), items=lambda m: m.items)
-register(_row("service_take", ServiceTake, _take_header, _parse_take, _reply_batch, False,
-              "bin", "max_batch", "max_wait_ms", "timeout", "lease", "max_queue"))
-register(_row("service_reply", ServiceReply, _reply_header, _parse_reply, _reply_acked,
-              False, "bin", "batch", "items", "version", "error", "failed"),
-         items=lambda m: m.items)
-
-register_reply(ServiceAnswer, lambda m: {"version": m.version}, items=lambda m: m.items)
-register_reply(ServiceBatch, lambda m: {"batch": m.batch, "rows": list(m.rows)},
-               items=lambda m: m.items)
+#: The rows of the op table for service bins, in the order of docs/PROTOCOL.md §3.2.22-24
+#: (:data:`.protocol.OPS` puts them after the stream bins').
+#: Remembered (mutating): a call (resent after a reconnect, it is the same call, answered
+#: once; its answer is kept for the caller's session until acknowledged). Not remembered: a
+#: take (a batch whose host's connection is gone goes back to the queue; a take resent
+#: after a reconnect is a new take) and a reply (a batch answers once; a resent reply finds
+#: its batch gone and is acknowledged with flag false).
+ROWS: tuple[Op, ...] = (
+    _row("service_call", ServiceCall, _call_header, _parse_call, _reply_answer, True,
+         "bin", "items", "timeout", "wait_room", "rows"),
+    _row("service_take", ServiceTake, _take_header, _parse_take, _reply_batch, False,
+         "bin", "max_batch", "max_wait_ms", "timeout", "lease", "max_queue"),
+    _row("service_reply", ServiceReply, _reply_header, _parse_reply, parse_acked, False,
+         "bin", "batch", "items", "version", "error", "failed"),
+)
+#: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).
+REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    ServiceAnswer: lambda m: {"version": m.version},
+    ServiceBatch: lambda m: {"batch": m.batch, "rows": list(m.rows)},
+}
+#: Message class -> the items its payload carries, in order (requests and replies).
+ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
+    ServiceCall: lambda m: m.items,
+    ServiceReply: lambda m: m.items,
+    ServiceAnswer: lambda m: m.items,
+    ServiceBatch: lambda m: m.items,
+}

@@ -1,5 +1,5 @@
-"""The wire of stream bins: their messages and ops, registered in the op table of
-:mod:`.protocol` at import.
+"""The wire of stream bins: their messages, and the rows they add to the op table
+(:data:`ROWS`, :data:`REPLY_HEADERS`, :data:`ITEMS_OF`; :mod:`.protocol` builds the table).
 
 A stream bin is an append-only sequence with positions the server assigns (0, 1, 2, ...) that
 every consumer of the stream receives, each reading with its own cursor. Producers append
@@ -21,30 +21,29 @@ Ops (all carry ``bin``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Lagged, LimitExceeded, ProducerGone
-from .frames import Payload
-from .messages import Item, Limits, Reply, Request
-from .protocol import (
+from .fields import (
     MAX_APPEND_ITEMS,
-    NameTooLong,
+    InvalidField,
     Op,
-    _bool,
-    _int,
-    _Invalid,
-    _is_int,
-    _name,
-    _opt_int,
-    _parse_items,
-    _reply_acked,
-    _timeout,
-    check_bin_name,
-    register,
-    register_reply,
+    ParseReply,
+    ParseRequest,
+    check_bin,
+    check_bool,
+    check_int,
+    check_name,
+    check_timeout,
+    is_int,
+    opt_int,
+    parse_acked,
+    read_items,
 )
+from .frames import Payload
+from .messages import Item, Limits
 
 __all__ = [
     "LAG_POLICIES",
@@ -307,7 +306,7 @@ def _choice(h: dict[str, Any], key: str, choices: tuple[str, ...], default: str)
     if v is None:
         return default
     if v not in choices:
-        raise _Invalid(f"{key!r} must be one of {', '.join(choices)}")
+        raise InvalidField(f"{key!r} must be one of {', '.join(choices)}")
     return str(v)
 
 
@@ -319,24 +318,15 @@ def _seconds(h: dict[str, Any], key: str, default: float, *, positive: bool = Fa
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v == v) or v < 0 or \
             v == float("inf") or (positive and v == 0) or (maximum is not None and v > maximum):
         bound = f" and at most {maximum:g}" if maximum is not None else ""
-        raise _Invalid(f"{key!r} must be a finite {'positive' if positive else 'non-negative'} "
+        raise InvalidField(f"{key!r} must be a finite {'positive' if positive else 'non-negative'} "
                        f"number of seconds{bound}")
     return float(v)
 
 
-def _consumer(h: dict[str, Any], limits: Limits) -> str:
-    try:
-        return check_bin_name(h.get("consumer"), limits.max_name_bytes)
-    except NameTooLong as exc:
-        raise _Invalid(f"consumer name: {exc}", LimitExceeded.code) from None
-    except (TypeError, ValueError) as exc:
-        raise _Invalid(f"consumer name: {exc}") from None
-
-
 def _range_int(h: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
-    v = _int(h, key)
+    v = check_int(h, key)
     if v < low or (high is not None and v > high):
-        raise _Invalid(f"{key!r} must be between {low} and {high}" if high is not None
+        raise InvalidField(f"{key!r} must be between {low} and {high}" if high is not None
                        else f"{key!r} must be at least {low}")
     return v
 
@@ -352,26 +342,26 @@ def _open_header(m: StreamOpen) -> dict[str, Any]:
 
 
 def _parse_open(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    name = _name(h, limits)
+    name = check_bin(h, limits)
     producers = _range_int(h, "producers", 1, MAX_PRODUCERS) if "producers" in h else 1
     producer = _range_int(h, "producer", 0, producers - 1) if "producer" in h else 0
     window = _range_int(h, "window", 1, MAX_WINDOW) if h.get("window") is not None else 32
     max_stall = None if h.get("max_stall") is None else _seconds(h, "max_stall", 0.0)
     replay = _choice(h, "replay", REPLAY_POLICIES, "none")
-    device_ipc = _bool(h, "device_ipc")
+    device_ipc = check_bool(h, "device_ipc")
     if device_ipc and replay == "epoch":
-        raise _Invalid("a stream with device_ipc cannot keep an epoch for late joiners "
+        raise InvalidField("a stream with device_ipc cannot keep an epoch for late joiners "
                        "(replay='epoch'): its producer's ring slots are reused long before")
     return StreamOpen(rid, name, producer, producers, window,
                       _choice(h, "on_lag", LAG_POLICIES, "wait"), max_stall, replay,
                       _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
-                      _opt_int(h, "samples", minimum=0), device_ipc)
+                      opt_int(h, "samples", minimum=0), device_ipc)
 
 
 def _reply_opened(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamOpened(rid, _int(h, "epoch"), _int(h, "head"),
-                        _opt_int(h, "sent") or 0, _opt_int(h, "consumers") or 0,
-                        _bool(h, "broken"), _opt_int(h, "aborted", minimum=0))
+    return StreamOpened(rid, check_int(h, "epoch"), check_int(h, "head"),
+                        opt_int(h, "sent") or 0, opt_int(h, "consumers") or 0,
+                        check_bool(h, "broken"), opt_int(h, "aborted", minimum=0))
 
 
 # -- stream_append --------------------------------------------------------------------------
@@ -384,27 +374,27 @@ def _append_header(m: StreamAppend) -> dict[str, Any]:
 
 
 def _parse_append(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    name = _name(h, limits)
+    name = check_bin(h, limits)
     raw = h.get("items")
     if isinstance(raw, list) and len(raw) > MAX_APPEND_ITEMS:
-        raise _Invalid(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
+        raise InvalidField(f"an append of {len(raw)} items exceeds MAX_APPEND_ITEMS="
                        f"{MAX_APPEND_ITEMS}", LimitExceeded.code)
-    items = _parse_items(h, payload, limits.max_depth)
+    items = read_items(h, payload, limits.max_depth, True)
     if not items:
-        raise _Invalid("stream_append carries at least one item")
+        raise InvalidField("stream_append carries at least one item")
     samples = h.get("samples")
     if samples is not None:
         if not isinstance(samples, list) or len(samples) != len(items) or \
-                not all(_is_int(n) and n >= 0 for n in samples):
-            raise _Invalid("'samples' must be a list of non-negative integers, one per item")
+                not all(is_int(n) and n >= 0 for n in samples):
+            raise InvalidField("'samples' must be a list of non-negative integers, one per item")
         samples = tuple(samples)
     return StreamAppend(rid, name, _range_int(h, "producer", 0),
                         _range_int(h, "epoch", 0), items[0], tuple(items[1:]), samples,
-                        _timeout(h))
+                        check_timeout(h))
 
 
 def _reply_appended(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamAppended(rid, _int(h, "position"), _int(h, "head"))
+    return StreamAppended(rid, check_int(h, "position"), check_int(h, "head"))
 
 
 # -- stream_end -----------------------------------------------------------------------------
@@ -414,14 +404,14 @@ def _end_header(m: StreamEnd) -> dict[str, Any]:
 
 
 def _parse_end(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamEnd(rid, _name(h, limits), _range_int(h, "producer", 0),
-                     _range_int(h, "epoch", 0), _range_int(h, "samples", 0), _bool(h, "last"),
-                     _timeout(h))
+    return StreamEnd(rid, check_bin(h, limits), _range_int(h, "producer", 0),
+                     _range_int(h, "epoch", 0), _range_int(h, "samples", 0), check_bool(h, "last"),
+                     check_timeout(h))
 
 
 def _reply_ended(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamEnded(rid, _int(h, "epoch"), _bool(h, "complete"),
-                       _bool(h, "finished"))
+    return StreamEnded(rid, check_int(h, "epoch"), check_bool(h, "complete"),
+                       check_bool(h, "finished"))
 
 
 # -- stream_join ----------------------------------------------------------------------------
@@ -431,16 +421,16 @@ def _join_header(m: StreamJoin) -> dict[str, Any]:
 
 
 def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamJoin(rid, _name(h, limits), _consumer(h, limits),
+    return StreamJoin(rid, check_bin(h, limits), check_name(h, "consumer", limits),
                       _choice(h, "start", STARTS, "now"),
                       _seconds(h, "lease", 10.0, positive=True, maximum=MAX_LEASE),
-                      _bool(h, "resume", True))
+                      check_bool(h, "resume", True))
 
 
 def _reply_joined(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamJoined(rid, _opt_int(h, "position"), _int(h, "epoch"),
-                        _opt_int(h, "offset") or 0, _opt_int(h, "epoch_samples"),
-                        _opt_int(h, "head") or 0, _bool(h, "resumed"), _bool(h, "finished"))
+    return StreamJoined(rid, opt_int(h, "position"), check_int(h, "epoch"),
+                        opt_int(h, "offset") or 0, opt_int(h, "epoch_samples"),
+                        opt_int(h, "head") or 0, check_bool(h, "resumed"), check_bool(h, "finished"))
 
 
 # -- stream_read ----------------------------------------------------------------------------
@@ -456,12 +446,12 @@ def _read_header(m: StreamRead) -> dict[str, Any]:
 
 def _parse_read(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     # (A read without a timeout answers at once: there is no unlimited wait for it.)
-    return StreamRead(rid, _name(h, limits), _consumer(h, limits),
-                      _opt_int(h, "at", minimum=0), _opt_int(h, "max_items", minimum=1),
-                      _timeout(h) or 0.0)
+    return StreamRead(rid, check_bin(h, limits), check_name(h, "consumer", limits),
+                      opt_int(h, "at", minimum=0), opt_int(h, "max_items", minimum=1),
+                      check_timeout(h) or 0.0)
 
 
-def _items_header(m: StreamItems) -> dict[str, Any]:
+def _read_reply_header(m: StreamItems) -> dict[str, Any]:
     h: dict[str, Any] = {"first": m.first, "next": m.next, "epoch": m.epoch,
                          "offset": m.offset, "epoch_samples": m.epoch_samples}
     if m.end is not None:
@@ -478,11 +468,11 @@ def _items_header(m: StreamItems) -> dict[str, Any]:
 def _reply_items(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     # (A reply without items, at an epoch's end, has no "items" key: as every frame.)
     items = () if h.get("items") is None else \
-        tuple(_parse_items(h, payload, limits.max_depth, client=True))
-    return StreamItems(rid, items, _int(h, "first"), _int(h, "next"),
-                       _int(h, "epoch"), _opt_int(h, "offset") or 0,
-                       _opt_int(h, "epoch_samples"), _opt_int(h, "end"), _bool(h, "aborted"),
-                       _opt_int(h, "missed") or 0, _bool(h, "finished"))
+        tuple(read_items(h, payload, limits.max_depth, False))
+    return StreamItems(rid, items, check_int(h, "first"), check_int(h, "next"),
+                       check_int(h, "epoch"), opt_int(h, "offset") or 0,
+                       opt_int(h, "epoch_samples"), opt_int(h, "end"), check_bool(h, "aborted"),
+                       opt_int(h, "missed") or 0, check_bool(h, "finished"))
 
 
 # -- stream_leave ---------------------------------------------------------------------------
@@ -491,13 +481,12 @@ def _leave_header(m: StreamLeave) -> dict[str, Any]:
 
 
 def _parse_leave(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
-    return StreamLeave(rid, _name(h, limits), _consumer(h, limits))
+    return StreamLeave(rid, check_bin(h, limits), check_name(h, "consumer", limits))
 
 
-# -- the rows -------------------------------------------------------------------------------
+# -- the rows, exported for the op table ------------------------------------------------------
 def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
-         parse: Callable[..., Request], parse_reply: Callable[..., Reply], mutating: bool,
-         *fields: str) -> Op:
+         parse: ParseRequest, parse_reply: ParseReply, mutating: bool, *fields: str) -> Op:
     # No stream op is open to the read-only token: each one moves a cursor or changes
     # what the other members of the stream see. A user's patterns: the producers' ops need
     # write on the stream, the consumers' read (as a Kafka consumer needs read on a topic).
@@ -506,22 +495,26 @@ def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
               access=access)
 
 
-# Remembered (mutating): opening (it may end a broken epoch), appending, ending an epoch,
-# joining (it places a cursor) and reading (it moves one). Leaving twice is harmless.
-register(_row("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True,
-              "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay",
-              "lease", "samples", "device_ipc"))
-register(_row("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended,
-              True, "bin", "producer", "epoch", "items", "samples", "timeout"),
-         items=lambda m: m.items)
-register(_row("stream_end", StreamEnd, _end_header, _parse_end, _reply_ended, True,
-              "bin", "producer", "epoch", "samples", "last", "timeout"))
-register(_row("stream_join", StreamJoin, _join_header, _parse_join, _reply_joined, True,
-              "bin", "consumer", "start", "lease", "resume"))
-register(_row("stream_read", StreamRead, _read_header, _parse_read, _reply_items, True,
-              "bin", "consumer", "at", "max_items", "timeout"))
-register(_row("stream_leave", StreamLeave, _leave_header, _parse_leave, _reply_acked, False,
-              "bin", "consumer"))
+#: The rows of the op table for stream bins, in the order of docs/PROTOCOL.md §3.2.16-21
+#: (:data:`.protocol.OPS` puts them after the core ops).
+#: Remembered (mutating): opening (it may end a broken epoch), appending, ending an epoch,
+#: joining (it places a cursor) and reading (it moves one). Leaving twice is harmless.
+ROWS: tuple[Op, ...] = (
+    _row("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True,
+         "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay", "lease",
+         "samples", "device_ipc"),
+    _row("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended, True,
+         "bin", "producer", "epoch", "items", "samples", "timeout"),
+    _row("stream_end", StreamEnd, _end_header, _parse_end, _reply_ended, True,
+         "bin", "producer", "epoch", "samples", "last", "timeout"),
+    _row("stream_join", StreamJoin, _join_header, _parse_join, _reply_joined, True,
+         "bin", "consumer", "start", "lease", "resume"),
+    _row("stream_read", StreamRead, _read_header, _parse_read, _reply_items, True,
+         "bin", "consumer", "at", "max_items", "timeout"),
+    _row("stream_leave", StreamLeave, _leave_header, _parse_leave, parse_acked, False,
+         "bin", "consumer"),
+)
+
 
 def _opened_header(m: StreamOpened) -> dict[str, Any]:
     h: dict[str, Any] = {"epoch": m.epoch, "head": m.head, "sent": m.sent,
@@ -531,10 +524,6 @@ def _opened_header(m: StreamOpened) -> dict[str, Any]:
     return h
 
 
-register_reply(StreamOpened, _opened_header)
-register_reply(StreamAppended, lambda m: {"position": m.position, "head": m.head})
-register_reply(StreamEnded, lambda m: {"epoch": m.epoch, "complete": m.complete,
-                                       "finished": m.finished})
 def _joined_header(m: StreamJoined) -> dict[str, Any]:
     h: dict[str, Any] = {"position": m.position, "epoch": m.epoch, "offset": m.offset,
                          "epoch_samples": m.epoch_samples, "head": m.head,
@@ -544,5 +533,16 @@ def _joined_header(m: StreamJoined) -> dict[str, Any]:
     return h
 
 
-register_reply(StreamJoined, _joined_header)
-register_reply(StreamItems, _items_header, items=lambda m: m.items)
+#: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).
+REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    StreamOpened: _opened_header,
+    StreamAppended: lambda m: {"position": m.position, "head": m.head},
+    StreamEnded: lambda m: {"epoch": m.epoch, "complete": m.complete, "finished": m.finished},
+    StreamJoined: _joined_header,
+    StreamItems: _read_reply_header,
+}
+#: Message class -> the items its payload carries, in order (requests and replies).
+ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
+    StreamAppend: lambda m: m.items,
+    StreamItems: lambda m: m.items,
+}

@@ -247,6 +247,8 @@ def test_health_checks_the_token_and_takes_unix(tmp_path: Path) -> None:
             assert out.returncode == 1 and out.stdout == ""
             assert out.stderr.startswith("tensorshare health: ") and "token" in out.stderr
             assert out.stderr.count("\n") == 1
+            # In the command line's terms, never the Python API's keywords.
+            assert "--token-file PATH" in out.stderr and "token=" not in out.stderr
     both = _cli("health", "--host", "127.0.0.1", "--unix", str(sock))
     assert both.returncode == 2 and "not both" in both.stderr
 

@@ -52,6 +52,14 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 # --------------------------------------------------------------------------- ls
 
 
+def test_sizes_are_printed_in_binary_units_as_the_server_counts_its_limits() -> None:
+    """A 64 KiB quota reads 64.0 KiB, never 65.5 kB (the server's --max-memory and quotas
+    are binary: one unit for both)."""
+    assert [fmt_bytes(n) for n in (0, 1023, 1024, 64 << 10, 3 << 29, 5 << 40, 1 << 52)] == [
+        "0 B", "1023 B", "1.0 KiB", "64.0 KiB", "1.5 GiB", "5.0 TiB", "4096.0 TiB"]
+    assert fmt_bytes((1 << 20) - 1) == "1.0 MiB"  # (rounds up into the next unit)
+
+
 def test_ls_shows_kind_items_bytes_contents_version_listeners_and_totals(
         loaded: tuple[EmbeddedServer, Client], capsys: pytest.CaptureFixture[str]) -> None:
     server, c = loaded
@@ -63,7 +71,7 @@ def test_ls_shows_kind_items_bytes_contents_version_listeners_and_totals(
                       "value", "/", "first", "item", "last", "item"]
     assert set(lines[1]) == {"─"} and set(lines[-2]) == {"─"}
     bins = c.stats()["bins"]
-    row = re.compile(r"(\S+) +(value|list) +(\d+) +(\d+(?:\.\d)? k?B) +(\d+) +(\d+) +"
+    row = re.compile(r"(\S+) +(value|list) +(\d+) +(\d+(?:\.\d)? (?:[KMG]i)?B) +(\d+) +(\d+) +"
                      r"([\d.]+[smhd][\d]*[smh]? ago) +(.*)$")
     rows = {}
     for line in lines[2:-2]:
@@ -112,7 +120,7 @@ def test_ls_of_an_empty_server(server: EmbeddedServer,
 # --------------------------------------------------------------------------- peek
 
 _TENSOR = re.compile(r"(?:(?P<key>\S+): |\[\d+\] )?(?P<dtype>[a-z0-9]+)\[(?P<shape>[\d,]*)\]  "
-                     r"(?P<bytes>\S+ k?B)(?:  (?P<stats>.*))?")
+                     r"(?P<bytes>\S+ (?:[KMG]i)?B)(?:  (?P<stats>.*))?")
 
 
 def _tensor_lines(out: str) -> dict[str, dict[str, str]]:
@@ -233,7 +241,7 @@ def test_stats_shows_uptime_connections_memory_and_counters(
     assert info["listeners"] == "1"
     assert info["bins"] == "4 holding 6 items"
     stored = c.stats()["server"]["memory"]["stored"]
-    size = r"\d+(?:\.\d)? k?B"
+    size = r"\d+(?:\.\d)? (?:[KMG]i)?B"
     # The total counts what the fixture's session holds too (its remembered replies).
     limit = re.escape(fmt_bytes(c.stats()["server"]["memory"]["max_memory"]))
     assert re.fullmatch(rf"{size} of max_memory {limit}: stored {re.escape(fmt_bytes(stored))}, "
@@ -293,7 +301,7 @@ class _Proc:
 
 
 _WATCH = re.compile(r"\d\d:\d\d:\d\d\.\d{3}  (?P<bin>\S+) +(?P<op>\w+) +version=(?P<version>\d+)"
-                    r"  items=(?P<items>\d+)  bytes=(?P<bytes>\?|\d+(?:\.\d)? k?B)")
+                    r"  items=(?P<items>\d+)  bytes=(?P<bytes>\?|\d+(?:\.\d)? (?:[KMG]i)?B)")
 
 
 def test_watch_prints_one_line_per_change_and_stops_on_ctrl_c(

@@ -4,14 +4,24 @@ message that lists the forms that work."""
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from tensorshare import Client, EmbeddedServer, RLWorker, ShardedClient, TensorShare
+from tensorshare import (
+    Client,
+    ClientOptions,
+    EmbeddedServer,
+    RLWorker,
+    ShardedClient,
+    TensorShare,
+)
 from tensorshare.client.twisted import connect
 from tensorshare.inference import InferenceClient
 from tensorshare.wire.address import Address, parse_address
@@ -104,3 +114,56 @@ def test_the_demo_takes_the_same_forms() -> None:
     for bad in ("nowhere", "h:x", "tensorshare://h"):
         with pytest.raises(ValueError, match="HOST:PORT, tensorshare://HOST:PORT"):
             _parse_server(bad)
+
+
+@pytest.mark.parametrize("given", ["/tmp/x.sock", "run/x.sock"])
+def test_a_bare_socket_path_is_refused_with_the_unix_form_never_taken_for_a_host(
+        given: str) -> None:
+    tried: list[int] = []
+
+    def connector() -> socket.socket:  # (never called: refused before anything is tried)
+        tried.append(1)
+        raise OSError("not reached")
+
+    for make in (lambda: Client(given, timeout=TIMEOUT, connector=connector),
+                 lambda: ClientOptions().endpoint(given, None)):  # (every face's resolve)
+        with pytest.raises(ValueError, match=re.escape(f"unix://{given}")):
+            make()
+    assert not tried
+
+
+def test_a_tls_ca_that_names_no_file_fails_at_once_naming_the_file_and_tls_ca(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is tried (the connector is never called): a missing CA file is not a
+    network blip to retry until the timeout."""
+    tried: list[int] = []
+
+    def connector() -> socket.socket:
+        tried.append(1)
+        raise OSError("not reached")
+
+    missing = str(tmp_path / "nowhere" / "ca.pem")
+    url = "tensorshare+tls://localhost:7000"
+    with pytest.raises(FileNotFoundError) as info:
+        Client(url, timeout=60.0, tls_ca=missing, connector=connector)
+    assert "tls_ca=" in str(info.value) and missing in str(info.value)
+    monkeypatch.setenv("TENSORSHARE_TLS_CA", missing)
+    with pytest.raises(FileNotFoundError,
+                       match=f"TENSORSHARE_TLS_CA names {re.escape(repr(missing))}"):
+        Client(url, timeout=60.0, connector=connector)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=f"tls_ca= names {re.escape(repr(str(garbage)))}, "
+                                         f"which holds no CA certificate"):
+        Client(url, timeout=60.0, tls_ca=str(garbage), connector=connector)
+    assert not tried
+
+
+def test_a_missing_tls_ca_does_not_stop_a_plain_connection(srv: EmbeddedServer,
+                                                           tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TLS the CA is not used, so not looked at (a TENSORSHARE_TLS_CA set for
+    another server does not break this one)."""
+    monkeypatch.setenv("TENSORSHARE_TLS_CA", str(tmp_path / "absent.pem"))
+    with Client(f"127.0.0.1:{srv.port}", timeout=TIMEOUT) as c:
+        assert c.ping() is None

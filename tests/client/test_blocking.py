@@ -32,6 +32,7 @@ from tensorshare.errors import (
     BinNotFound,
     ConnectError,
     ConnectionLost,
+    FrameTooLarge,
     LimitExceeded,
     MemoryLimitExceeded,
     ServerError,
@@ -249,6 +250,20 @@ def test_list_and_delete(client: Client) -> None:
     with pytest.raises(BinNotFound):
         client.peek("a")
     assert client.put("a", 2) == 3  # versions continue after a delete
+
+
+def test_list_counts_items_never_versions(client: Client) -> None:
+    """What the README and the docstring say: list() maps a bin to how many items it holds
+    (1 for a put bin), not to its version; stats() has both."""
+    for i in range(5):
+        client.put("weights", i)  # version 5, one item
+    for i in range(3):
+        client.append("queue", i)  # version 3, three items
+    client.get("queue", max_items=1)  # version 4, two items
+    assert client.list() == {"weights": 1, "queue": 2}
+    bins = client.stats()["bins"]
+    assert (bins["weights"]["version"], bins["weights"]["n_items"]) == (5, 1)
+    assert (bins["queue"]["version"], bins["queue"]["n_items"]) == (4, 2)
 
 
 def test_listen_reports_every_change_in_order_then_unlisten(client: Client) -> None:
@@ -706,7 +721,14 @@ def test_oversized_put_raises_limit_exceeded_and_the_client_keeps_working(
         c = connect(srv)
         with pytest.raises(LimitExceeded) as info:
             c.put("big", torch.zeros(100_000))
-        assert info.value.code == "limit_exceeded"
+        # Refused by the client, before anything is sent: a local error that says so, and
+        # the LimitExceeded the server would have answered (except LimitExceeded works).
+        assert type(info.value) is FrameTooLarge and isinstance(info.value, ValueError)
+        assert info.value.code == "limit_exceeded" and "nothing was sent" in str(info.value)
+        with pytest.raises(FrameTooLarge):
+            c.append("big", torch.zeros(100_000))
+        counters = srv.call(lambda: dict(srv.factory.stats.counters))
+        assert not counters.get("op.put") and not counters.get("op.append")  # none arrived
         assert c.list() == {}
         assert c.put("small", torch.zeros(100)) == 1
 

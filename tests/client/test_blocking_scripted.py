@@ -1,8 +1,9 @@
 """The blocking Client against a scripted server on a socketpair: no real server at all.
 
 Each connection the client makes (through its ``connector``) is one end of a socketpair; a
-thread serves the other end with a ServerConnection and a script that decides what to answer,
-so timeouts, late replies, listener bookkeeping and reconnects can be driven exactly.
+thread serves the other end with a ``ServerWire`` (tests/rawwire.py) and a script that decides
+what to answer, so timeouts, late replies, listener bookkeeping and reconnects can be driven
+exactly.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from tensorshare.wire.messages import (
     Put,
     Stored,
 )
-from tensorshare.wire.protocol import AckInfo, ServerConnection
+from tensorshare.wire.protocol import AckInfo
 from tests.conftest import wait_until
+from tests.rawwire import ServerWire
 
 WAIT = 10.0
 Script = Callable[[Any, "Scripted"], list[Any] | None]
@@ -62,14 +64,14 @@ class Scripted:
         return theirs
 
     def send(self, sock: socket.socket, *msgs: Any) -> None:
-        conn = ServerConnection()
+        conn = ServerWire()
         try:
             sock.sendall(b"".join(b"".join(conn.send(m)) for m in msgs))
         except OSError:
             pass
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = ServerConnection()
+        conn = ServerWire()
         conn.handshake_done()
         try:
             while True:
@@ -165,7 +167,7 @@ def test_the_timeout_is_about_silence_not_a_slow_transfer(make: Any) -> None:
 
     def script(msg: Any, srv: Scripted) -> list[Any] | None:
         if type(msg).__name__ == "Fetch":
-            frame = b"".join(ServerConnection().send(
+            frame = b"".join(ServerWire().send(
                 Fetched(msg.id, "value", (Item(codec.encode(payload)),), 1, 0)))
             sock = srv.connections[-1]
             step = max(len(frame) // 8, 1)

@@ -76,7 +76,7 @@ def test_a_session_taken_over_stops_the_client_with_a_typed_error(
     c = Client("127.0.0.1", server.port, timeout=5)
     try:
         c.put("w", 1)
-        sid = c._session.session_id
+        sid = c._conn._session.session_id
         assert sid is not None
         # Another process (here: a raw connection) resumes the same session.
         wire = WireClient()

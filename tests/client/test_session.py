@@ -1,6 +1,6 @@
 """Unit tests for tensorshare.session: the sans-I/O client session, with time passed in.
 
-A ``Server`` here is a ServerConnection that parses what the session writes and builds the
+A ``Server`` here is a ``ServerWire`` (tests/rawwire.py) that parses what the session writes and builds the
 frames a server would answer with; nothing touches a socket or a clock.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tensorshare.client.session import ClientSession, Done, Drop, Notify, Ready
+from tensorshare.client.session import ACK_DELAY, ClientSession, Done, Drop, Notify, Ready
 from tensorshare.errors import (
     ConnectionLost,
     ReplyTimeout,
@@ -37,7 +37,8 @@ from tensorshare.wire.messages import (
     Put,
     Stored,
 )
-from tensorshare.wire.protocol import MAX_OPEN_ACKS, AckInfo, ServerConnection
+from tensorshare.wire.protocol import MAX_OPEN_ACKS, AckInfo
+from tests.rawwire import ServerWire
 
 T = 10.0  # the session's timeout in these tests
 
@@ -46,7 +47,7 @@ class Server:
     """Reads the session's frames as a server would, and writes frames back into it."""
 
     def __init__(self) -> None:
-        self.conn = ServerConnection()
+        self.conn = ServerWire()
         self.conn.handshake_done()
 
     def read(self, chunks: list[Any]) -> list[Any]:
@@ -57,7 +58,7 @@ class Server:
 
     @staticmethod
     def frames(*msgs: Any) -> bytes:
-        conn = ServerConnection()
+        conn = ServerWire()
         return b"".join(b"".join(conn.send(m)) for m in msgs)
 
 
@@ -398,6 +399,55 @@ def test_an_answered_heartbeat_keeps_the_connection() -> None:
     s.receive_data(Server.frames(Acked(ping.id, True)), 2.1)
     assert s.tick(2.0 + T) == []  # no Drop: a new ping goes out instead
     assert s.has_sendable
+
+
+def test_a_gets_reply_is_acknowledged_by_a_ping_when_nothing_else_is_sent() -> None:
+    """The server holds a get's items for the session until the client acknowledges the
+    reply; a client that sends nothing after it sends a ping ACK_DELAY later to carry the
+    acknowledgement (a writer of the same user waiting for quota room is then not held back
+    by items already delivered)."""
+    s = new_session()  # (no heartbeat for as long as the test runs)
+    server, _, _ = connect(s)
+    g = s.call(get(), "get", 0.0, token=1)
+    server.read(s.pop_sendable(0.0))
+    assert s.ack_due() is None  # nothing held yet
+    s.receive_data(Server.frames(Fetched(g.id, "list", (item(1),), 2, 0)), 1.0)
+    assert s.ack_due() == 1.0 + ACK_DELAY
+    assert s.tick(1.0 + ACK_DELAY / 2) == [] and not s.has_sendable  # not yet
+    assert s.tick(1.0 + ACK_DELAY) == [] and s.has_sendable
+    msgs = server.read(s.pop_sendable(1.0 + ACK_DELAY))
+    assert [type(m) for m in msgs] == [AckInfo, Ping] and msgs[0].through >= g.id
+    assert s.ack_due() is None
+    # A request sent in time carries the acknowledgement itself: no ping.
+    g2 = s.call(get(), "get", 2.0, token=2)
+    server.read(s.pop_sendable(2.0))
+    s.receive_data(Server.frames(Acked(msgs[1].id, True), Fetched(g2.id, "list", (item(2),),
+                                                                  3, 0)), 2.1)
+    p = s.call(Put(0, "w", item(1)), "put", 2.15, token=3)
+    acked = server.read(s.pop_sendable(2.15))
+    assert [type(m) for m in acked] == [AckInfo, Put] and acked[0].through >= g2.id
+    assert s.ack_due() is None and p.id > g2.id
+    assert s.tick(2.1 + ACK_DELAY) == [] and not s.has_sendable
+    # A put's reply (nothing held) and a session without a session id never ask for one.
+    s.receive_data(Server.frames(Stored(p.id, 1, 1)), 2.2)
+    assert s.ack_due() is None
+    # While a ping is on its way (it left before a get's reply came), nothing is due: its
+    # answer comes first, and then the next ping carries the acknowledgement.
+    g4, g5 = (s.call(get(), "get", 3.0, token=t) for t in (4, 5))
+    server.read(s.pop_sendable(3.0))
+    s.receive_data(Server.frames(Fetched(g4.id, "list", (item(4),), 5, 0)), 3.1)
+    s.tick(3.1 + ACK_DELAY)
+    (ping,) = server.requests(s.pop_sendable(3.1 + ACK_DELAY))
+    s.receive_data(Server.frames(Fetched(g5.id, "list", (item(5),), 6, 0)), 3.4)
+    assert s.ack_due() is None and s.tick(4.0) == [] and not s.has_sendable
+    s.receive_data(Server.frames(Acked(ping.id, True)), 4.1)
+    assert s.ack_due() == 3.4 + ACK_DELAY
+    plain = new_session(session=False)
+    server, _, _ = connect(plain)
+    g3 = plain.call(get(), "get", 0.0, token=1)
+    server.read(plain.pop_sendable(0.0))
+    plain.receive_data(Server.frames(Fetched(g3.id, "list", (item(1),), 2, 0)), 1.0)
+    assert plain.ack_due() is None
 
 
 def test_abandoning_a_sent_get_asks_for_its_items_back() -> None:

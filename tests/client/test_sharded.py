@@ -17,7 +17,13 @@ import torch
 
 from tensorshare import Client, EmbeddedServer
 from tensorshare.client.sharded import ShardedClient, bin_key, expand_servers, owner
-from tensorshare.errors import BinNotFound, ConnectionLost, ShardsUnavailable, WaitTimeout
+from tensorshare.errors import (
+    BinNotFound,
+    ConnectError,
+    ConnectionLost,
+    ShardsUnavailable,
+    WaitTimeout,
+)
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 
 SERVERS = [f"tensorshare://shard-{i}.tensorshare:7000" for i in range(3)]  # names: no connect
@@ -590,6 +596,28 @@ def test_with_a_shard_down_list_and_stats_answer_from_the_others_and_name_it(
         assert set(answers["stats"]["servers"]) == set(c.servers[1:])
         assert set(answers["stats"]["bins"]) == set(living)
         assert c.peek(next(iter(living))) is not None  # the live shards serve on
+
+
+def test_a_shard_down_before_its_first_use_fails_its_bins_calls_with_connection_lost(
+        three: list[EmbeddedServer]) -> None:
+    """As the README says of a server that is down: its bins' calls raise ConnectionLost,
+    also when it was down before this client first used it (then nothing was sent, and the
+    ConnectError is the cause); the other servers serve on."""
+    addresses = _addresses(three)
+    down_port = three[0].port
+    three[0].stop()
+    with ShardedClient(addresses, timeout=0.5) as c:  # made while the first is down
+        gone = c.servers[0]
+        names = [f"v{i}" for i in range(60)]
+        on_gone = next(n for n in names if c.owner(n) == gone)
+        living = next(n for n in names if c.owner(n) != gone)
+        for call in (lambda: c.put(on_gone, 1), lambda: c.peek(on_gone),
+                     lambda: c.begin.append(on_gone, 2).result()):
+            with pytest.raises(ConnectionLost) as info:
+                call()
+            assert isinstance(info.value.__cause__, ConnectError)
+            assert str(down_port) in str(info.value) and "nothing was sent" in str(info.value)
+        assert c.put(living, 3) >= 1 and c.peek(living) == 3
 
 
 @pytest.mark.long

@@ -51,8 +51,7 @@ from tensorshare.wire.messages import (
     Ping,
     Put,
 )
-from tensorshare.wire.protocol import ServerConnection
-from tests.rawwire import server_frames
+from tests.rawwire import ServerWire, server_frames
 
 WAIT = 30.0  # safety deadline for the loopback tests; never reached when things work
 ADDRESS = ("memory", 1)
@@ -171,7 +170,7 @@ def server_bytes(*msgs: Any) -> bytes:
 
 def sent_requests(transport: StringTransport) -> list[Any]:
     """Parse what a client wrote to a StringTransport, as the server would."""
-    conn = ServerConnection()
+    conn = ServerWire()
     conn.handshake_done()
     return [m for m in conn.receive_data(transport.value()) if type(m).__name__ != "AckInfo"]
 

@@ -6,6 +6,7 @@ several servers (a relay beside its primary), and the commands that start it."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import socket
 import subprocess
@@ -212,6 +213,18 @@ def test_a_token_that_may_write_is_refused(secured: EmbeddedServer, tmp_path: Pa
                           f"127.0.0.1:{secured.port}", "--read-token-file", str(token),
                           "--port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "read-only token" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_dashboard_command_without_a_token_names_its_flag(secured: EmbeddedServer) -> None:
+    out = subprocess.run([sys.executable, "-m", "tensorshare", "dashboard", "--server",
+                          f"127.0.0.1:{secured.port}", "--port", "0", "--timeout", "5"],
+                         capture_output=True, text=True, timeout=50,
+                         env={k: v for k, v in os.environ.items()
+                              if not k.startswith("TENSORSHARE_TOKEN")})
+    assert out.returncode == 2, out.stderr
+    assert "requires a token" in out.stderr and "--read-token-file PATH" in out.stderr
+    assert "token=" not in out.stderr and "token_file=" not in out.stderr  # (Python's)
 
 
 # -- bounded memory ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from tensorshare import Client, EmbeddedServer, WaitTimeout
+from tensorshare import Client, ClientOptions, EmbeddedServer, WaitTimeout
 from tensorshare.data import (
     Lagged,
     ProducerGone,
@@ -461,3 +461,31 @@ def test_a_job_closes_at_once_after_its_server_went_away() -> None:
     wait_until(lambda: not job._consumer.client.connected, what="the client to see it go")
     done = Background(job.close)
     done.result(timeout=5.0)  # (before: a leave that waited out the client's timeout)
+
+
+def test_the_loaders_take_client_options_and_the_keywords_they_type() -> None:
+    """``options=ClientOptions(...)`` and its fields as keywords reach the client a producer
+    or a job makes (here: the server's token, a compression, the client's name); the wing's
+    own ``timeout`` and ``lease`` still set the client's timeout and heartbeat."""
+    with EmbeddedServer(port=0, token="data-token") as srv:
+        opts = ClientOptions(token="data-token", name="job-client")
+        job = SharedLoader("typed", "127.0.0.1", srv.port, name="job", timeout=TIMEOUT,
+                           lease=3.0, options=opts, compress="lz4")
+        client = job.consumer.client
+        assert client.options.name == "job-client" and client.options.compress == "lz4"
+        assert client.options.timeout == TIMEOUT and client.options.heartbeat == 1.0
+        producer = Background(lambda: serve_loader(
+            data(32), "typed", "127.0.0.1", srv.port, epochs=1, window=4, wait_for=1,
+            timeout=TIMEOUT, progress=False, token="data-token"))
+        labels, _, _ = one_pass(job)
+        assert labels == list(range(32))
+        assert producer.result().samples == 32
+        job.close()
+        with StreamProducer("plain", "127.0.0.1", srv.port, timeout=TIMEOUT,
+                            options=ClientOptions(token="data-token", heartbeat=0.5)) as p:
+            # (options that give a heartbeat or a name keep them)
+            assert p.client.options.heartbeat == 0.5
+            assert p.client.options.name == "tensorshare-data"
+        bogus: dict[str, Any] = {"tokn": "data-token"}
+        with pytest.raises(TypeError, match="tokn"):
+            SharedLoader("typed", "127.0.0.1", srv.port, timeout=TIMEOUT, **bogus)

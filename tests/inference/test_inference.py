@@ -15,11 +15,20 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tensorshare import BinFull, Client, EmbeddedServer, RLTrainer, ServiceFailed, WaitTimeout
+from tensorshare import (
+    BinFull,
+    Client,
+    ClientOptions,
+    EmbeddedServer,
+    RLTrainer,
+    ServiceFailed,
+    WaitTimeout,
+)
 from tensorshare.inference import InferenceClient, InferenceHost, split_outputs, stack_inputs
 from tensorshare.wire.codec import decode, encode
 from tests.conftest import wait_until
@@ -611,3 +620,26 @@ def test_weight_sync_versions_never_go_back_and_follow_the_trainer(
     assert stamped == sorted(stamped), "a version went backwards"
     assert len(set(stamped)) >= 10, "the host did not follow the trainer"
     assert all(v >= before - 1 for before, v in seen), [s for s in seen if s[1] < s[0] - 1]
+
+
+def test_host_and_client_take_client_options_and_the_keywords_they_type() -> None:
+    """``options=ClientOptions(...)`` and its fields as keywords reach the clients the host
+    and the caller make (the server's token here); their own ``compress`` and ``timeout``
+    stay theirs."""
+    model = _mlp()
+    x = torch.randn(8)
+    with EmbeddedServer(port=0, token="infer-token") as srv:
+        opts = ClientOptions(token="infer-token", compress="lz4", name="the-host")
+        with InferenceHost("typed", model, "127.0.0.1", srv.port, options=opts,
+                           compress=None, timeout=DEADLINE, max_wait_ms=1) as host, \
+                InferenceClient("typed", "127.0.0.1", srv.port, timeout=DEADLINE,
+                                token="infer-token", reconnect=30.0) as pc:
+            host.start()
+            assert host.client.options.name == "the-host" and host.compress is None
+            assert host.client.options.compress == "lz4"  # (the client's own, as given)
+            assert pc.client.options.reconnect == 30.0 and pc.compress == "auto"
+            with torch.inference_mode():
+                assert torch.allclose(pc.predict(x), model(x.unsqueeze(0))[0], atol=1e-6)
+        bogus: dict[str, Any] = {"tokn": "infer-token"}
+        with pytest.raises(TypeError, match="tokn"):
+            InferenceClient("typed", "127.0.0.1", srv.port, timeout=DEADLINE, **bogus)

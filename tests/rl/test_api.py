@@ -366,3 +366,48 @@ def test_a_trainer_that_hosts_its_server_gives_it_the_token_of_its_options() -> 
             RLWorker("127.0.0.1", trainer.port, timeout=10)
     finally:
         trainer.stop()
+
+
+def test_a_trainer_that_hosts_its_server_beyond_loopback_takes_insecure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the protected-mode refusal recommends (insecure=True) is what RLTrainer takes;
+    without host_server it is refused: a client needs a token, never insecure."""
+    monkeypatch.delenv("TENSORSHARE_TOKEN", raising=False)
+    monkeypatch.delenv("TENSORSHARE_TOKEN_FILE", raising=False)
+    with pytest.raises(ValueError, match="insecure=True"):
+        RLTrainer("0.0.0.0", 0, host_server=True, timeout=10)
+    with pytest.raises(ValueError, match="host_server=True"):
+        RLTrainer("127.0.0.1", 0, insecure=True, timeout=10)
+    trainer = RLTrainer("0.0.0.0", 0, host_server=True, insecure=True, timeout=10)
+    try:
+        trainer.publish_parameters({"w": torch.ones(2)})
+        with RLWorker("127.0.0.1", trainer.port, timeout=10) as worker:
+            assert torch.equal(worker.get_parameters()["w"], torch.ones(2))
+    finally:
+        trainer.stop()
+
+
+def test_a_trainer_hosts_its_server_where_a_url_says() -> None:
+    trainer = RLTrainer("tensorshare://127.0.0.1:0", host_server=True, timeout=10)
+    try:
+        assert trainer.port > 0
+        trainer.publish_parameters({"w": torch.zeros(3)})
+        with RLWorker(f"tensorshare://127.0.0.1:{trainer.port}", timeout=10) as worker:
+            assert torch.equal(worker.get_parameters()["w"], torch.zeros(3))
+    finally:
+        trainer.stop()
+    with pytest.raises(ValueError, match="listens on TCP"):
+        RLTrainer("unix:///tmp/no.sock", host_server=True, timeout=10)
+
+
+def test_trainer_and_worker_take_the_keywords_client_options_types() -> None:
+    from tensorshare import ClientOptions
+
+    with EmbeddedServer(port=0) as srv:
+        with RLWorker("127.0.0.1", srv.port, options=ClientOptions(timeout=3.0),
+                      compress="lz4", watch_stop=False) as worker:
+            assert worker.client.options.timeout == 3.0  # (no timeout given: the options')
+            assert worker.client.options.compress == "lz4"
+        bogus: dict[str, Any] = {"tokn": "x"}
+        with pytest.raises(TypeError, match="tokn"):
+            RLWorker("127.0.0.1", srv.port, timeout=10, **bogus)

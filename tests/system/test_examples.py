@@ -96,16 +96,23 @@ SECRET = "the-deployment-token"
 
 def _secure_env(port: int, tls: TlsFiles) -> dict[str, str]:
     """What a cluster's environment says: the server's URL (TLS), its token and CA, and,
-    for a script that hosts its server, the server's certificate and key."""
-    return {"TENSORSHARE_PORT": str(port), "TENSORSHARE_URL": f"tensorshare+tls://localhost:{port}",
+    for a script that hosts its server, the server's certificate and key (and a
+    TENSORSHARE_PORT that is not the server's: the URL comes first)."""
+    return {"TENSORSHARE_PORT": "1", "TENSORSHARE_URL": f"tensorshare+tls://localhost:{port}",
             "TENSORSHARE_TOKEN": SECRET, "TENSORSHARE_TLS_CA": tls.ca,
             "TENSORSHARE_TLS_CERT": tls.cert, "TENSORSHARE_TLS_KEY": tls.key}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("secure", [False, True], ids=["plain", "token and TLS from the env"])
-def test_basic_example(server: EmbeddedServer, tls_files: TlsFiles, secure: bool) -> None:
+@pytest.mark.parametrize("where", ["port", "url", "secure"],
+                         ids=["TENSORSHARE_PORT", "TENSORSHARE_URL first",
+                              "token and TLS from the env"])
+def test_basic_example(server: EmbeddedServer, tls_files: TlsFiles, where: str) -> None:
     env = {"TENSORSHARE_PORT": str(server.port)}
+    if where == "url":  # the URL wins over a port that is not the server's
+        env = {"TENSORSHARE_URL": f"tensorshare://127.0.0.1:{server.port}",
+               "TENSORSHARE_PORT": "1"}
+    secure = where == "secure"
     if secure:  # the seed's example, unchanged, against a server with a token and TLS
         config = ServerConfig(token=SECRET, tls_cert=tls_files.cert, tls_key=tls_files.key)
         server = EmbeddedServer(port=0, config=config)
@@ -205,11 +212,12 @@ needs_gymnasium = pytest.mark.skipif(not HAVE_GYMNASIUM, reason="needs the rl ex
 
 @pytest.fixture
 def no_gymnasium(tmp_path: Path) -> str:
-    """A PYTHONPATH entry under which ``import gymnasium`` fails, as if not installed."""
+    """A PYTHONPATH under which ``import gymnasium`` fails, as if not installed, and this
+    checkout's tensorshare imports (installed or not)."""
     blocker = tmp_path / "gymnasium"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('gymnasium blocked for this test')\n")
-    return str(tmp_path)
+    return os.pathsep.join([str(tmp_path), str(ROOT)])
 
 
 @LEARNING

@@ -177,7 +177,7 @@ def test_clients_joining_and_dropping_do_not_disturb_the_others(server: Embedded
                 if i % 2:
                     # Cut the TCP connection under the client, as a machine dropping off
                     # would; the client's own cleanup never runs.
-                    c._sock.shutdown(socket.SHUT_RDWR)  # noqa: SLF001
+                    c._conn._sock.shutdown(socket.SHUT_RDWR)  # noqa: SLF001
                 else:
                     c.close()
         except BaseException as exc:  # reported below

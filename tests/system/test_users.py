@@ -280,7 +280,7 @@ def test_stats_monitor_and_metrics_show_each_user(server: EmbeddedServer) -> Non
             text = console.export_text()
             assert "users" in text and all(row in text for row in rows), text
             assert ("bob" in text) == (c is dash), text
-        assert "% of 65.5 kB" in text, text  # (its quota: 64 KiB)
+        assert "% of 64.0 KiB" in text, text  # (its quota: 64 KiB, in the same units)
 
 
 def test_the_readme_users_file_is_what_the_server_reads(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """Unit tests for tensorshare.protocol: the op table and the two sans-I/O sides, no sockets.
 
-A ``ClientConnection`` and a ``ServerConnection`` talk to each other by handing the joined
-chunks of one side's ``send()`` to the other side's ``receive_data()``; the client side learns
+A ``ClientConnection`` and a ``ServerWire`` (the server's ``ServerConnection`` driven as the
+server drives it: ``frames`` then ``parse``, replies through ``encode_reply``; see
+tests/rawwire.py) talk to each other by handing the joined chunks of one side's ``send()`` to
+the other side's ``receive_data()``; the client side learns
 the op of each reply's request from ``op_of`` (here a ``WireClient`` keeps that table).
 Malformed requests are built by hand (``encode_frame`` of a hand-packed msgpack header) to
 reach every check of the server-side parser.
@@ -21,7 +23,6 @@ import msgpack
 import pytest
 import torch
 
-import tensorshare.wire.streams  # noqa: F401  (the other kinds' ops join OPS at import)
 from tensorshare.errors import LimitExceeded
 from tensorshare.wire import codec
 from tensorshare.wire.codec import Buffer, Encoded
@@ -72,12 +73,11 @@ from tensorshare.wire.protocol import (
     NameTooLong,
     Orphan,
     ProtocolViolation,
-    ServerConnection,
     check_bin_name,
     encode_message,
     op_name,
 )
-from tests.rawwire import Get, Peek, WireClient
+from tests.rawwire import Get, Peek, ServerWire, WireClient
 
 #: The ops of value and list bins (the other kinds' are tested in their own wire tests).
 CORE_OPS = {name: op for name, op in OPS.items()  # (the messages module, and its records)
@@ -92,20 +92,20 @@ def wire(chunks: Sequence[BytesLike]) -> bytes:
     return b"".join(chunks)
 
 
-def greeted(limits: Limits | None = None) -> ServerConnection:
+def greeted(limits: Limits | None = None) -> ServerWire:
     """A server side past the handshake: its full limits apply."""
-    conn = ServerConnection(limits)
+    conn = ServerWire(limits)
     conn.handshake_done()
     return conn
 
 
-def c2s(client: WireClient, server: ServerConnection, msg: Any,
+def c2s(client: WireClient, server: ServerWire, msg: Any,
         ack: AckInfo | None = None) -> list[Any]:
     """Send ``msg`` from the client side and return what the server side parses."""
     return server.receive_data(client.frame(msg, ack))
 
 
-def s2c(server: ServerConnection, client: WireClient, msg: Any) -> list[Any]:
+def s2c(server: ServerWire, client: WireClient, msg: Any) -> list[Any]:
     """Send ``msg`` from the server side and return what the client side parses."""
     return client.receive_data(wire(server.send(msg)))
 
@@ -143,12 +143,12 @@ def tensor_value(n_buffers: int) -> bytes:
     return msgpack.packb(exts, use_bin_type=True)
 
 
-def assert_usable(server: ServerConnection, rid: int = 99) -> None:
+def assert_usable(server: ServerWire, rid: int = 99) -> None:
     """The server side still parses the next frame on the same connection."""
     assert server.receive_data(raw_frame({"op": "ping", "id": rid})) == [Ping(rid)]
 
 
-def assert_bad(server: ServerConnection, data: bytes, rid: int, code: str,
+def assert_bad(server: ServerWire, data: bytes, rid: int, code: str,
                match: str) -> BadRequest:
     bad = one(server.receive_data(data))
     assert isinstance(bad, BadRequest), bad
@@ -159,7 +159,7 @@ def assert_bad(server: ServerConnection, data: bytes, rid: int, code: str,
     return bad
 
 
-def fatal(conn: ServerConnection | ClientConnection, data: bytes) -> str:
+def fatal(conn: ServerWire | ClientConnection, data: bytes) -> str:
     """The connection-fatal error ``data`` causes, as a message (never an exception)."""
     if isinstance(conn, ClientConnection):
         out: list[Any] = conn.receive_data(data, lambda rid: None)
@@ -171,7 +171,7 @@ def fatal(conn: ServerConnection | ClientConnection, data: bytes) -> str:
     return last.message
 
 
-def both_sides() -> list[ServerConnection | ClientConnection]:
+def both_sides() -> list[ServerWire | ClientConnection]:
     return [greeted(), ClientConnection()]
 
 
@@ -190,7 +190,7 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 @pytest.fixture
-def pair() -> tuple[WireClient, ServerConnection]:
+def pair() -> tuple[WireClient, ServerWire]:
     return WireClient(), greeted()
 
 
@@ -304,7 +304,7 @@ REQUESTS: list[Any] = [
 
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: op_name(m))
-def test_request_round_trips_into_the_same_dataclass(pair: tuple[WireClient, ServerConnection],
+def test_request_round_trips_into_the_same_dataclass(pair: tuple[WireClient, ServerWire],
                                                      msg: Any) -> None:
     client, server = pair
     got = one(c2s(client, server, msg))
@@ -317,7 +317,7 @@ def test_every_op_has_a_round_trip_case() -> None:
     assert {op_name(m) for m in REQUESTS} | {"put", "append"} == set(CORE_OPS)
 
 
-def test_timeouts_travel_as_floats(pair: tuple[WireClient, ServerConnection]) -> None:
+def test_timeouts_travel_as_floats(pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     got = one(c2s(client, server, Get(1, "b", wait=True, timeout=3)))
     assert got.spec.timeout == 3.0 and type(got.spec.timeout) is float
@@ -326,7 +326,7 @@ def test_timeouts_travel_as_floats(pair: tuple[WireClient, ServerConnection]) ->
 
 
 @pytest.mark.parametrize("timeout", [None, 0.0, 0.25, 30.0])
-def test_append_timeout_round_trips(pair: tuple[WireClient, ServerConnection],
+def test_append_timeout_round_trips(pair: tuple[WireClient, ServerWire],
                                     timeout: float | None) -> None:
     client, server = pair
     got = one(c2s(client, server, Append(3, "b", item_of([1, 2]), timeout)))
@@ -340,7 +340,7 @@ def test_append_without_timeout_writes_no_timeout_key() -> None:
     assert "timeout" not in header
 
 
-def test_hello_resume_needs_a_session(pair: tuple[WireClient, ServerConnection]) -> None:
+def test_hello_resume_needs_a_session(pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     # The client side drops it: no session, nothing to resume.
     got = one(c2s(client, server, Hello(1, (1,), "c", None, None, True)))
@@ -357,7 +357,7 @@ def test_hello_session_travels_as_msgpack_bin() -> None:
 
 
 @pytest.mark.parametrize("cls", [Put, Append])
-def test_store_request_with_tensors_round_trips(pair: tuple[WireClient, ServerConnection],
+def test_store_request_with_tensors_round_trips(pair: tuple[WireClient, ServerWire],
                                                 cls: type) -> None:
     client, server = pair
     value = {"w": torch.randn(3, 4), "i": torch.arange(10), "t": (1, "two", b"3"),
@@ -373,7 +373,7 @@ def test_store_request_with_tensors_round_trips(pair: tuple[WireClient, ServerCo
 
 
 def test_store_request_with_lz4_buffers_round_trips(
-        pair: tuple[WireClient, ServerConnection]) -> None:
+        pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     value = torch.zeros(100_000, dtype=torch.float32)
     item = item_of(value, compress="lz4", compress_min_bytes=0)
@@ -385,7 +385,7 @@ def test_store_request_with_lz4_buffers_round_trips(
 
 
 def test_item_without_buffers_and_empty_buffers(
-        pair: tuple[WireClient, ServerConnection]) -> None:
+        pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     for value in (None, "text", [1, 2.5, True], torch.empty(0, 3),
                   [torch.empty(0), torch.ones(1)]):
@@ -394,7 +394,7 @@ def test_item_without_buffers_and_empty_buffers(
 
 
 def test_requests_split_across_chunks_and_batched(
-        pair: tuple[WireClient, ServerConnection]) -> None:
+        pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     msgs = [Put(1, "a", item_of(torch.arange(50))), Ping(2), Get(3, "a", max_items=2)]
     data = b"".join(client.frame(m) for m in msgs)
@@ -436,7 +436,7 @@ def ack_frame(ack: Any, open_ids: Any = None, *, rid: int = 7, op: str = "ping")
 
 
 def test_ack_is_reported_before_the_request_that_carries_it(
-        pair: tuple[WireClient, ServerConnection]) -> None:
+        pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     assert c2s(client, server, Ping(5), AckInfo(4)) == [AckInfo(4), Ping(5)]
     assert c2s(client, server, Ping(9), AckInfo(8, (2, 6))) == [AckInfo(8, (2, 6)), Ping(9)]
@@ -453,7 +453,7 @@ def test_client_writes_open_only_when_there_are_open_ids() -> None:
     assert header(AckInfo(2, (1,))) == {"op": "ping", "id": 3, "ack": 2, "open": [1]}
 
 
-def test_ack_rides_on_any_request(pair: tuple[WireClient, ServerConnection]) -> None:
+def test_ack_rides_on_any_request(pair: tuple[WireClient, ServerWire]) -> None:
     client, server = pair
     for msg in SAMPLE_REQUESTS.values():
         out = c2s(client, server, msg, AckInfo(3, (1,)))
@@ -494,7 +494,7 @@ def test_empty_open_is_the_same_as_none() -> None:
 
 def test_ack_before_the_handshake_is_reported() -> None:
     """The server applies an ack that rides on the hello once the session is attached."""
-    conn = ServerConnection()
+    conn = ServerWire()
     out = conn.receive_data(WireClient().frame(Hello(9, (1,), "c", None, SESSION, True),
                                                AckInfo(8, (3,))))
     assert out == [AckInfo(8, (3,)), Hello(9, (1,), "c", None, SESSION, True)]
@@ -615,13 +615,13 @@ def test_fetched_value_reply_with_compressed_buffer() -> None:
     ids=["append", "restore", "dropped", "skipped", "delete"],
 )
 def test_notifications_need_no_request(msg: Changed) -> None:
-    assert one(s2c(ServerConnection(), WireClient(), msg)) == msg
+    assert one(s2c(ServerWire(), WireClient(), msg)) == msg
 
 
 def test_connection_error_needs_no_request() -> None:
     for code in ("protocol_error", "limit_exceeded"):
         msg = ErrorReply(0, code, "bye")
-        assert one(s2c(ServerConnection(), WireClient(), msg)) == msg
+        assert one(s2c(ServerWire(), WireClient(), msg)) == msg
 
 
 def test_replies_out_of_order_are_matched_by_id() -> None:
@@ -695,11 +695,11 @@ def test_malformed_reply_is_a_protocol_violation(op: str, header: dict[str, Any]
 
 
 @pytest.fixture
-def sconn() -> ServerConnection:
+def sconn() -> ServerWire:
     return greeted(Limits(max_name_bytes=8, max_depth=4))
 
 
-def test_unknown_op_keeps_the_id(sconn: ServerConnection) -> None:
+def test_unknown_op_keeps_the_id(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_frame({"op": "frobnicate", "id": 31}), 31, "invalid_request",
                "unknown op 'frobnicate'")
     assert_bad(sconn, raw_frame({"id": 32}), 32, "invalid_request", "unknown op")
@@ -726,7 +726,7 @@ def test_bin_ops() -> None:
         ("éééé!", "limit_exceeded", "max_name_bytes=8"),  # 5 characters, 9 bytes
     ],
 )
-def test_bad_bin_name(sconn: ServerConnection, op: str, name: Any, code: str,
+def test_bad_bin_name(sconn: ServerWire, op: str, name: Any, code: str,
                       match: str) -> None:
     if op in ("put", "append"):
         data = raw_put([], b"", op=op, bin=name, rid=4)
@@ -735,21 +735,21 @@ def test_bad_bin_name(sconn: ServerConnection, op: str, name: Any, code: str,
     assert_bad(sconn, data, 4, code, match)
 
 
-def test_missing_bin_name(sconn: ServerConnection) -> None:
+def test_missing_bin_name(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_frame({"op": "get", "id": 4}), 4, "invalid_request", "must be a str")
 
 
-def test_name_of_exactly_max_name_bytes_is_accepted(sconn: ServerConnection) -> None:
+def test_name_of_exactly_max_name_bytes_is_accepted(sconn: ServerWire) -> None:
     assert one(sconn.receive_data(raw_frame({"op": "delete", "id": 1, "bin": "éééé"}))) == (
         Delete(1, "éééé"))
 
 
-def test_buffer_offset_not_a_multiple_of_64(sconn: ServerConnection) -> None:
+def test_buffer_offset_not_a_multiple_of_64(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_put([[1, 1]], b"\0\x07", value=tensor_value(1)), 5,
                "invalid_request", "not a multiple of 64")
 
 
-def test_overlapping_buffers(sconn: ServerConnection) -> None:
+def test_overlapping_buffers(sconn: ServerWire) -> None:
     payload = bytes(128)
     assert_bad(sconn, raw_put([[0, 100], [64, 1]], payload, value=tensor_value(2)), 5,
                "invalid_request", "overlaps")
@@ -759,7 +759,7 @@ def test_overlapping_buffers(sconn: ServerConnection) -> None:
                "invalid_request", "overlaps")
 
 
-def test_buffer_out_of_bounds(sconn: ServerConnection) -> None:
+def test_buffer_out_of_bounds(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_put([[0, 200]], bytes(128), value=tensor_value(1)), 5,
                "invalid_request", "outside")
     assert_bad(sconn, raw_put([[128, 1]], bytes(128), value=tensor_value(1)), 5,
@@ -780,11 +780,11 @@ def test_buffer_out_of_bounds(sconn: ServerConnection) -> None:
         ([0, 1, "lz4", -1], "unsupported buffer codec"),
     ],
 )
-def test_malformed_buffer_descriptor(sconn: ServerConnection, desc: Any, match: str) -> None:
+def test_malformed_buffer_descriptor(sconn: ServerWire, desc: Any, match: str) -> None:
     assert_bad(sconn, raw_put([desc], b"\1", value=tensor_value(1)), 5, "invalid_request", match)
 
 
-def test_payload_beyond_the_last_buffer(sconn: ServerConnection) -> None:
+def test_payload_beyond_the_last_buffer(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_put([[0, 1]], bytes(2), value=tensor_value(1)), 5,
                "invalid_request", "buffers end at 1")
 
@@ -803,19 +803,19 @@ def test_payload_beyond_the_last_buffer(sconn: ServerConnection) -> None:
         msgpack.packb([[[1]]], use_bin_type=True)[:-1],
     ],
 )
-def test_malformed_value_is_invalid_request(sconn: ServerConnection, value: bytes) -> None:
+def test_malformed_value_is_invalid_request(sconn: ServerWire, value: bytes) -> None:
     with pytest.raises(ValueError):
         codec.validate(value, 1)
     assert_bad(sconn, raw_put([[0, 1]], b"\1", value=value), 5, "invalid_request",
                "malformed value")
 
 
-def test_value_too_deep_in_tuples_is_limit_exceeded(sconn: ServerConnection) -> None:
+def test_value_too_deep_in_tuples_is_limit_exceeded(sconn: ServerWire) -> None:
     deep = codec.encode(((((((1,),),),),),)).value  # 5 tuples, max_depth=4
     assert_bad(sconn, raw_put([], b"", value=deep), 5, "limit_exceeded", "depth")
 
 
-def test_value_too_deep_in_lists_is_limit_exceeded(sconn: ServerConnection) -> None:
+def test_value_too_deep_in_lists_is_limit_exceeded(sconn: ServerWire) -> None:
     deep = msgpack.packb([[[[[1]]]]])  # 5 levels, max_depth=4
     assert_bad(sconn, raw_put([], b"", value=deep), 5, "limit_exceeded", "depth")
 
@@ -834,14 +834,14 @@ def test_value_too_deep_in_lists_is_limit_exceeded(sconn: ServerConnection) -> N
         ([[b"\xc0", [], 1.5]], "tag must be an integer"),
     ],
 )
-def test_malformed_items(sconn: ServerConnection, items: Any, match: str) -> None:
+def test_malformed_items(sconn: ServerWire, items: Any, match: str) -> None:
     header: dict[str, Any] = {"op": "append", "id": 6, "bin": "b"}
     if items is not None:
         header["items"] = items
     assert_bad(sconn, raw_frame(header), 6, "invalid_request", match)
 
 
-def test_a_put_carries_exactly_one_item_an_append_one_or_more(sconn: ServerConnection) -> None:
+def test_a_put_carries_exactly_one_item_an_append_one_or_more(sconn: ServerWire) -> None:
     two = [[b"\xc0", [], None], [b"\xc2", [], 7]]
     header: dict[str, Any] = {"op": "put", "id": 6, "bin": "b", "items": two}
     assert_bad(sconn, raw_frame(header), 6, "invalid_request", "exactly one item")
@@ -850,12 +850,30 @@ def test_a_put_carries_exactly_one_item_an_append_one_or_more(sconn: ServerConne
     assert type(msg) is Append and [it.tag for it in msg.items] == [None, 7]
 
 
-def test_an_append_over_max_append_items_is_limit_exceeded(sconn: ServerConnection) -> None:
+def test_an_append_over_max_append_items_is_limit_exceeded(sconn: ServerWire) -> None:
     from tensorshare.wire.protocol import MAX_APPEND_ITEMS
 
     items = [[b"\xc0", [], None]] * (MAX_APPEND_ITEMS + 1)
     header: dict[str, Any] = {"op": "append", "id": 8, "bin": "b", "items": items}
     assert_bad(sconn, raw_frame(header), 8, "limit_exceeded", "MAX_APPEND_ITEMS")
+
+
+def test_a_malformed_field_is_a_value_error_outside_a_connection() -> None:
+    """What the data log reads back (its items, its remembered replies) is checked by the
+    same rows; a malformed field is a ``ValueError`` (``InvalidField``) it reports as a
+    corrupt record, with the code a connection would answer."""
+    from tensorshare.wire.fields import InvalidField
+    from tensorshare.wire.protocol import parse_items
+
+    with pytest.raises(ValueError, match="'items' must be a list"):
+        parse_items({"items": 3}, b"", 8)
+    with pytest.raises(InvalidField, match="'version' must be an integer") as caught:
+        OPS["put"].parse_reply(1, {"version": "1", "n_items": 1}, b"", Limits())
+    assert isinstance(caught.value, ValueError) and caught.value.code == "invalid_request"
+    deep = msgpack.packb([[[[1]]]])
+    with pytest.raises(InvalidField, match="malformed value") as caught:
+        parse_items({"items": [[deep, [], None]]}, b"", 2)
+    assert caught.value.code == "limit_exceeded"
 
 
 @pytest.mark.parametrize("op", ["get", "peek"])
@@ -877,7 +895,7 @@ def test_an_append_over_max_append_items_is_limit_exceeded(sconn: ServerConnecti
         ("newer_than", 2.5, "'newer_than' must be an integer"),
     ],
 )
-def test_wrong_field_types(sconn: ServerConnection, op: str, field: str, value: Any,
+def test_wrong_field_types(sconn: ServerWire, op: str, field: str, value: Any,
                            match: str) -> None:
     header = {"op": op, "id": 8, "bin": "b", "wait": True, field: value}
     assert_bad(sconn, raw_frame(header), 8, "invalid_request", match)
@@ -885,7 +903,7 @@ def test_wrong_field_types(sconn: ServerConnection, op: str, field: str, value: 
 
 @pytest.mark.parametrize("timeout", [math.nan, -math.inf, math.inf])
 @pytest.mark.parametrize("op", ["get", "append"])
-def test_timeout_that_is_not_a_finite_non_negative_number(sconn: ServerConnection, op: str,
+def test_timeout_that_is_not_a_finite_non_negative_number(sconn: ServerWire, op: str,
                                                           timeout: float) -> None:
     """NaN compares False with everything, so ``timeout < 0`` does not catch it.
 
@@ -900,7 +918,7 @@ def test_timeout_that_is_not_a_finite_non_negative_number(sconn: ServerConnectio
     assert_bad(sconn, data, 8, "invalid_request", "'timeout'")
 
 
-def test_nil_means_absent_for_optional_fields(sconn: ServerConnection) -> None:
+def test_nil_means_absent_for_optional_fields(sconn: ServerWire) -> None:
     got = one(sconn.receive_data(raw_frame(
         {"op": "get", "id": 3, "bin": "b", "wait": None, "timeout": None, "max_items": None,
          "min_items": None, "min_tag": None, "newer_than": None})))
@@ -928,19 +946,19 @@ def test_nil_means_absent_for_optional_fields(sconn: ServerConnection) -> None:
         ({"max_bytes": 1.5}, "'max_bytes' must be an integer"),
     ],
 )
-def test_malformed_configure(sconn: ServerConnection, header: dict[str, Any],
+def test_malformed_configure(sconn: ServerWire, header: dict[str, Any],
                              match: str) -> None:
     assert_bad(sconn, raw_frame({"op": "configure", "id": 9, "bin": "b", **header}), 9,
                "invalid_request", match)
 
 
 @pytest.mark.parametrize("glob", [1, b"w*", ["w*"], True])
-def test_malformed_stats(sconn: ServerConnection, glob: Any) -> None:
+def test_malformed_stats(sconn: ServerWire, glob: Any) -> None:
     assert_bad(sconn, raw_frame({"op": "stats", "id": 9, "glob": glob}), 9,
                "invalid_request", "'glob'")
 
 
-def test_other_malformed_requests(sconn: ServerConnection) -> None:
+def test_other_malformed_requests(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_frame({"op": "cancel", "id": 9}), 9, "invalid_request", "target")
     assert_bad(sconn, raw_frame({"op": "cancel", "id": 9, "target": "1"}), 9,
                "invalid_request", "target")
@@ -958,17 +976,17 @@ def test_other_malformed_requests(sconn: ServerConnection) -> None:
     [SESSION[:15], SESSION + b"!", b"", "0123456789abcdef", 16, [0] * 16],
     ids=["15-bytes", "17-bytes", "empty", "str", "int", "list"],
 )
-def test_hello_with_a_malformed_session(sconn: ServerConnection, session: Any) -> None:
+def test_hello_with_a_malformed_session(sconn: ServerWire, session: Any) -> None:
     assert_bad(sconn, raw_frame({"op": "hello", "id": 9, "versions": [1], "session": session}),
                9, "invalid_request", "'session' must be 16 bytes (msgpack bin)")
 
 
-def test_hello_resume_must_be_a_bool(sconn: ServerConnection) -> None:
+def test_hello_resume_must_be_a_bool(sconn: ServerWire) -> None:
     assert_bad(sconn, raw_frame({"op": "hello", "id": 9, "versions": [1], "session": SESSION,
                                  "resume": 1}), 9, "invalid_request", "'resume' must be a bool")
 
 
-def test_hello_tolerates_odd_optional_fields(sconn: ServerConnection) -> None:
+def test_hello_tolerates_odd_optional_fields(sconn: ServerWire) -> None:
     got = one(sconn.receive_data(raw_frame(
         {"op": "hello", "id": 1, "versions": [1, 2], "client": 5, "auth": None,
          "session": None, "resume": None})))
@@ -977,7 +995,7 @@ def test_hello_tolerates_odd_optional_fields(sconn: ServerConnection) -> None:
 
 @pytest.mark.parametrize("auth", [7, "token", {"mech": "md5", "nonce": b"x" * 32},
                                   {"mech": "hmac-sha256", "nonce": b"short"}])
-def test_hello_refuses_a_malformed_auth(sconn: ServerConnection, auth: Any) -> None:
+def test_hello_refuses_a_malformed_auth(sconn: ServerWire, auth: Any) -> None:
     got = one(sconn.receive_data(raw_frame({"op": "hello", "id": 1, "versions": [1],
                                             "auth": auth})))
     assert isinstance(got, BadRequest) and "auth" in got.message
@@ -1022,7 +1040,7 @@ def test_unknown_op_without_an_id_is_fatal() -> None:
 
 
 def test_bad_magic_is_fatal() -> None:
-    assert "magic" in fatal(ServerConnection(), b"GET / HTTP/1.1\r\n\r\n")
+    assert "magic" in fatal(ServerWire(), b"GET / HTTP/1.1\r\n\r\n")
     assert "magic" in fatal(ClientConnection(), b"HTTP/1.1 200 OK\r\n\r\n")
 
 
@@ -1055,25 +1073,25 @@ def big_put(rid: int = 11, n: int = 100_000) -> bytes:
 def test_before_the_handshake_a_frame_over_64_kib_is_fatal() -> None:
     data = big_put()
     assert PRE_HELLO_MAX_BYTES < len(data) < Limits().max_frame_bytes
-    message = fatal(ServerConnection(), data)
+    message = fatal(ServerWire(), data)
     assert "before the handshake" in message and f"at most {PRE_HELLO_MAX_BYTES}" in message
 
 
 def test_before_the_handshake_a_header_over_64_kib_is_fatal() -> None:
     data = WireClient().frame(Put(1, "b", item_of(b"x" * PRE_HELLO_MAX_BYTES)))
-    assert "max_header_bytes=65536" in fatal(ServerConnection(), data)
+    assert "max_header_bytes=65536" in fatal(ServerWire(), data)
 
 
 def test_before_the_handshake_a_frame_of_64_kib_is_fine() -> None:
     n = PRE_HELLO_MAX_BYTES - 256  # the header and padding take the rest
     data = big_put(n=n)
     assert len(data) <= PRE_HELLO_MAX_BYTES
-    got = one(ServerConnection().receive_data(data))
+    got = one(ServerWire().receive_data(data))
     assert type(got) is Put
 
 
 def test_after_the_handshake_the_configured_limits_apply() -> None:
-    conn = ServerConnection()
+    conn = ServerWire()
     assert not conn.greeted
     conn.handshake_done()
     assert conn.greeted
@@ -1090,9 +1108,9 @@ def test_after_the_handshake_an_oversized_frame_is_a_bad_request() -> None:
 
 
 def test_pre_hello_cap_is_never_above_the_frame_limit() -> None:
-    conn = ServerConnection(SMALL)
+    conn = ServerWire(SMALL)
     assert "at most 4096 bytes" in fatal(conn, big_put(n=5000))
-    conn = ServerConnection(pre_hello_max_bytes=1000)
+    conn = ServerWire(pre_hello_max_bytes=1000)
     assert "at most 1000 bytes" in fatal(conn, big_put(n=2000))
 
 
@@ -1102,7 +1120,7 @@ def test_large_frame_pipelined_right_behind_the_hello_is_fatal() -> None:
     (docs/PROTOCOL.md §2.3)."""
     client = WireClient()
     data = client.frame(Hello(1, (1,), "c")) + big_put(2)
-    out = ServerConnection().receive_data(data)
+    out = ServerWire().receive_data(data)
     assert out[0] == Hello(1, (1,), "c") and type(out[1]) is ProtocolViolation
 
 
@@ -1195,7 +1213,7 @@ def test_buffers_are_not_copied_on_send() -> None:
     chunks = ClientConnection().send(Put(1, "b", item_of(t)))
     views = [c for c in chunks if isinstance(c, memoryview)]
     assert any(len(v) == t.numel() * 8 for v in views)
-    reply_chunks = ServerConnection().send(Fetched(1, "value", (item_of(t),), 1, 0))
+    reply_chunks = ServerWire().send(Fetched(1, "value", (item_of(t),), 1, 0))
     assert any(isinstance(c, memoryview) and len(c) == t.numel() * 8 for c in reply_chunks)
 
 
@@ -1225,8 +1243,9 @@ LAYERING_PROBE = textwrap.dedent(
     """
     import sys
     before = set(sys.modules)
-    import tensorshare.wire.address, tensorshare.wire.codec, tensorshare.wire.frames
-    import tensorshare.wire.messages, tensorshare.wire.protocol
+    import tensorshare.wire.address, tensorshare.wire.auth, tensorshare.wire.codec
+    import tensorshare.wire.fields, tensorshare.wire.frames, tensorshare.wire.messages
+    import tensorshare.wire.protocol, tensorshare.wire.services, tensorshare.wire.streams
     added = sorted(set(sys.modules) - before)
     print(repr((sorted(before), added)))
     """
@@ -1266,6 +1285,31 @@ def test_import_protocol_does_not_import_threading_without_site() -> None:
     before, added = _probe("-S", env=env)
     assert "threading" not in before  # so the check below means something
     assert not _top(added) & set(FORBIDDEN), sorted(added)
+
+
+ORDER_PROBE = textwrap.dedent(
+    """
+    import sys
+    import tensorshare.wire.services, tensorshare.wire.streams
+    # The other kinds' rows are plain data: exporting them needs no protocol.
+    assert not any(n.startswith("tensorshare.wire.protocol") for n in sys.modules)
+    from tensorshare.wire.protocol import OPS
+    print(" ".join(OPS))
+    """
+)
+
+
+def test_the_op_table_does_not_depend_on_what_was_imported_first() -> None:
+    """A fresh interpreter that imports the stream and service modules before the protocol
+    gets the same table, in the same order: core, streams, services, then reload."""
+    from tensorshare.wire import services, streams
+
+    out = subprocess.run([sys.executable, "-c", ORDER_PROBE], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == list(OPS)
+    kinds = [op.name for op in (*streams.ROWS, *services.ROWS)]
+    assert out[-len(kinds) - 1:] == [*kinds, "reload"] and out[0] == "hello"
+    assert all(OPS[op.name] is op for op in (*streams.ROWS, *services.ROWS))
 
 
 def test_a_frame_of_many_items_is_parsed_with_the_garbage_collector_paused() -> None:

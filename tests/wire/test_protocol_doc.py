@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import socket
@@ -84,7 +83,6 @@ from tensorshare.wire.protocol import (
     BadRequest,
     ClientConnection,
     ProtocolViolation,
-    ServerConnection,
     encode_message,
 )
 from tensorshare.wire.services import (
@@ -107,7 +105,7 @@ from tensorshare.wire.streams import (
     StreamOpened,
     StreamRead,
 )
-from tests.rawwire import Get, Peek, WireClient
+from tests.rawwire import Get, Peek, ServerWire, WireClient
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 DOC = DOC_PATH.read_text(encoding="utf-8")
@@ -424,6 +422,15 @@ def test_the_docs_op_table_is_the_code_op_table() -> None:
         assert (remembered == "yes") == op.mutating, f"{name}: Remembered column is wrong"
 
 
+def test_the_op_table_is_in_the_order_of_the_docs_sections() -> None:
+    """OPS, the table of §3.2 and the sections §3.2.1, §3.2.2, ... list the ops in one order."""
+    sections = re.findall(r"^#### 3\.2\.(\d+) `(\w+)`$", DOC, re.MULTILINE)
+    assert [int(n) for n, _ in sections] == list(range(1, len(OPS) + 1))
+    assert [op for _, op in sections] == list(OPS)
+    rows = table("<!-- table: ops -->")
+    assert [row[1] for row in rows] == [f"§3.2.{n}" for n in range(1, len(OPS) + 1)]
+
+
 def test_remembered_ops_are_named_in_the_sessions_section() -> None:
     mutating = [name for name, op in OPS.items() if op.mutating]
     listed = ", ".join(f"`{name}`" for name in mutating[:-1]) + f" and `{mutating[-1]}`"
@@ -510,7 +517,7 @@ def test_the_code_writes_exactly_the_documented_request_fields(op: str) -> None:
 @pytest.mark.parametrize("op", list(OPS))
 def test_server_accepts_each_documented_op(op: str) -> None:
     """Behaviourally: the server knows the op (a bare request is never an 'unknown op')."""
-    conn = ServerConnection()
+    conn = ServerWire()
     header = msgpack.packb({"op": op, "id": 7})
     out = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
     assert len(out) == 1
@@ -520,7 +527,7 @@ def test_server_accepts_each_documented_op(op: str) -> None:
 
 def test_server_refuses_an_undocumented_op() -> None:
     assert "`frob`" not in DOC
-    conn = ServerConnection()
+    conn = ServerWire()
     header = msgpack.packb({"op": "frob", "id": 7})
     (out,) = conn.receive_data(b"".join(bytes(c) for c in encode_frame(header)))
     assert isinstance(out, BadRequest) and out.code == "invalid_request"
@@ -627,11 +634,23 @@ def test_stats_tables_match_a_live_server() -> None:
     for summary in bins.values():
         assert _flat(summary, ("limits",)) == documented_fields("stats-bin")
     assert bins["q"]["kind"] == "empty" and bins["w"]["first"] == "{x: int}"
-    counters = table("<!-- fields: stats-server -->")
-    documented = next(row[2] for row in counters if row[0] == "`counters`")
-    source = inspect.getsource(server)
-    for name in set(re.findall(r'stats\["(\w+)"\]', source)):
-        assert f"`{name}`" in documented, f"counter {name!r} is not in the stats table"
+
+
+def test_every_counter_the_server_keeps_is_in_the_stats_table() -> None:
+    """§3.3.8's ``counters``: every counter the server counts (server/*.py) and exports
+    (server/metrics.py), and no other."""
+    from tensorshare.server import metrics
+
+    row = next(r for r in table("<!-- fields: stats-server -->") if r[0] == "`counters`")
+    documented = set(re.findall(r"`(\w+)`", row[2])) - {"bye", "max_connections",
+                                                          "max_sessions", "max_memory",
+                                                          "max_client_buffer", "frame_timeout",
+                                                          "authentication_failed",
+                                                          "permission_denied"}
+    counted = set(re.findall(r'counters\["(\w+)"\]', _server_sources()))
+    assert len(counted) > 15  # (the pattern still finds them)
+    assert counted == documented, (counted - documented, documented - counted)
+    assert set(metrics._COUNTERS) <= documented
 
 
 def test_stats_and_configure_replies_from_a_live_server() -> None:
@@ -696,7 +715,7 @@ def test_the_service_limits_are_the_codes() -> None:
     assert f"1 to {svc.MAX_QUEUE} (default {svc.DEFAULT_MAX_QUEUE})" in take["max_queue"]
     assert f"cut to {svc.MAX_ERROR_CHARS} characters" in reply["error"]
     # The server holds to them: one more is refused.
-    conn = ServerConnection()
+    conn = ServerWire()
     conn.handshake_done()
     for header in ({"op": "service_take", "id": 7, "bin": "s", "max_batch": svc.MAX_BATCH},
                    {"op": "service_take", "id": 7, "bin": "s",
@@ -990,11 +1009,11 @@ def test_doc_8_2_the_read_only_ops_are_the_op_tables_everywhere(
     ops = [name for name, op in OPS.items() if op.read and name not in ("hello", "auth")]
     assert read_ops() == ops and len(ops) == 8
     listed = ", ".join(f"`{n}`" for n in ops[:-1]) + f" and `{ops[-1]}`"
-    section = " ".join(DOC.split()).split("**Read-only connections**", 1)[1]
-    assert set(re.findall(r"`(\w+)`", section.split(";", 1)[0])) - {"role", "readonly"} == \
-        set(ops)
+    text = " ".join(DOC.split())
+    assert f"may send {listed} (the ops the op table" in text  # §8.2
+    assert f"the read-only token always had: {listed})" in text  # §8.2.1
     readme = " ".join((DOC_PATH.parents[1] / "README.md").read_text(encoding="utf-8").split())
-    assert f"may {listed}" in readme
+    assert f"may {listed} (the ops the op table marks read" in readme
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["serve", "--help"])
     assert f"may only {read_ops_text()}" in " ".join(capsys.readouterr().out.split())
@@ -1005,6 +1024,23 @@ def test_doc_8_2_the_read_only_ops_are_the_op_tables_everywhere(
     raw.write(Auth(2, proof))
     (out,) = raw.write(Put(3, "w", Item(codec.encode(1))))
     assert out.code == "permission_denied" and f"(it may {read_ops_text()})" in out.message
+
+
+def test_every_section_of_this_document_that_is_cited_exists() -> None:
+    """A "§N.M" in the document, or after a mention of it in the package, README or
+    ARCHITECTURE, names one of its headings (a cited §2.6 that does not exist misleads)."""
+    root = DOC_PATH.parents[1]
+    headings = set(re.findall(r"^#+ (?:Appendix )?([0-9A-Z]+(?:\.\d+)*)[. ]", DOC, re.M))
+    cited = [(DOC_PATH.name, n) for n in re.findall(r"§ ?(\d+(?:\.\d+)*)", DOC)]
+    others = [*sorted((root / "tensorshare").rglob("*.py")), root / "README.md",
+              root / "docs" / "ARCHITECTURE.md"]
+    for path in others:
+        text = path.read_text(encoding="utf-8")
+        cited += [(path.name, n) for n in
+                  re.findall(r"PROTOCOL\.md`?[^§\n]{0,60}§ ?(\d+(?:\.\d+)*)", text)]
+    assert len(cited) > 300
+    missing = sorted({c for c in cited if c[1] not in headings})
+    assert not missing, f"sections cited that docs/PROTOCOL.md does not have: {missing}"
 
 
 def test_the_test_files_the_docs_name_exist() -> None:

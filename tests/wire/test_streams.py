@@ -3,7 +3,7 @@ sans-I/O sides and back, the checks of every field, the op table's flags, and th
 module stays sans-I/O.
 
 A ``WireClient`` encodes requests and parses replies (it knows each reply's op from the
-request it sent); a ``ServerConnection`` parses requests and encodes replies.
+request it sent); a ``ServerWire`` parses requests and encodes replies.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tensorshare.errors import InvalidRequest, LimitExceeded
 from tensorshare.wire import codec
 from tensorshare.wire.frames import encode_frame
 from tensorshare.wire.messages import Acked, Item, Limits
-from tensorshare.wire.protocol import OPS, BadRequest, ServerConnection, op_name
+from tensorshare.wire.protocol import OPS, BadRequest, op_name
 from tensorshare.wire.streams import (
     Lagged,
     ProducerGone,
@@ -38,11 +38,11 @@ from tensorshare.wire.streams import (
     StreamOpened,
     StreamRead,
 )
-from tests.rawwire import WireClient
+from tests.rawwire import ServerWire, WireClient
 
 
-def server_side() -> ServerConnection:
-    conn = ServerConnection(Limits())
+def server_side() -> ServerWire:
+    conn = ServerWire(Limits())
     conn.handshake_done()
     return conn
 

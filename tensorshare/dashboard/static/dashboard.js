@@ -40,13 +40,14 @@
     if (node.textContent !== t) node.textContent = t;
   }
 
+  // Sizes in binary units, as the server counts its limits (rates stay MB/s).
   function fmtBytes(n) {
     if (n === null || n === undefined) return "-";
-    if (n < 1000) return Math.round(n) + " B";
-    const units = ["kB", "MB", "GB", "TB"];
+    if (n < 1024) return Math.round(n) + " B";
+    const units = ["KiB", "MiB", "GiB", "TiB"];
     for (let i = 0; i < units.length; i++) {
-      n /= 1000;
-      if (n < 999.95 || i === units.length - 1) return n.toFixed(1) + " " + units[i];
+      n /= 1024;
+      if (n < 1023.95 || i === units.length - 1) return n.toFixed(1) + " " + units[i];
     }
     return "";
   }

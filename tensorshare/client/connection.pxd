@@ -1,10 +1,10 @@
-# Types for the compiled twin of blocking.py (tensorshare.client.blocking_c; see
-# tensorshare._ext): the connection under the Client face, and the records of a call.
+# Types for the compiled twin of connection.py (tensorshare.client.connection_c; see
+# tensorshare._ext): the connection a Client face holds, and the records of a call.
 # The .py stays the reference: this file only declares what Cython may type.
 import cython
 
 from tensorshare.client.election cimport ReadElection
-from tensorshare.client.session cimport Call, ClientSession, Done
+from tensorshare.client.session cimport Call, ClientSession
 
 
 cdef class _Slot:
@@ -38,8 +38,7 @@ cdef class PendingCall:
 
 cdef class Connection:
     cdef public double timeout
-    cdef public object reconnect, endpoint, host, port, path, compress, compress_min_bytes
-    cdef public object shm_min_bytes, begin, _connector, _options
+    cdef public object reconnect, endpoint, host, port, path, _connector, _options
     cdef public str address
     cdef public object _pid, _forks
     cdef public ClientSession _session
@@ -50,6 +49,7 @@ cdef class Connection:
     cdef public object _attempt, _lost_at, _thread
     cdef public bint _closing, _leaving
     cdef dict __dict__
+    cdef object __weakref__
 
     @cython.locals(call=Call, slot=_Slot)
     cpdef object _execute(self, object cmd)
@@ -60,7 +60,7 @@ cdef class Connection:
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)
-    @cython.locals(ev=object, done=Done)
+    @cython.locals(ev=object)
     cpdef _process(self, object events)
     @cython.locals(session=ClientSession, reader=_Reader)
     cpdef object _read_once(self, _Reader reader)
