@@ -49,8 +49,8 @@ def clients(server: EmbeddedServer) -> Iterator[tuple[Client, Client]]:
         yield caller, host
 
 
-def _calls(c: Client, name: str, values: list[torch.Tensor]) -> list[Future]:
-    return [c._submit_future(c.service_call_command(name, v)) for v in values]
+def _calls(c: Client, name: str, values: list[torch.Tensor], **kw: float) -> list[Future]:
+    return [c._submit_future(c.service_call_command(name, v, **kw)) for v in values]
 
 
 def _service(c: Client, name: str) -> dict:
@@ -176,7 +176,9 @@ def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
     # 6 and 7 (queued while it held its batch), wait behind. 0 and 1 go back to the front
     # of the queue: the next host takes them first, then the others in their order.
     caller, host = clients
-    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(6)])
+    # (the calls wait for as long as the test may run: the host process must start first,
+    # which on a loaded machine takes more than the client's 10 s)
+    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(6)], timeout=50)
     wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "6 queued")
     proc = subprocess.Popen([sys.executable, "-c", HOLDING_HOST, str(caller.port)],
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -184,7 +186,7 @@ def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().split() == ["TOOK", "0", "1"]
-        futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)])
+        futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)], timeout=50)
         wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "2..7 queued")
         assert _service(caller, "svc")["service"]["with_hosts"] == 2
         proc.send_signal(signal.SIGKILL)
