@@ -126,15 +126,3 @@ def interrupt(proc: subprocess.Popen[Any], timeout: float = 15.0) -> int:
         text = err.decode(errors="replace") if isinstance(err, bytes) else err
         pytest.fail(f"still running {timeout:g} s after SIGINT; its stderr and threads:\n"
                     f"{text[-8000:]}")
-
-
-@pytest.fixture(autouse=True)
-def _no_event_loop_left_running() -> Iterator[None]:
-    """A test that leaves an asyncio loop marked as running in its thread fails itself (and
-    the mark is cleared), instead of failing every asyncio test its worker runs next."""
-    yield
-    import asyncio.events
-
-    if asyncio.events._get_running_loop() is not None:
-        asyncio.events._set_running_loop(None)
-        pytest.fail("the test left an asyncio event loop marked as running in this thread")

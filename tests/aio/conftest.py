@@ -5,6 +5,7 @@ policy: the tests never do either)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -39,8 +40,27 @@ def run(loop_kind: str) -> Iterator[Run]:
             async with asyncio.timeout(WAIT):
                 return await coro
 
-        with asyncio.Runner(loop_factory=loop_factory(loop_kind)) as runner:
-            return runner.run(bounded())
+        # On a thread of its own, as an application's loop would be: the test process's main
+        # thread may hold another loop marked as running (Playwright's sync API keeps one
+        # for the whole session, in the browser tests a parallel worker may also run).
+        box: list[tuple[bool, Any]] = []
+
+        def main() -> None:
+            try:
+                with asyncio.Runner(loop_factory=loop_factory(loop_kind)) as runner:
+                    box.append((True, runner.run(bounded())))
+            except BaseException as exc:  # (handed to the test's thread as it is)
+                box.append((False, exc))
+
+        t = threading.Thread(target=main, name="tensorshare-test-loop", daemon=True)
+        t.start()
+        t.join(WAIT + 30)
+        if not box:
+            raise AssertionError(f"the scenario's loop did not end within {WAIT + 30:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     yield go
 

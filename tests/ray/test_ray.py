@@ -21,7 +21,8 @@ from tensorshare import RLTrainer, RLWorker  # noqa: E402
 from tests.conftest import wait_until  # noqa: E402
 
 # One cluster for the module, on one worker of a parallel run (``--dist loadgroup``).
-pytestmark = [pytest.mark.long, pytest.mark.timeout(120), pytest.mark.xdist_group("ray")]
+# (240 s: the first test also starts the module's two-node cluster, beside a parallel run)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]
 
 MB = 1 << 20
 

@@ -169,6 +169,7 @@ def _take_in_order(host: Client, n: int) -> list[list[int]]:
     return batches
 
 
+@pytest.mark.alone  # (its host process and its queue's order: not beside a parallel run)
 @pytest.mark.timeout(60)
 def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
         clients: tuple[Client, Client]) -> None:
@@ -188,7 +189,10 @@ def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
         assert proc.stdout.readline().split() == ["TOOK", "0", "1"]
         futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)], timeout=50)
         # (the calls' own deadline: on a loaded machine the held host's process is slow)
-        wait_until(lambda: _service(caller, "svc")["n_items"] == 6, 45, "2..7 queued")
+        try:
+            wait_until(lambda: _service(caller, "svc")["n_items"] == 6, 45, "2..7 queued")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the service: {_service(caller, 'svc')}") from None
         assert _service(caller, "svc")["service"]["with_hosts"] == 2
         proc.send_signal(signal.SIGKILL)
         proc.wait(DEADLINE)
