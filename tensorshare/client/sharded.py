@@ -541,7 +541,7 @@ class _ShardedBegin(Begin):
     def _execute(self, cmd: Command) -> PendingCall:
         sharded = self._face
         if cmd.bin is not None:
-            return sharded._client(sharded._route(cmd)).begin._execute(cmd)  # type: ignore[no-any-return]
+            return sharded._client(sharded._route(cmd)).begin._execute(cmd)
         return PendingCall.done(sharded._execute(cmd))
 
 

@@ -85,7 +85,7 @@ class TxProtocol(Protocol):
     def dataReceived(self, data: bytes) -> None:
         self.client._data(self, data)
 
-    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self.lost = True
         self.client._connection_lost(self, reason or Failure(ConnectionDone()))
 

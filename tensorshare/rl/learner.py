@@ -143,7 +143,7 @@ class NumpyActor:
     def _mlp(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
         (w1, b1), (w2, b2), (w3, b3) = layers
         h = np.maximum(x @ w1 + b1, 0.0)
-        return np.maximum(h @ w2 + b2, 0.0) @ w3 + b3  # type: ignore[no-any-return]
+        return np.maximum(h @ w2 + b2, 0.0) @ w3 + b3
 
     def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Sample one action per row of ``obs``.

@@ -142,7 +142,7 @@ class ServerTLS(BufferingTLSTransport):
             return
         self._aggregator.flush()  # what small writes wait in, first
         for part in parts:
-            TLSMemoryBIOProtocol.write(self, memoryview(part).cast("B"))  # type: ignore[arg-type]
+            TLSMemoryBIOProtocol.write(self, memoryview(part).cast("B"))
 
     def _write(self, data: bytes) -> None:
         if self._lostTLSConnection:

@@ -222,7 +222,7 @@ class _ZeroCopy(_Transport):
         # treat "no room" like "no buffer" instead of killing the connection.
         direct = view is not None and view.nbytes > 0
         try:
-            nbytes = self._recv_into(view if direct else self._read_buffer)  # type: ignore[arg-type]
+            nbytes = self._recv_into(view if direct else self._read_buffer)
         except OSError as se:
             if se.args[0] in _READ_RETRY_ERRNOS:
                 return None
@@ -246,7 +246,7 @@ class _ZeroCopy(_Transport):
         """Bytes accepted by :meth:`write`/:meth:`writeSequence` but not yet sent."""
         return self._queued_bytes
 
-    def write(self, data: Any) -> None:  # type: ignore[override]
+    def write(self, data: Any) -> None:
         """Queue a bytes-like object for sending, without copying it.
 
         Raises ``TypeError`` for ``str`` and for objects that are not C-contiguous
@@ -262,7 +262,7 @@ class _ZeroCopy(_Transport):
             self._queue_views([view], nbytes)
 
     def writeSequence(self, iovec: Iterable[Any], fds: list[int] | None = None,
-                      owner: Any = None) -> None:  # type: ignore[override]
+                      owner: Any = None) -> None:
         """Queue several bytes-like objects, in order, without copying or joining.
 
         All items are validated before any is queued, so a bad item leaves the
@@ -437,7 +437,7 @@ class _ZeroCopy(_Transport):
             self.ledger.queued -= self._queued_bytes
         self._queued_bytes = 0
         self._fd_marks.clear()
-        super().connectionLost(reason)  # type: ignore[misc]
+        super().connectionLost(reason)
 
     def startTLS(self, ctx: object, normal: bool = True) -> None:
         """Not supported: TLS would bypass this transport's zero-copy send queue."""

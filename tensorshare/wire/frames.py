@@ -104,7 +104,7 @@ class Frame:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Frame and (self.header, self.payload) == (
-            other.header, other.payload)  # type: ignore[attr-defined]
+            other.header, other.payload)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -125,7 +125,7 @@ class OversizedFrame:
         self.reason = reason
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is OversizedFrame and self._key() == other._key()  # type: ignore[attr-defined]
+        return type(other) is OversizedFrame and self._key() == other._key()
 
     __hash__ = None  # type: ignore[assignment]
 
