@@ -30,7 +30,7 @@ from ..client.rates import Rates, quantile
 from ..errors import Timeout, TransportError
 
 if TYPE_CHECKING:
-    from rich.console import Console, RenderableType
+    from rich.console import Console, JustifyMethod, RenderableType
     from rich.tree import Tree
 
     from ..client.blocking import Client
@@ -242,11 +242,12 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
         return tables
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   title="streams", title_justify="left")
-    for col, justify in (("stream", "left"), ("head", "right"), ("epoch", "right"),
-                         ("member", "left"), ("state", "left"), ("position", "right"),
-                         ("lag", "right"), ("stalled", "right"), ("stall total", "right"),
-                         ("missed", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
+        ("state", "left"), ("position", "right"), ("lag", "right"), ("stalled", "right"),
+        ("stall total", "right"), ("missed", "right"))
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
     for name, st in streams.items():
         epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
         table.add_row(name, str(st["head"]), epoch, f"{st['window']} window, "
@@ -307,14 +308,15 @@ def run_ls(args: argparse.Namespace) -> int:
     n = totals["bins"]
     # The totals are the table's footer, under a rule.
     table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=True)
-    for name, justify, footer in (
-            ("bin", "left", "total"), ("kind", "left", f"{n} bin{'' if n == 1 else 's'}"),
-            ("items", "right", str(totals["items"])),
-            ("bytes", "right", fmt_bytes(totals["nbytes"])), ("version", "right", ""),
-            ("listeners", "right", str(totals["listeners"])),
-            ("changed", "right", fmt_age(now - latest) + " ago" if latest else ""),
-            ("value / first item", "left", ""), ("last item", "left", "")):
-        table.add_column(name, justify=justify, footer=footer)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod, str], ...] = (
+        ("bin", "left", "total"), ("kind", "left", f"{n} bin{'' if n == 1 else 's'}"),
+        ("items", "right", str(totals["items"])),
+        ("bytes", "right", fmt_bytes(totals["nbytes"])), ("version", "right", ""),
+        ("listeners", "right", str(totals["listeners"])),
+        ("changed", "right", fmt_age(now - latest) + " ago" if latest else ""),
+        ("value / first item", "left", ""), ("last item", "left", ""))
+    for name, justify, footer in columns:
+        table.add_column(name, justify=justify, footer=footer)
     for name, b in bins.items():
         changed = b["changed_at"]
         table.add_row(name, b["kind"], str(b["n_items"]), fmt_bytes(b["nbytes"]),
@@ -787,10 +789,11 @@ def run_stats(args: argparse.Namespace) -> int:
         info.add_row(key, value)
 
     ops = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, justify in (("op", "left"), ("requests", "right"), ("bytes in", "right"),
-                         ("bytes out", "right"), ("mean", "right"), ("p50 ≤", "right"),
-                         ("p99 ≤", "right")):
-        ops.add_column(col, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("op", "left"), ("requests", "right"), ("bytes in", "right"), ("bytes out", "right"),
+        ("mean", "right"), ("p50 ≤", "right"), ("p99 ≤", "right"))
+    for col, justify in columns:
+        ops.add_column(col, justify=justify)
     lat = s["latency"]
     bounds: list[float] = lat["buckets"]
     for op in sorted(set(s["requests"]) | set(s["bytes_in"])):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -114,6 +114,21 @@ def sample_actions(logits: np.ndarray, rng: np.random.Generator) -> tuple[np.nda
     return actions, log_probs[np.arange(len(logits)), actions]
 
 
+class Actor(Protocol):
+    """What :meth:`Collector.collect` plays with: a :class:`NumpyActor`, or an actor that asks
+    an inference host (``tensorshare.rl.demo.RemoteActor``)."""
+
+    checksum: float  #: of the parameters it acts with (0.0 where they live elsewhere)
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """One action per row of ``obs``, and its log-probability."""
+        ...
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        """The state values of the rows of ``obs``."""
+        ...
+
+
 class NumpyActor:
     """The workers' copy of an :class:`ActorCritic`, in numpy.
 
@@ -198,7 +213,7 @@ class Collector:
         self.episode_return = np.zeros(n_envs)
         self.episode_length = np.zeros(n_envs, dtype=np.int64)
 
-    def collect(self, actor: NumpyActor, steps: int = SEGMENT_STEPS) -> dict[str, Any]:
+    def collect(self, actor: Actor, steps: int = SEGMENT_STEPS) -> dict[str, Any]:
         """Play ``steps`` steps in every environment with ``actor``.
 
         Args:
