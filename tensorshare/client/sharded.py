@@ -57,6 +57,7 @@ from ..wire.messages import (
     Unlisten,
 )
 from .blocking import Begin, Client, PendingCall, Pipeline
+from .closing import Closing
 from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
@@ -133,7 +134,7 @@ def expand_servers(servers: Sequence[str] | str,
     return urls
 
 
-class ShardedClient(BinClient):
+class ShardedClient(BinClient, Closing):
     """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
 
     Usage::
@@ -506,12 +507,6 @@ class ShardedClient(BinClient):
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
-
-    def __enter__(self) -> ShardedClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<tensorshare.ShardedClient over {len(self.servers)} servers>"
