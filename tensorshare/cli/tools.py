@@ -231,6 +231,13 @@ def user_table(server: dict[str, Any]) -> list[RenderableType]:
     return [table]
 
 
+#: The columns of the streams' table, and how each is justified.
+_STREAM_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
+    ("state", "left"), ("position", "right"), ("lag", "right"), ("stalled", "right"),
+    ("stall total", "right"), ("missed", "right"))
+
+
 def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
     """The tables of the bins of other kinds (streams: their consumers), after the main one."""
     from rich import box
@@ -242,11 +249,7 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
         return tables
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   title="streams", title_justify="left")
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
-        ("state", "left"), ("position", "right"), ("lag", "right"), ("stalled", "right"),
-        ("stall total", "right"), ("missed", "right"))
-    for col, justify in columns:
+    for col, justify in _STREAM_COLUMNS:
         table.add_column(col, justify=justify)
     for name, st in streams.items():
         epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
@@ -753,6 +756,12 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.3g} ms"
 
 
+#: The columns of ``tensorshare stats``'s table of ops, and how each is justified.
+_OP_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("op", "left"), ("requests", "right"), ("bytes in", "right"), ("bytes out", "right"),
+    ("mean", "right"), ("p50 ≤", "right"), ("p99 ≤", "right"))
+
+
 def run_stats(args: argparse.Namespace) -> int:
     """``tensorshare stats [--json]``: uptime, connections, memory, counters since start."""
     with _client(args) as c:
@@ -789,10 +798,7 @@ def run_stats(args: argparse.Namespace) -> int:
         info.add_row(key, value)
 
     ops = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("op", "left"), ("requests", "right"), ("bytes in", "right"), ("bytes out", "right"),
-        ("mean", "right"), ("p50 ≤", "right"), ("p99 ≤", "right"))
-    for col, justify in columns:
+    for col, justify in _OP_COLUMNS:
         ops.add_column(col, justify=justify)
     lat = s["latency"]
     bounds: list[float] = lat["buckets"]
