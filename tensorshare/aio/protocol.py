@@ -75,7 +75,7 @@ class AioProtocol(asyncio.BufferedProtocol):
         self.direct = 0  # the length of the session's own buffer get_buffer gave (0: scratch)
         self.done: asyncio.Future[str] = client._loop_now().create_future()
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.client._connection_made(self)
 

@@ -30,7 +30,7 @@ from ..client.rates import Rates, quantile
 from ..errors import Timeout, TransportError
 
 if TYPE_CHECKING:
-    from rich.console import Console, RenderableType
+    from rich.console import Console, JustifyMethod, RenderableType
     from rich.tree import Tree
 
     from ..client.blocking import Client
@@ -231,6 +231,13 @@ def user_table(server: dict[str, Any]) -> list[RenderableType]:
     return [table]
 
 
+#: The columns of the streams' table, and how each is justified.
+_STREAM_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
+    ("state", "left"), ("position", "right"), ("lag", "right"), ("stalled", "right"),
+    ("stall total", "right"), ("missed", "right"))
+
+
 def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
     """The tables of the bins of other kinds (streams: their consumers), after the main one."""
     from rich import box
@@ -242,11 +249,8 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
         return tables
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   title="streams", title_justify="left")
-    for col, justify in (("stream", "left"), ("head", "right"), ("epoch", "right"),
-                         ("member", "left"), ("state", "left"), ("position", "right"),
-                         ("lag", "right"), ("stalled", "right"), ("stall total", "right"),
-                         ("missed", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for col, justify in _STREAM_COLUMNS:
+        table.add_column(col, justify=justify)
     for name, st in streams.items():
         epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
         table.add_row(name, str(st["head"]), epoch, f"{st['window']} window, "
@@ -307,14 +311,15 @@ def run_ls(args: argparse.Namespace) -> int:
     n = totals["bins"]
     # The totals are the table's footer, under a rule.
     table = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=True)
-    for name, justify, footer in (
-            ("bin", "left", "total"), ("kind", "left", f"{n} bin{'' if n == 1 else 's'}"),
-            ("items", "right", str(totals["items"])),
-            ("bytes", "right", fmt_bytes(totals["nbytes"])), ("version", "right", ""),
-            ("listeners", "right", str(totals["listeners"])),
-            ("changed", "right", fmt_age(now - latest) + " ago" if latest else ""),
-            ("value / first item", "left", ""), ("last item", "left", "")):
-        table.add_column(name, justify=justify, footer=footer)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod, str], ...] = (
+        ("bin", "left", "total"), ("kind", "left", f"{n} bin{'' if n == 1 else 's'}"),
+        ("items", "right", str(totals["items"])),
+        ("bytes", "right", fmt_bytes(totals["nbytes"])), ("version", "right", ""),
+        ("listeners", "right", str(totals["listeners"])),
+        ("changed", "right", fmt_age(now - latest) + " ago" if latest else ""),
+        ("value / first item", "left", ""), ("last item", "left", ""))
+    for name, justify, footer in columns:
+        table.add_column(name, justify=justify, footer=footer)
     for name, b in bins.items():
         changed = b["changed_at"]
         table.add_row(name, b["kind"], str(b["n_items"]), fmt_bytes(b["nbytes"]),
@@ -751,6 +756,12 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.3g} ms"
 
 
+#: The columns of ``tensorshare stats``'s table of ops, and how each is justified.
+_OP_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("op", "left"), ("requests", "right"), ("bytes in", "right"), ("bytes out", "right"),
+    ("mean", "right"), ("p50 ≤", "right"), ("p99 ≤", "right"))
+
+
 def run_stats(args: argparse.Namespace) -> int:
     """``tensorshare stats [--json]``: uptime, connections, memory, counters since start."""
     with _client(args) as c:
@@ -787,10 +798,8 @@ def run_stats(args: argparse.Namespace) -> int:
         info.add_row(key, value)
 
     ops = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, justify in (("op", "left"), ("requests", "right"), ("bytes in", "right"),
-                         ("bytes out", "right"), ("mean", "right"), ("p50 ≤", "right"),
-                         ("p99 ≤", "right")):
-        ops.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for col, justify in _OP_COLUMNS:
+        ops.add_column(col, justify=justify)
     lat = s["latency"]
     bounds: list[float] = lat["buckets"]
     for op in sorted(set(s["requests"]) | set(s["bytes_in"])):

@@ -209,15 +209,15 @@ class Begin(Ops):
 
     @property
     def limits(self) -> Limits:
-        return self._face.limits  # type: ignore[no-any-return]
+        return self._face.limits
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        return self._face._item(name, value, tag)  # type: ignore[no-any-return]
+        return self._face._item(name, value, tag)
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
-        return self._face._items(name, values, tags)  # type: ignore[no-any-return]
+        return self._face._items(name, values, tags)
 
     def _execute(self, cmd: Command) -> PendingCall:
-        return self._face._submit(cmd)  # type: ignore[no-any-return]
+        return self._face._submit(cmd)
 
 

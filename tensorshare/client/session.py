@@ -33,7 +33,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ..errors import (
     AuthenticationError,
@@ -256,16 +256,15 @@ class _Listen:
 
 def _with_id(request: Request, rid: int) -> Request:
     """``request`` numbered ``rid`` (the op surface makes requests with id 0)."""
-    cls = type(request)
-    if cls is Put:  # (the most common: one call instead of dataclasses.replace's several)
-        p: Put = request  # type: ignore[assignment]
-        return Put(rid, p.bin, p.item, p.min_version, p.room)
-    if cls is Fetch:
-        return Fetch(rid, request.bin, request.spec)  # type: ignore[union-attr]
-    if cls is Append:
-        a: Append = request  # type: ignore[assignment]
-        return Append(rid, a.bin, a.item, a.timeout, a.rest, a.min_version, a.wait_room)
-    return replace(request, id=rid)  # type: ignore[type-var]
+    if type(request) is Put:  # (the most common: one call instead of dataclasses.replace's)
+        return Put(rid, request.bin, request.item, request.min_version, request.room)
+    if type(request) is Fetch:
+        return Fetch(rid, request.bin, request.spec)
+    if type(request) is Append:
+        return Append(rid, request.bin, request.item, request.timeout, request.rest,
+                      request.min_version, request.wait_room)
+    # (the other requests are dataclasses; mypy cannot tell them from the records above)
+    return replace(request, id=rid)  # type: ignore[type-var]  # a dataclass: see above
 
 class ClientSession:
     """The state of one client, across any number of connections. Not thread-safe.
@@ -380,8 +379,9 @@ class ClientSession:
         request = _with_id(request, rid)
         op = op_name(request)
         answer = self.timeout if timeout is None else timeout
-        waiting = type(request) is Fetch and request.spec.wait
-        wait = request.spec.timeout if waiting else None  # type: ignore[union-attr]
+        waiting, wait = False, None
+        if type(request) is Fetch and request.spec.wait:
+            waiting, wait = True, request.spec.timeout
         if waiting and wait is None:
             deadline = None
         else:
@@ -730,9 +730,9 @@ class ClientSession:
                 if c.op == "get" and self._held_at == 0.0 and self.session_id is not None:
                     self._held_at = now  # its items are held for us until acknowledged
             elif type(msg) is ErrorReply and c.op == "listen":
-                self.remove_listener(c.request.bin, c.extra)  # type: ignore[union-attr]
+                self.remove_listener(cast(Listen, c.request).bin, c.extra)
             elif type(msg) is Listening:
-                self._listening(c.request.bin, msg, None, out)  # type: ignore[union-attr]
+                self._listening(cast(Listen, c.request).bin, msg, None, out)
             out.append(Done(c, reply=msg))
             return
         self._internal_done(c, msg, out)
@@ -747,7 +747,7 @@ class ClientSession:
                 del self.calls[target.id]
         elif c.op == "listen":
             if type(msg) is Listening:
-                self._listening(c.request.bin, msg, c.extra, out)  # type: ignore[union-attr]
+                self._listening(cast(Listen, c.request).bin, msg, c.extra, out)
 
     def _listening(self, name: str, msg: Listening, renewed: Any, out: list[Event]) -> None:
         """A listen was registered (``renewed``: after a reconnect, with the server's id then)."""

@@ -57,6 +57,7 @@ from ..wire.messages import (
     Unlisten,
 )
 from .blocking import Begin, Client, PendingCall, Pipeline
+from .closing import Closing
 from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
@@ -133,7 +134,7 @@ def expand_servers(servers: Sequence[str] | str,
     return urls
 
 
-class ShardedClient(BinClient):
+class ShardedClient(BinClient, Closing):
     """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
 
     Usage::
@@ -507,12 +508,6 @@ class ShardedClient(BinClient):
         for client in clients:
             client.close()
 
-    def __enter__(self) -> ShardedClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<tensorshare.ShardedClient over {len(self.servers)} servers>"
 
@@ -541,7 +536,7 @@ class _ShardedBegin(Begin):
     def _execute(self, cmd: Command) -> PendingCall:
         sharded = self._face
         if cmd.bin is not None:
-            return sharded._client(sharded._route(cmd)).begin._execute(cmd)  # type: ignore[no-any-return]
+            return sharded._client(sharded._route(cmd)).begin._execute(cmd)
         return PendingCall.done(sharded._execute(cmd))
 
 

@@ -105,9 +105,11 @@ def roles(replies: Sequence[dict[str, Any] | None]) -> list[tuple[str, int | Non
     the most changing requests (a relay refuses them all), the first given on a tie. Any
     other server is a ``"shard"`` when there are several, else ``"server"``."""
     groups: dict[str, list[int]] = {}
+    answered: dict[int, dict[str, Any]] = {}
     for i, r in enumerate(replies):
         if r is not None:
             groups.setdefault(r["server"]["server_id"], []).append(i)
+            answered[i] = r
     alone = "shard" if len(replies) > 1 else "server"
     out: list[tuple[str, int | None]] = [(alone, None)] * len(replies)
     for members in groups.values():
@@ -115,7 +117,7 @@ def roles(replies: Sequence[dict[str, Any] | None]) -> list[tuple[str, int | Non
             continue
 
         def writes(i: int) -> int:
-            req = replies[i]["server"]["requests"]  # type: ignore[index]
+            req = answered[i]["server"]["requests"]
             return sum(req.get(op, 0) for op in WRITE_OPS)
 
         primary = max(members, key=lambda i: (writes(i), -i))

@@ -498,9 +498,9 @@ class StreamConsumer:
         pending, self._pending = self._pending, None
         try:
             if pending is not None and pending[0] == os.getpid() and pending[1] == self.position:
-                return pending[2].result()  # type: ignore[no-any-return]
+                return pending[2].result()
             wait = max(min(deadline - time.monotonic(), _WAIT_SHARE * self.client.timeout), 0.0)
-            return self.client.stream_read(  # type: ignore[no-any-return]
+            return self.client.stream_read(
                 self.name, self.consumer, at=self.position, max_items=max_items, timeout=wait,
                 device=self.device)
         except WaitTimeout:

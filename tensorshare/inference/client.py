@@ -8,6 +8,7 @@ from typing import Any, Unpack
 
 import torch
 
+from ..client.closing import Closing
 from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
@@ -111,7 +112,7 @@ class InferenceCaller:
         return replace(cmd, convert=lambda reply: result(convert(reply)))
 
 
-class InferenceClient(InferenceCaller):
+class InferenceClient(InferenceCaller, Closing):
     """Calls the model an :class:`InferenceHost` serves on service bin ``name``.
 
     Args:
@@ -197,12 +198,6 @@ class InferenceClient(InferenceCaller):
         """Close the client (if this object made it)."""
         if self._own:
             self.client.close()
-
-    def __enter__(self) -> InferenceClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<InferenceClient {self.name!r}>"

@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import Any, Unpack
 
 from ..client.blocking import Client
+from ..client.closing import Closing
 from ..client.ops import Command
 from ..client.options import ClientOptions, OptionFields
 from ..errors import TensorShareError
@@ -60,7 +61,7 @@ def _own(item: Item) -> Item:
                                            for b in value.buffers)), item.tag)
 
 
-class Relay:
+class Relay(Closing):
     """A read-only server that mirrors the value bins of ``upstream`` matching ``bins``.
 
     Args:
@@ -273,12 +274,6 @@ class Relay:
             self.server.stop()
 
     close = stop
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"<Relay of {self.upstream} at {self.address}: {len(self.versions)} bins>"

@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 import torch
@@ -221,9 +221,9 @@ def _play_central(worker: RLWorker, collector: Collector, worker_id: int, steps:
     played them, until the trainer's process is gone."""
     while parent_alive():
         actor.versions.clear()
-        segment = collector.collect(actor, steps)  # type: ignore[arg-type]
+        segment = collector.collect(actor, steps)
         versions = actor.versions
-        version = None if None in versions else min(versions)  # type: ignore[type-var]
+        version = None if None in versions else min(cast(list[int], versions))
         segment["worker"] = worker_id
         segment["downloads"] = len(set(versions))
         worker.add_data(segment, version=version)  # untagged (no parameters yet): dropped

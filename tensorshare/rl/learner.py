@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -114,6 +114,21 @@ def sample_actions(logits: np.ndarray, rng: np.random.Generator) -> tuple[np.nda
     return actions, log_probs[np.arange(len(logits)), actions]
 
 
+class Actor(Protocol):
+    """What :meth:`Collector.collect` plays with: a :class:`NumpyActor`, or an actor that asks
+    an inference host (``tensorshare.rl.demo.RemoteActor``)."""
+
+    checksum: float  #: of the parameters it acts with (0.0 where they live elsewhere)
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """One action per row of ``obs``, and its log-probability."""
+        ...
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        """The state values of the rows of ``obs``."""
+        ...
+
+
 class NumpyActor:
     """The workers' copy of an :class:`ActorCritic`, in numpy.
 
@@ -143,7 +158,7 @@ class NumpyActor:
     def _mlp(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
         (w1, b1), (w2, b2), (w3, b3) = layers
         h = np.maximum(x @ w1 + b1, 0.0)
-        return np.maximum(h @ w2 + b2, 0.0) @ w3 + b3  # type: ignore[no-any-return]
+        return np.maximum(h @ w2 + b2, 0.0) @ w3 + b3
 
     def act(self, obs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Sample one action per row of ``obs``.
@@ -198,7 +213,7 @@ class Collector:
         self.episode_return = np.zeros(n_envs)
         self.episode_length = np.zeros(n_envs, dtype=np.int64)
 
-    def collect(self, actor: NumpyActor, steps: int = SEGMENT_STEPS) -> dict[str, Any]:
+    def collect(self, actor: Actor, steps: int = SEGMENT_STEPS) -> dict[str, Any]:
         """Play ``steps`` steps in every environment with ``actor``.
 
         Args:

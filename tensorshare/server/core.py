@@ -182,7 +182,7 @@ class ServerFactory(Factory):
                  sessions=len(self.sessions), records=loaded.records,
                  snap=f" after {os.path.basename(loaded.snapshot)}" if loaded.snapshot else "")
 
-    def buildProtocol(self, addr: Any) -> ServerProtocol:  # type: ignore[override]
+    def buildProtocol(self, addr: Any) -> ServerProtocol:  # type: ignore[override]  # no .factory
         from .connection import ServerProtocol
 
         return ServerProtocol(self)

@@ -197,9 +197,11 @@ class Responder:
             route = self.route(msg)
         if not route.read and self.relay_of is not None:
             return self._refuse_write(msg, route.op)
-        user = conn.user  # what it may do (see .users): one check, skipped for a user who
-        conn.usage.requests += 1  # type: ignore[union-attr]  # may do all without a quota
-        if not user.unrestricted:  # type: ignore[union-attr]
+        # What it may do (see .users): one check, skipped for a user who may do all without a
+        # quota. (A connection has its user and usage from its hello on: none is routed before.)
+        user = conn.user
+        conn.usage.requests += 1  # type: ignore[union-attr]  # set at hello, see above
+        if not user.unrestricted:  # type: ignore[union-attr]  # set at hello, see above
             verdict = self._users.admit(conn, route, msg)
             if verdict is not True:  # refused (the reply), or waiting for room (None)
                 return None if verdict is False else verdict

@@ -46,7 +46,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,7 @@ class _Bad(Exception):
         self.offset, self.reason, self.torn = offset, reason, torn
 
 
-def _frame(header: dict[str, Any], buffers: list[BytesLike] = ()) -> list[BytesLike]:  # type: ignore[assignment]
+def _frame(header: dict[str, Any], buffers: Sequence[BytesLike] = ()) -> list[BytesLike]:
     return encode_frame(_packb(header), buffers)
 
 

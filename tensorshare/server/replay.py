@@ -70,7 +70,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import InvalidRequest
 
@@ -115,16 +115,16 @@ def histogram_bucket(priority: float) -> int:
     return i
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_count(value: object) -> bool:
     """An int in [0, 2**63): what a key, a count or a byte size may be."""
-    return _is_int(value) and 0 <= value < _INT64  # type: ignore[operator]
+    return _is_int(value) and 0 <= value < _INT64
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -132,7 +132,7 @@ def _check_priority(priority: object, exponent: float) -> tuple[float, float]:
     """``(priority, priority ** exponent)`` as floats, or ``InvalidRequest``."""
     if not _is_number(priority):
         raise InvalidRequest(f"a priority must be a number, not {type(priority).__name__}")
-    p = float(priority)  # type: ignore[arg-type]
+    p = float(priority)
     if not math.isfinite(p) or p < 0.0:
         raise InvalidRequest(f"a priority must be finite and not negative, not {p!r}")
     if p == 0.0:
@@ -915,7 +915,7 @@ class ReplayTable:
 
 
 def _check_batch(count: object, what: str) -> None:
-    if not _is_int(count) or not 1 <= count <= MAX_BATCH:  # type: ignore[operator]
+    if not _is_int(count) or not 1 <= count <= MAX_BATCH:
         raise InvalidRequest(f"{what} carries 1 to {MAX_BATCH} items, not {count!r}")
 
 

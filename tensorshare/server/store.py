@@ -66,7 +66,7 @@ class Written:
             return mine == (other.version, other.n_items, other.dropped)
         return isinstance(other, tuple) and mine == other
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as its __eq__ takes tuples
 
     def __repr__(self) -> str:
         return f"Written({self.version}, {self.n_items}, {self.dropped})"
@@ -165,12 +165,13 @@ class Waiter:
 
 
 class Blocked:
-    """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served."""
+    """An append waiting for room in a ``block`` bin. ``callback(Written)`` runs once served
+    (``callback(exc)`` with the :class:`LimitExceeded` that refused it, if it was)."""
 
     __slots__ = ("name", "entries", "callback", "ctx", "active", "min_version", "owner")
 
     def __init__(self, name: str, entries: list[tuple[Any, int, int | None]],
-                 callback: Callable[[Written], None], ctx: Any = None,
+                 callback: Callable[[Written | BaseException], None], ctx: Any = None,
                  min_version: int | None = None, owner: Any = None) -> None:
         self.name = name
         self.entries = entries
@@ -459,7 +460,7 @@ class Store:
         return Written(version, n, drop)
 
     def append_or_wait(self, name: str, entries: builtins.list[tuple[Any, int, int | None]],
-                       callback: Callable[[Written], None], ctx: Any = None,
+                       callback: Callable[[Written | BaseException], None], ctx: Any = None,
                        min_version: int | None = None, owner: Any = None) -> Written | Blocked:
         """Append now if the bin has room (or is not a ``block`` bin), else wait for room.
 
@@ -468,7 +469,8 @@ class Store:
 
         Returns:
             The :class:`Written` outcome, or a :class:`Blocked` (pass it to :meth:`cancel`
-            on timeout or disconnect); ``callback(Written)`` then runs once it is stored.
+            on timeout or disconnect); ``callback(Written)`` then runs once it is stored
+            (``callback(exc)`` if it is refused when room comes).
 
         Raises:
             as :meth:`append_many`; ``BinFull`` at once if the items can never fit.
@@ -729,7 +731,7 @@ class Store:
                     name, blk.entries, blk.ctx, blk.min_version, blk.owner)
             except LimitExceeded as exc:  # BinFull, MemoryLimitExceeded, QuotaExceeded
                 written = exc
-            blk.callback(written)  # type: ignore[arg-type]
+            blk.callback(written)
             q = self._blocked.get(name)
         if name in self._blocked and not self._blocked[name]:
             del self._blocked[name]

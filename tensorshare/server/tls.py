@@ -4,7 +4,7 @@ is given a certificate and key. Imported only by a server that uses TLS."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from OpenSSL.SSL import Error, WantReadError, ZeroReturnError
 from twisted.internet import ssl
@@ -16,6 +16,7 @@ from twisted.python.failure import Failure
 from ..errors import ProtocolError
 from ..wire.messages import ErrorReply
 from ..wire.protocol import encode_message
+from .transports import BufferedProtocol
 
 __all__ = ["ServerTLS", "tls_wrapped"]
 
@@ -82,7 +83,7 @@ class ServerTLS(BufferingTLSTransport):
 
     def buffer_updated(self, nbytes: int) -> None:
         assert self._scratch is not None
-        self.dataReceived(memoryview(self._scratch)[:nbytes])  # type: ignore[arg-type]
+        self.dataReceived(memoryview(self._scratch)[:nbytes])  # type: ignore[arg-type]  # a view
 
     def dataReceived(self, data: bytes) -> None:
         if not self._sniffed:
@@ -100,16 +101,17 @@ class ServerTLS(BufferingTLSTransport):
     def _flushReceiveBIO(self) -> None:
         app = self.wrappedProtocol
         direct = getattr(type(app), "get_read_buffer", None) is not None
+        buffered = cast(BufferedProtocol, app)  # (used only where direct: it has the hooks)
         plain: bytearray | None = None
         while not self._lostTLSConnection:
             try:
-                view = app.get_read_buffer() if direct else None  # type: ignore[attr-defined]
+                view = buffered.get_read_buffer() if direct else None
                 if view is not None and view.nbytes:
                     # (At most a few records: pyOpenSSL allocates as much as it is asked
                     # for on every call, and one call yields one record, 16 KiB.)
                     n = self._tlsConnection.recv_into(view, 65536)
                     if not self._aborted:
-                        app.buffer_updated(n)  # type: ignore[attr-defined]
+                        buffered.buffer_updated(n)
                     continue
                 if plain is None:
                     plain = bytearray(65536)
@@ -133,7 +135,7 @@ class ServerTLS(BufferingTLSTransport):
                 data = self._tlsConnection.bio_read(_CHUNK + 65536)
             except WantReadError:
                 return
-            self.transport.write(data)  # type: ignore[union-attr]
+            self.transport.write(data)  # type: ignore[union-attr]  # connected while it reads
 
     def writeSequence(self, sequence: Any) -> None:
         parts = list(sequence)
@@ -142,7 +144,7 @@ class ServerTLS(BufferingTLSTransport):
             return
         self._aggregator.flush()  # what small writes wait in, first
         for part in parts:
-            TLSMemoryBIOProtocol.write(self, memoryview(part).cast("B"))  # type: ignore[arg-type]
+            TLSMemoryBIOProtocol.write(self, memoryview(part).cast("B"))
 
     def _write(self, data: bytes) -> None:
         if self._lostTLSConnection:

@@ -50,9 +50,10 @@ import socket
 from collections import deque
 from collections.abc import Iterable
 from errno import EAGAIN, ENOBUFS, EWOULDBLOCK
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from twisted.internet import main, tcp, unix
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IProtocolFactory, IReactorFDSet, IReactorTCP
 from twisted.python import failure
 
@@ -204,7 +205,7 @@ class _ZeroCopy(_Transport):
 
     # ------------------------------------------------------------------ reading
 
-    def doRead(self) -> BaseException | None:  # type: ignore[override]
+    def doRead(self) -> ConnectionLost | ConnectionDone | None:
         """Read into the protocol's buffer if it offers one, else read the stock way.
 
         Same error contract as :meth:`twisted.internet.tcp.Connection.doRead`:
@@ -216,13 +217,13 @@ class _ZeroCopy(_Transport):
         # to the protocol it wraps must not have its bytes read past it.
         if getattr(type(self.protocol), "get_read_buffer", None) is None:
             return super().doRead()
-        get_read_buffer = self.protocol.get_read_buffer  # type: ignore[attr-defined]
-        view = get_read_buffer()
+        protocol = cast(BufferedProtocol, self.protocol)  # (its class has the hooks)
+        view = protocol.get_read_buffer()
         # recv_into() on an empty view returns 0, indistinguishable from EOF;
         # treat "no room" like "no buffer" instead of killing the connection.
         direct = view is not None and view.nbytes > 0
         try:
-            nbytes = self._recv_into(view if direct else self._read_buffer)  # type: ignore[arg-type]
+            nbytes = self._recv_into(view if view is not None and direct else self._read_buffer)
         except OSError as se:
             if se.args[0] in _READ_RETRY_ERRNOS:
                 return None
@@ -230,10 +231,10 @@ class _ZeroCopy(_Transport):
         if not nbytes:
             return main.CONNECTION_DONE
         if direct:
-            self.protocol.buffer_updated(nbytes)  # type: ignore[attr-defined]
+            protocol.buffer_updated(nbytes)
         else:
             # A view of the reused buffer: valid only during this call (the protocol copies).
-            self.protocol.dataReceived(self._read_view[:nbytes])  # type: ignore[arg-type]
+            self.protocol.dataReceived(self._read_view[:nbytes])  # type: ignore[arg-type]  # a view
         return None
 
     def _recv_into(self, target: memoryview | bytearray) -> int:
@@ -246,7 +247,7 @@ class _ZeroCopy(_Transport):
         """Bytes accepted by :meth:`write`/:meth:`writeSequence` but not yet sent."""
         return self._queued_bytes
 
-    def write(self, data: Any) -> None:  # type: ignore[override]
+    def write(self, data: Any) -> None:
         """Queue a bytes-like object for sending, without copying it.
 
         Raises ``TypeError`` for ``str`` and for objects that are not C-contiguous
@@ -262,7 +263,7 @@ class _ZeroCopy(_Transport):
             self._queue_views([view], nbytes)
 
     def writeSequence(self, iovec: Iterable[Any], fds: list[int] | None = None,
-                      owner: Any = None) -> None:  # type: ignore[override]
+                      owner: Any = None) -> None:
         """Queue several bytes-like objects, in order, without copying or joining.
 
         All items are validated before any is queued, so a bad item leaves the
@@ -419,7 +420,7 @@ class _ZeroCopy(_Transport):
         self.stopWriting()
         if self.producer is not None and ((not self.streamingProducer) or self.producerPaused):
             self.producerPaused = False
-            self.producer.resumeProducing()  # type: ignore[attr-defined]
+            self.producer.resumeProducing()  # type: ignore[attr-defined]  # IProducer: both kinds
         elif self.disconnecting:
             return self._postLoseConnection()
         elif self._writeDisconnecting:
@@ -437,7 +438,7 @@ class _ZeroCopy(_Transport):
             self.ledger.queued -= self._queued_bytes
         self._queued_bytes = 0
         self._fd_marks.clear()
-        super().connectionLost(reason)  # type: ignore[misc]
+        super().connectionLost(reason)
 
     def startTLS(self, ctx: object, normal: bool = True) -> None:
         """Not supported: TLS would bypass this transport's zero-copy send queue."""
@@ -552,7 +553,7 @@ def listen_fast_unix(reactor: Any, path: str, factory: IProtocolFactory, *,
             raise OSError(f"another server listens on {path}")
         finally:
             probe.close()
-    port = FastUnixPort(path, factory, backlog, mode, reactor)  # type: ignore[arg-type]
+    port = FastUnixPort(path, factory, backlog, mode, reactor)  # type: ignore[arg-type]  # str works
     port.startListening()
     return port
 

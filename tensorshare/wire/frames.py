@@ -104,9 +104,9 @@ class Frame:
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Frame and (self.header, self.payload) == (
-            other.header, other.payload)  # type: ignore[attr-defined]
+            other.header, other.payload)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as a dataclass with eq
 
     def __repr__(self) -> str:
         return f"Frame(header={self.header!r}, payload={self.payload!r})"
@@ -125,9 +125,9 @@ class OversizedFrame:
         self.reason = reason
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is OversizedFrame and self._key() == other._key()  # type: ignore[attr-defined]
+        return type(other) is OversizedFrame and self._key() == other._key()
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as a dataclass with eq
 
     def _key(self) -> tuple[bytes, int, int, str]:
         return self.header, self.payload_len, self.limit, self.reason
@@ -270,7 +270,7 @@ class FrameDecoder:
         except ProtocolError as exc:
             # Frames completed earlier in this chunk are good: hand them over with the error,
             # so what a client sent before its garbage is still served (or refused) in order.
-            exc.frames = out  # type: ignore[attr-defined]
+            exc.frames = out  # type: ignore[attr-defined]  # read by getattr in the protocol
             raise
         return out
 

@@ -622,29 +622,27 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
     fast = _FAST_HEADERS.get(cls)
     if fast is not None:
         return fast(msg)
-    if cls is Changed:
-        c: Changed = msg  # type: ignore[assignment]
-        h = {"op": "notify", "bin": c.bin, "event": c.op, "n_items": c.n_items,
-             "version": c.version}
-        if c.skipped:
-            h["skipped"] = c.skipped
-        if c.dropped:
-            h["dropped"] = c.dropped
+    if isinstance(msg, Changed):  # (no subclasses: as exact as cls is Changed)
+        h = {"op": "notify", "bin": msg.bin, "event": msg.op, "n_items": msg.n_items,
+             "version": msg.version}
+        if msg.skipped:
+            h["skipped"] = msg.skipped
+        if msg.dropped:
+            h["dropped"] = msg.dropped
         return h, ()
-    if cls is ErrorReply:
-        e: ErrorReply = msg  # type: ignore[assignment]
-        if e.id == 0:
-            return {"op": "error", "code": e.code, "message": e.message}, ()
-        return {"op": "reply", "id": e.id, "ok": False, "code": e.code,
-                "message": e.message}, ()
+    if type(msg) is ErrorReply:
+        if msg.id == 0:
+            return {"op": "error", "code": msg.code, "message": msg.message}, ()
+        return {"op": "reply", "id": msg.id, "ok": False, "code": msg.code,
+                "message": msg.message}, ()
     items = _ITEMS_OF.get(cls)
     reply = REPLY_HEADERS.get(cls)
     if reply is not None:
-        h = {"op": "reply", "id": msg.id, "ok": True}  # type: ignore[union-attr]
+        h = {"op": "reply", "id": msg.id, "ok": True}
         h.update(reply(msg))
         return h, (items(msg) if items is not None else ())
-    name = op_name(msg)  # type: ignore[arg-type]
-    h = {"op": name, "id": msg.id}  # type: ignore[union-attr]
+    name = op_name(msg)  # type: ignore[arg-type]  # every reply has a REPLY_HEADERS row
+    h = {"op": name, "id": msg.id}
     h.update(OPS[name].header(msg))
     return h, (items(msg) if items is not None else ())
 
@@ -712,15 +710,13 @@ def acked_frame(rid: int, flag: bool) -> bytes:
 def encode_reply(msg: Reply, shared: list[Any] | None = None) -> list[BytesLike]:
     """A reply's frame chunks: the common ones from prepared pieces, the others through
     :func:`encode_message`."""
-    cls = type(msg)
-    if cls is Stored:
-        return [stored_frame(msg.id, msg.version, msg.n_items, msg.dropped)]  # type: ignore[union-attr]
-    if cls is Acked:
-        return [acked_frame(msg.id, msg.flag)]  # type: ignore[union-attr]
-    if cls is Fetched and shared is None and msg.items:  # type: ignore[union-attr]
-        f: Fetched = msg  # type: ignore[assignment]
-        tail, buffers, fields = encode_fetched_parts(f, None)
-        return encode_fetched_with_id(f.id, tail, buffers, fields)
+    if type(msg) is Stored:
+        return [stored_frame(msg.id, msg.version, msg.n_items, msg.dropped)]
+    if type(msg) is Acked:
+        return [acked_frame(msg.id, msg.flag)]
+    if type(msg) is Fetched and shared is None and msg.items:
+        tail, buffers, fields = encode_fetched_parts(msg, None)
+        return encode_fetched_with_id(msg.id, tail, buffers, fields)
     return encode_message(msg, None, shared)[0]
 
 
@@ -998,7 +994,7 @@ class ServerConnection(_Side):
         through, open_ids = -1, cast(tuple[int, ...], ())
         if "ack" in h:
             through, open_ids = _ack_of(h)
-        op = OPS.get(h.get("op"))  # type: ignore[arg-type]
+        op = OPS.get(h.get("op", ""))  # (no op is named "")
         if op is None:
             return BadRequest(rid, InvalidRequest.code, f"unknown op {h.get('op')!r}"), \
                 through, open_ids
@@ -1120,14 +1116,14 @@ class ClientConnection(_Side):
         token = PARSING_FDS.set(self.fds) if self.fds.queue else None
         try:
             for frame in frames:
-                if type(frame) is OversizedFrame:
+                if isinstance(frame, OversizedFrame):  # (a final class: the same as type() is)
                     raise ProtocolError(f"a message of {frame.payload_len} payload bytes from "
                                         f"the server exceeds {frame.limit} bytes")
                 if len(frame.header) < _GC_PAUSE_HEADER:
-                    out.append(self._parse_frame(frame, op_of))  # type: ignore[arg-type]
+                    out.append(self._parse_frame(frame, op_of))
                     continue
                 with _GcPaused():
-                    out.append(self._parse_frame(frame, op_of))  # type: ignore[arg-type]
+                    out.append(self._parse_frame(frame, op_of))
         except ProtocolError as exc:
             error = exc
         finally:

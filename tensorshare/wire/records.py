@@ -36,7 +36,7 @@ class Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        return self._values() == other._values()
 
     def __ne__(self, other: object) -> bool:
         equal = self.__eq__(other)
