@@ -52,6 +52,7 @@ TWINS = (
     "tensorshare.wire.records",
     "tensorshare.wire.frames",
     "tensorshare.wire.fields",
+    "tensorshare.wire.prepared",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",
     "tensorshare.server.sessions",
