@@ -233,6 +233,8 @@ if __name__ == "__main__":
             # kubernetes-validate checks deploy/k8s against the Kubernetes schemas, offline.
             "test": ["pytest>=7", "pytest-timeout", "hypothesis", "ruff", "mypy", "import-linter>=2.17",
                      "trustme",
+                     # the suite runs on several worker processes (tests/parallel.py)
+                     "pytest-xdist>=3.6",
                      # tests/aio: both event loops, and Starlette and FastAPI gateways (the
                      # README's) driven by httpx
                      "uvloop", "starlette", "fastapi", "httpx",

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real server on 127.0.0.1, port 0, on a private reactor thread."""
+"""Shared fixtures: a real server on 127.0.0.1, port 0, on a private reactor thread; the
+parallel run's hooks (tests/parallel.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,26 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import hypothesis
 import pytest
 
 from tensorshare.server import EmbeddedServer
+
+# The suite runs in parallel by default (pytest-xdist): the hooks are in tests/parallel.py.
+from tests.parallel import (  # noqa: F401
+    pytest_cmdline_main,
+    pytest_collection_modifyitems,
+    pytest_configure_node,
+    pytest_runtest_protocol,
+    pytest_xdist_auto_num_workers,
+    pytest_xdist_make_scheduler,
+)
+
+# Timing is never asserted in a test (benchmarks show speed), nor by Hypothesis: on a loaded
+# machine generating examples may be slow.
+hypothesis.settings.register_profile(
+    "tensorshare", suppress_health_check=[hypothesis.HealthCheck.too_slow], deadline=None)
+hypothesis.settings.load_profile("tensorshare")
 
 
 @pytest.fixture

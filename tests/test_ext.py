@@ -100,13 +100,16 @@ def test_the_server_says_which_hot_path_it_runs() -> None:
 
 
 @pytest.mark.long
-@pytest.mark.timeout(900)
-def test_the_wire_and_client_tests_pass_on_the_pure_path() -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tests", TWIN_TESTS)
+def test_the_wire_and_client_tests_pass_on_the_pure_path(tests: str) -> None:
     """The same cases on the reference modules (in the default run, the compiled ones
-    served them, where built)."""
+    served them, where built): a process for each entry of ``TWIN_TESTS``, so that a
+    parallel run spreads them over its workers (each process runs its tests one by one)."""
+    env = {k: v for k, v in PURE.items() if not k.startswith("PYTEST_XDIST_")}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          *TWIN_TESTS], env=PURE, capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
+                          "-p", "no:xdist", tests], env=env, capture_output=True, text=True,
+                         timeout=280, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1], out.stdout[-500:]
 

@@ -13,13 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .client import AsyncClient
+from typing import Any, Protocol
 
 __all__ = ["DEFAULT_MAX_QUEUE", "ListenEvents"]
+
+class Owner(Protocol):
+    """What an iterator uses of its :class:`~.client.AsyncClient` (declared here, so this
+    module needs nothing above it)."""
+
+    _loop: asyncio.AbstractEventLoop | None
+    _inboxes: weakref.WeakSet[Any]
+
+    def _check_name(self, name: str) -> None: ...
+
+    def listen(self, name: str, callback: Any = None) -> Any: ...
+
+    def _forget_listener(self, name: str, callback: Any) -> None: ...
+
 
 #: How many events a listen iterator queues at most by default.
 DEFAULT_MAX_QUEUE = 1024
@@ -100,7 +112,7 @@ class ListenEvents:
             beyond, one ``'missed'`` event counts what was dropped.
     """
 
-    def __init__(self, client: AsyncClient, name: str, max_queue: int = DEFAULT_MAX_QUEUE
+    def __init__(self, client: Owner, name: str, max_queue: int = DEFAULT_MAX_QUEUE
                  ) -> None:
         client._check_name(name)
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:

@@ -29,16 +29,30 @@ import asyncio
 import collections
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..client.connection import _skip_sent  # (the blocking client's: one way to count)
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
 from ..wire.frames import BytesLike
 
-if TYPE_CHECKING:
-    from .client import AsyncClient
-
 __all__ = ["READ_CHUNK", "AioProtocol", "SocketStream"]
+
+class Owner(Protocol):
+    """What a connection tells its :class:`~.client.AsyncClient` (declared here, so this
+    module needs nothing above it)."""
+
+    def _loop_now(self) -> asyncio.AbstractEventLoop: ...
+
+    def _connection_made(self, proto: AioProtocol) -> None: ...
+
+    def _direct_buffer(self, proto: AioProtocol) -> memoryview | None: ...
+
+    def _received(self, proto: AioProtocol, nbytes: int, direct: int) -> None: ...
+
+    def _fds(self, proto: AioProtocol, fds: list[int]) -> None: ...
+
+    def _connection_lost(self, proto: AioProtocol, why: str) -> None: ...
+
 
 #: The scratch buffer a read lands in when no large part is expected.
 READ_CHUNK = 256 * 1024
@@ -52,7 +66,7 @@ _READS_PER_TURN = 64  # the most reads of a large part in one turn of the loop
 class AioProtocol(asyncio.BufferedProtocol):
     """One connection of an :class:`~.client.AsyncClient` (see the module docstring)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Owner) -> None:
         self.client = client
         self.transport: Any = None
         self.lost = False

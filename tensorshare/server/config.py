@@ -84,9 +84,9 @@ class ServerConfig:
             (peek, list, listen, unlisten, ping, cancel, stats, bye).
         token_file, read_token_file: files holding those tokens (one per line, each valid:
             rotation), read at start and again on every reload (``SIGHUP``); they are the
-            built-in users ``default`` and ``readonly`` (see :mod:`tensorshare.server.users`).
+            built-in users ``default`` and ``readonly`` (see :mod:`tensorshare.server.accounts`).
         users_file: a TOML file of users, each with its token file, the bins it may read and
-            write, and its quotas (see :mod:`tensorshare.server.users`); reread on reload.
+            write, and its quotas (see :mod:`tensorshare.server.accounts`); reread on reload.
         insecure: listen beyond loopback without a token (protected mode refuses otherwise).
         tls_cert, tls_key: PEM files of the server's certificate (its chain after it) and
             private key: the TCP port speaks TLS (clients use ``tensorshare+tls://``).

@@ -2,7 +2,8 @@
 # tensorshare._ext), and what other twins cimport of it. The .py stays the reference: this file only declares what Cython may type.
 import cython
 
-from tensorshare.server.handlers cimport Responder, Route
+from tensorshare.server.handlers cimport Responder
+from tensorshare.server.parts cimport Route
 from tensorshare.server.sessions cimport SessionTable
 from tensorshare.server.stats cimport ServerStats
 from tensorshare.wire.frames cimport FrameDecoder
@@ -17,11 +18,12 @@ cdef class Connection:
     cdef public object _st
     cdef public double last_rx, _pass_start
     cdef public object version, session, _timer, _ack, _stall, _greeting, _out, user, usage
+    cdef public object _then, _held
     cdef public object _serving, _answered
     cdef public str client_name, peer, role
     cdef public set listening
     cdef public dict started, _waiting, _pass_ops, _folded
-    cdef public bint shm, _closed, _paused
+    cdef public bint shm, _closed, _paused, _refusing
     cdef public Responder _responder
     cdef public SessionTable _sessions
     cdef public ServerStats _stats

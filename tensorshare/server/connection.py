@@ -4,8 +4,11 @@
 what the connection may do (the handshake first, the limits before anything is allocated),
 and hands each request to the server's :class:`~.handlers.Responder`. It owns what belongs
 to one connection: its session (while attached), the requests waiting on the server, the bins
-it listens to, and its output, which it stops producing (and folds notifications for) while
-the client reads slower than it is written to.
+it listens to, and its output: every reply is answered here (:meth:`Connection.answer`),
+the replies that wait for the data log are held here until it is written
+(:meth:`Connection.committed`), and it stops producing (and folds notifications) while the
+client reads slower than it is written to. It is the :class:`~.parts.Conn` the handlers see,
+and it sees the server as a :class:`~.parts.Server`.
 """
 
 from __future__ import annotations
@@ -54,13 +57,12 @@ from ..wire.records import (
     Fetched,
 )
 from .sessions import ServerSession
-from .store import Blocked, Waiter
 
 if TYPE_CHECKING:
-    from .core import ServerFactory
-    from .handlers import Route
+    from .accounts import Usage, User
+    from .parts import Route, Server
+    from .store import Waits
     from .transports import _ZeroCopy
-    from .users import Usage, User
 
 __all__ = ["ServerProtocol"]
 
@@ -71,13 +73,21 @@ log = Logger(namespace="tensorshare.server")
 CLOSE_GRACE_SECONDS = 10.0
 
 
+def _in_turn(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 class Connection:
     """What one connection does on every read (the hot half of :class:`ServerProtocol`,
     typed for the compiler: a cdef class in the compiled twin, see ``connection_c.pxd``):
-    one pass per read, and the one owner of its output. :class:`ServerProtocol` adds the
-    Twisted hooks, the handshake, waiting requests and closing."""
+    one pass per read, the one owner of its output, and the requests waiting on the server.
+    :class:`ServerProtocol` adds the Twisted hooks, the handshake and closing."""
 
-    def __init__(self, factory: ServerFactory) -> None:
+    def __init__(self, factory: Server) -> None:
         self.factory = factory
         self.transport: Any = None
         self.conn = ServerConnection(factory.config.limits,
@@ -94,8 +104,9 @@ class Connection:
         # Requests answered later (a waiting get, a held append): id -> when they came in.
         self.started: dict[int, float] = {}
         self.shm = False  # the handshake agreed on memfd buffers (Unix socket)
-        self._waiting: dict[int, tuple[Waiter | Blocked, IDelayedCall | None]] = {}
+        self._waiting: dict[int, tuple[Waits, IDelayedCall | None]] = {}
         self._closed = False
+        self._refusing = False  # the handshake failed: its refusal is on its way (delayed)
         self._timer: IDelayedCall | None = None  # hello deadline, then the close grace
         self._ack: tuple[int, tuple[int, ...]] | None = None  # an ack before the hello's end
         # While a pass over one read runs (see _pass): the output it queued, what it answered
@@ -105,6 +116,9 @@ class Connection:
         self._serving = 0
         self._answered = 0
         self._pass_start = 0.0
+        self._then: Callable[[], None] | None = None  # see then()
+        # Replies held until the data log is written (--fsync always; see emit, committed).
+        self._held: list[tuple[Sequence[BytesLike], list[Any] | None]] | None = None
         self._paused = False  # the transport says our output backs up: see the class doc
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
@@ -142,13 +156,17 @@ class Connection:
         pass over a read, it joins the pass's output, which leaves in one write at its end.
 
         ``hold``: the reply of a write: with a data directory it leaves only once the write
-        is in the data log (on disk with fsync "always"): held until the batch is committed
-        (see :meth:`ServerFactory.commit`).
+        is in the data log (on disk with fsync "always"): held here until the server's
+        ``commit`` has written it (:meth:`committed`).
         """
         if self._closed:
             return
         if hold and self.factory.holding:
-            self.factory.held.append((self, chunks, shared))  # type: ignore[arg-type]
+            held = self._held
+            if held is None:  # the server tells the connections that hold something
+                held = self._held = []
+                self.factory.hold(self)
+            held.append((chunks, shared))
             return
         out = self._out
         if out is not None:
@@ -160,10 +178,12 @@ class Connection:
                 self._write(out, None)
         self._write(chunks, shared)
 
-    def write_chunks(self, chunks: Sequence[BytesLike], shared: list[Any] | None = None, *,
-                     hold: bool = False) -> None:
-        """:meth:`emit` (the name the factory uses for held output it releases)."""
-        self.emit(chunks, shared, hold=hold)
+    def committed(self) -> None:
+        """The data log is written: the replies held for it leave, in order."""
+        held, self._held = self._held, None
+        if held:
+            for chunks, shared in held:
+                self.emit(chunks, shared)
 
     def _write(self, chunks: Sequence[BytesLike], shared: list[Any] | None) -> None:
         """Hand a frame to the transport (closing a connection that leaves too much unread)."""
@@ -207,34 +227,33 @@ class Connection:
         shared: list[Any] | None = [] if self.shm else None
         self.emit(encode_message(msg, None, shared)[0], shared)
 
-    def replay(self, msg: Request, reply: Reply) -> None:
-        """Answer a resent request with the reply remembered when it first ran."""
-        self._answered = msg.id
-        self.send(reply)
-
-    def answer(self, msg: Request, reply: Reply, route: Route | None = None) -> None:
+    def answer(self, msg: Any, reply: Any, route: Route | None = None) -> None:
         """Answer ``msg``: the one place a reply is remembered (if re-running ``msg`` would
-        change something: a get's items stay held for the session until acknowledged),
-        encoded, counted and sent."""
+        change something: a get's items stay held for the session until acknowledged; a
+        reply remembered already, answering a resent request again, is not remembered
+        twice), encoded, counted and sent.
+
+        A handler returns its reply (the pass answers it); a request answered later (a
+        waiting get, a held append, a take that waits, a write that waited for room) is
+        answered here when it is served or times out."""
         f = self.factory
         if route is None:
             route = self._responder.route(msg)
         cls = type(reply)
         if cls is ErrorReply:
-            self._stats.count_error(reply.code)  # type: ignore[union-attr]
+            self._stats.count_error(reply.code)
         mutating = route.mutating
         s = self.session
         if s is not None and mutating:
-            if cls is Fetched and reply.items and msg.spec.remove:  # type: ignore[union-attr]
-                self._sessions.remember(s, msg.id, reply, msg.bin,  # type: ignore[union-attr]
-                                        reply.nbytes)  # type: ignore[union-attr]
+            if cls is Fetched and reply.items and msg.spec.remove:
+                self._sessions.remember(s, msg.id, reply, msg.bin, reply.nbytes)
             else:
                 self._sessions.remember(s, msg.id, reply)
         shared: list[Any] | None = [] if self.shm else None
-        if cls is Fetched and reply.items and not msg.spec.remove:  # type: ignore[union-attr]
+        if cls is Fetched and reply.items and not msg.spec.remove:
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
-            chunks = f.encode_peek(msg.bin, reply, shared)  # type: ignore[union-attr, arg-type]
+            chunks = f.encode_peek(msg.bin, reply, shared)
         else:
             chunks = encode_reply(reply, shared)
         nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
@@ -253,9 +272,41 @@ class Connection:
                 self._stats.observe(route.op, nbytes, time.perf_counter() - started)
         self.emit(chunks, shared, hold=mutating)
 
-    def reply(self, msg: Request, reply: Reply) -> None:
-        """:meth:`answer` (the name the other kinds' handlers use)."""
-        self.answer(msg, reply)
+    def then(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once the request being handled now is answered (or, its handler
+        returning ``None``, once it returned), whatever the answer: the one hook for what
+        must follow a reply (a ``bye`` closes the connection after its ``ok``; a stream op
+        notifies listeners and serves what waits on the stream after its own reply). For
+        handlers only: the pass (or :meth:`serve_later`) runs it."""
+        prev = self._then
+        if prev is None:
+            self._then = work
+        else:  # (two in one request: in order)
+            self._then = _in_turn(prev, work)
+
+    def _run_then(self) -> None:
+        work, self._then = self._then, None
+        if work is None:
+            return
+        try:
+            work()
+        except Exception:  # a bug must cost one request, never the server
+            log.failure("internal error after answering a request from {peer}", peer=self.peer)
+
+    def serve_later(self, msg: Any) -> None:
+        """Serve a request that was kept waiting before it acted (a write waiting for room in
+        its user's quota): handled now, its reply answered as a pass answers one."""
+        route = self._responder.route(msg)
+        reply = self._responder.handle(self, msg, route)
+        if reply is not None:
+            self.answer(msg, reply, route)
+        if self._then is not None:
+            self._run_then()
+
+    @property
+    def closed(self) -> bool:
+        """Whether this connection is closed or closing (it answers nothing any more)."""
+        return self._closed
 
     def ctx(self, msg: Request) -> tuple[bytes, int] | None:
         """What ties a store effect to ``msg`` (for the data log's remembered replies)."""
@@ -281,7 +332,7 @@ class Connection:
                     self._count_pass()
                 if out:
                     self._write(out, None)
-        if error is not None and not self._closed:
+        if error is not None and not self._closed and not self._refusing:
             self.fail(ProtocolError(str(error)))
         f.commit()
 
@@ -321,12 +372,75 @@ class Connection:
                 continue
             rid = self._serving = msg.id
             route = responder.route(msg)
-            reply = responder.handle(self, msg, route)  # type: ignore[arg-type]
+            reply = responder.handle(self, msg, route)
             if reply is not None:
                 self.answer(msg, reply, route)
-            elif self._answered != rid:  # answered later: its latency counts from now
+                if self._then is not None:
+                    self._run_then()
+                continue
+            if self._then is not None:
+                self._run_then()
+            if self._answered != rid:  # answered later: its latency counts from now
                 self.started[rid] = self._pass_start
         return n
+
+    # -- requests waiting on the server -----------------------------------------------------
+    def wait(self, rid: int, waiter: Waits, timeout: float | None,
+             on_timeout: Callable[[], None]) -> None:
+        """Keep a waiting request (a fetch, a blocked append, another kind's read or take, a
+        write waiting for room) until served, cancelled, timed out (``on_timeout`` then
+        answers it) or the connection ends.
+
+        Raises:
+            InvalidRequest: a request with this id already waits on this connection.
+        """
+        store = self.factory.store
+        if rid in self._waiting:
+            store.cancel(waiter)
+            raise InvalidRequest(f"request id {rid} is already waiting on this connection")
+        timer = None
+        if timeout is not None:
+
+            def expired() -> None:
+                entry = self._waiting.pop(rid, None)
+                if entry is not None:
+                    store.cancel(entry[0])
+                    on_timeout()
+
+            try:
+                timer = self.factory.reactor.callLater(timeout, expired)
+            except BaseException:
+                store.cancel(waiter)  # never leave a waiter nobody will answer
+                raise
+        self._waiting[rid] = (waiter, timer)
+
+    def stop_waiting(self, rid: int) -> None:
+        """A waiting request was served: forget it (and its timer)."""
+        entry = self._waiting.pop(rid, None)
+        if entry is not None and entry[1] is not None and entry[1].active():
+            entry[1].cancel()
+
+    def cancel_wait(self, rid: int) -> bool | None:
+        """Withdraw a waiting request: whether it was still waiting; ``None`` if not ours."""
+        entry = self._waiting.pop(rid, None)
+        if entry is None:
+            return None
+        waiter, timer = entry
+        if timer is not None and timer.active():
+            timer.cancel()
+        return self.factory.store.cancel(waiter)
+
+    def taken_over(self, by: str) -> None:
+        """Another connection (from ``by``) took this one's session over: say so and close."""
+        self.fail(SessionTakenOver(
+            f"the session of this client was taken over by another connection (from {by}): "
+            f"two processes are using one session id"))
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes written to this connection and not yet sent."""
+        st = self._st
+        return 0 if st is None else int(st.queued_bytes)
 
     # -- what the Twisted side (ServerProtocol) provides -------------------------------------
     def fail(self, error: TensorShareError) -> None:
@@ -335,6 +449,10 @@ class Connection:
 
     def abort(self) -> None:
         """Close at once, dropping what is queued (see ServerProtocol)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close after what is queued is sent (see ServerProtocol)."""
         raise NotImplementedError
 
     def _watch_stall(self) -> None:
@@ -351,6 +469,8 @@ class Connection:
         log.warn("bad request from {peer}: {message}", peer=self.peer, message=ev.message)
         self._stats.count_error(ev.code)
         self.send(ErrorReply(ev.id, ev.code, ev.message))
+        if ev.op:  # what it names may wait on it (a service's batch): its kind settles it
+            self._responder.refused(self, ev.op, ev.header, ev.message)
         return True
 
 
@@ -418,7 +538,7 @@ class ServerProtocol(Connection, Protocol):
             return
         self._stall = self.factory.reactor.callLater(limit - idle, self._watch_stall)
 
-    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._release()
         self._stop_timer()
         why = reason.getErrorMessage() if reason else "closed"
@@ -442,18 +562,12 @@ class ServerProtocol(Connection, Protocol):
         self._paused = False
         folded, self._folded = self._folded, {}
         for msg in folded.values():
-            self.write_chunks(encode_message(msg)[0])
+            self.emit(encode_message(msg)[0])
         if not self._paused:
             self._socket.resumeProducing()
 
     def stopProducing(self) -> None:
         pass
-
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes written to this connection and not yet sent."""
-        st = self._st
-        return 0 if st is None else int(st.queued_bytes)
 
     def fds_received(self, fds: list[int]) -> None:
         """Descriptors the client passed (Unix socket): its ``memfd`` buffers."""
@@ -462,51 +576,6 @@ class ServerProtocol(Connection, Protocol):
                 os.close(fd)
             return
         self.conn.add_fds(fds)
-
-    # -- requests waiting on the server -----------------------------------------------------
-    def wait(self, rid: int, waiter: Waiter | Blocked, timeout: float | None,
-             on_timeout: Callable[[], None]) -> None:
-        """Keep a waiting fetch or a blocked append until served, cancelled, timed out
-        (``on_timeout`` then answers it) or the connection ends.
-
-        Raises:
-            InvalidRequest: a request with this id already waits on this connection.
-        """
-        store = self.factory.store
-        if rid in self._waiting:
-            store.cancel(waiter)
-            raise InvalidRequest(f"request id {rid} is already waiting on this connection")
-        timer = None
-        if timeout is not None:
-
-            def expired() -> None:
-                entry = self._waiting.pop(rid, None)
-                if entry is not None:
-                    store.cancel(entry[0])
-                    on_timeout()
-
-            try:
-                timer = self.factory.reactor.callLater(timeout, expired)
-            except BaseException:
-                store.cancel(waiter)  # never leave a waiter nobody will answer
-                raise
-        self._waiting[rid] = (waiter, timer)
-
-    def stop_waiting(self, rid: int) -> None:
-        """A waiting request was served: forget it (and its timer)."""
-        entry = self._waiting.pop(rid, None)
-        if entry is not None and entry[1] is not None and entry[1].active():
-            entry[1].cancel()
-
-    def cancel_wait(self, rid: int) -> bool | None:
-        """Withdraw a waiting request: whether it was still waiting; ``None`` if not ours."""
-        entry = self._waiting.pop(rid, None)
-        if entry is None:
-            return None
-        waiter, timer = entry
-        if timer is not None and timer.active():
-            timer.cancel()
-        return self.factory.store.cancel(waiter)
 
     # -- closing ----------------------------------------------------------------------------
     def _stop_timer(self) -> None:
@@ -542,6 +611,7 @@ class ServerProtocol(Connection, Protocol):
         self._stall = None
         self._folded.clear()
         self.started.clear()
+        self._held = None
         self.conn.close()
         f = self.factory
         f.connections.discard(self)
@@ -585,12 +655,6 @@ class ServerProtocol(Connection, Protocol):
         self.send(ErrorReply(0, error.code or ProtocolError.code, str(error)))
         self.close()
 
-    def taken_over(self, by: str) -> None:
-        """Another connection (from ``by``) took this one's session over: say so and close."""
-        self.fail(SessionTakenOver(
-            f"the session of this client was taken over by another connection (from {by}): "
-            f"two processes are using one session id"))
-
     def _hello_overdue(self) -> None:
         self._timer = None
         if self.version is None and not self._closed:
@@ -598,7 +662,10 @@ class ServerProtocol(Connection, Protocol):
             self.fail(ProtocolError(f"no hello within {self.factory.config.hello_timeout:g} s"))
 
     def _handshake(self, msg: Request) -> bool:
-        """A request before the handshake is done: hello, then auth; False if it failed."""
+        """A request before the handshake is done: hello, then auth; False if it failed (or
+        had failed: what follows a failed handshake is dropped unanswered, §8.1)."""
+        if self._refusing:
+            return False
         if type(msg) is Hello and self._greeting is None:
             self._hello(msg)
         elif type(msg) is Auth and self._greeting is not None:
@@ -655,7 +722,9 @@ class ServerProtocol(Connection, Protocol):
         delay = f.auth_failures.failed(self.peer.rsplit(":", 1)[0])
         log.warn("authentication failed for {peer}: {why}", peer=self.peer, why=why)
         error = AuthenticationError(why)
-        if delay:  # repeated failures from one address are slowed down
+        if delay:  # repeated failures from one address are slowed down: until the refusal
+            self._refusing = True  # leaves, nothing more is read, nor answered
+            self._socket.pauseProducing()
             self._stop_timer()
             self._timer = f.reactor.callLater(delay, self._refuse, rid, error)
         else:

@@ -3,15 +3,17 @@ and the data directory, and builds one :class:`~.connection.ServerProtocol` per 
 
 It is also where the parts meet: a change in the store becomes notifications to listeners
 (encoded once for all of them), a session's life (attach, detach, expiry, acknowledgements)
-is kept here with its timers, and the data log is committed at the end of every batch of
-work, before the output that depends on it leaves.
+is kept here with its timers, the data log is committed at the end of every batch of work
+(the connections that hold replies for it are told then), and the ``stats`` reply's two
+maps are built here from every part. It is the :class:`~.parts.Server` the other parts see.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +21,11 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
+from .._version import __version__
 from ..memory.pool import BufferPool
+from ..wire import codec
 from ..wire.frames import BytesLike
-from ..wire.messages import Changed, Fetched, Limits
+from ..wire.messages import Changed, Fetched, Item, Limits
 from ..wire.protocol import (
     encode_fetched_parts,
     encode_fetched_with_id,
@@ -31,15 +35,17 @@ from ..wire.protocol import (
 from .auth import FailedAttempts
 from .config import ServerConfig
 from .handlers import Responder
-from .kinds import Kind
 from .persist import Loaded, Persistence
+from .services import ServiceKind
 from .sessions import ServerSession, SessionTable
-from .stats import ServerStats, bin_stats, server_stats
+from .stats import ServerStats
 from .store import Store
+from .streams import StreamKind
 from .users import Users
 
 if TYPE_CHECKING:
     from .connection import ServerProtocol
+    from .parts import Conn, Kind
 
 __all__ = ["ServerFactory"]
 
@@ -121,7 +127,7 @@ class ServerFactory(Factory):
         self.server_id = os.urandom(8).hex()
         # Room for the reply's own header fields around the items (a few hundred bytes).
         self.max_reply_bytes = max(self.limits.max_frame_bytes - 4096, 1)
-        self.store = Store(max_memory=config.max_memory, on_change=self._changed, clock=clock,
+        self.store = Store(max_memory=config.max_memory, on_change=self.changed, clock=clock,
                            outside=self.held_bytes)
         # Large parts of received frames: reused memory, reserved against max_memory.
         pool_bytes = config.pool_bytes
@@ -137,10 +143,10 @@ class ServerFactory(Factory):
         self.kinds = kinds_for(self)  # streams, services: the bins beside the store's
         self.responder = Responder(self)
         self._expiry: IDelayedCall | None = None  # the next detached session's expiry
-        self.connections: set[ServerProtocol] = set()
-        self._listeners: dict[str, set[ServerProtocol]] = {}
+        self.connections: set[Conn] = set()
+        self._listeners: dict[str, set[Conn]] = {}
         self.stats = ServerStats()
-        self.held: list[tuple[ServerProtocol, Sequence[BytesLike], list[Any] | None]] = []
+        self._holders: list[Conn] = []  # connections holding replies for the data log
         # bin -> the last peek reply's encoding (see encode_peek); dropped on any change.
         self._peek_cache: dict[str, tuple[Any, ...]] = {}
         self._retry_log: IDelayedCall | None = None  # a retry of an unwritable data log
@@ -182,10 +188,10 @@ class ServerFactory(Factory):
         return ServerProtocol(self)
 
     # -- listeners --------------------------------------------------------------------------
-    def subscribe(self, name: str, proto: ServerProtocol) -> None:
+    def subscribe(self, name: str, proto: Conn) -> None:
         self._listeners.setdefault(name, set()).add(proto)
 
-    def unsubscribe(self, name: str, proto: ServerProtocol) -> None:
+    def unsubscribe(self, name: str, proto: Conn) -> None:
         subs = self._listeners.get(name)
         if subs is not None:
             subs.discard(proto)
@@ -220,7 +226,8 @@ class ServerFactory(Factory):
             shared.extend(hit[2])
         return encode_fetched_with_id(reply.id, hit[3], hit[4], hit[5])
 
-    def _changed(self, name: str, op: str, n_items: int, version: int, dropped: int) -> None:
+    def changed(self, name: str, op: str, n_items: int, version: int, dropped: int) -> None:
+        """Bin ``name`` changed (the store's, or another kind's): notify its listeners."""
         self._peek_cache.pop(name, None)  # a new version: the old encoding is no use
         subs = self._listeners.get(name)
         if not subs:
@@ -233,7 +240,7 @@ class ServerFactory(Factory):
             proto.notify(chunks, msg)
 
     # -- sessions ---------------------------------------------------------------------------
-    def attach(self, sid: bytes, proto: ServerProtocol, resume: bool
+    def attach(self, sid: bytes, proto: Conn, resume: bool
                ) -> tuple[ServerSession, bool]:
         """Give ``proto`` the session ``sid``: the known one (resumed) or a new one.
 
@@ -277,7 +284,7 @@ class ServerFactory(Factory):
                      "waited longest for its client", n=self.sessions.max_sessions)
             self.expire(victim)
 
-    def _take_over(self, s: ServerSession, proto: ServerProtocol) -> None:
+    def _take_over(self, s: ServerSession, proto: Conn) -> None:
         old = s.attached
         if old is None or old is proto:
             return
@@ -286,7 +293,7 @@ class ServerFactory(Factory):
         self.stats.counters["sessions_taken_over"] += 1
         old.taken_over(proto.peer)
 
-    def detach(self, s: ServerSession, proto: ServerProtocol) -> None:
+    def detach(self, s: ServerSession, proto: Conn) -> None:
         """The connection of ``s`` is gone: keep the session ``session_ttl`` seconds."""
         if s.attached is not proto:
             return
@@ -376,6 +383,11 @@ class ServerFactory(Factory):
         p = self.persist
         return p is not None and p.dirty
 
+    def hold(self, conn: Conn) -> None:
+        """``conn`` holds replies until the data log is written (it keeps them): the next
+        :meth:`commit` that writes the log tells it (only the connections that hold some)."""
+        self._holders.append(conn)
+
     def commit(self) -> None:
         """End of a batch of work: write the data log, then release held output.
 
@@ -395,10 +407,10 @@ class ServerFactory(Factory):
                 return
             if was_failing:
                 self._storage_recovered()
-        if self.held:
-            held, self.held = self.held, []
-            for proto, chunks, shared in held:
-                proto.write_chunks(chunks, shared, hold=True)
+        if self._holders:
+            holders, self._holders = self._holders, []
+            for conn in holders:
+                conn.committed()
         if p.snapshot_due():
             self.snapshot()
 
@@ -505,8 +517,43 @@ class ServerFactory(Factory):
 
     # -- statistics -------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
-        """The server-wide statistics of the ``stats`` reply (see :mod:`.stats`)."""
-        return server_stats(self)
+        """The server-wide statistics of the ``stats`` reply (see docs/PROTOCOL.md §3.3.8)."""
+        store, sessions = self.store, self.sessions
+        open_in: dict[str, int] = {}
+        for p in self.connections:
+            for op, n in p.conn.bytes_in.items():
+                open_in[op] = open_in.get(op, 0) + n
+        queued, receiving = self.queued_bytes(), self.budget.receiving
+        report = self.stats.report()
+        # The bins of every kind: the store's, and the streams' and services' (memory only).
+        stored = store.nbytes + sum(kind.nbytes for kind in self.kinds)
+        n_bins = len(store.list()) + sum(len(kind.describe(None)) for kind in self.kinds)
+        return {
+            "server": f"tensorshare/{__version__}", "server_id": self.server_id,
+            "time": self.clock(), "uptime": max(self.clock() - self.started_at, 0.0),
+            "connections": len(self.connections), "listeners": self.listener_count(),
+            "sessions": len(sessions), "sessions_detached": len(sessions.detached),
+            "bins": n_bins,
+            "memory": {
+                "stored": stored, "sessions": sessions.nbytes, "output": queued,
+                "receiving": receiving,
+                "total": stored + sessions.nbytes + queued + receiving,
+                "max_memory": self.config.max_memory, "pool_idle": self.pool.idle,
+            },
+            "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
+            "persistence": self._persistence(),
+            "counters": report["counters"], "errors": report["errors"],
+            "requests": report["requests"], "bytes_in": self.stats.bytes_in(open_in),
+            "bytes_out": report["bytes_out"], "latency": report["latency"],
+            "users": self.users.describe(),
+        }
+
+    def _persistence(self) -> dict[str, Any] | None:
+        p = self.persist
+        if p is None:
+            return None
+        why = self.storage_state()
+        return {"dir": p.dir, "fsync": p.fsync, "writable": why is None, "error": why}
 
     def reload_users(self) -> list[str]:
         """Reread the users file and the token files (``SIGHUP``; see :mod:`.users`)."""
@@ -514,12 +561,29 @@ class ServerFactory(Factory):
 
     def bin_stats(self, glob: str | None = None) -> dict[str, dict[str, Any]]:
         """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
-        return bin_stats(self, glob)
+        out: dict[str, dict[str, Any]] = {}
+        names = set(self.store.names(glob))
+        # Bins someone listens to are worth showing even while empty (a drained queue).
+        names.update(n for n in self.listened_bins()
+                     if glob is None or fnmatch.fnmatchcase(n, glob))
+        for kind in self.kinds:
+            out.update(kind.describe(glob))
+        for name in sorted(names - set(out)):
+            d = self.store.describe(name)
+            cfg = d.pop("config")
+            first, last = d.pop("first"), d.pop("last")
+            d["listeners"] = self.listener_count(name)
+            d["limits"] = {"max_items": cfg.max_items, "max_bytes": cfg.max_bytes,
+                           "overflow": cfg.overflow}
+            d["first"] = _describe(first)
+            d["last"] = _describe(last) if d["n_items"] > 1 else None
+            out[name] = d
+        return dict(sorted(out.items()))
 
+
+def _describe(item: Item | None) -> str | None:
+    return None if item is None else codec.describe(item.value.value)
 
 def kinds_for(server: ServerFactory) -> list[Kind]:
     """The kinds a server has (each bound to it)."""
-    from .services import ServiceKind
-    from .streams import StreamKind
-
     return [StreamKind(server), ServiceKind(server)]

@@ -145,7 +145,7 @@ class EmbeddedServer:
         for p in self._ports:
             p.stopListening()  # a Unix socket's file goes with it
         for proto in list(self.factory.connections):
-            proto.transport.abortConnection()  # type: ignore[union-attr]
+            proto.transport.abortConnection()
         # With a data directory: the log is flushed and a final snapshot written, so that
         # the next start loads quickly.
         self.factory.close_persistence()

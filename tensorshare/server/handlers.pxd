@@ -2,22 +2,17 @@
 # tensorshare._ext). The .py stays the reference: this file only declares what Cython may type.
 import cython
 
-
-@cython.final
-cdef class Route:
-    cdef public str op
-    cdef public object handler
-    cdef public bint mutating, read, store, logged
-    cdef public str access
+from tensorshare.server.parts cimport Route
 
 
 @cython.final
 cdef class Responder:
     cdef public object server
     cdef dict _handlers
-    cdef list _kind_tables
+    cdef list _tables
+    cdef dict _kind_of
     cdef public object relay_of, _users
-    cdef dict _routes
+    cdef dict _routes, _refusals
     cdef Route _get, _peek
 
     cpdef Route route(self, object msg)

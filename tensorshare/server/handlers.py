@@ -1,10 +1,13 @@
-"""What each request does: the server's op table, apart from the connection that carries it.
+"""What each request does, apart from the connection that carries it.
 
 The connection (:mod:`.connection`) parses, enforces limits and backpressure, and hands each
-request to the :class:`Responder`, which routes it by type to one handler. Handlers act on the
-server's state (the store, the sessions, the listeners: :class:`~.core.ServerFactory`) and
-return what to answer; the connection alone remembers, encodes and writes it (a request
-answered later, such as a waiting get, is answered through the connection's ``answer``).
+request to the :class:`Responder`, which routes it by type to one handler: the store's here,
+the other kinds' (:mod:`.streams`, :mod:`.services`) and the users' ``reload``
+(:mod:`.users`) from their modules. Every handler acts on the server's parts (typed by
+:mod:`.parts`) and *returns* its reply; the connection alone remembers, encodes and writes it.
+A request answered later (a waiting get, a held append) returns ``None`` and is answered
+through the connection's ``answer`` when it is served; what must follow a reply is handed to
+the connection's ``then``.
 
 The effects that change the store (:data:`EFFECTS`) are written once and used twice: by the
 handlers, and by the data log's replay at start-up (:mod:`.persist`), which turns each logged
@@ -13,7 +16,7 @@ record back into the request it was and runs it through the same table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from twisted.logger import Logger
@@ -58,13 +61,13 @@ from ..wire.records import (
     Stored,
 )
 from .auth import read_ops_text
+from .parts import Route
 from .store import BinConfig, Store, Written
 
 if TYPE_CHECKING:
-    from .connection import ServerProtocol
-    from .core import ServerFactory
+    from .parts import AnyReply, Conn, Handler, Kind, Server
 
-__all__ = ["EFFECTS", "Responder", "Route"]
+__all__ = ["EFFECTS", "Responder"]
 
 log = Logger(namespace="tensorshare.server")
 
@@ -122,37 +125,6 @@ def _stored(rid: int, w: Written) -> Stored:
 _STORE_OPS = frozenset({Put, Append, Fetch, Delete, Configure})
 
 
-class Route:
-    """How the server serves one op, looked up once per request (see :meth:`Responder.route`).
-
-    Attributes:
-        op: the wire op.
-        handler: serves the request: returns its reply, or ``None`` when it is answered
-            later (or was already).
-        mutating: its reply is remembered for the session (exactly once across reconnects).
-        read: allowed with the read-only token and on a relay.
-        access: what the connection's user needs on the request's bin (``Op.access``).
-        store: a request on a value or list bin (a bin of another kind refuses it).
-        logged: it writes to the data log, so a full disk refuses it first.
-    """
-
-    __slots__ = ("op", "handler", "mutating", "read", "store", "logged", "access")
-
-    def __init__(self, op: str, handler: Callable[[ServerProtocol, Any], Reply | None],
-                 mutating: bool, read: bool, store: bool, logged: bool,
-                 access: str = "write") -> None:
-        self.op = op
-        self.handler = handler
-        self.mutating = mutating
-        self.read = read
-        self.store = store
-        self.logged = logged
-        self.access = access
-
-    def __repr__(self) -> str:
-        return f"Route({self.op!r}, mutating={self.mutating}, read={self.read})"
-
-
 #: Request type -> its effect on the store (see the module docstring).
 EFFECTS: dict[type, Callable[[Store, Any, Ctx], Reply]] = {
     Put: put_effect, Append: append_effect, Delete: delete_effect, Configure: configure_effect,
@@ -163,28 +135,39 @@ class Responder:
     """Routes requests to their handlers; one per server.
 
     Args:
-        server: the server's state.
+        server: the server's parts.
     """
 
-    def __init__(self, server: ServerFactory) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
-        self._handlers: dict[type, Callable[[ServerProtocol, Any], Reply | None]] = {
+        self._handlers: dict[type, Handler] = {
             Put: self._put, Append: self._append, Fetch: self._fetch, ListBins: self._list,
             Delete: self._delete, Listen: self._listen, Unlisten: self._unlisten,
             Ping: self._ping, Cancel: self._cancel, Stats: self._stats,
             Configure: self._configure, Hello: self._hello_again, Bye: self._bye,
         }
+        owner: dict[type, Kind] = {}  # request type -> the kind whose handler serves it
         for kind in server.kinds:
-            self._handlers.update(kind.handlers())
+            mine = kind.handlers()
+            self._handlers.update(mine)
+            owner.update(dict.fromkeys(mine, kind))
         self._handlers.update(server.users.handlers())
         self._users = server.users
-        self._kind_tables = [kind.table for kind in server.kinds]
+        # A store request naming a bin of another kind is refused: the kinds' tables are
+        # looked in (dict lookups: no call per request), and the one that has it names its
+        # kind (by the table's identity).
+        self._tables = [kind.table for kind in server.kinds]
+        self._kind_of = {id(kind.table): kind for kind in server.kinds}
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
         self._routes: dict[type, Route] = {}
+        #: Op name -> the kind told of its refused requests (see :meth:`refused`).
+        self._refusals: dict[str, Kind] = {}
         for op in OPS.values():
             if op.request is not Fetch:
                 self._routes[op.request] = self._route_of(op.name, op.request)
+            if op.request in owner:
+                self._refusals[op.name] = owner[op.request]
         self._get = self._route_of("get", Fetch)
         self._peek = self._route_of("peek", Fetch)
 
@@ -193,21 +176,22 @@ class Responder:
         return Route(name, self._handlers.get(cls, self._unexpected), op.mutating, op.read,
                      cls in _STORE_OPS, cls in EFFECTS or name == "get", op.access)
 
-    def route(self, msg: Request) -> Route:
+    def route(self, msg: Any) -> Route:
         """How ``msg`` is served (one dict lookup: asked for every request and reply)."""
         cls = type(msg)
         if cls is Fetch:
-            return self._get if msg.spec.remove else self._peek  # type: ignore[union-attr]
+            return self._get if msg.spec.remove else self._peek
         return self._routes[cls]
 
-    def handle(self, conn: ServerProtocol, msg: Request, route: Route | None = None
-               ) -> Reply | None:
+    def handle(self, conn: Conn, msg: Any, route: Route | None = None) -> AnyReply | None:
         """Serve one request of ``conn`` (after its handshake): the reply to send, or ``None``
-        when it is answered later (a waiting get, a held append) or already was (a resent
-        request, a refusal of the user's patterns, a request of another kind). Never raises:
-        a failure costs this request an error reply, never the connection or the server.
+        when it is answered later (a waiting get, a held append, a write waiting for room in
+        its user's quota). Never raises: a failure costs this request an error reply, never
+        the connection or the server.
 
-        The connection alone remembers, encodes and writes replies (:meth:`ServerProtocol.answer`).
+        A resent request whose reply is remembered gets that reply again (the connection
+        knows it for one: it remembers nothing twice). The connection alone remembers,
+        encodes and writes replies (``ServerProtocol.answer``).
         """
         if route is None:
             route = self.route(msg)
@@ -215,21 +199,22 @@ class Responder:
             return self._refuse_write(msg, route.op)
         user = conn.user  # what it may do (see .users): one check, skipped for a user who
         conn.usage.requests += 1  # type: ignore[union-attr]  # may do all without a quota
-        if not user.unrestricted and not self._users.admit(conn, route, msg):  # type: ignore[union-attr]
-            return None
+        if not user.unrestricted:  # type: ignore[union-attr]
+            verdict = self._users.admit(conn, route, msg)
+            if verdict is not True:  # refused (the reply), or waiting for room (None)
+                return None if verdict is False else verdict
         s = conn.session
         if s is not None and route.mutating:
             old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
-                conn.replay(msg, old.reply)
-                return None
+                return old.reply
         try:
             if route.store:
-                name = msg.bin  # type: ignore[union-attr]
-                for table in self._kind_tables:  # (dict lookups: no call per request)
+                name = msg.bin
+                for table in self._tables:
                     if name in table:
-                        self._check_kind(msg)
+                        raise self._other_kind(msg, table)
             if route.logged and self.server.persist is not None:
                 why = self.server.storage_refuses(_log_size(msg))
                 if why is not None:
@@ -242,25 +227,31 @@ class Responder:
                         peer=conn.peer)
             return ErrorReply(msg.id, ServerError.code, "internal server error; see the server log")
 
-    def _refuse_write(self, msg: Request, op: str) -> ErrorReply:
+    def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
+        """A request of ``op`` was refused before it was parsed (the connection answered it
+        with ``why``): the kind whose op it is settles what it names (a service's batch
+        fails)."""
+        kind = self._refusals.get(op)
+        if kind is not None:
+            kind.refused(conn, op, header, why)
+
+    def _other_kind(self, msg: Any, table: Mapping[str, Any]) -> InvalidRequest:
+        """The refusal of a store request naming a bin of the kind whose ``table`` has it."""
+        kind = self._kind_of[id(table)]
+        return InvalidRequest(f"bin {msg.bin!r} is a {kind.name} bin: {op_name(msg)} is for "
+                              f"value and list bins (use the {kind.name}'s own operations)")
+
+    def _refuse_write(self, msg: Any, op: str) -> ErrorReply:
         """The answer to a write that a relay does not allow."""
         return ErrorReply(msg.id, PermissionDenied.code, (
             f"{op} is not allowed on a relay: it serves the bins of {self.relay_of} "
             f"read-only ({read_ops_text()}); write to that primary"))
 
-    def _check_kind(self, msg: Any) -> None:
-        """A value or list request on a bin of another kind (a stream, a service) is refused."""
-        for kind in self.server.kinds:
-            if kind.owns(msg.bin):
-                raise InvalidRequest(f"bin {msg.bin!r} is a {kind.name} bin: {op_name(msg)} is "
-                                     f"for value and list bins (use the {kind.name}'s own "
-                                     f"operations)")
-
     # -- writes -----------------------------------------------------------------------------
-    def _put(self, conn: ServerProtocol, msg: Put) -> Reply:
+    def _put(self, conn: Conn, msg: Put) -> Reply:
         return put_effect(self.server.store, msg, conn.ctx(msg), conn.usage)
 
-    def _append(self, conn: ServerProtocol, msg: Append) -> Reply | None:
+    def _append(self, conn: Conn, msg: Append) -> Reply | None:
         store = self.server.store
         entries = [(it, item_wire_size(it), it.tag) for it in msg.items]
         rid = msg.id
@@ -279,19 +270,19 @@ class Responder:
         conn.wait(rid, result, msg.timeout, lambda: self._block_timed_out(conn, msg))
         return None
 
-    def _block_timed_out(self, conn: ServerProtocol, msg: Append) -> None:
+    def _block_timed_out(self, conn: Conn, msg: Append) -> None:
         conn.answer(msg, ErrorReply(msg.id, BinFull.code,
                                     f"bin {msg.bin!r} stayed full for {msg.timeout:g} s "
                                     f"(overflow='block'); nothing was stored"))
 
-    def _delete(self, conn: ServerProtocol, msg: Delete) -> Reply:
+    def _delete(self, conn: Conn, msg: Delete) -> Reply:
         return delete_effect(self.server.store, msg, conn.ctx(msg))
 
-    def _configure(self, conn: ServerProtocol, msg: Configure) -> Reply:
+    def _configure(self, conn: Conn, msg: Configure) -> Reply:
         return configure_effect(self.server.store, msg, conn.ctx(msg))
 
     # -- reads ------------------------------------------------------------------------------
-    def _fetch(self, conn: ServerProtocol, msg: Fetch) -> Reply | None:
+    def _fetch(self, conn: Conn, msg: Fetch) -> Reply | None:
         f = self.server
         spec = msg.spec
         max_bytes = f.max_reply_bytes
@@ -305,66 +296,78 @@ class Responder:
                     f"this client's session holds {s.held} bytes of items from gets it has "
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
-        if not spec.wait:
+        if not spec.wait:  # (no closure here: nothing allocated beyond the reply)
             return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
+        return self._fetch_or_wait(conn, msg, max_bytes)
+
+    def _fetch_or_wait(self, conn: Conn, msg: Fetch, max_bytes: int) -> Reply | None:
+        """A fetch that waits for data (``wait``): served now, or kept waiting on ``conn``."""
         rid = msg.id
+        now: list[Fetched] = []  # served while fetch_or_wait runs: returned, not answered
 
         def served(taken: Fetched) -> None:
+            if not waits:
+                now.append(taken)
+                return
             conn.stop_waiting(rid)
             conn.answer(msg, _fetched(msg, taken))
 
-        result = f.store.fetch_or_wait(msg.bin, spec, served, max_bytes, conn.ctx(msg))
+        waits = False
+        result = self.server.store.fetch_or_wait(msg.bin, msg.spec, served, max_bytes,
+                                                 conn.ctx(msg))
         if isinstance(result, Fetched):
             return _fetched(msg, result)
-        if result.active:  # else served at once, through ``served``, behind earlier waiters
-            conn.wait(rid, result, spec.timeout, lambda: self._timed_out(conn, msg))
+        if now:  # served at once, behind earlier waiters the store served first
+            return _fetched(msg, now[0])
+        waits = True
+        conn.wait(rid, result, msg.spec.timeout, lambda: self._timed_out(conn, msg))
         return None
 
-    def _timed_out(self, conn: ServerProtocol, msg: Fetch) -> None:
+    def _timed_out(self, conn: Conn, msg: Fetch) -> None:
         what = "newer data" if msg.spec.newer_than is not None else "data"
         conn.answer(msg, ErrorReply(msg.id, WaitTimeout.code,
                                     f"no {what} in bin {msg.bin!r} within "
                                     f"{msg.spec.timeout or 0.0:g} s"))
 
-    def _list(self, conn: ServerProtocol, msg: ListBins) -> Reply:
+    def _list(self, conn: Conn, msg: ListBins) -> Reply:
         return Listing(msg.id, self._users.readable(conn, self.server.store.list()))
 
-    def _stats(self, conn: ServerProtocol, msg: Stats) -> Reply:
+    def _stats(self, conn: Conn, msg: Stats) -> Reply:
         f = self.server  # (a user who may not read every bin sees its own: see .users)
         return StatsReply(msg.id, *self._users.stats(conn, f.server_stats,
                                                       f.bin_stats(msg.glob)))
 
     # -- listeners and the rest -------------------------------------------------------------
-    def _listen(self, conn: ServerProtocol, msg: Listen) -> Reply:
+    def _listen(self, conn: Conn, msg: Listen) -> Reply:
         store = self.server.store
         conn.listening.add(msg.bin)
         self.server.subscribe(msg.bin, conn)
         return Listening(msg.id, store.version(msg.bin), store.n_items(msg.bin))
 
-    def _unlisten(self, conn: ServerProtocol, msg: Unlisten) -> Reply:
+    def _unlisten(self, conn: Conn, msg: Unlisten) -> Reply:
         was = msg.bin in conn.listening
         conn.listening.discard(msg.bin)
         self.server.unsubscribe(msg.bin, conn)
         return Acked(msg.id, was)
 
-    def _unexpected(self, conn: ServerProtocol, msg: Request) -> Reply:
+    def _unexpected(self, conn: Conn, msg: Any) -> Reply:
         return ErrorReply(msg.id, InvalidRequest.code,
                           f"{op_name(msg)} is not expected after the handshake")
 
-    def _hello_again(self, conn: ServerProtocol, msg: Hello) -> Reply:
+    def _hello_again(self, conn: Conn, msg: Hello) -> Reply:
         return ErrorReply(msg.id, InvalidRequest.code, "handshake already done")
 
-    def _bye(self, conn: ServerProtocol, msg: Bye) -> None:
+    def _bye(self, conn: Conn, msg: Bye) -> Reply:
         s, conn.session = conn.session, None
         if s is not None:
             self.server.end_session(s)
-        conn.answer(msg, Acked(msg.id, s is not None))
-        conn.close()
+        conn.then(conn.close)  # after its ``ok``
+        return Acked(msg.id, s is not None)
 
-    def _ping(self, conn: ServerProtocol, msg: Ping) -> Reply:
+    def _ping(self, conn: Conn, msg: Ping) -> Reply:
         return Acked(msg.id, True)
 
-    def _cancel(self, conn: ServerProtocol, msg: Cancel) -> Reply:
+    def _cancel(self, conn: Conn, msg: Cancel) -> Reply:
         f = self.server
         target = msg.target
         cancelled = conn.cancel_wait(target)
@@ -385,7 +388,7 @@ class Responder:
 
 
 def _fetched(msg: Fetch, taken: Fetched) -> Fetched:
-    """The store's record of a fetch as the reply to ``msg``."""
-    # (dataclasses.replace, generic, cost more than the rest of this per fetch)
+    """The store's record of a fetch as the reply to ``msg`` (the store's has ``id`` 0)."""
+    # (positional: the generic ``Record._replace`` costs more than the rest of this per fetch)
     return Fetched(msg.id, taken.kind, taken.items, taken.version, taken.n_items,
                    taken.dropped, taken.unchanged, taken.tags, taken.nbytes)

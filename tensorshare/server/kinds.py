@@ -2,67 +2,26 @@
 reads with its own cursor, :mod:`.streams`) and services (calls answered by hosts that take
 them in batches, :mod:`.services`).
 
-A kind brings its own requests (their handlers join the responder's table), keeps its own
-bookkeeping keyed by connection and session, owns the names of its bins (a name is of one
-kind at a time), and describes its bins for the stats. :func:`claim_name` and
-:func:`check_memory` are the checks every kind makes before it takes a new bin or more memory.
+A kind (:class:`~.parts.Kind`) brings its own requests (their handlers join the responder's
+table, each returning its reply), keeps its own bookkeeping keyed by connection and session,
+owns the names of its bins (a name is of one kind at a time), and describes its bins for the
+stats. :func:`claim_name` and :func:`check_memory` are the checks every kind makes before it
+takes a new bin or more memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest, MemoryLimitExceeded
 
 if TYPE_CHECKING:
-    from .connection import ServerProtocol
-    from .core import ServerFactory
+    from .parts import Kind, Server
 
-__all__ = ["Kind", "check_memory", "claim_name"]
-
-Handler = Callable[["ServerProtocol", Any], None]
+__all__ = ["check_memory", "claim_name"]
 
 
-class Kind(Protocol):
-    """What the server asks of a kind of bin."""
-
-    #: What ``ls`` and the stats call its bins ("stream", "service").
-    name: str
-    @property
-    def table(self) -> Mapping[str, Any]:
-        """Its bins by name (what :meth:`owns` looks in): the responder checks a store
-        request's name against it without a call."""
-        ...
-
-    def handlers(self) -> dict[type, Handler]:
-        """Its requests' handlers, by request type."""
-        ...
-
-    def owns(self, name: str) -> bool:
-        """Whether the bin ``name`` is one of this kind's."""
-        ...
-
-    def connection_lost(self, conn: ServerProtocol) -> None:
-        """A connection is gone: what it held (waits, leases) is released or starts to expire."""
-        ...
-
-    def session_ended(self, sid: bytes) -> None:
-        """A session ended (expired, or said bye)."""
-        ...
-
-    def describe(self, glob: str | None) -> dict[str, dict[str, Any]]:
-        """Its bins (matching ``glob``) for the stats: each with at least ``kind``,
-        ``n_items``, ``nbytes`` and ``version``."""
-        ...
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes its bins hold (counted against max_memory)."""
-        ...
-
-
-def claim_name(kind: Kind, server: ServerFactory, name: str) -> None:
+def claim_name(kind: Kind, server: Server, name: str) -> None:
     """Check that the bin ``name`` may become one of ``kind``'s.
 
     Raises:
@@ -77,7 +36,7 @@ def claim_name(kind: Kind, server: ServerFactory, name: str) -> None:
             raise InvalidRequest(f"bin {name!r} is a {other.name} bin: {why}")
 
 
-def check_memory(server: ServerFactory, nbytes: int, what: str, undone: str) -> None:
+def check_memory(server: Server, nbytes: int, what: str, undone: str) -> None:
     """Check that ``what`` of ``nbytes`` keeps the server within its ``max_memory``.
 
     Raises:

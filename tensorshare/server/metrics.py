@@ -112,7 +112,7 @@ class ServerCollector:
         factory = server.factory
         try:
             # In the reactor thread: the server's state is only ever touched there.
-            return server.call(lambda: (factory.server_stats(), factory.bin_stats()),  # type: ignore[no-any-return]
+            return server.call(lambda: (factory.server_stats(), factory.bin_stats()),
                                timeout=self.timeout)
         except Exception:  # a stopping or stuck server: the scrape says so with up 0
             return None
@@ -254,7 +254,7 @@ def _bin_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
 
 
 def _user_families(users: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    """Per user (see tensorshare.server.users): memory held against its quota, connections,
+    """Per user (see tensorshare.server.accounts): memory held against its quota, connections,
     requests, denials and quota refusals."""
     fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "memory": GaugeMetricFamily("tensorshare_user_memory_bytes",

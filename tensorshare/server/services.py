@@ -31,7 +31,7 @@ import fnmatch
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +57,7 @@ from ..wire.services import (
 from .kinds import check_memory, claim_name
 
 if TYPE_CHECKING:
-    from .connection import ServerProtocol
-    from .core import ServerFactory
-    from .kinds import Handler
+    from .parts import AnyReply, Conn, Handler, Server
 
 __all__ = ["CALL_COST", "SERVICE_COST", "Service", "ServiceKind"]
 
@@ -97,7 +95,7 @@ class _Attach:
     back, and holds nothing of the connection meanwhile."""
 
     call: _Call
-    conn: ServerProtocol | None
+    conn: Conn | None
     msg: ServiceCall
     active: bool = True
     name: str = ""
@@ -105,13 +103,16 @@ class _Attach:
 
 @dataclass(eq=False, slots=True)
 class _Take:
-    """A host's take, waiting for calls."""
+    """A host's take, waiting for calls. While its handler runs (``now``), a batch given to
+    it at once is kept in ``batch`` (the handler returns it); later, it is answered."""
 
-    conn: ServerProtocol
+    conn: Conn
     msg: ServiceTake
     idle: bool  # the queue was empty when it came: the first call goes at once
     active: bool = True
     name: str = ""
+    now: bool = True
+    batch: ServiceBatch | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -120,7 +121,7 @@ class _Batch:
 
     id: int
     calls: list[_Call]
-    conn: ServerProtocol
+    conn: Conn
     timer: IDelayedCall | None = None
 
 
@@ -203,12 +204,6 @@ class Service:
         }
 
 
-def _respond(conn: ServerProtocol, msg: Any, reply: Any) -> None:
-    """``conn.reply`` for the service messages (the connection's signature names the
-    store's messages; any registered message goes through it alike)."""
-    conn.reply(msg, reply)
-
-
 class ServiceKind:
     """Service bins on a server (see the module docstring).
 
@@ -218,7 +213,7 @@ class ServiceKind:
 
     name = "service"
 
-    def __init__(self, server: ServerFactory) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
         self.services: dict[str, Service] = {}
         self.table = self.services
@@ -253,7 +248,7 @@ class ServiceKind:
         return float(self.server.reactor.seconds())
 
     @staticmethod
-    def _owner(conn: ServerProtocol) -> Any:
+    def _owner(conn: Conn) -> Any:
         return conn.session.id if conn.session is not None else conn
 
     def _service(self, name: str) -> Service:
@@ -293,7 +288,8 @@ class ServiceKind:
                 self._recount(old)
 
     # -- callers ----------------------------------------------------------------------------
-    def _call(self, conn: ServerProtocol, msg: ServiceCall) -> None:
+    def _call(self, conn: Conn, msg: ServiceCall) -> None:
+        """Queue a call (answered later, when a host answers it)."""
         owner = self._owner(conn)
         old = self._calls.get((owner, msg.id))
         if old is not None:  # resent after a reconnect: the same call, now on this connection
@@ -319,14 +315,14 @@ class ServiceKind:
         (svc.room if full else svc.queue).append(c)
         self._pump(svc)
 
-    def _attach(self, c: _Call, conn: ServerProtocol, msg: ServiceCall) -> None:
+    def _attach(self, c: _Call, conn: Conn, msg: ServiceCall) -> None:
         """Make ``conn`` the connection that gets the call's answer."""
         old = c.attach
         if old is not None and old.active and old.conn is not None:
             old.active = False
             old.conn.stop_waiting(old.msg.id)
         a = c.attach = _Attach(c, conn, msg)
-        conn.wait(msg.id, a, msg.timeout, lambda: self._timed_out(a))  # type: ignore[arg-type]
+        conn.wait(msg.id, a, msg.timeout, lambda: self._timed_out(a))
 
     def _timed_out(self, a: _Attach) -> None:
         c = a.call
@@ -340,7 +336,7 @@ class ServiceKind:
         self._finish(c)
         where = "a host had it" if svc is not None and self._leased(svc, c) else \
             "no host took it"
-        _respond(a.conn, a.msg, ErrorReply(a.msg.id, WaitTimeout.code, (
+        a.conn.answer(a.msg, ErrorReply(a.msg.id, WaitTimeout.code, (
             f"service {a.msg.bin!r} did not answer the call within {a.msg.timeout:g} s "
             f"({where}); this call gets no other answer")))
         if svc is not None:
@@ -377,10 +373,10 @@ class ServiceKind:
             return
         self._finish(c)
         a = c.attach
-        if a is not None and a.active and a.conn is not None and not a.conn._closed:
+        if a is not None and a.active and a.conn is not None and not a.conn.closed:
             a.active = False
             a.conn.stop_waiting(a.msg.id)
-            _respond(a.conn, a.msg, reply)
+            a.conn.answer(a.msg, reply)
             return
         if isinstance(c.owner, bytes):
             s = self.server.sessions.get(c.owner)
@@ -389,7 +385,7 @@ class ServiceKind:
                 self.server.sessions.remember(s, c.rid, reply, None, held)
 
     # -- hosts ------------------------------------------------------------------------------
-    def _take(self, conn: ServerProtocol, msg: ServiceTake) -> None:
+    def _take(self, conn: Conn, msg: ServiceTake) -> AnyReply | None:
         svc = self._service(msg.bin)
         if msg.max_queue is not None:
             svc.max_queue = msg.max_queue
@@ -397,16 +393,18 @@ class ServiceKind:
         self._hosting.setdefault(conn, set()).add(svc.name)
         t = _Take(conn, msg, idle=not svc.queue)
         svc.takes.append(t)
-        self._pump(svc)
-        if not t.active:
-            return  # answered at once
+        try:
+            self._pump(svc)  # (a batch given to it now is kept in t.batch)
+        finally:
+            t.now = False
+        if t.batch is not None:
+            return t.batch  # at once
         if msg.timeout == 0:
             t.active = False
             svc.takes.remove(t)
-            _respond(conn, msg, ErrorReply(msg.id, WaitTimeout.code,
-                                       f"no call queued in service {svc.name!r}"))
-            return
-        conn.wait(msg.id, t, msg.timeout, lambda: self._take_out(svc, t))  # type: ignore[arg-type]
+            return ErrorReply(msg.id, WaitTimeout.code, f"no call queued in service {svc.name!r}")
+        conn.wait(msg.id, t, msg.timeout, lambda: self._take_out(svc, t))
+        return None
 
     def _take_out(self, svc: Service, t: _Take) -> None:
         t.active = False
@@ -414,32 +412,29 @@ class ServiceKind:
             svc.takes.remove(t)
         except ValueError:
             pass
-        _respond(t.conn, t.msg, ErrorReply(t.msg.id, WaitTimeout.code, (
+        t.conn.answer(t.msg, ErrorReply(t.msg.id, WaitTimeout.code, (
             f"no call came to service {svc.name!r} within {t.msg.timeout:g} s")))
 
-    def _reply(self, conn: ServerProtocol, msg: ServiceReply) -> None:
+    def _reply(self, conn: Conn, msg: ServiceReply) -> Acked | ErrorReply:
         svc = self.services.get(msg.bin)
         b = None if svc is None else svc.batches.get(msg.batch)
         if svc is None or b is None or b.conn is not conn:
             # Its lease ran out (or its connection dropped) and its calls went back to the
             # queue: this late answer is dropped (no call is answered twice).
-            _respond(conn, msg, Acked(msg.id, False))
-            return
-        del svc.batches[msg.batch]
-        if b.timer is not None and b.timer.active():
-            b.timer.cancel()
+            return Acked(msg.id, False)
+        self._close(svc, b)
         now = self._now()
         items = msg.items
+        reply: Acked | ErrorReply = Acked(msg.id, True)
         if msg.error is None and len(items) != len(b.calls):
             why = (f"the host answered {len(items)} items for a batch of {len(b.calls)} "
                    f"calls")
             self._fail(svc, b.calls, why, now)
-            _respond(conn, msg, ErrorReply(msg.id, InvalidRequest.code,
-                                       f"{why}: service_reply carries one item per call, in "
-                                       f"the batch's order; its calls failed"))
+            reply = ErrorReply(msg.id, InvalidRequest.code,
+                               f"{why}: service_reply carries one item per call, in the "
+                               f"batch's order; its calls failed")
         elif msg.error is not None:
             self._fail(svc, b.calls, f"the host failed: {msg.error}", now)
-            _respond(conn, msg, Acked(msg.id, True))
         else:
             answered = 0
             failed = dict(msg.failed)
@@ -454,10 +449,42 @@ class ServiceKind:
                 self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
             svc.answered += answered
             svc.recent.append((now, answered))
-            _respond(conn, msg, Acked(msg.id, True))
+        self._done(svc, b)
+        conn.then(lambda: self._settle(svc))  # (after its reply: batches for waiting takes)
+        return reply
+
+    def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
+        """A ``service_reply`` of ``conn`` was refused before it was parsed (too many items,
+        a field of the wrong type, a frame too large): if it names a batch that ``conn``
+        holds, every call of that batch fails (``service_failed``), as a reply with another
+        number of items makes them."""
+        name, bid = header.get("bin"), header.get("batch")
+        if op != "service_reply" or not isinstance(name, str) or type(bid) is not int:
+            return
+        svc = self.services.get(name)
+        b = None if svc is None else svc.batches.get(bid)
+        if svc is None or b is None or b.conn is not conn:
+            return
+        self._close(svc, b)
+        self._fail(svc, b.calls, f"the host's service_reply was refused: {why}", self._now())
+        self._done(svc, b)
+        self._settle(svc)
+
+    @staticmethod
+    def _close(svc: Service, b: _Batch) -> None:
+        """``b`` is answered (or failed): no longer leased."""
+        del svc.batches[b.id]
+        if b.timer is not None and b.timer.active():
+            b.timer.cancel()
+
+    @staticmethod
+    def _done(svc: Service, b: _Batch) -> None:
         svc.version += 1
         svc.batch_rows += sum(c.rows for c in b.calls)
         svc.changed_at = time.time()
+
+    def _settle(self, svc: Service) -> None:
+        """After a batch was answered: give waiting hosts what is due; forget an idle service."""
         self._pump(svc)
         self._forget_if_idle(svc)
 
@@ -523,7 +550,7 @@ class ServiceKind:
         while q:
             c = q[0]
             a = c.attach
-            if not c.done and (a is None or a.active or a.conn is None or a.conn._closed):
+            if not c.done and (a is None or a.active or a.conn is None or a.conn.closed):
                 return
             q.popleft()
             if not c.done:
@@ -554,9 +581,13 @@ class ServiceKind:
         svc.batches[b.id] = b
         b.timer = self.server.reactor.callLater(t.msg.lease, self._lease_out, svc, b.id)
         svc.hosts[t.conn] = now
+        batch = ServiceBatch(t.msg.id, b.id, tuple(c.item for c in calls),
+                             tuple(c.rows for c in calls))
+        if t.now:  # the take being handled: its handler returns it
+            t.batch = batch
+            return
         t.conn.stop_waiting(t.msg.id)
-        _respond(t.conn, t.msg, ServiceBatch(t.msg.id, b.id, tuple(c.item for c in calls),
-                                         tuple(c.rows for c in calls)))
+        t.conn.answer(t.msg, batch)
 
     def _wake_at(self, svc: Service, due: float) -> None:
         timer = svc.timer
@@ -586,7 +617,7 @@ class ServiceKind:
         svc.queue.extendleft(reversed(back))
 
     # -- connections and sessions -----------------------------------------------------------
-    def connection_lost(self, conn: ServerProtocol) -> None:
+    def connection_lost(self, conn: Conn) -> None:
         """A host's takes and batches leave with its connection (the batches' calls go back
         to the queue); so do the calls of a caller without a session. A session's calls wait
         for it to come back (or to end), holding nothing of the connection."""

@@ -30,6 +30,7 @@ cdef class SessionTable:
     cdef public object held, remembered
     cdef public object detached
 
+    @cython.locals(replies=dict)
     cpdef remember(self, ServerSession s, object rid, object reply, object bin=*,
                    object held=*)
     @cython.locals(replies=dict, order=list, gone=list, kept=list)

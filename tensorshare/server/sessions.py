@@ -60,7 +60,7 @@ class ServerSession:
         attached: the connection currently serving the session (opaque), or ``None``.
         remembered_bytes: rough size of the remembered replies themselves.
         usage: the bookkeeping of the user the session belongs to (see
-            :mod:`~tensorshare.server.users`): what the session holds counts for it (summed
+            :mod:`~tensorshare.server.accounts`): what the session holds counts for it (summed
             when asked, not per request); only that user may resume the session. ``None``
             until a connection binds it.
         order: the ids of ``replies`` as a min-heap, so an ack finds what it releases
@@ -129,10 +129,6 @@ class SessionTable:
         """Whether a new session needs room first."""
         return len(self.sessions) >= self.max_sessions
 
-    def nbytes_of(self, s: ServerSession) -> int:
-        """What one session holds (counted as in :attr:`nbytes`)."""
-        return s.held + s.remembered_bytes + self.SESSION_COST
-
     def detach(self, s: ServerSession, expires: float) -> None:
         """The connection of ``s`` is gone; it expires at ``expires`` unless resumed."""
         self.detached.pop(s.id, None)
@@ -170,10 +166,13 @@ class SessionTable:
 
     def remember(self, s: ServerSession, rid: int, reply: Reply, bin: str | None = None,
                  held: int = 0) -> None:
-        """Remember the reply to ``rid`` (a get that returned items names its bin and size)."""
-        if rid not in s.replies:
-            heapq.heappush(s.order, rid)
-        s.replies[rid] = Remembered(reply, bin, held)
+        """Remember the reply to ``rid`` (a get that returned items names its bin and size);
+        a reply remembered already (a resent request answered again) stays as it was."""
+        replies = s.replies
+        if rid in replies:
+            return
+        heapq.heappush(s.order, rid)
+        replies[rid] = Remembered(reply, bin, held)
         s.held += held
         s.remembered_bytes += self.REPLY_COST
         self.held += held
@@ -220,7 +219,7 @@ class SessionTable:
             s.usage.owned.discard(s)
         self.sessions.pop(s.id, None)
         self.detached.pop(s.id, None)
-        return restore  # type: ignore[return-value]
+        return restore
 
     def _drop(self, s: ServerSession, rids: list[int]) -> int:
         freed = 0

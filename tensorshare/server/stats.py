@@ -1,26 +1,18 @@
-"""The server's statistics: named counters, a latency histogram per op, and the two maps of
-the ``stats`` reply (server-wide and per bin; docs/PROTOCOL.md §3.3.8 lists every field).
+"""The server's statistics: named counters and a latency histogram per op.
 
 Counters are plain dict entries bumped in place on the hot path; everything else (sums,
-summaries) is built only when someone asks, so statistics cost a request almost nothing.
+summaries) is built only when someone asks, so statistics cost a request almost nothing. The
+two maps of the ``stats`` reply (server-wide and per bin; docs/PROTOCOL.md §3.3.8 lists every
+field) are built where the server's parts meet: ``core.ServerFactory.server_stats`` and
+``bin_stats``.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._version import __version__
-from ..wire import codec
-from ..wire.records import (
-    Item,
-)
-
-if TYPE_CHECKING:
-    from .core import ServerFactory
-
-__all__ = ["LATENCY_BUCKETS", "Counters", "ServerStats", "bin_stats", "server_stats"]
+__all__ = ["LATENCY_BUCKETS", "Counters", "ServerStats"]
 
 # Upper bounds (seconds) of the request latency histogram's buckets (the last is +Inf).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -108,78 +100,3 @@ class ServerStats:
             out[op] = out.get(op, 0) + n
         return out
 
-
-def server_stats(f: ServerFactory) -> dict[str, Any]:
-    """The server-wide statistics of the ``stats`` reply (see docs/PROTOCOL.md)."""
-    store, sessions = f.store, f.sessions
-    open_in: dict[str, int] = {}
-    for p in f.connections:
-        for op, n in p.conn.bytes_in.items():
-            open_in[op] = open_in.get(op, 0) + n
-    queued = f.queued_bytes()
-    report = f.stats.report()
-    # The bins of every kind: the store's, and the streams' and services' (memory only).
-    stored = store.nbytes + sum(kind.nbytes for kind in f.kinds)
-    n_bins = len(store.list()) + sum(len(kind.describe(None)) for kind in f.kinds)
-    return {
-        "server": f"tensorshare/{__version__}",
-        "server_id": f.server_id,
-        "time": f.clock(),
-        "uptime": max(f.clock() - f.started_at, 0.0),
-        "connections": len(f.connections),
-        "listeners": f.listener_count(),
-        "sessions": len(sessions),
-        "sessions_detached": len(sessions.detached),
-        "bins": n_bins,
-        "memory": {
-            "stored": stored,
-            "sessions": sessions.nbytes,
-            "output": queued,
-            "receiving": f.budget.receiving,
-            "total": stored + sessions.nbytes + queued + f.budget.receiving,
-            "max_memory": f.config.max_memory,
-            "pool_idle": f.pool.idle,
-        },
-        "waiting": {"fetches": store.n_waiters, "appends": store.n_blocked},
-        "persistence": _persistence(f),
-        "counters": report["counters"],
-        "errors": report["errors"],
-        "requests": report["requests"],
-        "bytes_in": f.stats.bytes_in(open_in),
-        "bytes_out": report["bytes_out"],
-        "latency": report["latency"],
-        "users": f.users.describe(),
-    }
-
-
-def _persistence(f: ServerFactory) -> dict[str, Any] | None:
-    p = f.persist
-    if p is None:
-        return None
-    why = f.storage_state()
-    return {"dir": p.dir, "fsync": p.fsync, "writable": why is None, "error": why}
-
-
-def bin_stats(f: ServerFactory, glob: str | None = None) -> dict[str, dict[str, Any]]:
-    """A summary of every bin (matching ``glob``) for the ``stats`` reply."""
-    out: dict[str, dict[str, Any]] = {}
-    names = set(f.store.names(glob))
-    # Bins someone listens to are worth showing even while empty (a drained queue).
-    names.update(n for n in f.listened_bins() if glob is None or fnmatch.fnmatchcase(n, glob))
-    for kind in f.kinds:
-        out.update(kind.describe(glob))
-    for name in sorted(names - set(out)):
-        d = f.store.describe(name)
-        cfg = d.pop("config")
-        first, last = d.pop("first"), d.pop("last")
-        d["listeners"] = f.listener_count(name)
-        d["limits"] = {"max_items": cfg.max_items, "max_bytes": cfg.max_bytes,
-                       "overflow": cfg.overflow}
-        d["first"] = _describe(first)
-        d["last"] = _describe(last) if d["n_items"] > 1 else None
-        out[name] = d
-    return dict(sorted(out.items()))
-
-
-def _describe(item: Item | None) -> str | None:
-    return None if item is None else codec.describe(item.value.value)

@@ -19,7 +19,7 @@ Semantics (pinned in tests and in docs/PROTOCOL.md):
 * A bin may be bounded (``configure``): at ``max_items`` items or ``max_bytes`` bytes an append
   is refused (``BinFull``), pushes the oldest items out (``drop_oldest``), or waits until a get
   makes room (``block``, through ``append_or_wait``).
-* A write may name an ``owner`` (its user's bookkeeping, see :mod:`.users`): each item is
+* A write may name an ``owner`` (its user's bookkeeping, see :mod:`.accounts`): each item is
   charged to its writer (``owner.stored``) until it leaves its bin, and a write that would
   take the owner over its quota is refused first (``owner.check_room``).
 """
@@ -31,7 +31,7 @@ import fnmatch
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import BinFull, BinNotFound, LimitExceeded, MemoryLimitExceeded
 from ..wire.records import (
@@ -39,7 +39,7 @@ from ..wire.records import (
     FetchSpec,
 )
 
-__all__ = ["BinConfig", "Blocked", "Store", "Waiter", "Written"]
+__all__ = ["BinConfig", "Blocked", "Store", "Waiter", "Waits", "Written"]
 
 # (bin, op, n_items, version, dropped)
 ChangeHook = Callable[[str, str, int, int, int], None]
@@ -137,6 +137,16 @@ class _Meta:
         self.ops: dict[str, int] = {}  # op -> count
         self.bytes_in = 0
         self.bytes_out = 0
+
+
+class Waits(Protocol):
+    """A request kept waiting on its connection (``Conn.wait``): the store's :class:`Waiter`
+    and :class:`Blocked`, and the other kinds' waiting requests, whose ``name`` is empty
+    (no bin's is): :meth:`Store.cancel` only marks those inactive, and their kind drops them.
+    """
+
+    name: str
+    active: bool
 
 
 class Waiter:
@@ -342,7 +352,7 @@ class Store:
         old = self._bins.get(name)
         if owner is not None and owner.max_memory is not None:  # (a user with a quota)
             owner.check_room(nbytes - self.owned_by(name, owner),
-                             f"storing {nbytes} bytes in bin {name!r}")
+                             f"storing {nbytes} bytes in bin {name!r}", True)
         self._check_memory(name, nbytes - (old.nbytes if old else 0), nbytes)
         if self.journal is not None:
             self.journal("put", name, ctx, {"item": item, "nbytes": nbytes, "tag": tag,
@@ -424,7 +434,7 @@ class Store:
         if owner is not None and owner.max_memory is not None:  # (a user with a quota)
             mine = sum(b.entries[i].nbytes for i in range(drop)
                        if b.entries[i].owner is owner) if (b and drop) else 0
-            owner.check_room(nbytes - mine, f"appending {nbytes} bytes to bin {name!r}")
+            owner.check_room(nbytes - mine, f"appending {nbytes} bytes to bin {name!r}", True)
         self._check_memory(name, nbytes - freed, nbytes)
         if self.journal is not None:
             self.journal("append", name, ctx, {"entries": entries, "min_version": min_version})
@@ -583,8 +593,9 @@ class Store:
             self._serve_waiters(name)
         return w
 
-    def cancel(self, waiter: Waiter | Blocked) -> bool:
-        """Withdraw a waiting fetch or a blocked append. Returns whether it was still waiting."""
+    def cancel(self, waiter: Waits) -> bool:
+        """Withdraw a waiting fetch or a blocked append (or mark another kind's waiting
+        request inactive). Returns whether it was still waiting."""
         if not waiter.active:
             return False
         waiter.active = False

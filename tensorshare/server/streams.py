@@ -35,7 +35,7 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ from ..errors import (
     BinNotFound,
     InvalidRequest,
     LimitExceeded,
+    PermissionDenied,
     ServerError,
     WaitTimeout,
     code_for,
@@ -70,9 +71,7 @@ from ..wire.streams import (
 from .kinds import check_memory, claim_name
 
 if TYPE_CHECKING:
-    from .connection import ServerProtocol
-    from .core import ServerFactory
-    from .kinds import Handler
+    from .parts import AnyReply, Conn, Handler, Server
 
 __all__ = ["CONSUMER_COST", "FINISHED_TTL", "MAX_CONSUMERS", "MAX_FINISHED_STREAMS",
            "STREAM_COST", "Settings", "Stream", "StreamKind"]
@@ -815,12 +814,6 @@ class Stream:
 
 
 # -- the server's kind ----------------------------------------------------------------------
-def _respond(conn: ServerProtocol, msg: Any, reply: Any) -> None:
-    """``conn.reply`` for the stream messages (the connection's signature names the
-    store's messages; any registered message goes through it alike)."""
-    conn.reply(msg, reply)
-
-
 class _Gone:
     """The owner of a stream's member whose client had no session, once its connection is
     gone (equal to nothing else: no later connection is that owner)."""
@@ -842,7 +835,7 @@ class _Waiting:
     the store's ``cancel``, which then only marks it inactive (the kind drops inactive ones).
     """
 
-    conn: ServerProtocol
+    conn: Conn
     msg: Any
     entries: list[tuple[Any, int, int]] = field(default_factory=list)
     pos: int | None = None  # a read's position
@@ -871,7 +864,7 @@ class StreamKind:
 
     name = "stream"
 
-    def __init__(self, server: ServerFactory) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
         self.streams: dict[str, Stream] = {}
         self.table = self.streams
@@ -908,12 +901,12 @@ class StreamKind:
         return float(self.server.reactor.seconds())
 
     @staticmethod
-    def _owner(conn: ServerProtocol) -> Any:
+    def _owner(conn: Conn) -> Any:
         """Whom a member belongs to: its client's session (so that it survives the
         client's reconnects), or the connection of a client without one."""
         return conn.session.id if conn.session is not None else conn
 
-    def _member(self, st: Stream, conn: ServerProtocol) -> Any:
+    def _member(self, st: Stream, conn: Conn) -> Any:
         """The owner of ``conn``, noted as a member of ``st`` (so that its connection's or
         session's end looks at the streams it is in, not at every stream)."""
         owner = self._owner(conn)
@@ -930,7 +923,7 @@ class StreamKind:
         """Seconds since the connection of ``owner`` was last heard from (any bytes: a
         request or a heartbeat); ``None`` when it has no open connection."""
         conn = self._conn_of(owner)
-        if conn is None or conn not in self.server.connections or getattr(conn, "_closed", True):
+        if conn is None or conn not in self.server.connections or conn.closed:
             return None
         return max(time.monotonic() - conn.last_rx, 0.0)
 
@@ -992,7 +985,7 @@ class StreamKind:
     def _notify(self, st: Stream, op: str, n: int = 0) -> None:
         st.version += 1
         st.changed_at = self._now()
-        self.server._changed(st.name, op, st.n_items, st.version, n)
+        self.server.changed(st.name, op, st.n_items, st.version, n)
 
     def _remove(self, st: Stream) -> None:
         del self.streams[st.name]
@@ -1017,25 +1010,23 @@ class StreamKind:
                 self._answer(w, ErrorReply(w.msg.id, BinNotFound.code,
                                            f"stream {st.name!r} was removed: nobody is in it"))
 
-    def _answer(self, w: _Waiting, reply: Any) -> None:
-        self._reply(w, reply, True)
-
-    def _waits(self, st: Stream, w: _Waiting) -> bool:
-        """Whether ``w`` waits on its connection (else it is answered in its handler)."""
-        return w in self._held.get(st.name, ()) or w in self._reads.get(st.name, ())
-
     @staticmethod
-    def _reply(w: _Waiting, reply: Any, waiting: bool) -> None:
+    def _answer(w: _Waiting, reply: Any) -> None:
+        """Answer a request that waited (a held append or end, a waiting read)."""
         w.active = False
-        if waiting:
-            w.conn.stop_waiting(w.msg.id)
-        _respond(w.conn, w.msg, reply)
+        w.conn.stop_waiting(w.msg.id)
+        w.conn.answer(w.msg, reply)
 
     def _error(self, w: _Waiting, exc: ServerError) -> None:
         self._answer(w, ErrorReply(w.msg.id, code_for(exc), str(exc)))
 
+    def _then_after(self, conn: Conn, st: Stream, events: list[Event]) -> None:
+        """Once the request being handled is answered: :meth:`_after` (its notifications
+        follow its reply, and so does what it let go of what waits on ``st``)."""
+        conn.then(lambda: self._after(st, events))
+
     # -- producers --------------------------------------------------------------------------
-    def _open(self, conn: ServerProtocol, msg: StreamOpen) -> None:
+    def _open(self, conn: Conn, msg: StreamOpen) -> StreamOpened:
         st = self._stream(msg.bin, True)
         settings = Settings(msg.producers, msg.window, msg.on_lag, msg.max_stall, msg.replay,
                             msg.device_ipc)
@@ -1047,11 +1038,11 @@ class StreamKind:
         except ServerError:
             self._after(st, [])
             raise
-        _respond(conn, msg, StreamOpened(msg.id, reply.epoch, reply.head, reply.sent,
-                                         reply.consumers, reply.broken, reply.aborted))
-        self._after(st, events)
+        self._then_after(conn, st, events)
+        return StreamOpened(msg.id, reply.epoch, reply.head, reply.sent, reply.consumers,
+                            reply.broken, reply.aborted)
 
-    def _append(self, conn: ServerProtocol, msg: StreamAppend) -> None:
+    def _append(self, conn: Conn, msg: StreamAppend) -> StreamAppended | None:
         st = self._stream(msg.bin, False)
         samples = msg.samples or (1,) * len(msg.items)
         entries = [(it, item_wire_size(it), n) for it, n in zip(msg.items, samples, strict=True)]
@@ -1060,16 +1051,22 @@ class StreamKind:
         if self._mine_waiting(st.name, msg.producer) or not st.append_ready(msg.producer,
                                                                              len(entries)):
             self._hold(st, w)
-            return
-        self._store(st, w)
-        self._after(st, [("append", 0)])
+            return None
+        reply = self._store(st, w)
+        self._then_after(conn, st, [("append", 0)])
+        return reply
 
     def _mine_waiting(self, name: str, producer: int) -> bool:
         """Whether an earlier request of this producer is held (they keep their order)."""
         return any(w.active and w.msg.producer == producer for w in self._held.get(name, ()))
 
-    def _store(self, st: Stream, w: _Waiting) -> None:
-        """Store a checked, ready append and answer it (or answer why it cannot be)."""
+    def _store(self, st: Stream, w: _Waiting) -> StreamAppended:
+        """Store a checked, ready append; its reply.
+
+        Raises:
+            QuotaExceeded, MemoryLimitExceeded: it would exceed its user's quota or the
+                server's ``max_memory`` (nothing was stored).
+        """
         msg: StreamAppend = w.msg
         nbytes = sum(n for _, n, _ in w.entries)
         usage = w.conn.usage  # its user's quota first, then the server's memory
@@ -1080,12 +1077,12 @@ class StreamKind:
         self._recount(st)
         if usage is not None:
             st.charge(pos, len(w.entries), usage)
-        self._reply(w, StreamAppended(msg.id, pos, st.head), self._waits(st, w))
+        return StreamAppended(msg.id, pos, st.head)
 
     def _hold(self, st: Stream, w: _Waiting) -> None:
         """Keep a request that must wait (an append, or an epoch end) until it can go."""
         msg = w.msg
-        w.conn.wait(msg.id, w, msg.timeout, lambda: self._held_out(st, w))  # type: ignore[arg-type]
+        w.conn.wait(msg.id, w, msg.timeout, lambda: self._held_out(st, w))
         self._held.setdefault(st.name, []).append(w)
         self._track(st)
 
@@ -1093,28 +1090,36 @@ class StreamKind:
         msg = w.msg
         w.active = False
         if isinstance(msg, StreamEnd):  # the other producers, or the window (its mark)
-            _respond(w.conn, msg, ErrorReply(msg.id, WaitTimeout.code, (
+            w.conn.answer(msg, ErrorReply(msg.id, WaitTimeout.code, (
                 f"stream {st.name!r} held the end of epoch {msg.epoch} for {msg.timeout:g} s: "
                 f"{st.why_held(msg.producer)}; nothing was marked")))
             return
-        _respond(w.conn, msg, ErrorReply(msg.id, BinFull.code, (
+        w.conn.answer(msg, ErrorReply(msg.id, BinFull.code, (
             f"stream {st.name!r} held the append for {msg.timeout:g} s: "
             f"{st.why_held(msg.producer)}; nothing was stored")))
 
-    def _end(self, conn: ServerProtocol, msg: StreamEnd) -> None:
+    def _end(self, conn: Conn, msg: StreamEnd) -> StreamEnded | None:
         st = self._stream(msg.bin, False)
         owner, now = self._owner(conn), self._now()
         w = _Waiting(conn, msg)
         st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now, check_only=True)
         if self._mine_waiting(st.name, msg.producer) or not st.end_ready(msg.producer):
             self._hold(st, w)
-            return
+            return None
         reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now)
-        _respond(conn, msg, StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished))
-        self._after(st, events)
+        self._then_after(conn, st, events)
+        return StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
 
     # -- consumers --------------------------------------------------------------------------
-    def _join(self, conn: ServerProtocol, msg: StreamJoin) -> None:
+    def _join(self, conn: Conn, msg: StreamJoin) -> StreamJoined:
+        user = conn.user
+        if user is not None and msg.bin not in self.streams and not user.may_write(msg.bin):
+            # Joining makes a stream that does not exist yet: a bin in the name's namespace,
+            # which a user who may only read there must not add.
+            raise PermissionDenied(
+                f"user {user.name!r} may not stream_join bin {msg.bin!r} yet: no such stream, "
+                f"and joining would make it, which needs write permission on it; join once its "
+                f"producer has opened it")
         st = self._stream(msg.bin, True)
         _same_host(st, conn)
         if msg.consumer not in st.consumers:
@@ -1125,12 +1130,11 @@ class StreamKind:
         except ServerError:
             self._after(st, [])
             raise
-        _respond(conn, msg, StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
-                                         reply.epoch_samples, reply.head, reply.resumed,
-                                         reply.finished))
-        self._after(st, events)
+        self._then_after(conn, st, events)
+        return StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
+                            reply.epoch_samples, reply.head, reply.resumed, reply.finished)
 
-    def _read(self, conn: ServerProtocol, msg: StreamRead) -> None:
+    def _read(self, conn: Conn, msg: StreamRead) -> AnyReply | None:
         st = self._stream(msg.bin, False)
         _same_host(st, conn)
         now = self._now()
@@ -1146,52 +1150,56 @@ class StreamKind:
                 # and resent): the new one takes over.
                 self._error(other, InvalidRequest(f"a newer read of consumer "
                                                   f"{msg.consumer!r} took over"))
-        if not self._serve_read(st, w):
-            if msg.timeout == 0:
-                _respond(conn, msg, ErrorReply(msg.id, WaitTimeout.code,
-                                           f"nothing to read in stream {st.name!r} yet"))
-            else:
-                conn.wait(msg.id, w, msg.timeout,  # type: ignore[arg-type]
-                          lambda: self._read_out(st, w))
-                self._reads.setdefault(st.name, []).append(w)
-        self._after(st, [])
+        got = self._try_read(st, w)
+        reply: AnyReply | None = None
+        after: list[Event] = []
+        if got is not None:
+            reply, missed = got
+            if missed:  # (notified after its reply)
+                after.append(("lag", missed))
+        elif msg.timeout == 0:
+            reply = ErrorReply(msg.id, WaitTimeout.code,
+                               f"nothing to read in stream {st.name!r} yet")
+        else:
+            conn.wait(msg.id, w, msg.timeout, lambda: self._read_out(st, w))
+            self._reads.setdefault(st.name, []).append(w)
+        self._then_after(conn, st, after)
+        return reply
 
-    def _serve_read(self, st: Stream, w: _Waiting) -> bool:
-        """Answer a read if it has something to return (or an error); whether it did."""
+    def _try_read(self, st: Stream, w: _Waiting) -> tuple[AnyReply, int] | None:
+        """What a read gets now (its items, or an error), with the items it missed (freed
+        before it came: notified as ``lag``); ``None``: nothing to read yet."""
         msg: StreamRead = w.msg
-        waiting = self._waits(st, w)
         try:
             res = st.read(msg.consumer, w.pos, msg.max_items, self.server.max_reply_bytes,
                           self._now())
         except ServerError as exc:
-            self._reply(w, ErrorReply(msg.id, code_for(exc), str(exc)), waiting)
-            return True
+            return ErrorReply(msg.id, code_for(exc), str(exc)), 0
         if res is None:
-            return False
-        self._reply(w, StreamItems(msg.id, res.items, res.first, res.next, res.epoch,
-                                   res.offset, res.epoch_samples, res.end, res.aborted,
-                                   res.missed, res.finished), waiting)
-        if res.missed:
-            self._notify(st, "lag", res.missed)
-        return True
+            return None
+        return StreamItems(msg.id, res.items, res.first, res.next, res.epoch, res.offset,
+                           res.epoch_samples, res.end, res.aborted, res.missed,
+                           res.finished), res.missed
 
     def _read_out(self, st: Stream, w: _Waiting) -> None:
         msg = w.msg
         w.active = False
-        _respond(w.conn, msg, ErrorReply(msg.id, WaitTimeout.code,
-                                     f"nothing to read in stream {st.name!r} within "
-                                     f"{msg.timeout:g} s"))
+        w.conn.answer(msg, ErrorReply(msg.id, WaitTimeout.code,
+                                      f"nothing to read in stream {st.name!r} within "
+                                      f"{msg.timeout:g} s"))
 
-    def _leave(self, conn: ServerProtocol, msg: StreamLeave) -> None:
+    def _leave(self, conn: Conn, msg: StreamLeave) -> Acked:
         st = self.streams.get(msg.bin)
         was = st is not None and st.leave(msg.consumer, self._now())
         if st is not None:
             for w in self._reads.get(st.name, ()):
                 if w.active and w.msg.consumer == msg.consumer:
                     self._error(w, InvalidRequest(f"consumer {msg.consumer!r} left"))
-        _respond(conn, msg, Acked(msg.id, was))
-        if st is not None:
-            self._after(st, [("leave", 0)] if was else [])
+            self._then_after(conn, st, [("leave", 0)] if was else [])
+        return Acked(msg.id, was)
+
+    def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
+        """A refused stream request leaves nothing waiting on it."""
 
     # -- what waits -------------------------------------------------------------------------
     def _pump(self, st: Stream) -> None:
@@ -1211,8 +1219,12 @@ class StreamKind:
         if served:
             self._notify(st, "append")
         for w in list(self._reads.get(name, ())):
-            if w.active and self._serve_read(st, w):
-                w.active = False
+            if w.active:
+                got = self._try_read(st, w)
+                if got is not None:
+                    self._answer(w, got[0])
+                    if got[1]:
+                        self._notify(st, "lag", got[1])
         self._prune(self._reads, name)
 
     @staticmethod
@@ -1244,7 +1256,7 @@ class StreamKind:
             st.check_append(msg.producer, owner, msg.epoch, len(w.entries), self._now())
             if not st.append_ready(msg.producer, len(w.entries)):
                 return False
-            self._store(st, w)
+            self._answer(w, self._store(st, w))
         except ServerError as exc:
             self._error(w, exc)
         return True
@@ -1309,7 +1321,7 @@ class StreamKind:
                 self._after(st, st.check(now, self._heard))
         self._arm()
 
-    def connection_lost(self, conn: ServerProtocol) -> None:
+    def connection_lost(self, conn: Conn) -> None:
         now = self._now()
         owner = self._owner(conn)
         names = self._by_owner.get(owner, set())

@@ -38,8 +38,8 @@ from __future__ import annotations
 import gc
 import math
 import struct
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union, cast
 
 import msgpack
@@ -189,12 +189,16 @@ class ProtocolViolation:
 class BadRequest:
     """A request that parsed as a frame but cannot be served; the server answers it with an error.
 
-    The connection stays usable: the frame boundaries were intact.
+    The connection stays usable: the frame boundaries were intact. ``op`` and ``header``: its
+    op and header fields as they came, when its op is known (a service's refused reply still
+    names the batch whose calls then fail); else ``""`` and an empty map.
     """
 
     id: int
     code: str
     message: str
+    op: str = ""
+    header: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -998,7 +1002,7 @@ class ServerConnection(_Side):
             raise ProtocolError(f"request without a valid 'id' (an integer >= 1; "
                                 f"op {h.get('op')!r})")
         if type(frame) is OversizedFrame:
-            return self._oversized(rid, frame), -1, ()
+            return self._oversized(rid, frame, h), -1, ()
         assert type(frame) is Frame
         through, open_ids = -1, cast(tuple[int, ...], ())
         if "ack" in h:
@@ -1013,22 +1017,25 @@ class ServerConnection(_Side):
         try:
             return op.parse(rid, h, frame.payload, self.limits), through, open_ids
         except InvalidField as exc:
-            return BadRequest(rid, exc.code, str(exc)), through, open_ids
+            return BadRequest(rid, exc.code, str(exc), name, h), through, open_ids
 
-    def _oversized(self, rid: int, frame: OversizedFrame) -> BadRequest:
+    def _oversized(self, rid: int, frame: OversizedFrame, h: dict[str, Any]) -> BadRequest:
         """The answer to a request whose payload was refused (over a limit, or no memory)."""
+        op = OPS.get(h.get("op", ""))
+        name = "" if op is None else op.name
         if frame.reason:
             # (a budget may say which error it is: a user's quota is not the server's memory)
             return BadRequest(rid, getattr(frame.reason, "code", MemoryLimitExceeded.code),
                               f"a request of {frame.payload_len} payload bytes was refused: "
-                              f"{frame.reason}; nothing was stored")
+                              f"{frame.reason}; nothing was stored", name, h)
         if not self.greeted:
             raise ProtocolError(f"a frame of {frame.payload_len} payload bytes before the "
                                 f"handshake; at most {frame.limit} bytes are accepted "
                                 f"until hello")
         return BadRequest(rid, LimitExceeded.code,
                           f"frame of {frame.payload_len} payload bytes exceeds the "
-                          f"server's max_frame_bytes={frame.limit}; nothing was stored")
+                          f"server's max_frame_bytes={frame.limit}; nothing was stored", name, h)
+
 
 def _prepared_request(msg: Request, ack: AckInfo | None) -> bytes | None:
     """The header of a put, an append of one item or a fetch of the common shapes, from

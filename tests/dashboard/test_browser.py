@@ -35,6 +35,7 @@ except ImportError:
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.xdist_group("browser"),  # one browser: these tests share one worker
     pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian: apt-get "
                                                 "install chromium; .ci/run installs it)"),
     pytest.mark.skipif(not PLAYWRIGHT, reason="playwright is not installed (the test extra)"),

@@ -157,6 +157,7 @@ def test_a_descriptor_that_is_not_a_sealed_memfd_is_refused(unix_server: Any,
     os.close(unsealed)
 
 
+@pytest.mark.alone  # /dev/shm is the machine's: no other test beside this one
 def test_killed_processes_leave_no_shared_memory_behind(tmp_path: Path) -> None:
     path = str(tmp_path / "ts.sock")
     before = set(os.listdir("/dev/shm"))
@@ -219,6 +220,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.alone  # /dev/shm and the shared memory in use are the machine's
 def test_a_killed_writer_frees_the_memfds_its_pool_made_ready(tmp_path: Path) -> None:
     """The memfds a client's pool makes ready for its next put (pages allocated) have no
     name and belong to the process: a SIGKILL frees them, nothing is left in /dev/shm or in

@@ -18,8 +18,10 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e \"
 
 import tensorshare.ray as tsray  # noqa: E402
 from tensorshare import RLTrainer, RLWorker  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
-pytestmark = [pytest.mark.long, pytest.mark.timeout(120)]
+# One cluster for the module, on one worker of a parallel run (``--dist loadgroup``).
+pytestmark = [pytest.mark.long, pytest.mark.timeout(120), pytest.mark.xdist_group("ray")]
 
 MB = 1 << 20
 
@@ -392,5 +394,12 @@ def test_a_killed_relay_comes_back_on_its_port_and_its_readers_carry_on(
         got = c.fetch(PARAMS, remove=False, newer_than=v1, timeout=30)
         assert got.version == v2 and torch.equal(got.value["weight"], policy.weight)
         assert c.relayed(PARAMS) and tsray.reachable([now["address"]]) == [True]
-        again = ray.get(shards.relay_actors[k].info.remote(), timeout=30)
+        # (the relay serves a version a moment before its info() counts it: wait for that)
+        def counted() -> bool:
+            seen.append(ray.get(shards.relay_actors[k].info.remote(), timeout=30))
+            return bool(seen[-1]["versions"] == {PARAMS: v2} and seen[-1]["downloads"] >= 1)
+
+        seen: list[dict[str, Any]] = []
+        wait_until(counted, timeout=30, what="the relay's info() to count what it served")
+        again = seen[-1]
         assert again["versions"] == {PARAMS: v2} and 1 <= again["downloads"] <= 2

@@ -21,6 +21,7 @@ from tensorshare.wire.messages import (
     Hello,
     HelloReply,
     Item,
+    Ping,
     Put,
     Stored,
 )
@@ -123,6 +124,28 @@ def test_repeated_failures_from_one_address_are_slowed_down(
     attempts = FailedAttempts(free=1, max_delay=2.0)
     assert [attempts.failed("a", now=0) for _ in range(6)] == [0, 0.25, 0.5, 1.0, 2.0, 2.0]
     assert attempts.failed("a", now=100) == 0  # the window passed
+
+
+@pytest.mark.parametrize("slowed", [False, True], ids=["fresh_address", "slowed_address"])
+def test_a_wrong_auth_with_a_request_behind_it_gets_authentication_failed(
+        factory: ServerFactory, clock: MemoryReactorClock, slowed: bool) -> None:
+    # §8.1: if the handshake fails, the requests after it are dropped unanswered; the
+    # refusal is authentication_failed, after its delay from an address already slowed down.
+    if slowed:
+        for _ in range(3):
+            _handshake(factory, "guess")
+    p = Peer(factory, hello=False)
+    assert isinstance(p.request(Hello(p.rid(), PROTOCOL_VERSIONS, "t", NONCE)), Challenge)
+    auth = Auth(p.rid(), b"x" * 32)
+    p.write(p.conn.frame(auth) + p.conn.frame(Ping(p.rid())))  # pipelined: one read
+    if slowed:
+        assert p.received() == [] and not p.transport.disconnecting  # held back...
+        clock.advance(0.25)
+    (reply,) = p.received()
+    assert isinstance(reply, ErrorReply) and reply.id == auth.id
+    assert reply.code == "authentication_failed" and p.transport.disconnecting
+    clock.advance(10.0)
+    assert p.received() == []  # the ping got nothing
 
 
 def test_a_read_only_token_needs_a_different_read_write_token() -> None:

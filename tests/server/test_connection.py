@@ -369,6 +369,25 @@ def test_waiting_get_served_at_once_when_data_is_there(factory: ServerFactory,
     assert clock.getDelayedCalls() == [] and factory.store.n_waiters == 0
 
 
+def test_a_waiting_get_behind_a_waiter_that_cannot_be_served_is_answered_at_once(
+        factory: ServerFactory, clock: MemoryReactorClock) -> None:
+    # The store serves its queue in order as the second waiter comes: the first wants more
+    # items than the bin has, the second is served at once and answered with its pass.
+    first, second = Peer(factory), Peer(factory)
+    second.append("q", 1)
+    rid = first.rid()
+    first.send(Peek(rid, "q", wait=True, timeout=5, min_items=3))
+    assert first.received() == []
+    rid = second.rid()
+    got = second.request(Get(rid, "q", wait=True, timeout=5))
+    assert got.id == rid and values(got) == [1]
+    assert second.proto.started == {} and len(clock.getDelayedCalls()) == 1  # the first's
+    assert factory.store.n_waiters == 1 and first.received() == []
+    clock.advance(5)
+    (late,) = first.received()
+    assert isinstance(late, ErrorReply) and late.code == "timeout"
+
+
 def test_cancel_a_waiting_get(factory: ServerFactory, clock: MemoryReactorClock) -> None:
     peer, writer = Peer(factory), Peer(factory)
     target = peer.rid()

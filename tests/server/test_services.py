@@ -15,13 +15,27 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
+from twisted.internet.testing import MemoryReactorClock
 
 from tensorshare import BinFull, Client, EmbeddedServer, InvalidRequest, ServiceFailed, WaitTimeout
 from tensorshare.server import ServerConfig
+from tensorshare.server.core import ServerFactory
+from tensorshare.wire import codec
+from tensorshare.wire.frames import encode_frame
+from tensorshare.wire.messages import Acked, ErrorReply, Item
+from tensorshare.wire.services import (
+    MAX_BATCH,
+    ServiceBatch,
+    ServiceCall,
+    ServiceReply,
+    ServiceTake,
+)
 from tests.chaos import ChaosProxy, Faults
 from tests.conftest import wait_until
+from tests.server.test_connection import Peer
 
 DEADLINE = 10.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +49,8 @@ def clients(server: EmbeddedServer) -> Iterator[tuple[Client, Client]]:
         yield caller, host
 
 
-def _calls(c: Client, name: str, values: list[torch.Tensor]) -> list[Future]:
-    return [c._submit_future(c.service_call_command(name, v)) for v in values]
+def _calls(c: Client, name: str, values: list[torch.Tensor], **kw: float) -> list[Future]:
+    return [c._submit_future(c.service_call_command(name, v, **kw)) for v in values]
 
 
 def _service(c: Client, name: str) -> dict:
@@ -162,7 +176,9 @@ def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
     # 6 and 7 (queued while it held its batch), wait behind. 0 and 1 go back to the front
     # of the queue: the next host takes them first, then the others in their order.
     caller, host = clients
-    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(6)])
+    # (the calls wait for as long as the test may run: the host process must start first,
+    # which on a loaded machine takes more than the client's 10 s)
+    futs = _calls(caller, "svc", [torch.full((1,), float(i)) for i in range(6)], timeout=50)
     wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "6 queued")
     proc = subprocess.Popen([sys.executable, "-c", HOLDING_HOST, str(caller.port)],
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -170,7 +186,7 @@ def test_a_killed_hosts_calls_go_back_before_the_calls_queued_behind_them(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().split() == ["TOOK", "0", "1"]
-        futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)])
+        futs += _calls(caller, "svc", [torch.full((1,), float(i)) for i in (6, 7)], timeout=50)
         wait_until(lambda: _service(caller, "svc")["n_items"] == 6, DEADLINE, "2..7 queued")
         assert _service(caller, "svc")["service"]["with_hosts"] == 2
         proc.send_signal(signal.SIGKILL)
@@ -337,3 +353,39 @@ def test_calls_through_cut_connections_are_answered_exactly_once() -> None:
         with Client("127.0.0.1", srv.port) as c:
             st = _service(c, "svc")["service"]
         assert st["answered"] == n and st["calls"] == n
+
+
+@pytest.mark.parametrize("header", [
+    {"items": [0] * (MAX_BATCH + 1)},  # more items than a batch may have
+    {"items": [0], "error": 7},  # a field of the wrong type
+], ids=["too_many_items", "bad_error_field"])
+def test_a_refused_service_reply_fails_every_call_of_its_batch(header: dict) -> None:
+    # §3.2.24: a reply the server refuses (invalid_request) still names its batch: every call
+    # of the batch fails at once (service_failed), not when the lease runs out.
+    f = ServerFactory(MemoryReactorClock())
+    caller, host = Peer(f), Peer(f)
+    calls = [ServiceCall(caller.rid(), "svc", Item(codec.encode(i))) for i in range(2)]
+    for call in calls:
+        caller.send(call)
+    assert caller.received() == []
+    take = ServiceTake(host.rid(), "svc", max_batch=2, lease=60.0)
+    batch = host.request(take)
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 2
+    rid = host.rid()
+    host.conn.ops[rid] = "service_reply"
+    host.write(b"".join(encode_frame(msgpack.packb(
+        {"op": "service_reply", "id": rid, "bin": "svc", "batch": batch.batch, **header}))))
+    (refused,) = host.received()
+    assert isinstance(refused, ErrorReply) and refused.id == rid
+    assert refused.code == "invalid_request"
+    failed = caller.received()
+    assert sorted(r.id for r in failed) == [c.id for c in calls]
+    assert all(isinstance(r, ErrorReply) and r.code == "service_failed"
+               and "service_reply was refused" in r.message for r in failed)
+    stats = f.bin_stats("svc")["svc"]["service"]
+    assert stats["failed"] == 2 and stats["with_hosts"] == 0 and stats["queue"] == 0
+    # The host is still usable, and a late reply to that batch is dropped.
+    rid = host.rid()
+    late = host.request(ServiceReply(rid, "svc", batch.batch, Item(codec.encode(0)),
+                                     (Item(codec.encode(1)),)))
+    assert late == Acked(rid, False)

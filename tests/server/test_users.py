@@ -14,9 +14,10 @@ import pytest
 from twisted.internet.testing import MemoryReactorClock
 
 from tensorshare.server import ServerConfig
+from tensorshare.server.accounts import load_users, parse_size
 from tensorshare.server.core import ServerFactory
 from tensorshare.server.sessions import SessionTable
-from tensorshare.server.users import ROOM_POLL, load_users, parse_size
+from tensorshare.server.users import ROOM_POLL
 from tensorshare.wire import codec
 from tensorshare.wire.auth import client_proof, server_proof, token_bytes
 from tensorshare.wire.messages import (
@@ -175,10 +176,13 @@ def test_each_op_of_every_kind_is_allowed_or_refused_as_the_users_file_says(
             rid = p.rid()
             msg = _request(op, rid, name)
             assert getattr(msg, "bin", name) == name
+            existed = set(factory.bin_stats())
             p.send(msg)
             denied = [r for r in p.received() if isinstance(r, ErrorReply) and r.id == rid
                       and r.code == "permission_denied"]
             expected = _allowed(user, access, name if hasattr(msg, "bin") else "")
+            if op == "stream_join" and name not in existed:  # (joining makes it: a write)
+                expected = expected and _allowed(user, "write", name)
             assert bool(denied) != expected, (op, user, name, denied)
             if denied:
                 text = denied[0].message
@@ -187,6 +191,21 @@ def test_each_op_of_every_kind_is_allowed_or_refused_as_the_users_file_says(
                     assert repr(name) in text, text
                 if op != "bye":
                     p.ping()  # the connection stays usable
+
+
+def test_a_reader_joins_a_stream_once_a_writer_made_it(factory: ServerFactory) -> None:
+    """Joining a stream that does not exist makes it: alice, who may only read ``shared/*``,
+    is refused there (and no bin appears) until bob, who may write it, has opened it."""
+    from tensorshare.wire.streams import StreamJoin, StreamJoined, StreamOpen, StreamOpened
+
+    alice, bob = peer(factory, "alice"), peer(factory, "bob")
+    reply = alice.request(StreamJoin(alice.rid(), "shared/s", "job"))
+    assert isinstance(reply, ErrorReply) and reply.code == "permission_denied", reply
+    assert "join once its producer has opened it" in reply.message
+    assert "shared/s" not in factory.bin_stats()
+    assert isinstance(alice.request(StreamJoin(alice.rid(), "alice/s", "job")), StreamJoined)
+    assert isinstance(bob.request(StreamOpen(bob.rid(), "shared/s")), StreamOpened)
+    assert isinstance(alice.request(StreamJoin(alice.rid(), "shared/s", "job")), StreamJoined)
 
 
 def test_what_was_refused_changed_nothing(factory: ServerFactory) -> None:
@@ -336,6 +355,7 @@ def test_a_write_over_the_quota_fails_at_once_naming_the_user(factory: ServerFac
     refused = alice.request(Put(rid, "alice/b", item(big)))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
     assert "user 'alice'" in refused.message and f"max_memory={QUOTA}" in refused.message
+    assert "wait_room=True" in refused.message  # a put could have waited for room
     assert "alice/b" not in factory.store
     assert isinstance(alice.put("alice/a", big), Stored)  # replacing its own value fits
     got = alice.request(Get(alice.rid(), "alice/a"))
@@ -536,6 +556,7 @@ def test_stream_appends_and_service_calls_count_against_the_quota(
     refused = alice.request(StreamAppend(alice.rid(), "alice/s", 0, opened.epoch, big))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
     assert "user 'alice'" in refused.message and "stream 'alice/s'" in refused.message
+    assert "wait_room" not in refused.message  # (a stream append cannot wait for room)
     alice.lose()  # the producer leaves: once its lease ends the stream goes, and its items
     factory.reactor.advance(30)
     assert usage.stored == 0
@@ -545,7 +566,7 @@ def test_stream_appends_and_service_calls_count_against_the_quota(
     assert caller.received() == [] and usage.stored > 40 * 1024
     refused = caller.request(ServiceCall(caller.rid(), "alice/p", big, 5.0))
     assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
-    assert "service 'alice/p'" in refused.message
+    assert "service 'alice/p'" in refused.message and "wait_room" not in refused.message
     factory.reactor.advance(5)  # the first call times out: no longer alice's to hold
     assert [r.code for r in caller.received() if isinstance(r, ErrorReply)] == ["timeout"]
     assert usage.stored == 0

@@ -29,12 +29,19 @@ from tests.conftest import TlsFiles
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
+# The runs that learn (a trainer and its workers, each busy): one after the other on one
+# worker of a parallel run, so that they never compete with each other for the cores
+# (central inference, the longest, runs alone).
+LEARNING = pytest.mark.xdist_group("learning")
+
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     # Examples import tensorshare; make sure it is this checkout's, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"  # so that a killed process still shows what it printed
+    if "PYTHONPATH" in extra:  # (put first: what was on the path stays, tensorshare too)
+        extra["PYTHONPATH"] = os.pathsep.join((extra["PYTHONPATH"], env["PYTHONPATH"]))
     env.update(extra)
     return env
 
@@ -148,6 +155,7 @@ def _wait_until_serving(port: int, proc: subprocess.Popen[str], timeout: float,
     pytest.fail(f"nothing listening on port {port} after {timeout} s")
 
 
+@LEARNING
 @pytest.mark.timeout(120)
 def test_rl_trainer_and_workers(tls_files: TlsFiles) -> None:
     """The seed's trainer (hosting its server) and workers, unchanged, on a cluster whose
@@ -212,6 +220,7 @@ def no_gymnasium(tmp_path: Path) -> str:
     return os.pathsep.join([str(tmp_path), str(ROOT)])
 
 
+@LEARNING
 @pytest.mark.long
 @pytest.mark.timeout(150)
 def test_cartpole_solves() -> None:
@@ -226,6 +235,7 @@ def test_cartpole_solves() -> None:
     assert "Traceback" not in res.stderr, res.stderr  # workers exit quietly
 
 
+@LEARNING
 @needs_gymnasium
 @pytest.mark.long
 @pytest.mark.timeout(120)
@@ -244,6 +254,7 @@ def test_acrobot_example_says_what_it_needs(no_gymnasium: str) -> None:
     assert res.returncode == 2 and "needs Gymnasium" in res.stderr, res.stdout + res.stderr
 
 
+@LEARNING
 @pytest.mark.timeout(90)
 def test_triplet_mining_loss_falls() -> None:
     res = _run([str(EXAMPLES / "triplet_mining.py"), "--workers", "2", "--steps", "60",
@@ -257,6 +268,8 @@ def test_triplet_mining_loss_falls() -> None:
 
 
 @pytest.mark.long
+@pytest.mark.alone  # each step a chain of hand-offs between threads and processes, which
+# other tests' work on the same cores would slow many times over
 @pytest.mark.timeout(330)
 def test_central_inference_example_reaches_the_target_both_ways() -> None:
     # Workers acting through one InferenceHost learn CartPole as workers with local copies do.
@@ -268,6 +281,7 @@ def test_central_inference_example_reaches_the_target_both_ways() -> None:
     assert "Traceback" not in res.stderr, res.stderr
 
 
+@LEARNING
 @pytest.mark.timeout(180)
 def test_shared_loader_example_reaches_private_accuracy() -> None:
     # Two jobs off one served DataLoader learn as well as two jobs with a loader each.
@@ -276,6 +290,7 @@ def test_shared_loader_example_reaches_private_accuracy() -> None:
     assert "accuracy: the same" in res.stdout, res.stdout
 
 
+@LEARNING
 @needs_gymnasium
 @pytest.mark.long
 @pytest.mark.timeout(150)
@@ -295,6 +310,7 @@ def test_demo_command() -> None:
     assert "Traceback" not in res.stderr, res.stderr
 
 
+@LEARNING
 @pytest.mark.long
 @pytest.mark.timeout(150)
 def test_demo_without_gymnasium_falls_back_to_the_builtin_cartpole(no_gymnasium: str) -> None:

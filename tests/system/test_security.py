@@ -277,7 +277,10 @@ def test_binding_beyond_loopback_without_a_token_refuses_to_start() -> None:
         assert proc.stdout is not None
         first = proc.stdout.readline()
         assert re.search(r"listening on 0\.0\.0\.0:\d+$", first.strip()), first
-        lines = [proc.stdout.readline() for _ in range(2)]
+        # The memory and security lines, then the hot path's, printed after the warning (so
+        # that the warning is out before the server is stopped).
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[-1].startswith("hot path: "), lines
         assert any("authentication: off" in line and "TLS: off" in line for line in lines)
     finally:
         proc.terminate()
@@ -400,7 +403,7 @@ def _fuzz_frame(rng: Any, rid: int) -> bytes:
 
 def _outside_alice(f: Any) -> dict[str, Any]:
     """What every bin alice may not write holds: no frame of hers may change it."""
-    from tensorshare.server.users import User
+    from tensorshare.server.accounts import User
 
     alice = User("alice", write=("alice/*",))
     out: dict[str, Any] = {}

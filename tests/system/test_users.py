@@ -286,7 +286,7 @@ def test_stats_monitor_and_metrics_show_each_user(server: EmbeddedServer) -> Non
 def test_the_readme_users_file_is_what_the_server_reads(tmp_path: Path) -> None:
     import re
 
-    from tensorshare.server.users import load_users
+    from tensorshare.server.accounts import load_users
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
