@@ -50,8 +50,10 @@ __all__ = ["NO_EXTENSIONS_ENV", "REBUILD", "TWINS", "Stale", "compiled", "instal
 #: The modules with a compiled twin (``setup.py`` reads this tuple without importing it).
 TWINS = (
     "tensorshare.wire.records",
+    "tensorshare.wire.tensors",
     "tensorshare.wire.frames",
     "tensorshare.wire.fields",
+    "tensorshare.wire.prepared",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",
     "tensorshare.server.sessions",

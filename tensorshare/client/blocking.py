@@ -165,12 +165,6 @@ class Client(BinClient):
         """
         return Pipeline(self, raise_on_error)
 
-    def __getattr__(self, name: str) -> Any:
-        # begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names).
-        if name.startswith("begin_") and name != "begin_":
-            return getattr(self.begin, name[6:])
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def __enter__(self) -> Client:
         return self
 
@@ -219,5 +213,20 @@ class Begin(Ops):
 
     def _execute(self, cmd: Command) -> PendingCall:
         return self._face._submit(cmd)
+
+
+def _older_name(op: str) -> property:
+    def get(client: Client) -> Any:
+        return getattr(client.begin, op)
+
+    return property(get, doc=f"The same as ``begin.{op}`` (an older name).")
+
+
+# begin_put, begin_fetch, ...: the same as begin.put, begin.fetch, ... (older names). Made
+# properties, not a __getattr__: a class with one makes every attribute of its instances
+# slower to find, and a request reads a dozen.
+for _op in [n for n in dir(Begin) if not n.startswith("_") and callable(getattr(Begin, n))]:
+    setattr(Client, f"begin_{_op}", _older_name(_op))
+del _op
 
 

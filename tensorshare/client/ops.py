@@ -46,7 +46,9 @@ from ..wire.records import (
     Item,
     Put,
 )
+from ..wire.tensors import decode_tensor, encode_tensor
 from .command import (
+    _FRAME_SLACK,
     BLOCK_SHARE,
     NOWAIT,
     Command,
@@ -106,6 +108,12 @@ def decode_fetched(reply: Fetched, max_depth: int,
     if reply.unchanged:
         return reply
     items = reply.items
+    if len(items) == 1:  # (the common reply: one lone tensor of a shape seen before)
+        it = items[0]
+        value = decode_tensor(it.value, _MAX_RAW_BYTES)
+        if value is not None:
+            return Fetched(reply.id, reply.kind, (value,), reply.version, reply.n_items,
+                           reply.dropped, False, (it.tag,))
     with gc_paused(len(items)):
         values = tuple(decode_many([it.value for it in items], max_depth=max_depth,
                                    cuda_ipc=cuda_ipc))
@@ -139,6 +147,10 @@ def _stats(reply: Any) -> dict[str, Any]:
 
 def _limits(reply: Configured) -> BinLimits:
     return BinLimits(reply.max_items, reply.max_bytes, reply.overflow)
+
+
+#: The largest item a reply's buffer may decompress to (as ``wire/codec.decode_many``).
+_MAX_RAW_BYTES = 1 << 40
 
 
 class _Decode:
@@ -193,8 +205,20 @@ class Ops(StreamOps, ServiceOps):
     _execute: Callable[[Command], Any]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
+        share = self._share_min_bytes()
+        torch = sys.modules.get("torch")
+        if (torch is not None and type(value) is torch.Tensor and tag is None
+                and (self.compress is None or value.nbytes < self.compress_min_bytes)):
+            # A lone CPU tensor (the common value): encoded by wire/tensors, checked as
+            # make_item checks it; anything else (or shared memory's size) goes that way.
+            limits = self.limits
+            enc = encode_tensor(value)
+            if (enc is not None and enc.nbytes + _FRAME_SLACK <= limits.max_frame_bytes
+                    and (share is None or enc.nbytes < share)):
+                check_bin_name(name, limits.max_name_bytes)
+                return Item(enc, None)
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
-                         self._share_min_bytes())
+                         share)
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
         """:meth:`_item` for a batch of appends to one bin (see :func:`make_items`)."""

@@ -50,6 +50,22 @@ import msgpack
 
 from ..errors import CodecError, NestingTooDeep, TensorShareError, UnsupportedType
 from .records import Buffer, Encoded, encoded_of, raw_buffer
+from .tensors import (
+    BIG_ENDIAN_HOST,
+    DTYPES,
+    EXT_TENSOR,
+    ITEMSIZE,
+    decode_tensor,
+    encode_tensor,
+    known,
+    lone_of,
+    lz4,
+    make_tensor,
+    remember,
+    swap_bytes,
+    torch_dtypes,
+    writable_raw,
+)
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -74,7 +90,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_DEPTH = 64
-EXT_TENSOR = 1
 EXT_NDARRAY = 2
 EXT_TUPLE = 3
 EXT_CUDA_IPC = 4
@@ -101,25 +116,8 @@ CUDA_IPC_FIELDS: dict[str, str] = {
     "gen": "int>0",  # the generation it was written with (the slot's when it is valid)
 }
 
-# Wire dtype name -> bytes per element. The order is the documented order of DTYPES.
-_ITEMSIZE: dict[str, int] = {
-    "float16": 2,
-    "float32": 4,
-    "float64": 8,
-    "bfloat16": 2,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "uint8": 1,
-    "bool": 1,
-    "complex64": 8,
-    "complex128": 16,
-    "uint16": 2,
-    "uint32": 4,
-    "uint64": 8,
-}
-DTYPES: tuple[str, ...] = tuple(_ITEMSIZE)
+# Wire dtype name -> bytes per element (the table lives in .tensors), in DTYPES' order.
+_ITEMSIZE = ITEMSIZE
 # numpy has no native bfloat16, so arrays may use every wire dtype but that one.
 _NUMPY_DTYPES = frozenset(DTYPES) - {"bfloat16"}
 
@@ -134,11 +132,7 @@ _LZ4_MAX_INPUT = 0x7E000000
 # one eighth of the bytes.
 _AUTO_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                           "uint64", "bool"})
-# One LZ4 input byte can never expand to more than 255 output bytes, so a claimed raw
-# size above this is a lie; checked before allocating the output buffer.
-_LZ4_MAX_RATIO = 255
-
-_BIG_ENDIAN_HOST = sys.byteorder == "big"
+_BIG_ENDIAN_HOST = BIG_ENDIAN_HOST
 
 _SUPPORTED = (
     "None, bool, int, float, str, bytes, list, tuple, dict with str keys, "
@@ -164,36 +158,7 @@ def _type_name(obj: object) -> str:
     return cls.__qualname__ if mod == "builtins" else f"{mod}.{cls.__qualname__}"
 
 
-_torch_dtype_maps: tuple[dict[Any, str], dict[str, Any]] | None = None
-
-
-def _torch_dtypes(torch: Any) -> tuple[dict[Any, str], dict[str, Any]]:
-    """Return (torch dtype -> wire name, wire name -> torch dtype), built once.
-
-    Built lazily because torch must not be imported with this module; dtypes this torch
-    lacks (old builds without uint16/32/64) are simply missing from both maps.
-    """
-    global _torch_dtype_maps
-    if _torch_dtype_maps is None:
-        to_name: dict[Any, str] = {}
-        for name in DTYPES:
-            dt = getattr(torch, name, None)
-            if isinstance(dt, torch.dtype):
-                to_name[dt] = name
-        _torch_dtype_maps = (to_name, {v: k for k, v in to_name.items()})
-    return _torch_dtype_maps
-
-
-def _swap_bytes(u8: Any, name: str) -> Any:
-    """Byte-swap every element of a flat uint8 torch tensor holding ``name`` elements.
-
-    Only needed on big-endian hosts (the wire is little-endian). Complex numbers are
-    swapped per component so real and imaginary parts keep their places.
-    """
-    group = _ITEMSIZE[name] // 2 if name.startswith("complex") else _ITEMSIZE[name]
-    if group == 1:
-        return u8
-    return u8.reshape(-1, group).flip(-1).reshape(-1).contiguous()
+_torch_dtypes = torch_dtypes
 
 
 class _Refusal(Exception):
@@ -404,7 +369,7 @@ class _Encoder:
         # not the whole storage of a sliced tensor.
         u8 = t.reshape(-1).view(torch.uint8)
         if _BIG_ENDIAN_HOST:
-            u8 = _swap_bytes(u8, name)
+            u8 = swap_bytes(u8, name)
         try:
             data: memoryview | bytes = memoryview(u8.numpy())
         except (RuntimeError, TypeError):
@@ -466,40 +431,6 @@ class _Encoder:
         return msgpack.ExtType(code, msgpack.packb([name, shape, index]))
 
 
-# Value trees of a lone tensor, by (dtype, shape): one tensor of the same kind again and again
-# (rollouts, gradients, parameters) is the common case, and its tree is the same bytes.
-_LONE_TENSOR_TREES: dict[tuple[Any, tuple[int, ...]], bytes] = {}
-_LONE_TENSOR_TREES_MAX = 4096
-# ... and the other way, for decoding: tree -> (dtype name, shape, elements, itemsize).
-# (None: a small tree known not to be a lone tensor.)
-_LONE_TENSOR_SHAPES: dict[bytes, tuple[str, tuple[int, ...], int, int] | None] = {}
-
-
-def _plain_tensor(torch: Any, x: Any) -> Encoded | None:
-    """Encode a value that is one plain contiguous CPU tensor, or return ``None``.
-
-    Exactly what the general path produces for it (a tensor ext with buffer 0), built with
-    less work: the tree's bytes are reused for every tensor of the same dtype and shape.
-    """
-    if (not x.is_cpu or x.requires_grad or x.layout is not torch.strided
-            or not x.is_contiguous() or x.is_conj() or x.is_neg() or _BIG_ENDIAN_HOST):
-        return None
-    shape = tuple(x.shape)
-    key = (x.dtype, shape)
-    tree = _LONE_TENSOR_TREES.get(key)
-    if tree is None:
-        name = _torch_dtypes(torch)[0].get(x.dtype)
-        if name is None or name == "bfloat16" or not x.numel():
-            return None
-        tree = msgpack.packb(msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, list(shape), 0])),
-                             use_bin_type=True)
-        if len(_LONE_TENSOR_TREES) < _LONE_TENSOR_TREES_MAX:
-            _LONE_TENSOR_TREES[key] = tree
-    view = memoryview(x.numpy()).cast("B").toreadonly()
-    n = len(view)
-    return encoded_of(tree, (raw_buffer(view, n),), len(tree) + n)
-
-
 def encode_lone_tensors(tensors: Sequence[Any]) -> list[Encoded] | None:
     """Encode tensors of one dtype and shape as :func:`encode` encodes each lone one (the
     same trees, the same bytes), their data copied once, together, into one buffer that the
@@ -518,7 +449,7 @@ def encode_lone_tensors(tensors: Sequence[Any]) -> list[Encoded] | None:
     for t in tensors:
         if type(t) is not torch.Tensor or t.dtype is not dtype or t.shape != shape:
             return None
-    lone = _plain_tensor(torch, first)  # checks the first fully, and gives the tree
+    lone = encode_tensor(first)  # checks the first fully, and gives the tree
     if lone is None:
         return None
     try:
@@ -535,13 +466,7 @@ def encode_lone_tensors(tensors: Sequence[Any]) -> list[Encoded] | None:
             for i in range(len(tensors))]
 
 
-def _lz4_block() -> Any:
-    """Import ``lz4.block`` on first use (it is only needed with compression)."""
-    try:
-        import lz4.block
-    except ImportError as exc:  # pragma: no cover - lz4 is a dependency
-        raise CodecError("lz4 compression needs the 'lz4' package") from exc
-    return lz4.block
+_lz4_block = lz4
 
 
 def _bad_options(compress: str | None) -> ValueError:
@@ -602,7 +527,7 @@ def encode(
     torch = sys.modules.get("torch")
     if (torch is not None and type(value) is torch.Tensor
             and (compress is None or value.nbytes < compress_min_bytes)):
-        fast = _plain_tensor(torch, value)
+        fast = encode_tensor(value)
         if fast is not None:
             return fast
     enc = _Encoder(compress, compress_min_bytes, max_depth, stage)
@@ -819,45 +744,7 @@ def _check_tree(obj: Any, max_depth: int) -> None:
                 raise CodecError("unknown ext type code -1 (msgpack timestamp)")
 
 
-def _writable_raw(buf: Buffer, expected: int, max_raw_bytes: int) -> bytearray | memoryview:
-    """Return the buffer's decompressed bytes in writable memory.
-
-    A writable buffer is used as it is (zero copy); read-only data is copied once.
-    """
-    if buf.raw_nbytes != expected:
-        raise CodecError(f"buffer holds {buf.raw_nbytes} bytes but the tensor needs {expected}")
-    data = buf.data
-    if type(data) is memoryview and buf.codec is None and not data.readonly and \
-            data.format == "B" and data.ndim == 1 and len(data) == expected:
-        return data  # (the usual case: a received buffer, as it is)
-    if buf.codec is None:
-        if len(data) != expected:
-            raise CodecError(f"raw buffer holds {len(data)} bytes but claims {buf.raw_nbytes}")
-        if type(data) is bytearray:
-            return data
-        if type(data) is not memoryview:
-            data = memoryview(data)
-        if data.readonly:
-            return bytearray(data)
-        if data.ndim != 1 or data.format != "B":
-            data = data.cast("B")
-        return data
-    if buf.codec == "lz4":
-        if expected > max_raw_bytes:
-            raise CodecError(f"buffer of {expected} bytes exceeds max_raw_bytes={max_raw_bytes}")
-        if expected > _LZ4_MAX_RATIO * len(data) + _LZ4_MAX_RATIO:
-            raise CodecError(f"lz4 buffer of {len(data)} bytes cannot hold {expected} bytes")
-        if expected == 0:
-            return bytearray()
-        lz4_block = _lz4_block()
-        try:
-            out = lz4_block.decompress(data, uncompressed_size=expected, return_bytearray=True)
-        except lz4_block.LZ4BlockError as exc:
-            raise CodecError(f"corrupt lz4 buffer: {exc}") from None
-        if len(out) != expected:
-            raise CodecError(f"lz4 buffer decompressed to {len(out)} bytes, not {expected}")
-        return out
-    raise CodecError(f"unknown buffer codec {buf.codec!r}")
+_writable_raw = writable_raw
 
 
 def decode(
@@ -891,12 +778,9 @@ def decode(
             reused buffer, a size does not match, or torch/numpy is needed but missing.
     """
     buffers = enc.buffers
-    lone = _LONE_TENSOR_SHAPES.get(enc.value, False)
-    if type(lone) is tuple and len(buffers) == 1:
-        # A lone tensor whose tree we made (or saw) before: no need to parse it again.
-        name, shape, n, itemsize = lone
-        raw = _writable_raw(buffers[0], n * itemsize, max_raw_bytes)
-        return _make_tensor(name, list(shape), n, itemsize, raw)
+    lone = decode_tensor(enc, max_raw_bytes)  # a lone tensor whose tree was seen before
+    if lone is not None:
+        return lone
     np_dtypes: dict[str, Any] = {}
 
     def make(code: int, name: str, shape: list[int], index: int) -> Any:
@@ -908,8 +792,7 @@ def decode(
         return _make_ndarray(name, shape, n, raw, np_dtypes)
 
     value = _Unpacker(len(buffers), max_depth, make, cuda_ipc).unpack(enc.value)
-    if lone is False and len(enc.value) <= 64 and len(buffers) == 1 and \
-            len(_LONE_TENSOR_SHAPES) < _LONE_TENSOR_TREES_MAX:
+    if len(enc.value) <= 64 and len(buffers) == 1 and not known(enc.value):
         _remember_lone_tensor(enc.value)
     return value
 
@@ -927,49 +810,54 @@ def decode_many(encs: Sequence[Encoded], *, max_depth: int = DEFAULT_MAX_DEPTH,
     i, n = 0, len(encs)
     while i < n:
         enc = encs[i]
-        lone = _LONE_TENSOR_SHAPES.get(enc.value, False) if len(enc.buffers) == 1 else False
-        if type(lone) is not tuple:
+        lone = lone_of(enc.value) if len(enc.buffers) == 1 else None
+        if lone is None or lone[2] == 0 or _BIG_ENDIAN_HOST:
             out.append(decode(enc, max_depth=max_depth, max_raw_bytes=max_raw_bytes,
                               cuda_ipc=cuda_ipc))
             i += 1
             continue
-        name, shape, count, itemsize = lone
-        tree, expected = enc.value, count * itemsize
-        if count == 0 or _BIG_ENDIAN_HOST:
-            out.append(decode(enc, max_depth=max_depth, max_raw_bytes=max_raw_bytes))
-            i += 1
-            continue
-        import torch
-
-        dtype = _torch_dtypes(torch)[1].get(name)
-        if dtype is None:
-            raise CodecError(f"this torch has no dtype {name!r}")
-        frombuffer = torch.frombuffer
-        reshape = len(shape) != 1
-        while i < n:
-            enc = encs[i]
-            if enc.value != tree or len(enc.buffers) != 1:
-                break
-            raw = _writable_raw(enc.buffers[0], expected, max_raw_bytes)
-            t = frombuffer(raw, dtype=dtype, count=count)
-            if itemsize > 1 and t.data_ptr() % itemsize:
-                t = t.clone()  # (as _make_tensor: keep elements aligned)
-            out.append(t.reshape(shape) if reshape else t)
-            i += 1
+        i = _decode_run(encs, i, lone, max_raw_bytes, out)
     return out
+
+
+def _decode_run(encs: Sequence[Encoded], i: int, lone: list[Any], max_raw_bytes: int,
+                out: list[Any]) -> int:
+    """Decode the items from ``encs[i]`` on that share its lone-tensor tree; return where the
+    run ends."""
+    name, shape, count, itemsize = lone[0], lone[1], lone[2], lone[3]
+    tree, expected = encs[i].value, count * itemsize
+    import torch
+
+    dtype = _torch_dtypes(torch)[1].get(name)
+    if dtype is None:
+        raise CodecError(f"this torch has no dtype {name!r}")
+    frombuffer = torch.frombuffer
+    reshape = len(shape) != 1
+    n = len(encs)
+    while i < n:
+        enc = encs[i]
+        if enc.value != tree or len(enc.buffers) != 1:
+            break
+        raw = _writable_raw(enc.buffers[0], expected, max_raw_bytes)
+        t = frombuffer(raw, dtype=dtype, count=count)
+        if itemsize > 1 and t.data_ptr() % itemsize:
+            t = t.clone()  # (as make_tensor: keep elements aligned)
+        out.append(t.reshape(shape) if reshape else t)
+        i += 1
+    return i
 
 
 def _remember_lone_tensor(tree: bytes) -> None:
     """If ``tree`` (already checked) is a lone tensor ext, remember its dtype and shape."""
-    _LONE_TENSOR_SHAPES[tree] = None  # not a lone tensor (unless found so below)
     try:
         ext = msgpack.unpackb(tree, ext_hook=lambda code, data: (code, data))
         if type(ext) is tuple and ext[0] == EXT_TENSOR:
             name, shape, index = _parse_descriptor(EXT_TENSOR, ext[1], 1)
-            _LONE_TENSOR_SHAPES[tree] = (name, tuple(shape), math.prod(shape),
-                                         _ITEMSIZE[name])
+            remember(tree, name, tuple(shape))
+            return
     except (CodecError, ValueError, TypeError):
         pass
+    remember(tree, None, ())  # not a lone tensor
 
 
 def _make_tensor(
@@ -982,16 +870,7 @@ def _make_tensor(
     dtype = _torch_dtypes(torch)[1].get(name)
     if dtype is None:
         raise CodecError(f"this torch has no dtype {name!r}")
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)  # frombuffer refuses count=0
-    if _BIG_ENDIAN_HOST and itemsize > 1:
-        u8 = _swap_bytes(torch.frombuffer(raw, dtype=torch.uint8), name)
-        return u8.view(dtype).reshape(shape)
-    t = torch.frombuffer(raw, dtype=dtype, count=n)
-    if itemsize > 1 and t.data_ptr() % itemsize:
-        # A buffer slice at an odd offset: some kernels assume aligned elements.
-        t = t.clone()
-    return t if len(shape) == 1 else t.reshape(shape)
+    return make_tensor(dtype, name, shape, n, itemsize, raw)
 
 
 def _make_ndarray(

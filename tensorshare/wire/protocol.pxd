@@ -3,12 +3,13 @@
 import cython
 
 from tensorshare.wire.fields cimport Fds, check_bin, read_items
+from tensorshare.wire.prepared cimport read_notify, read_reply
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 
 cdef object _packb, _FRAME_HEAD
 cdef tuple _STORED_OK, _ACKED_OK
-cdef bytes _PACKED_REPLY_OK
+cdef bytes _PACKED_REPLY_OK, _NOTIFY_OP
 
 
 cdef class _Side:
@@ -59,3 +60,7 @@ cpdef list _items_header(object items, list buffers, object shared)
 cpdef dict _header_map(object frame)
 
 cpdef tuple _ack_of(dict h)
+
+cdef object _prepared_request(object msg, object ack)
+
+cdef list _prepared_chunks(object msg, bytes header)

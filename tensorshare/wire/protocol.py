@@ -105,6 +105,7 @@ from .messages import (
     StatsReply,
     Unlisten,
 )
+from .prepared import fetch_header, frame_chunks, put_header, read_notify, read_reply
 from .records import (
     Acked,
     Append,
@@ -524,6 +525,13 @@ def _table(*groups: Sequence[Op]) -> dict[str, Op]:
 #: docs/PROTOCOL.md §3.2: the core ops, the stream bins' (:data:`.streams.ROWS`), the service
 #: bins' (:data:`.services.ROWS`), then the administration ops.
 OPS: dict[str, Op] = _table(_CORE_ROWS, streams.ROWS, services.ROWS, _ADMIN_ROWS)
+#: The ops whose replies the client reads from their fixed layouts (:mod:`.prepared`), and
+#: the reply each expects: those the op table parses as a Stored, a Fetched or an Acked.
+REPLY_EXPECTS: dict[str, type] = {
+    name: cls for name, op in OPS.items()
+    for parse, cls in ((_reply_stored, Stored), (_reply_fetched, Fetched),
+                       (parse_acked, Acked))
+    if op.parse_reply is parse}
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")
 _OP_OF_CLASS: dict[type, str] = {op.request: op.name for op in OPS.values()
@@ -648,6 +656,7 @@ def _header_of(msg: Message) -> tuple[dict[str, Any], Sequence[Item]]:
 
 
 _PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
+_NOTIFY_OP = _packb("op") + _packb("notify")
 
 
 def encode_fetched_parts(reply: Fetched, shared: list[Any] | None
@@ -1024,6 +1033,53 @@ class ServerConnection(_Side):
                           f"server's max_frame_bytes={frame.limit}; nothing was stored", name, h)
 
 
+def _prepared_request(msg: Request, ack: AckInfo | None) -> bytes | None:
+    """The header of a put, an append of one item or a fetch of the common shapes, from
+    prepared pieces (:mod:`.prepared`: the bytes the general encoder writes); ``None`` for
+    any other request."""
+    cls = type(msg)
+    through, open_ids = (-1, ()) if ack is None else (ack.through, ack.open)
+    if cls is Fetch:
+        f: Fetch = msg  # type: ignore[assignment]
+        return fetch_header(f.spec.remove, f.id, f.bin, f.spec, through, open_ids)
+    if cls is Put:
+        p: Put = msg  # type: ignore[assignment]
+        if p.min_version is not None or p.room is not None:
+            return None
+        return put_header("put", p.id, p.bin, p.item, None, through, open_ids)
+    if cls is Append:
+        a: Append = msg  # type: ignore[assignment]
+        if a.rest or a.min_version is not None or a.wait_room:
+            return None
+        return put_header("append", a.id, a.bin, a.item, a.timeout, through, open_ids)
+    return None
+
+
+def _prepared_chunks(msg: Request, header: bytes) -> list[BytesLike]:
+    """The frame of a prepared request's ``header`` and its item's one buffer, if any."""
+    if type(msg) is Fetch:
+        return frame_chunks(header, None)
+    buffers = msg.item.value.buffers  # type: ignore[union-attr]
+    return frame_chunks(header, buffers[0].data if buffers else None)
+
+
+def _over_limits(msg: Request, size: int, header_len: int, limits: Limits) -> None:
+    """Raise the error of a request over the server's frame or header limit.
+
+    Raises:
+        LimitExceeded: always (nothing was sent).
+    """
+    bin_name = getattr(msg, "bin", None)
+    what = op_name(msg) + (f" of bin {bin_name!r}" if bin_name is not None else "")
+    if size > limits.max_frame_bytes:
+        raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
+                            f"server's max_frame_bytes={limits.max_frame_bytes}")
+    raise LimitExceeded(
+        f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
+        f"numbers travel there, tensors do not), over the server's "
+        f"max_header_bytes={limits.max_header_bytes}")
+
+
 class ClientConnection(_Side):
     """The client side of one connection: requests -> bytes; bytes in -> replies and events.
 
@@ -1067,26 +1123,23 @@ class ClientConnection(_Side):
             LimitExceeded: the frame or its header is over the server's limit; nothing
                 was sent, and the connection stays usable.
         """
-        extra: dict[str, Any] | None = None
-        if ack is not None:
-            extra = {"ack": ack.through}
-            if ack.open:
-                extra["open"] = list(ack.open)
-        chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
+        header = _prepared_request(msg, ack)
+        if header is not None:
+            header_len = len(header)
+            chunks = _prepared_chunks(msg, header)
+        else:
+            extra: dict[str, Any] | None = None
+            if ack is not None:
+                extra = {"ack": ack.through}
+                if ack.open:
+                    extra["open"] = list(ack.open)
+            chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
         limits = self.limits
         size = 0
         for c in chunks:
             size += len(c)
         if size > limits.max_frame_bytes or header_len > limits.max_header_bytes:
-            bin_name = getattr(msg, "bin", None)
-            what = op_name(msg) + (f" of bin {bin_name!r}" if bin_name is not None else "")
-            if size > limits.max_frame_bytes:
-                raise LimitExceeded(f"{what} not sent: the request takes {size} bytes, over the "
-                                    f"server's max_frame_bytes={limits.max_frame_bytes}")
-            raise LimitExceeded(
-                f"{what} not sent: its header takes {header_len} bytes (strings, bytes and "
-                f"numbers travel there, tensors do not), over the server's "
-                f"max_header_bytes={limits.max_header_bytes}")
+            _over_limits(msg, size, header_len, limits)
         return chunks
 
     def receive_data(self, data: BytesLike, op_of: Callable[[int], str | None]
@@ -1134,6 +1187,15 @@ class ClientConnection(_Side):
         return out
 
     def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
+        header = frame.header
+        if header[0] != 0x85 or not header.startswith(_NOTIFY_OP, 1):
+            msg = read_reply(header, frame.payload, op_of, REPLY_EXPECTS)
+            if msg is not None:
+                return msg
+        else:
+            change = read_notify(header)
+            if change is not None:
+                return Changed(change[0], change[1], change[2], change[3], 0, 0)
         h = _header_map(frame)
         op = h.get("op")
         try:

@@ -327,10 +327,10 @@ def test_numpy_layouts_and_byte_order() -> None:
 def test_swap_bytes_helper() -> None:
     """The big-endian path: element bytes reverse, complex parts keep their order."""
     u8 = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8)
-    assert codec._swap_bytes(u8, "int32").tolist() == [4, 3, 2, 1, 8, 7, 6, 5]
-    assert codec._swap_bytes(u8, "complex64").tolist() == [4, 3, 2, 1, 8, 7, 6, 5]
-    assert codec._swap_bytes(u8, "int16").tolist() == [2, 1, 4, 3, 6, 5, 8, 7]
-    assert codec._swap_bytes(u8, "uint8") is u8
+    assert codec.swap_bytes(u8, "int32").tolist() == [4, 3, 2, 1, 8, 7, 6, 5]
+    assert codec.swap_bytes(u8, "complex64").tolist() == [4, 3, 2, 1, 8, 7, 6, 5]
+    assert codec.swap_bytes(u8, "int16").tolist() == [2, 1, 4, 3, 6, 5, 8, 7]
+    assert codec.swap_bytes(u8, "uint8") is u8
 
 
 # --------------------------------------------------------------------------- plain values

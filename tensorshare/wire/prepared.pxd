@@ -1,0 +1,49 @@
+# Types for the compiled twin of prepared.py (tensorshare.wire.prepared_c; see tensorshare._ext):
+# the readers of the fixed layouts walk the header's bytes with C indices. The .py stays the
+# reference: this file only declares what Cython may type.
+import cython
+
+from tensorshare.wire.records cimport Buffer, Encoded, Item
+
+cdef object _packb, _FRAME_HEAD, _U16, _U32, _U64, _I8, _I16, _I32, _I64
+cdef bytes _ZEROS, _K_OP, _K_ID, _K_BIN, _K_ITEMS, _K_ACK, _K_OPEN, _REPLY_ID
+cdef bytes _OK_VERSION, _OK_FLAG, _OK_FALSE_CODE, _OK_KIND, _K_N_ITEMS, _K_DROPPED
+cdef bytes _K_VERSION, _K_MESSAGE, _K_UNCHANGED, _NOTIFY_BIN, _K_EVENT, _K_SKIPPED
+cdef bytes _ONE_ITEM, _ONE_BUFFER_AT_0, _K_TIMEOUT, _K_MAX_ITEMS, _K_WAIT_TRUE
+cdef bytes _K_MIN_ITEMS, _K_MIN_TAG, _K_NEWER_THAN
+cdef Py_ssize_t _RID_AT, _NAMES_MAX
+cdef dict _OP_ID, _NAMES
+
+cpdef bytes packed_name(str name)
+
+@cython.locals(b=Buffer, value=Encoded, n=Py_ssize_t, descs=bytes, ack=bytes, extra=bytes)
+cpdef object put_header(str op, object rid, str name, Item item, object timeout,
+                        object through, tuple open_ids)
+
+@cython.locals(n=Py_ssize_t, k=Py_ssize_t, parts=list)
+cpdef bytes fetch_header(bint remove, object rid, str name, object spec, object through,
+                         tuple open_ids)
+
+@cython.locals(head_len=Py_ssize_t, pad=Py_ssize_t, n=Py_ssize_t, first=bytes)
+cpdef list frame_chunks(bytes header, object data)
+
+@cython.locals(b=cython.uchar)
+cdef tuple _int_at(bytes h, Py_ssize_t i)
+
+@cython.locals(b=cython.uchar, n=Py_ssize_t, end=Py_ssize_t)
+cdef tuple _str_at(bytes h, Py_ssize_t i)
+
+@cython.locals(b=cython.uchar, n=Py_ssize_t, end=Py_ssize_t)
+cdef tuple _bin_at(bytes h, Py_ssize_t i)
+
+@cython.locals(i=Py_ssize_t, b=cython.uchar)
+cpdef object read_reply(bytes h, object payload, object op_of, dict expects)
+
+@cython.locals(i=Py_ssize_t)
+cdef object _error(bytes h, object rid, Py_ssize_t i)
+
+@cython.locals(i=Py_ssize_t, n=Py_ssize_t, size=Py_ssize_t, b=cython.uchar)
+cdef object _fetched(bytes h, object rid, Py_ssize_t i, object payload)
+
+@cython.locals(i=Py_ssize_t)
+cpdef object read_notify(bytes h)

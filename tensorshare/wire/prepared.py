@@ -1,0 +1,361 @@
+"""The common messages from prepared pieces, both ways, and read back from their fixed layouts.
+
+A tiny put or get spends most of its time on things that are the same every time: the keys of
+its header, packed by msgpack's generic packer from a fresh dict, and parsed back by its
+generic unpacker into another dict. The messages every request and reply of the common shapes
+are made of have a fixed layout: the same keys, in the order the general encoder writes them
+(``wire/protocol.encode_message``), with a few integers, a name and an item spliced in. This
+module writes those from pre-packed pieces, and reads them back by matching the pieces and
+reading the values between them, without a dict:
+
+* requests (the client): ``put``, ``append`` of one item, ``get``/``peek`` and a fetch of the
+  common shapes (:func:`put_header`, :func:`fetch_header`), with the acknowledgement fields;
+* replies (the client reads): ``Stored``, ``Acked``, an ``ErrorReply``, a ``Fetched`` of at
+  most one item in one plain buffer, and the ``notify`` of a change
+  (:func:`read_reply`, :func:`read_notify`).
+
+Every prepared header is the same bytes the general encoder writes for the same message
+(``tests/wire/test_prepared.py`` checks that byte for byte over many values), and what the
+readers accept is exactly what the general parser would make of it: anything else (another
+key order, a field a peer added, a value of another type) is not matched, and the caller
+takes the general path, which checks it and says what is wrong. No module of the wire imports
+this one back.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from .frames import ALIGN, FORMAT_VERSION, MAGIC, PREFIX, BytesLike
+from .records import (
+    Acked,
+    ErrorReply,
+    Fetched,
+    Item,
+    Stored,
+    encoded_of,
+    raw_buffer,
+)
+
+__all__ = ["fetch_header", "frame_chunks", "packed_name", "put_header", "read_notify",
+           "read_reply"]
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+_FRAME_HEAD = struct.Struct("<2sBBIQ")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_I8 = struct.Struct(">b")
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+_ZEROS = bytes(ALIGN)
+
+# -- the pieces ------------------------------------------------------------------------------
+_K_OP = _packb("op")
+_K_ID = _packb("id")
+_K_BIN = _packb("bin")
+_K_ITEMS = _packb("items")
+_K_ACK = _packb("ack")
+_K_OPEN = _packb("open")
+_REPLY_ID = _K_OP + _packb("reply") + _K_ID
+_RID_AT = 1 + len(_REPLY_ID)  # where a reply's id starts, after its map byte
+#: After a reply's id: ``ok: true`` and the key that follows it, per reply.
+_OK_VERSION = _packb("ok") + b"\xc3" + _packb("version")
+_OK_FLAG = _packb("ok") + b"\xc3" + _packb("flag")
+_OK_FALSE_CODE = _packb("ok") + b"\xc2" + _packb("code")
+_OK_KIND = _packb("ok") + b"\xc3" + _packb("kind")
+_K_N_ITEMS = _packb("n_items")
+_K_DROPPED = _packb("dropped")
+_K_VERSION = _packb("version")
+_K_MESSAGE = _packb("message")
+_K_UNCHANGED = _packb("unchanged")
+_NOTIFY_BIN = _K_OP + _packb("notify") + _K_BIN
+_K_EVENT = _packb("event")
+_K_SKIPPED = _packb("skipped")
+#: A put's and an append's header up to the id, and a fetch's, by its op.
+_OP_ID = {op: _K_OP + _packb(op) + _K_ID for op in ("put", "append", "get", "peek")}
+#: One item of one plain buffer at offset 0: ``[[value, [[0, nbytes]], tag]]`` up to ``value``.
+_ONE_ITEM = b"\x91\x93"
+_ONE_BUFFER_AT_0 = b"\x91\x92\x00"
+
+#: Names packed once (a client sends to a few bins, again and again).
+_NAMES: dict[str, bytes] = {}
+_NAMES_MAX = 4096
+
+
+def packed_name(name: str) -> bytes:
+    """``name`` packed as a msgpack str, remembered for the next request."""
+    packed = _NAMES.get(name)
+    if packed is None:
+        packed = _packb(name)
+        if len(_NAMES) < _NAMES_MAX:
+            _NAMES[name] = packed
+    return packed
+
+
+# -- requests ----------------------------------------------------------------------------------
+def _ack_fields(through: int, open_ids: tuple[int, ...]) -> tuple[int, bytes]:
+    """The acknowledgement fields (``through`` < 0: none) and how many they are."""
+    if through < 0:
+        return 0, b""
+    if not open_ids:
+        return 1, _K_ACK + _packb(through)
+    return 2, _K_ACK + _packb(through) + _K_OPEN + _packb(list(open_ids))
+
+
+def put_header(op: str, rid: int, name: str, item: Item, timeout: float | None,
+               through: int, open_ids: tuple[int, ...]) -> bytes | None:
+    """The header of a ``put`` or an ``append`` of one item with no field but the bin (and,
+    for an append, its ``timeout``), ``through``/``open_ids`` the acknowledgement (-1: none),
+    when ``item`` is one plain buffer or none; ``None`` for any other (the general encoder
+    writes it then)."""
+    value = item.value
+    buffers = value.buffers
+    if len(buffers) > 1:
+        return None
+    if buffers:
+        b = buffers[0]
+        if b.codec is not None or b.shm is not None:
+            return None
+        descs = _ONE_BUFFER_AT_0 + _packb(len(b.data))
+    else:
+        descs = b"\x90"
+    tag = item.tag
+    n, ack = _ack_fields(through, open_ids)
+    extra = b""
+    if timeout is not None:
+        extra = _K_TIMEOUT + _packb(timeout)
+        n += 1
+    return b"".join((bytes((0x84 + n,)), _OP_ID[op], _packb(rid), _K_BIN, packed_name(name),
+                     extra, ack, _K_ITEMS, _ONE_ITEM, _packb(value.value), descs,
+                     b"\xc0" if tag is None else _packb(tag)))
+
+
+def fetch_header(remove: bool, rid: int, name: str, spec: Any, through: int,
+                 open_ids: tuple[int, ...]) -> bytes:
+    """The header of a ``get`` (``remove``) or ``peek`` of ``spec`` (a ``FetchSpec``), with
+    the acknowledgement fields (``through`` -1: none)."""
+    n = 3
+    parts = [b"", _OP_ID["get" if remove else "peek"], _packb(rid), _K_BIN, packed_name(name)]
+    if spec.max_items is not None:
+        parts.append(_K_MAX_ITEMS + _packb(spec.max_items))
+        n += 1
+    if spec.wait:
+        parts.append(_K_WAIT_TRUE + _packb(spec.timeout))
+        n += 2
+        if spec.min_items != 1:
+            parts.append(_K_MIN_ITEMS + _packb(spec.min_items))
+            n += 1
+    if spec.min_tag is not None:
+        parts.append(_K_MIN_TAG + _packb(spec.min_tag))
+        n += 1
+    if spec.newer_than is not None:
+        parts.append(_K_NEWER_THAN + _packb(spec.newer_than))
+        n += 1
+    k, ack = _ack_fields(through, open_ids)
+    parts[0] = bytes((0x80 + n + k,))
+    parts.append(ack)
+    return b"".join(parts)
+
+
+_K_TIMEOUT = _packb("timeout")
+_K_MAX_ITEMS = _packb("max_items")
+_K_WAIT_TRUE = _packb("wait") + b"\xc3" + _K_TIMEOUT
+_K_MIN_ITEMS = _packb("min_items")
+_K_MIN_TAG = _packb("min_tag")
+_K_NEWER_THAN = _packb("newer_than")
+
+
+def frame_chunks(header: bytes, data: BytesLike | None) -> list[BytesLike]:
+    """A frame of ``header`` and at most one buffer (``data``, at offset 0), as chunks."""
+    if data is None:
+        return [_FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header]
+    head_len = PREFIX + len(header)
+    pad = -head_len & (ALIGN - 1)
+    n = len(data)
+    first = _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), n) + header
+    if n == 0:
+        return [first]
+    return [first + _ZEROS[:pad], data]
+
+
+# -- reading what was written so -----------------------------------------------------------------
+def _int_at(h: bytes, i: int) -> tuple[int, int]:
+    """The msgpack integer at ``h[i]`` and the index after it (raises IndexError, ValueError:
+    not an integer there)."""
+    b = h[i]
+    if b < 0x80:
+        return b, i + 1
+    if b >= 0xE0:
+        return b - 0x100, i + 1
+    if b == 0xCC:
+        return h[i + 1], i + 2
+    if b == 0xCD:
+        return _U16.unpack_from(h, i + 1)[0], i + 3
+    if b == 0xCE:
+        return _U32.unpack_from(h, i + 1)[0], i + 5
+    if b == 0xCF:
+        return _U64.unpack_from(h, i + 1)[0], i + 9
+    if b == 0xD0:
+        return _I8.unpack_from(h, i + 1)[0], i + 2
+    if b == 0xD1:
+        return _I16.unpack_from(h, i + 1)[0], i + 3
+    if b == 0xD2:
+        return _I32.unpack_from(h, i + 1)[0], i + 5
+    if b == 0xD3:
+        return _I64.unpack_from(h, i + 1)[0], i + 9
+    raise ValueError("not an integer")
+
+
+def _str_at(h: bytes, i: int) -> tuple[str, int]:
+    """The msgpack str at ``h[i]`` and the index after it."""
+    b = h[i]
+    if 0xA0 <= b <= 0xBF:
+        n, i = b - 0xA0, i + 1
+    elif b == 0xD9:
+        n, i = h[i + 1], i + 2
+    elif b == 0xDA:
+        n, i = _U16.unpack_from(h, i + 1)[0], i + 3
+    elif b == 0xDB:
+        n, i = _U32.unpack_from(h, i + 1)[0], i + 5
+    else:
+        raise ValueError("not a str")
+    end = i + n
+    if end > len(h):
+        raise ValueError("a str past the end")
+    return h[i:end].decode("utf-8"), end
+
+
+def _bin_at(h: bytes, i: int) -> tuple[bytes, int]:
+    """The msgpack bin at ``h[i]`` and the index after it."""
+    b = h[i]
+    if b == 0xC4:
+        n, i = h[i + 1], i + 2
+    elif b == 0xC5:
+        n, i = _U16.unpack_from(h, i + 1)[0], i + 3
+    elif b == 0xC6:
+        n, i = _U32.unpack_from(h, i + 1)[0], i + 5
+    else:
+        raise ValueError("not a bin")
+    end = i + n
+    if end > len(h):
+        raise ValueError("a bin past the end")
+    return h[i:end], end
+
+
+def read_reply(h: bytes, payload: Any, op_of: Any, expects: dict[str, type]) -> Any:
+    """The reply in header ``h`` (and ``payload``) when it has one of the fixed layouts and
+    the op of its request (``op_of(id)``) expects that reply (``expects``: op -> Stored,
+    Acked or Fetched); else ``None`` (the general parser reads it then). A reply whose
+    request nobody waits for is left to it too."""
+    if len(h) < _RID_AT + 1 or not h.startswith(_REPLY_ID, 1):
+        return None
+    try:
+        rid, i = _int_at(h, _RID_AT)
+        op = op_of(rid)
+        if op is None:
+            return None
+        kind = expects.get(op)
+        if h.startswith(_OK_VERSION, i):
+            if kind is not Stored or h[0] != 0x85:
+                return None
+            version, i = _int_at(h, i + len(_OK_VERSION))
+            if not h.startswith(_K_N_ITEMS, i):
+                return None
+            n_items, i = _int_at(h, i + len(_K_N_ITEMS))
+            if i != len(h) or version < 0 or n_items < 0:
+                return None
+            return Stored(rid, version, n_items, 0)
+        if h.startswith(_OK_FLAG, i):
+            b = h[i + len(_OK_FLAG)] if i + len(_OK_FLAG) < len(h) else 0
+            if kind is not Acked or h[0] != 0x84 or i + len(_OK_FLAG) + 1 != len(h) or \
+                    (b != 0xC3 and b != 0xC2):
+                return None
+            return Acked(rid, b == 0xC3)
+        if h.startswith(_OK_FALSE_CODE, i):
+            return _error(h, rid, i + len(_OK_FALSE_CODE))
+        if h.startswith(_OK_KIND, i) and kind is Fetched:
+            return _fetched(h, rid, i + len(_OK_KIND), payload)
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _error(h: bytes, rid: int, i: int) -> ErrorReply | None:
+    if h[0] != 0x85:
+        return None
+    code, i = _str_at(h, i)
+    if not h.startswith(_K_MESSAGE, i):
+        return None
+    message, i = _str_at(h, i + len(_K_MESSAGE))
+    return ErrorReply(rid, code, message) if i == len(h) else None
+
+
+def _fetched(h: bytes, rid: int, i: int, payload: Any) -> Fetched | None:
+    """A get/peek reply of at most one item in one plain buffer (the layout of
+    ``protocol.encode_fetched_parts``); ``None`` for any other."""
+    if h[0] != 0x88:
+        return None
+    kind, i = _str_at(h, i)
+    if not h.startswith(_K_VERSION, i):
+        return None
+    version, i = _int_at(h, i + len(_K_VERSION))
+    if not h.startswith(_K_N_ITEMS, i):
+        return None
+    n_items, i = _int_at(h, i + len(_K_N_ITEMS))
+    if not h.startswith(_K_DROPPED, i):
+        return None
+    dropped, i = _int_at(h, i + len(_K_DROPPED))
+    if not h.startswith(_K_ITEMS, i) or version < 0 or n_items < 0 or dropped < 0:
+        return None
+    i += len(_K_ITEMS)
+    if not h.startswith(_ONE_ITEM, i):
+        return None
+    value, i = _bin_at(h, i + 2)
+    size = len(payload)
+    if h.startswith(_ONE_BUFFER_AT_0, i):
+        n, i = _int_at(h, i + 3)
+        if n < 0 or n != size:
+            return None
+        buffers: tuple[Any, ...] = (raw_buffer(memoryview(payload), n),) if n else \
+            (raw_buffer(b"", 0),)
+    elif h[i] == 0x90 and size == 0:
+        n, i, buffers = 0, i + 1, ()
+    else:
+        return None
+    b = h[i]
+    if b == 0xC0:
+        tag, i = None, i + 1
+    else:
+        tag, i = _int_at(h, i)
+    if i != len(h):
+        return None
+    item = Item(encoded_of(value, buffers, len(value) + n), tag)
+    return Fetched(rid, kind, (item,), version, n_items, dropped, False)
+
+
+def read_notify(h: bytes) -> tuple[str, str, int, int] | None:
+    """``(bin, event, n_items, version)`` of a change notification without ``skipped`` or
+    ``dropped`` (the usual one), else ``None``."""
+    if len(h) < _RID_AT or h[0] != 0x85 or not h.startswith(_NOTIFY_BIN, 1):
+        return None
+    try:
+        name, i = _str_at(h, 1 + len(_NOTIFY_BIN))
+        if not h.startswith(_K_EVENT, i):
+            return None
+        event, i = _str_at(h, i + len(_K_EVENT))
+        if not h.startswith(_K_N_ITEMS, i):
+            return None
+        n_items, i = _int_at(h, i + len(_K_N_ITEMS))
+        if not h.startswith(_K_VERSION, i):
+            return None
+        version, i = _int_at(h, i + len(_K_VERSION))
+    except (IndexError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    if i != len(h):
+        return None
+    return name, event, n_items, version
