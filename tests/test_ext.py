@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -185,7 +186,8 @@ def _probe(root: Path, **env: str) -> Probe:
 
 
 def _touch_newer(path: Path) -> None:
-    later = os.path.getmtime(path) + 3600
+    """Make ``path`` newer than every file of the copy (its twin included)."""
+    later = max(os.path.getmtime(path), time.time()) + 3600
     os.utime(path, (later, later))
 
 

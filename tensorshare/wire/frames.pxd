@@ -47,8 +47,7 @@ cdef class FrameDecoder:
 
     @cython.locals(i=Py_ssize_t, n=Py_ssize_t, head_end=Py_ssize_t, start=Py_ssize_t,
                    end=Py_ssize_t, max_header=Py_ssize_t, max_frame=Py_ssize_t,
-                   version=Py_ssize_t, flags=Py_ssize_t, header_len=Py_ssize_t,
-                   payload_len=Py_ssize_t)
+                   version=Py_ssize_t, flags=Py_ssize_t, header_len=Py_ssize_t)
     cdef memoryview _whole_frames(self, memoryview view, list out)
 
     @cython.locals(i=Py_ssize_t, n=Py_ssize_t, take=Py_ssize_t, state=int)
