@@ -142,8 +142,13 @@ class InferenceHost:
             ``ServiceFailed`` (docs/PROTOCOL.md §14.3).
         host, port: the server (several servers: ``"h1:7000,h2:7000"``), or ``client``.
         max_batch: the most rows per batch.
-        max_wait_ms: with fewer than ``max_batch`` rows queued, wait at most this long after
-            the oldest for more (a host that waited for work takes the first call at once).
+        max_wait_ms: ``0`` (the default): adaptive batching, a batch is every call that
+            queued while the previous one ran (up to ``max_batch`` rows), taken at once, and
+            a host waiting for work takes the first call the moment it comes. More than
+            ``0``: a host back from a batch that finds fewer than ``max_batch`` rows queued
+            waits for more, at most this long after the oldest (larger batches for the
+            price of latency; a host that waited for work still takes the first call at
+            once).
         params_bin: a bin holding the model's ``state_dict`` (what ``RLTrainer`` publishes):
             the host loads each new version between batches and stamps every answer with
             the version it used.
@@ -172,7 +177,7 @@ class InferenceHost:
     """
 
     def __init__(self, name: str, model: Callable[[Any], Any], host: str | None = None,
-                 port: int | None = None, *, max_batch: int = 256, max_wait_ms: float = 2.0,
+                 port: int | None = None, *, max_batch: int = 256, max_wait_ms: float = 0.0,
                  params_bin: str | None = None, device: str | torch.device | None = None,
                  lease: float = 10.0, max_queue: int | None = None, timeout: float = 10.0,
                  compress: str | None = "auto", client: Any = None,

@@ -436,22 +436,42 @@ class ServiceKind:
         elif msg.error is not None:
             self._fail(svc, b.calls, f"the host failed: {msg.error}", now)
         else:
-            answered = 0
-            failed = dict(msg.failed)
-            for i, (c, it) in enumerate(zip(b.calls, items, strict=True)):
-                bad = failed.get(i)
-                if bad is not None:
-                    self._fail(svc, [c], f"the host failed this call: {bad}", now)
-                    continue
-                if not c.done:
-                    self._latency(svc, now - c.at)
-                    answered += 1
-                self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
-            svc.answered += answered
-            svc.recent.append((now, answered))
+            gathering = self._gather(b.calls)
+            try:
+                self._answer_all(svc, b, msg, now)
+            finally:
+                for caller in gathering:
+                    caller.flush()
         self._done(svc, b)
         conn.then(lambda: self._settle(svc))  # (after its reply: batches for waiting takes)
         return reply
+
+    def _answer_all(self, svc: Service, b: _Batch, msg: ServiceReply, now: float) -> None:
+        """Each call of ``b`` gets its item of the host's ``service_reply`` (or fails)."""
+        answered = 0
+        failed = dict(msg.failed)
+        for i, (c, it) in enumerate(zip(b.calls, msg.items, strict=True)):
+            bad = failed.get(i)
+            if bad is not None:
+                self._fail(svc, [c], f"the host failed this call: {bad}", now)
+                continue
+            if not c.done:
+                self._latency(svc, now - c.at)
+                answered += 1
+            self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
+        svc.answered += answered
+        svc.recent.append((now, answered))
+
+    @staticmethod
+    def _gather(calls: list[_Call]) -> list[Conn]:
+        """The callers' connections, each gathering what is sent to it until flushed: the
+        answers of one batch to one caller leave in one write, in the pass that read them."""
+        gathering: list[Conn] = []
+        for c in calls:
+            a = c.attach
+            if a is not None and a.active and a.conn is not None and a.conn.gather():
+                gathering.append(a.conn)
+        return gathering
 
     def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
         """A ``service_reply`` of ``conn`` was refused before it was parsed (too many items,
