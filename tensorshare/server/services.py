@@ -85,6 +85,7 @@ class _Call:
     attach: _Attach | None = None
     done: bool = False
     usage: Any = None  # the caller's user (its Usage), which the call counts for until done
+    service: Service | None = None  # the service it counts for until done (see Service.held)
 
 
 @dataclass(eq=False, slots=True)
@@ -149,6 +150,9 @@ class Service:
     latency_max: float = 0.0
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, calls answered)
     counted: int = 0  # its cost as the kind last counted it
+    # What its calls cost until they are done (bytes and CALL_COST each), kept as calls come
+    # and finish: the cost is asked on every change, never summed over the queue.
+    held: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -165,10 +169,9 @@ class Service:
 
     @property
     def cost(self) -> int:
-        """Bytes counted against ``max_memory``."""
-        calls = len(self.queue) + len(self.room) + sum(len(b.calls)
-                                                       for b in self.batches.values())
-        return SERVICE_COST + self.nbytes + CALL_COST * calls
+        """Bytes counted against ``max_memory``: its calls not yet done (queued, waiting for
+        room or with a host), each its item's bytes and :data:`CALL_COST`."""
+        return SERVICE_COST + self.held
 
     @property
     def idle(self) -> bool:
@@ -305,7 +308,9 @@ class ServiceKind:
         if usage is not None:
             usage.check_room(nbytes + CALL_COST, f"a call to service {svc.name!r}")
         check_memory(self.server, nbytes + CALL_COST, f"a call to service {svc.name!r}", "queued")
-        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage)
+        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage,
+                  service=svc)
+        svc.held += nbytes + CALL_COST
         if usage is not None:
             usage.stored += nbytes + CALL_COST
         self._attach(c, conn, msg)
@@ -357,6 +362,10 @@ class ServiceKind:
 
     def _finish(self, c: _Call) -> None:
         c.done = True
+        svc = c.service
+        if svc is not None:  # (it costs its service nothing from now on)
+            svc.held -= c.nbytes + CALL_COST
+            c.service = None
         if self._calls.pop((c.owner, c.rid), None) is not None:
             owned = self._owned.get(c.owner)
             if owned is not None:

@@ -23,9 +23,11 @@ from twisted.internet.testing import MemoryReactorClock
 from tensorshare import BinFull, Client, EmbeddedServer, InvalidRequest, ServiceFailed, WaitTimeout
 from tensorshare.server import ServerConfig
 from tensorshare.server.core import ServerFactory
+from tensorshare.server.services import CALL_COST, SERVICE_COST
 from tensorshare.wire import codec
 from tensorshare.wire.frames import encode_frame
 from tensorshare.wire.messages import Acked, ErrorReply, Item
+from tensorshare.wire.protocol import item_wire_size
 from tensorshare.wire.services import (
     MAX_BATCH,
     ServiceBatch,
@@ -481,3 +483,26 @@ def test_the_answers_of_one_batch_to_one_caller_leave_in_one_write() -> None:
     assert writes[id(one)][0] == 1 and writes[id(other)][0] == 1
     got = {r.id: codec.decode(r.items[0].value) for p in (one, other) for r in p.received()}
     assert got == {c.id: 10 + i for i, (_, c) in enumerate(calls)}
+
+
+def test_what_a_service_costs_follows_its_calls_until_each_is_done() -> None:
+    # Counted as calls come and finish (asked on every write, never summed over the queue).
+    clock = MemoryReactorClock()
+    f = ServerFactory(clock)
+    kind = next(k for k in f.kinds if k.name == "service")
+    caller, host = Peer(f), Peer(f)
+    items = [Item(codec.encode(torch.zeros(n))) for n in (4, 40, 400)]
+    each = [item_wire_size(it) + CALL_COST for it in items]
+    calls = [ServiceCall(caller.rid(), "svc", it, timeout=5.0) for it in items]
+    for c in calls:
+        caller.send(c)
+    assert kind.nbytes == SERVICE_COST + sum(each)
+    batch = host.request(ServiceTake(host.rid(), "svc", max_batch=2, max_wait_ms=0, lease=60.0))
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 2
+    assert kind.nbytes == SERVICE_COST + sum(each)  # leased calls still count
+    host.send(ServiceReply(host.rid(), "svc", batch.batch, items[0], (items[0],)))
+    assert kind.nbytes == SERVICE_COST + each[2]
+    clock.advance(5.0)  # the last call times out
+    (*_, timed_out) = caller.received()
+    assert isinstance(timed_out, ErrorReply) and timed_out.id == calls[2].id
+    assert kind.nbytes == SERVICE_COST
