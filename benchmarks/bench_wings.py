@@ -217,7 +217,7 @@ def _caller_main(ts_port: int, model_ports: dict[str, int], pipe: Connection) ->
     """A process of callers: per command ``(system, kind, threads, calls, inflight)``, run
     ``threads`` threads that each make ``calls`` predictions, ``inflight`` at a time (each
     its own client or socket, as separate workers would), then send ``(latencies ns, start
-    ns, end ns, errors)``."""
+    ns, end ns, errors, CPU seconds of this process meanwhile)``."""
     from bench import _ignore_sigint
 
     _ignore_sigint()
@@ -240,11 +240,12 @@ def _caller_main(ts_port: int, model_ports: dict[str, int], pipe: Connection) ->
             barrier.wait(60)
         except threading.BrokenBarrierError:
             pass
-        start = time.perf_counter_ns()
+        start, cpu = time.perf_counter_ns(), time.process_time()
         for t in ts:
             t.join()
         end = time.perf_counter_ns()
-        pipe.send(([x for one in lat for x in one], start, end, errors[:1]))
+        pipe.send(([x for one in lat for x in one], start, end, errors[:1],
+                   time.process_time() - cpu))
 
 
 def _service_counts(port: int, kind: str) -> tuple[int, int]:
@@ -256,11 +257,11 @@ def _service_counts(port: int, kind: str) -> tuple[int, int]:
     return sv.get("answered", 0), sv.get("batches", 0)
 
 
-def _start_models(b: Bench, ts_port: int) -> tuple[dict[str, int], list[Any]]:
+def _start_models(b: Bench, ts_port: int) -> tuple[dict[str, int], dict[str, Any]]:
     """A per-call model server and an InferenceHost per model: the model servers' ports,
-    and every process started."""
+    and the processes started (``(model server, host)`` per model)."""
     ports: dict[str, int] = {}
-    procs: list[Any] = []
+    procs: dict[str, Any] = {}
     script = str(Path(__file__).with_name("bench.py"))
     for kind in MODELS:
         port_file = os.path.join(b.workdir, f"model-{kind}.port")
@@ -268,7 +269,7 @@ def _start_models(b: Bench, ts_port: int) -> tuple[dict[str, int], list[Any]]:
                                        "--model", kind])
         host_proc = b.children.start([sys.executable, script, "--inference-host",
                                       str(ts_port), "--model", kind])
-        procs += [model_proc, host_proc]
+        procs[kind] = (model_proc, host_proc)
         deadline = time.monotonic() + 60
         while not os.path.exists(port_file):
             if model_proc.poll() is not None or time.monotonic() > deadline:
@@ -295,7 +296,7 @@ def section_inference(b: Bench) -> list[Row]:
     """predict through tensorshare's batched InferenceHost vs a per-call model server that
     answers every connection from one thread, in the same run: 1 caller, 16 callers with 4
     calls in flight each (the MLP, and Linear(8, 4)), 64 callers."""
-    from bench import REPLY_TIMEOUT, Row, _fmt, _receive, _turns, helper_processes
+    from bench import REPLY_TIMEOUT, Row, _cpu_seconds, _fmt, _receive, _turns, helper_processes
 
     ts_port = b.servers["tensorshare"].port
     model_ports, started = _start_models(b, ts_port)
@@ -312,17 +313,27 @@ def section_inference(b: Bench) -> list[Row]:
                 for system in _turns(["tensorshare", "baseline"], rep):
                     before = _service_counts(ts_port, kind) if system == "tensorshare" \
                         else (0, 0)
+                    # The server core's CPU: tensorshare's server and host, or the model server.
+                    pids = [b.servers["tensorshare"].pid, started[kind][1].pid] \
+                        if system == "tensorshare" else [started[kind][0].pid]
+                    cpu0 = [_cpu_seconds(pid) for pid in pids]
                     for conn in pipes[:procs]:
                         conn.send((system, kind, threads, per_caller[callers], inflight))
                     got = [_receive(conn, REPLY_TIMEOUT * 2, "caller") for conn in pipes[:procs]]
-                    errors = [e for *_, errs in got for e in errs]
+                    errors = [e for _, _, _, errs, _ in got for e in errs]
                     if errors:
                         raise AssertionError(f"{system} predict: {errors[0]}")
                     if not rep:
                         continue
+                    used = [_cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
                     lat = sorted(x for lats, *_ in got for x in lats)
-                    wall = max(e for _, _, e, _ in got) - min(s for _, s, _, _ in got)
-                    m = r.setdefault(system, {"p50": [], "p99": [], "rate": [], "batch": []})
+                    wall = max(e for _, _, e, _, _ in got) - min(s for _, s, _, _, _ in got)
+                    m = r.setdefault(system, {"p50": [], "p99": [], "rate": [], "batch": [],
+                                              "client_us": [], "server_us": [],
+                                              "host_us": []})
+                    m["client_us"].append(sum(g[4] for g in got) * 1e6 / len(lat))
+                    m["server_us"].append(used[0] * 1e6 / len(lat))
+                    m["host_us"].append(used[-1] * 1e6 / len(lat) if len(used) > 1 else 0.0)
                     m["p50"].append(lat[len(lat) // 2] / 1e6)
                     m["p99"].append(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e6)
                     m["rate"].append(len(lat) * 1e9 / wall)
@@ -342,9 +353,15 @@ def section_inference(b: Bench) -> list[Row]:
                             [f"p50 {ts['p50']:.3f} ms vs {base['p50']:.3f} ms "
                              f"({ts['p50'] / base['p50']:.1f}x), p99 {ts['p99']:.2f} ms vs "
                              f"{base['p99']:.2f} ms, tensorshare's mean batch "
-                             f"{ts['batch']:.1f}"], group="inference"))
-    for proc in started:
-        b.children.stop(proc)
+                             f"{ts['batch']:.1f}",
+                             f"CPU per call: tensorshare's callers {ts['client_us']:.0f} us, "
+                             f"its server {ts['server_us']:.0f} us + host "
+                             f"{ts['host_us']:.0f} us; per-call callers "
+                             f"{base['client_us']:.0f} us, its server "
+                             f"{base['server_us']:.0f} us"], group="inference"))
+    for pair in started.values():
+        for proc in pair:
+            b.children.stop(proc)
     b.info.append(f"inference: MLP {MODEL_IN}-{MODEL_HIDDEN}-{MODEL_HIDDEN}-{MODEL_OUT} and "
                   f"Linear(8, 4) (float32, CPU, 1 thread) in processes on the server core: "
                   f"tensorshare's InferenceHost (max_batch 256, its default max_wait_ms) behind "
@@ -352,7 +369,9 @@ def section_inference(b: Bench) -> list[Row]:
                   f"connection from one thread and runs the model once per call; callers are "
                   f"threads in up to 4 processes on the client core, each with its own client "
                   f"or socket, keeping 1 or 4 calls in flight; calls/s = calls / wall time; "
-                  f"latency from a call's submission to its result; median of {reps} repeats")
+                  f"latency from a call's submission to its result; CPU per call: the caller "
+                  f"processes' CPU time, and the server core's processes' (from /proc), over "
+                  f"the calls; median of {reps} repeats")
     return rows
 
 
