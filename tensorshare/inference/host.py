@@ -217,6 +217,7 @@ class InferenceHost:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._take: Any = None  # the take command (see _take_command)
         if params_bin is not None:
             self.client.listen(params_bin, self._on_params, inline=True)
             self._load_params(force=True)
@@ -329,11 +330,16 @@ class InferenceHost:
                 pass
 
     def _take_command(self) -> Any:
-        # Each take waits at most 1 s on the server, so that stop() is noticed soon.
-        return self._shard.service_take_command(
-            self.name, max_batch=self.max_batch, max_wait_ms=self.max_wait_ms,
-            timeout=min(1.0, 0.5 * self._shard.timeout), lease=self.lease,
-            max_queue=self.max_queue)
+        """The take this host sends again and again (made and checked once: the session
+        gives each sending its own request id)."""
+        take = self._take
+        if take is None:
+            # Each take waits at most 1 s on the server, so that stop() is noticed soon.
+            take = self._take = self._shard.service_take_command(
+                self.name, max_batch=self.max_batch, max_wait_ms=self.max_wait_ms,
+                timeout=min(1.0, 0.5 * self._shard.timeout), lease=self.lease,
+                max_queue=self.max_queue)
+        return take
 
     def _answer(self, batch: Any) -> Any:
         """Run the model on a batch; the reply command (sent with the next take)."""
