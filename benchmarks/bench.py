@@ -1840,6 +1840,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bare-twisted-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     p.add_argument("--model-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     p.add_argument("--inference-host", metavar="PORT", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     return p
 
 
@@ -1875,9 +1876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import bench_wings
 
         if args.model_server:
-            bench_wings.model_server(args.model_server)
+            bench_wings.model_server(args.model_server, args.model)
         else:
-            bench_wings.inference_host(args.inference_host)
+            bench_wings.inference_host(args.inference_host, args.model)
         return 0
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # measure this checkout, installed or not

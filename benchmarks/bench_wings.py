@@ -1,10 +1,12 @@
 """The benchmark sections of this wave's wings, run by ``bench.py`` (``--only inference``,
 ``--only relays``); see its docstring and README.md here.
 
-* ``inference``: ``InferenceHost`` answering ``predict`` calls from 1, 16 and 64 concurrent
-  callers (MLP 64-256-256-8 on the CPU), against a per-call baseline: a plain socket server
-  process that runs the same model once per request (no batching, no tensorshare server).
-  Rows: calls/s, p50 and p99 latency, and the host's mean batch.
+* ``inference``: ``InferenceHost`` answering ``predict`` calls from 1 caller, 16 callers
+  with 4 calls in flight each (MLP 64-256-256-8, and ``Linear(8, 4)`` where only overhead
+  counts) and 64 callers, against a per-call baseline: a plain socket server process that
+  answers every connection from one thread and runs the same model once per request (no
+  batching, no tensorshare server). Rows: calls/s, p50 and p99 latency, the host's mean
+  batch.
 * ``relays``: one 16 MiB put read by 32 waiting readers, straight from the primary vs through
   2 relays (16 readers each), with the primary's egress per version from its own stats.
 
@@ -28,31 +30,47 @@ if TYPE_CHECKING:
     from bench import Bench, Row
 
 MODEL_IN, MODEL_HIDDEN, MODEL_OUT = 64, 256, 8
-SERVICE = "bench/policy"
-# (callers, processes they are spread over): threads per process = callers / processes
-CALLER_PLANS = ((1, 1), (16, 4), (64, 4))
+# The models: the policy-sized MLP, and a Linear(8, 4) where nothing but overhead is measured.
+# kind -> (inputs, outputs)
+MODELS = {"mlp": (MODEL_IN, MODEL_OUT), "linear": (8, 4)}
+# (model, callers, processes they are spread over, calls in flight per caller): threads per
+# process = callers / processes; a caller keeps that many calls in flight (predict_async, or
+# as many requests written ahead on its socket).
+CALLER_PLANS = (("mlp", 1, 1, 1), ("mlp", 16, 4, 4), ("linear", 16, 4, 4), ("mlp", 64, 4, 1))
 RELAY_READERS = 32
 RELAY_SIZE = 16 << 20
 RELAYS = 2
 
 
-def _mlp() -> Any:
+def _service(kind: str) -> str:
+    return f"bench/{kind}"
+
+
+def _model(kind: str = "mlp") -> Any:
     import torch
 
     torch.manual_seed(0)
+    if kind == "linear":
+        return torch.nn.Linear(*MODELS["linear"])
     return torch.nn.Sequential(torch.nn.Linear(MODEL_IN, MODEL_HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(MODEL_HIDDEN, MODEL_HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(MODEL_HIDDEN, MODEL_OUT))
 
 
 # --------------------------------------------------------------------------- model servers
-def model_server(port_file: str) -> None:
-    """The per-call baseline: one thread per connection; each request is ``MODEL_IN``
-    float32 (one observation), each reply the model's ``MODEL_OUT`` float32 for it."""
+def model_server(port_file: str, kind: str = "mlp") -> None:
+    """The per-call baseline: one thread answers every connection (``selectors``); each
+    request is one observation (float32), each reply the model's output for it, the model
+    run once per request (no batching). Every request a read completes is answered, the
+    replies of one read in one ``sendall``."""
+    import selectors
+
     import torch
 
     torch.set_num_threads(1)
-    model = _mlp()
+    model = _model(kind)
+    n_in, n_out = MODELS[kind]
+    size = n_in * 4
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", 0))
@@ -60,33 +78,40 @@ def model_server(port_file: str) -> None:
     tmp = port_file + ".tmp"
     Path(tmp).write_text(str(srv.getsockname()[1]))
     os.replace(tmp, port_file)
-    n_in = MODEL_IN * 4
-
-    def serve(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = bytearray(n_in)
-        view = memoryview(buf)
-        with conn:
-            while True:
-                got = 0
-                while got < n_in:
-                    n = conn.recv_into(view[got:])
-                    if not n:
-                        return
-                    got += n
-                x = torch.frombuffer(buf, dtype=torch.float32).view(1, MODEL_IN)
-                with torch.inference_mode():
-                    y = model(x)
-                conn.sendall(y.numpy().tobytes())
-
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ, None)
+    pending: dict[socket.socket, bytearray] = {}
     while True:
-        conn, _ = srv.accept()
-        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+        for key, _ in sel.select():
+            sock = key.fileobj
+            if key.data is None:
+                conn, _ = srv.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                pending[conn] = bytearray()
+                sel.register(conn, selectors.EVENT_READ, True)
+                continue
+            assert isinstance(sock, socket.socket)
+            data = sock.recv(1 << 16)
+            if not data:
+                sel.unregister(sock)
+                del pending[sock]
+                sock.close()
+                continue
+            buf = pending[sock]
+            buf += data
+            out = []
+            while len(buf) >= size:
+                x = torch.frombuffer(bytearray(buf[:size]), dtype=torch.float32).view(1, n_in)
+                del buf[:size]
+                with torch.inference_mode():
+                    out.append(model(x).numpy().tobytes())
+            if out:
+                sock.sendall(b"".join(out))
 
 
-def inference_host(port: int) -> None:
+def inference_host(port: int, kind: str = "mlp") -> None:
     """The tensorshare side: an ``InferenceHost`` of the same model on the benchmark's
-    server."""
+    server, with the host's defaults (max_batch 256, its default max_wait_ms)."""
     import logging
 
     import torch
@@ -95,53 +120,104 @@ def inference_host(port: int) -> None:
 
     torch.set_num_threads(1)
     logging.getLogger("tensorshare").setLevel(logging.ERROR)  # its server stops first
-    InferenceHost(SERVICE, _mlp(), "127.0.0.1", port, max_batch=256,
-                  max_wait_ms=2.0).serve_forever()
+    InferenceHost(_service(kind), _model(kind), "127.0.0.1", port,
+                  max_batch=256).serve_forever()
 
 
 # --------------------------------------------------------------------------- callers
-def _call_loop(system: str, ts_port: int, model_port: int, calls: int,
-               barrier: threading.Barrier, lat: list[int], errors: list[str]) -> None:
-    """One caller: ``calls`` predictions one after another, each timed into ``lat``."""
+def _ts_calls(kind: str, port: int, calls: int, inflight: int, barrier: threading.Barrier,
+              lat: list[int]) -> str | None:
+    """One tensorshare caller: ``calls`` predictions, ``inflight`` at a time, each timed
+    from its submission to its result; returns a problem, or ``None``."""
+    from collections import deque
+
     import torch
 
     from tensorshare.inference import InferenceClient
 
-    obs = torch.randn(MODEL_IN)
-    try:
-        if system == "tensorshare":
-            with InferenceClient(SERVICE, "127.0.0.1", ts_port, timeout=60) as pc:
-                out = pc.predict(obs)  # connected and warm
-                barrier.wait(60)
-                for _ in range(calls):
-                    t0 = time.perf_counter_ns()
-                    out = pc.predict(obs)
-                    lat.append(time.perf_counter_ns() - t0)
-                if out.shape != (MODEL_OUT,):
-                    errors.append(f"output of shape {tuple(out.shape)}")
-            return
-        with socket.create_connection(("127.0.0.1", model_port), timeout=60) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw, back = obs.numpy().tobytes(), bytearray(MODEL_OUT * 4)
-            barrier.wait(60)
+    n_in, n_out = MODELS[kind]
+    obs = torch.randn(n_in)
+    with InferenceClient(_service(kind), "127.0.0.1", port, timeout=60) as pc:
+        out = pc.predict(obs)  # connected and warm
+        barrier.wait(60)
+        if inflight == 1:
             for _ in range(calls):
                 t0 = time.perf_counter_ns()
-                s.sendall(raw)
-                got, view = 0, memoryview(back)
-                while got < len(back):
-                    got += s.recv_into(view[got:])
-                torch.frombuffer(back, dtype=torch.float32)
+                out = pc.predict(obs)
                 lat.append(time.perf_counter_ns() - t0)
+        else:
+            window: deque[tuple[int, Any]] = deque()
+            sent = 0
+            while sent < min(inflight, calls):
+                window.append((time.perf_counter_ns(), pc.predict_async(obs)))
+                sent += 1
+            while window:
+                t0, fut = window.popleft()
+                out = fut.result(60)
+                lat.append(time.perf_counter_ns() - t0)
+                if sent < calls:
+                    window.append((time.perf_counter_ns(), pc.predict_async(obs)))
+                    sent += 1
+    return None if out.shape == (n_out,) else f"output of shape {tuple(out.shape)}"
+
+
+def _base_calls(kind: str, port: int, calls: int, inflight: int, barrier: threading.Barrier,
+                lat: list[int]) -> None:
+    """One caller of the per-call server: as :func:`_ts_calls`, ``inflight`` requests
+    written ahead on its socket, each reply read whole."""
+    from collections import deque
+
+    import torch
+
+    n_in, n_out = MODELS[kind]
+    raw = torch.randn(n_in).numpy().tobytes()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        back = bytearray(n_out * 4)
+        view = memoryview(back)
+        barrier.wait(60)
+        window: deque[int] = deque()
+        sent = 0
+        while sent < min(inflight, calls):
+            window.append(time.perf_counter_ns())
+            s.sendall(raw)
+            sent += 1
+        while window:
+            got = 0
+            while got < len(back):
+                n = s.recv_into(view[got:])
+                if not n:
+                    raise ConnectionError("the model server closed the connection")
+                got += n
+            torch.frombuffer(back, dtype=torch.float32)
+            lat.append(time.perf_counter_ns() - window.popleft())
+            if sent < calls:
+                window.append(time.perf_counter_ns())
+                s.sendall(raw)
+                sent += 1
+
+
+def _call_loop(system: str, kind: str, ts_port: int, model_port: int, calls: int,
+               inflight: int, barrier: threading.Barrier, lat: list[int],
+               errors: list[str]) -> None:
+    """One caller: ``calls`` predictions, ``inflight`` at a time, each timed into ``lat``."""
+    try:
+        if system == "tensorshare":
+            problem = _ts_calls(kind, ts_port, calls, inflight, barrier, lat)
+            if problem:
+                errors.append(problem)
+        else:
+            _base_calls(kind, model_port, calls, inflight, barrier, lat)
     except Exception as exc:  # reported to the benchmark
         errors.append(repr(exc))
         barrier.abort()
 
 
-def _caller_main(ts_port: int, model_port: int, pipe: Connection) -> None:
-    """A process of callers: per command ``(system, threads, calls)``, run ``threads``
-    threads that each make ``calls`` predictions one after another (each its own client or
-    socket, as separate workers would), then send ``(latencies ns, start ns, end ns,
-    errors)``."""
+def _caller_main(ts_port: int, model_ports: dict[str, int], pipe: Connection) -> None:
+    """A process of callers: per command ``(system, kind, threads, calls, inflight)``, run
+    ``threads`` threads that each make ``calls`` predictions, ``inflight`` at a time (each
+    its own client or socket, as separate workers would), then send ``(latencies ns, start
+    ns, end ns, errors, CPU seconds of this process meanwhile)``."""
     from bench import _ignore_sigint
 
     _ignore_sigint()
@@ -150,12 +226,13 @@ def _caller_main(ts_port: int, model_port: int, pipe: Connection) -> None:
     torch.set_num_threads(1)
     pipe.send("ready")
     while (cmd := pipe.recv()) is not None:
-        system, threads, calls = cmd
+        system, kind, threads, calls, inflight = cmd
         lat: list[list[int]] = [[] for _ in range(threads)]
         errors: list[str] = []
         barrier = threading.Barrier(threads + 1)
-        ts = [threading.Thread(target=_call_loop, args=(system, ts_port, model_port, calls,
-                                                         barrier, lat[i], errors))
+        ts = [threading.Thread(target=_call_loop,
+                               args=(system, kind, ts_port, model_ports[kind], calls,
+                                     inflight, barrier, lat[i], errors))
               for i in range(threads)]
         for t in ts:
             t.start()
@@ -163,94 +240,138 @@ def _caller_main(ts_port: int, model_port: int, pipe: Connection) -> None:
             barrier.wait(60)
         except threading.BrokenBarrierError:
             pass
-        start = time.perf_counter_ns()
+        start, cpu = time.perf_counter_ns(), time.process_time()
         for t in ts:
             t.join()
         end = time.perf_counter_ns()
-        pipe.send(([x for one in lat for x in one], start, end, errors[:1]))
+        pipe.send(([x for one in lat for x in one], start, end, errors[:1],
+                   time.process_time() - cpu))
 
 
-def _service_counts(port: int) -> tuple[int, int]:
+def _service_counts(port: int, kind: str) -> tuple[int, int]:
     from tensorshare import Client
 
+    name = _service(kind)
     with Client("127.0.0.1", port, timeout=30) as c:
-        sv = c.stats(SERVICE)["bins"].get(SERVICE, {}).get("service", {})
+        sv = c.stats(name)["bins"].get(name, {}).get("service", {})
     return sv.get("answered", 0), sv.get("batches", 0)
 
 
+def _start_models(b: Bench, ts_port: int) -> tuple[dict[str, int], dict[str, Any]]:
+    """A per-call model server and an InferenceHost per model: the model servers' ports,
+    and the processes started (``(model server, host)`` per model)."""
+    ports: dict[str, int] = {}
+    procs: dict[str, Any] = {}
+    script = str(Path(__file__).with_name("bench.py"))
+    for kind in MODELS:
+        port_file = os.path.join(b.workdir, f"model-{kind}.port")
+        model_proc = b.children.start([sys.executable, script, "--model-server", port_file,
+                                       "--model", kind])
+        host_proc = b.children.start([sys.executable, script, "--inference-host",
+                                      str(ts_port), "--model", kind])
+        procs[kind] = (model_proc, host_proc)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            if model_proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the model server did not start")
+            time.sleep(0.01)
+        ports[kind] = int(Path(port_file).read_text())
+        b.children.ready(f"model {kind} (per call)", model_proc, ports[kind])
+        b.children.ready(f"inference host {kind}", host_proc, ts_port)
+    return ports, procs
+
+
+def _plan_goal(kind: str, callers: int, ts: dict[str, float],
+               base: dict[str, float]) -> tuple[str, bool]:
+    """Issue 37's goal for a plan, and whether it is met."""
+    if callers == 1:
+        return "p50 <= 3x per call", ts["p50"] <= 3 * base["p50"]
+    if callers >= 64:
+        return "batch >= 8", ts["batch"] >= 8
+    want = 1.5 if kind == "mlp" else 0.5
+    return f">= {want}", round(ts["rate"] / base["rate"], 2) >= want
+
+
 def section_inference(b: Bench) -> list[Row]:
-    """predict at 1, 16 and 64 concurrent callers: tensorshare's batched InferenceHost vs a
-    per-call model server, in the same run."""
-    from bench import REPLY_TIMEOUT, Row, _fmt, _receive, _turns, helper_processes
+    """predict through tensorshare's batched InferenceHost vs a per-call model server that
+    answers every connection from one thread, in the same run: 1 caller, 16 callers with 4
+    calls in flight each (the MLP, and Linear(8, 4)), 64 callers."""
+    from bench import REPLY_TIMEOUT, Row, _cpu_seconds, _fmt, _receive, _turns, helper_processes
 
     ts_port = b.servers["tensorshare"].port
-    port_file = os.path.join(b.workdir, "model.port")
-    model_proc = b.children.start([sys.executable, str(Path(__file__).with_name("bench.py")),
-                                   "--model-server", port_file])
-    host_proc = b.children.start([sys.executable, str(Path(__file__).with_name("bench.py")),
-                                  "--inference-host", str(ts_port)])
-    deadline = time.monotonic() + 60
-    while not os.path.exists(port_file):
-        if model_proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the model server did not start")
-        time.sleep(0.01)
-    model_port = int(Path(port_file).read_text())
-    b.children.ready("model (per call)", model_proc, model_port)
-    b.children.ready("inference host", host_proc, ts_port)
+    model_ports, started = _start_models(b, ts_port)
     quick = b.cfg.repeat <= 7
     reps = 3 if quick else 7
-    per_caller = {1: 300 if quick else 1000, 16: 60 if quick else 200, 64: 20 if quick else 60}
-    results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    per_caller = {1: 300 if quick else 1000, 16: 120 if quick else 400, 64: 20 if quick else 60}
     rows: list[Row] = []
-    with helper_processes(b.ctx, _caller_main, [(ts_port, model_port)] * 4,
+    with helper_processes(b.ctx, _caller_main, [(ts_port, model_ports)] * 4,
                           "caller") as pipes:
-        for callers, procs in CALLER_PLANS:
+        for kind, callers, procs, inflight in CALLER_PLANS:
             threads = callers // procs
+            r: dict[str, dict[str, list[float]]] = {}
             for rep in range(reps + 1):  # the first is a warm-up
                 for system in _turns(["tensorshare", "baseline"], rep):
-                    before = _service_counts(ts_port) if system == "tensorshare" else (0, 0)
+                    before = _service_counts(ts_port, kind) if system == "tensorshare" \
+                        else (0, 0)
+                    # The server core's CPU: tensorshare's server and host, or the model server.
+                    pids = [b.servers["tensorshare"].pid, started[kind][1].pid] \
+                        if system == "tensorshare" else [started[kind][0].pid]
+                    cpu0 = [_cpu_seconds(pid) for pid in pids]
                     for conn in pipes[:procs]:
-                        conn.send((system, threads, per_caller[callers]))
+                        conn.send((system, kind, threads, per_caller[callers], inflight))
                     got = [_receive(conn, REPLY_TIMEOUT * 2, "caller") for conn in pipes[:procs]]
-                    errors = [e for *_, errs in got for e in errs]
+                    errors = [e for _, _, _, errs, _ in got for e in errs]
                     if errors:
                         raise AssertionError(f"{system} predict: {errors[0]}")
                     if not rep:
                         continue
+                    used = [_cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
                     lat = sorted(x for lats, *_ in got for x in lats)
-                    wall = max(e for _, _, e, _ in got) - min(s for _, s, _, _ in got)
-                    r = results.setdefault((system, callers), {"p50": [], "p99": [],
-                                                               "rate": [], "batch": []})
-                    r["p50"].append(lat[len(lat) // 2] / 1e6)
-                    r["p99"].append(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e6)
-                    r["rate"].append(len(lat) * 1e9 / wall)
+                    wall = max(e for _, _, e, _, _ in got) - min(s for _, s, _, _, _ in got)
+                    m = r.setdefault(system, {"p50": [], "p99": [], "rate": [], "batch": [],
+                                              "client_us": [], "server_us": [],
+                                              "host_us": []})
+                    m["client_us"].append(sum(g[4] for g in got) * 1e6 / len(lat))
+                    m["server_us"].append(used[0] * 1e6 / len(lat))
+                    m["host_us"].append(used[-1] * 1e6 / len(lat) if len(used) > 1 else 0.0)
+                    m["p50"].append(lat[len(lat) // 2] / 1e6)
+                    m["p99"].append(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e6)
+                    m["rate"].append(len(lat) * 1e9 / wall)
                     if system == "tensorshare":
-                        after = _service_counts(ts_port)
+                        after = _service_counts(ts_port, kind)
                         calls, batches = after[0] - before[0], after[1] - before[1]
-                        r["batch"].append(calls / batches if batches else 0.0)
-            med = {k: {m: statistics.median(v) if v else 0.0 for m, v in r.items()}
-                   for k, r in results.items() if k[1] == callers}
-            ts, base = med[("tensorshare", callers)], med[("baseline", callers)]
-            # Issue 28: one caller's p50 at most 4x the per-call server's; 16 callers at
-            # least half its calls/s (batching should pay, not cost).
-            goal, met = {1: ("p50 <= 4x per call", ts["p50"] <= 4 * base["p50"]),
-                         16: (">= 0.5", ts["rate"] >= 0.5 * base["rate"]),
-                         64: ("batch >= 8", ts["batch"] >= 8)}[callers]
-            rows.append(Row(f"predict {callers} caller{'s' if callers > 1 else ''}",
-                            f"{_fmt(ts['rate'])}/s", f"{_fmt(base['rate'])}/s",
+                        m["batch"].append(calls / batches if batches else 0.0)
+            med = {k: {n: statistics.median(v) if v else 0.0 for n, v in one.items()}
+                   for k, one in r.items()}
+            ts, base = med["tensorshare"], med["baseline"]
+            goal, met = _plan_goal(kind, callers, ts, base)
+            label = "MLP" if kind == "mlp" else "Linear(8,4)"
+            who = f"{callers}x{inflight} in flight" if inflight > 1 else \
+                f"{callers} caller{'s' if callers > 1 else ''}"
+            rows.append(Row(f"predict {label} {who}", f"{_fmt(ts['rate'])}/s", f"{_fmt(base['rate'])}/s",
                             ts["rate"] / base["rate"], None, goal, met,
-                            [f"p50 {ts['p50']:.2f} ms vs {base['p50']:.2f} ms, p99 "
-                             f"{ts['p99']:.2f} ms vs {base['p99']:.2f} ms, tensorshare's mean "
-                             f"batch {ts['batch']:.1f}"], group="inference"))
-    b.children.stop(host_proc)
-    b.children.stop(model_proc)
-    b.info.append(f"inference: MLP {MODEL_IN}-{MODEL_HIDDEN}-{MODEL_HIDDEN}-{MODEL_OUT} "
-                  f"(float32, CPU, 1 thread) in a process on the server core: tensorshare's "
-                  f"InferenceHost (max_batch 256, max_wait_ms 2) behind the tensorshare server, "
-                  f"vs a plain socket server that runs it once per call; callers are threads "
-                  f"in up to 4 processes on the client core, each with its own client or socket, "
-                  f"calling one after another; calls/s = calls / wall time; median of {reps} "
-                  f"repeats")
+                            [f"p50 {ts['p50']:.3f} ms vs {base['p50']:.3f} ms "
+                             f"({ts['p50'] / base['p50']:.1f}x), p99 {ts['p99']:.2f} ms vs "
+                             f"{base['p99']:.2f} ms, tensorshare's mean batch "
+                             f"{ts['batch']:.1f}",
+                             f"CPU per call: tensorshare's callers {ts['client_us']:.0f} us, "
+                             f"its server {ts['server_us']:.0f} us + host "
+                             f"{ts['host_us']:.0f} us; per-call callers "
+                             f"{base['client_us']:.0f} us, its server "
+                             f"{base['server_us']:.0f} us"], group="inference"))
+    for pair in started.values():
+        for proc in pair:
+            b.children.stop(proc)
+    b.info.append(f"inference: MLP {MODEL_IN}-{MODEL_HIDDEN}-{MODEL_HIDDEN}-{MODEL_OUT} and "
+                  f"Linear(8, 4) (float32, CPU, 1 thread) in processes on the server core: "
+                  f"tensorshare's InferenceHost (max_batch 256, its default max_wait_ms) behind "
+                  f"the tensorshare server, vs a plain socket server that answers every "
+                  f"connection from one thread and runs the model once per call; callers are "
+                  f"threads in up to 4 processes on the client core, each with its own client "
+                  f"or socket, keeping 1 or 4 calls in flight; calls/s = calls / wall time; "
+                  f"latency from a call's submission to its result; CPU per call: the caller "
+                  f"processes' CPU time, and the server core's processes' (from /proc), over "
+                  f"the calls; median of {reps} repeats")
     return rows
 
 

@@ -123,12 +123,16 @@ class ServiceOps(FaceNeeds):
     ``Command``.
     """
 
+    #: A pipeline's client (it encodes as its client); ``None`` on a client (a class
+    #: attribute: asking a client for an attribute it lacks costs its ``__getattr__``).
+    _host: Any = None
+
     def _service_item(self, name: str, value: Any, compress: str | None = CLIENT_COMPRESS
                       ) -> Item:
         """``value`` encoded for a call or an answer: as the client encodes (shared memory
         included), or with compression ``compress`` (see :data:`COMPRESS_CHOICES`); a
         connection that passes shared memory compresses nothing (no bytes to save)."""
-        host: Any = getattr(self, "_host", self)  # a pipeline encodes as its client
+        host: Any = self._host or self  # a pipeline encodes as its client
         if check_compress(compress) == CLIENT_COMPRESS:
             item = self._item(name, value, None)
             if type(item) is not Item:  # a pipeline defers encoding: encode now

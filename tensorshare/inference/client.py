@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any, Unpack
 
 import torch
 
 from ..client.closing import Closing
+from ..client.command import Command
 from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
@@ -50,14 +51,18 @@ def _rows(x: Any) -> int:
 
 
 class _Result:
-    """Turns a call's answer into what predict returns (on the client's device)."""
+    """Turns a call's reply into what predict returns (on the client's device): the service
+    call's own conversion (``decode``), then the row (or rows) asked for."""
 
-    __slots__ = ("batched", "with_version", "device")
+    __slots__ = ("decode", "batched", "with_version", "device")
 
-    def __init__(self, batched: bool, with_version: bool, device: Any = None) -> None:
+    def __init__(self, decode: Callable[[Any], Any], batched: bool, with_version: bool,
+                 device: Any = None) -> None:
+        self.decode = decode
         self.batched, self.with_version, self.device = batched, with_version, device
 
-    def __call__(self, res: Any) -> Any:
+    def __call__(self, reply: Any) -> Any:
+        res = self.decode(reply)
         out = res.value if self.batched else _drop_batch_dim(res.value)
         if self.device is not None:
             out = to_device(out, self.device)
@@ -107,9 +112,8 @@ class InferenceCaller:
             self.name, x, rows=_rows(x), timeout=self.timeout,
             wait_room=self.wait_room if wait_room is None else bool(wait_room),
             compress=self.compress)
-        convert = cmd.convert
-        result = _Result(batched, return_version, self.device if moves(self.device) else None)
-        return replace(cmd, convert=lambda reply: result(convert(reply)))
+        return Command(cmd.request, cmd.what, _Result(
+            cmd.convert, batched, return_version, self.device if moves(self.device) else None))
 
 
 class InferenceClient(InferenceCaller, Closing):

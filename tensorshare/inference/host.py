@@ -142,8 +142,13 @@ class InferenceHost:
             ``ServiceFailed`` (docs/PROTOCOL.md §14.3).
         host, port: the server (several servers: ``"h1:7000,h2:7000"``), or ``client``.
         max_batch: the most rows per batch.
-        max_wait_ms: with fewer than ``max_batch`` rows queued, wait at most this long after
-            the oldest for more (a host that waited for work takes the first call at once).
+        max_wait_ms: ``0`` (the default): adaptive batching, a batch is every call that
+            queued while the previous one ran (up to ``max_batch`` rows), taken at once, and
+            a host waiting for work takes the first call the moment it comes. More than
+            ``0``: a host back from a batch that finds fewer than ``max_batch`` rows queued
+            waits for more, at most this long after the oldest (larger batches for the
+            price of latency; a host that waited for work still takes the first call at
+            once).
         params_bin: a bin holding the model's ``state_dict`` (what ``RLTrainer`` publishes):
             the host loads each new version between batches and stamps every answer with
             the version it used.
@@ -172,7 +177,7 @@ class InferenceHost:
     """
 
     def __init__(self, name: str, model: Callable[[Any], Any], host: str | None = None,
-                 port: int | None = None, *, max_batch: int = 256, max_wait_ms: float = 2.0,
+                 port: int | None = None, *, max_batch: int = 256, max_wait_ms: float = 0.0,
                  params_bin: str | None = None, device: str | torch.device | None = None,
                  lease: float = 10.0, max_queue: int | None = None, timeout: float = 10.0,
                  compress: str | None = "auto", client: Any = None,
@@ -212,6 +217,7 @@ class InferenceHost:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._take: Any = None  # the take command (see _take_command)
         if params_bin is not None:
             self.client.listen(params_bin, self._on_params, inline=True)
             self._load_params(force=True)
@@ -324,11 +330,16 @@ class InferenceHost:
                 pass
 
     def _take_command(self) -> Any:
-        # Each take waits at most 1 s on the server, so that stop() is noticed soon.
-        return self._shard.service_take_command(
-            self.name, max_batch=self.max_batch, max_wait_ms=self.max_wait_ms,
-            timeout=min(1.0, 0.5 * self._shard.timeout), lease=self.lease,
-            max_queue=self.max_queue)
+        """The take this host sends again and again (made and checked once: the session
+        gives each sending its own request id)."""
+        take = self._take
+        if take is None:
+            # Each take waits at most 1 s on the server, so that stop() is noticed soon.
+            take = self._take = self._shard.service_take_command(
+                self.name, max_batch=self.max_batch, max_wait_ms=self.max_wait_ms,
+                timeout=min(1.0, 0.5 * self._shard.timeout), lease=self.lease,
+                max_queue=self.max_queue)
+        return take
 
     def _answer(self, batch: Any) -> Any:
         """Run the model on a batch; the reply command (sent with the next take)."""

@@ -178,6 +178,22 @@ class Connection:
                 self._write(out, None)
         self._write(chunks, shared)
 
+    def gather(self) -> bool:
+        """Gather what is sent to this connection from now until :meth:`flush`, to leave
+        in one write (a service host's answers to several calls of one caller). ``False``:
+        it gathers already (a pass over its own read, which writes at its end), or it is
+        closed; then :meth:`flush` is not to be called."""
+        if self._out is not None or self._closed:
+            return False
+        self._out = []
+        return True
+
+    def flush(self) -> None:
+        """Write what was gathered since :meth:`gather` returned ``True``, in one write."""
+        out, self._out = self._out, None
+        if out:
+            self._write(out, None)
+
     def committed(self) -> None:
         """The data log is written: the replies held for it leave, in order."""
         held, self._held = self._held, None

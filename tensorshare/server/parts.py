@@ -129,6 +129,15 @@ class Conn(Protocol):
         """Run ``work`` once the request being handled now is answered."""
         ...
 
+    def gather(self) -> bool:
+        """Gather what is sent to it until :meth:`flush`, for one write (``False``: it
+        gathers already, or is closed; do not flush it then)."""
+        ...
+
+    def flush(self) -> None:
+        """Write what was gathered, in one write."""
+        ...
+
     def wait(self, rid: int, waiter: Waits, timeout: float | None,
              on_timeout: Callable[[], None]) -> None:
         """Keep request ``rid`` waiting until answered, cancelled, timed out (``on_timeout``

@@ -85,6 +85,7 @@ class _Call:
     attach: _Attach | None = None
     done: bool = False
     usage: Any = None  # the caller's user (its Usage), which the call counts for until done
+    service: Service | None = None  # the service it counts for until done (see Service.held)
 
 
 @dataclass(eq=False, slots=True)
@@ -149,6 +150,9 @@ class Service:
     latency_max: float = 0.0
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, calls answered)
     counted: int = 0  # its cost as the kind last counted it
+    # What its calls cost until they are done (bytes and CALL_COST each), kept as calls come
+    # and finish: the cost is asked on every change, never summed over the queue.
+    held: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -165,10 +169,9 @@ class Service:
 
     @property
     def cost(self) -> int:
-        """Bytes counted against ``max_memory``."""
-        calls = len(self.queue) + len(self.room) + sum(len(b.calls)
-                                                       for b in self.batches.values())
-        return SERVICE_COST + self.nbytes + CALL_COST * calls
+        """Bytes counted against ``max_memory``: its calls not yet done (queued, waiting for
+        room or with a host), each its item's bytes and :data:`CALL_COST`."""
+        return SERVICE_COST + self.held
 
     @property
     def idle(self) -> bool:
@@ -305,7 +308,9 @@ class ServiceKind:
         if usage is not None:
             usage.check_room(nbytes + CALL_COST, f"a call to service {svc.name!r}")
         check_memory(self.server, nbytes + CALL_COST, f"a call to service {svc.name!r}", "queued")
-        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage)
+        c = _Call(owner, msg.id, msg.item, nbytes, msg.rows, self._now(), usage=usage,
+                  service=svc)
+        svc.held += nbytes + CALL_COST
         if usage is not None:
             usage.stored += nbytes + CALL_COST
         self._attach(c, conn, msg)
@@ -357,6 +362,10 @@ class ServiceKind:
 
     def _finish(self, c: _Call) -> None:
         c.done = True
+        svc = c.service
+        if svc is not None:  # (it costs its service nothing from now on)
+            svc.held -= c.nbytes + CALL_COST
+            c.service = None
         if self._calls.pop((c.owner, c.rid), None) is not None:
             owned = self._owned.get(c.owner)
             if owned is not None:
@@ -436,22 +445,42 @@ class ServiceKind:
         elif msg.error is not None:
             self._fail(svc, b.calls, f"the host failed: {msg.error}", now)
         else:
-            answered = 0
-            failed = dict(msg.failed)
-            for i, (c, it) in enumerate(zip(b.calls, items, strict=True)):
-                bad = failed.get(i)
-                if bad is not None:
-                    self._fail(svc, [c], f"the host failed this call: {bad}", now)
-                    continue
-                if not c.done:
-                    self._latency(svc, now - c.at)
-                    answered += 1
-                self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
-            svc.answered += answered
-            svc.recent.append((now, answered))
+            gathering = self._gather(b.calls)
+            try:
+                self._answer_all(svc, b, msg, now)
+            finally:
+                for caller in gathering:
+                    caller.flush()
         self._done(svc, b)
         conn.then(lambda: self._settle(svc))  # (after its reply: batches for waiting takes)
         return reply
+
+    def _answer_all(self, svc: Service, b: _Batch, msg: ServiceReply, now: float) -> None:
+        """Each call of ``b`` gets its item of the host's ``service_reply`` (or fails)."""
+        answered = 0
+        failed = dict(msg.failed)
+        for i, (c, it) in enumerate(zip(b.calls, msg.items, strict=True)):
+            bad = failed.get(i)
+            if bad is not None:
+                self._fail(svc, [c], f"the host failed this call: {bad}", now)
+                continue
+            if not c.done:
+                self._latency(svc, now - c.at)
+                answered += 1
+            self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
+        svc.answered += answered
+        svc.recent.append((now, answered))
+
+    @staticmethod
+    def _gather(calls: list[_Call]) -> list[Conn]:
+        """The callers' connections, each gathering what is sent to it until flushed: the
+        answers of one batch to one caller leave in one write, in the pass that read them."""
+        gathering: list[Conn] = []
+        for c in calls:
+            a = c.attach
+            if a is not None and a.active and a.conn is not None and a.conn.gather():
+                gathering.append(a.conn)
+        return gathering
 
     def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
         """A ``service_reply`` of ``conn`` was refused before it was parsed (too many items,

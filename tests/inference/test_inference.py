@@ -643,3 +643,41 @@ def test_host_and_client_take_client_options_and_the_keywords_they_type() -> Non
         bogus: dict[str, Any] = {"tokn": "infer-token"}
         with pytest.raises(TypeError, match="tokn"):
             InferenceClient("typed", "127.0.0.1", srv.port, timeout=DEADLINE, **bogus)
+
+
+class Gate(torch.nn.Module):
+    """Doubles its input, and blocks on its first batch until released (the test queues
+    calls meanwhile); records each batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.batches: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batches.append(int(x.shape[0]))
+        if len(self.batches) == 1:
+            self.entered.set()
+            assert self.release.wait(DEADLINE)
+        return x * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_host_takes_every_call_queued_while_its_batch_ran_as_its_next_batch(
+        server: EmbeddedServer) -> None:
+    # Adaptive batching, the host's default (max_wait_ms 0): the next batch is whatever
+    # queued while the previous one ran, taken at once.
+    model = Gate()
+    with InferenceHost("gate", model, "127.0.0.1", server.port) as host, \
+            InferenceClient("gate", "127.0.0.1", server.port) as pc:
+        assert host._take_command().request.max_wait_ms == 0
+        first = pc.predict_async(torch.zeros(2))
+        assert model.entered.wait(DEADLINE)
+        later = [pc.predict_async(torch.full((2,), float(i))) for i in range(1, 6)]
+        wait_until(lambda: _service(server, "gate")["service"]["queue"] == 5, DEADLINE,
+                   "5 calls queued behind the running batch")
+        model.release.set()
+        assert first.result(DEADLINE).tolist() == [0.0, 0.0]
+        assert [f.result(DEADLINE).tolist() for f in later] == \
+            [[2.0 * i] * 2 for i in range(1, 6)]
+    assert model.batches == [1, 5]

@@ -23,9 +23,11 @@ from twisted.internet.testing import MemoryReactorClock
 from tensorshare import BinFull, Client, EmbeddedServer, InvalidRequest, ServiceFailed, WaitTimeout
 from tensorshare.server import ServerConfig
 from tensorshare.server.core import ServerFactory
+from tensorshare.server.services import CALL_COST, SERVICE_COST
 from tensorshare.wire import codec
 from tensorshare.wire.frames import encode_frame
 from tensorshare.wire.messages import Acked, ErrorReply, Item
+from tensorshare.wire.protocol import item_wire_size
 from tensorshare.wire.services import (
     MAX_BATCH,
     ServiceBatch,
@@ -394,3 +396,120 @@ def test_a_refused_service_reply_fails_every_call_of_its_batch(header: dict) -> 
     late = host.request(ServiceReply(rid, "svc", batch.batch, Item(codec.encode(0)),
                                      (Item(codec.encode(1)),)))
     assert late == Acked(rid, False)
+
+
+# -- a call in one hop (issue 37) --------------------------------------------------------------
+def _writes(peer: Peer) -> list[int]:
+    """Counts the writes the server makes to ``peer``'s transport (one per pass that sends)."""
+    count = [0]
+    t = peer.transport
+    write, write_seq = t.write, t.writeSequence
+
+    def counted_write(data: bytes) -> None:
+        count[0] += 1
+        write(data)
+
+    def counted_seq(seq: list[bytes]) -> None:
+        count[0] += 1
+        write_seq(seq)
+
+    t.write, t.writeSequence = counted_write, counted_seq  # type: ignore[method-assign]
+    return count
+
+
+def test_a_call_that_finds_a_take_waiting_goes_to_its_host_in_the_pass_that_read_it() -> None:
+    # The clock never moves: no timer and no reactor turn stands between the call and the host,
+    # nor between the host's answer and the caller.
+    clock = MemoryReactorClock()
+    f = ServerFactory(clock)
+    caller, host = Peer(f), Peer(f)
+    host.send(ServiceTake(host.rid(), "svc", max_batch=8, max_wait_ms=5000, timeout=30.0,
+                          lease=60.0))
+    assert host.received() == []  # waiting for work
+    to_host = _writes(host)
+    call = ServiceCall(caller.rid(), "svc", Item(codec.encode(torch.arange(3.0))))
+    caller.send(call)  # one dataReceived on the caller's connection
+    (batch,) = host.received()
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 1 and to_host[0] == 1
+    assert codec.decode(batch.items[0].value).tolist() == [0.0, 1.0, 2.0]
+    assert caller.received() == []
+    host.send(ServiceReply(host.rid(), "svc", batch.batch, Item(codec.encode(torch.ones(2)))))
+    (answer,) = caller.received()  # written by the pass that read the host's answer
+    assert answer.id == call.id and codec.decode(answer.items[0].value).tolist() == [1.0, 1.0]
+    assert clock.seconds() == 0.0
+
+
+@pytest.mark.parametrize("max_wait_ms", [0.0, 2.0])
+def test_a_host_back_from_a_batch_takes_what_queued_meanwhile_in_the_write_of_its_ack(
+        max_wait_ms: float) -> None:
+    # The InferenceHost's loop: its answer and its next take in one write. With max_wait_ms
+    # 0 (the host's default), the calls that queued while its batch ran come back at once, in
+    # the same write as the answer's ack; with more, the take waits that long for more calls.
+    clock = MemoryReactorClock()
+    f = ServerFactory(clock)
+    caller, host = Peer(f), Peer(f)
+    host.send(ServiceTake(host.rid(), "svc", max_batch=8, max_wait_ms=max_wait_ms, lease=60.0))
+    first = ServiceCall(caller.rid(), "svc", Item(codec.encode(0)))
+    caller.send(first)
+    (batch,) = host.received()  # a host waiting for work takes the first call at once
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 1
+    later = [ServiceCall(caller.rid(), "svc", Item(codec.encode(i))) for i in (1, 2, 3)]
+    for c in later:  # queued while the host runs its batch
+        caller.send(c)
+    to_host = _writes(host)
+    answer = ServiceReply(host.rid(), "svc", batch.batch, Item(codec.encode(10)))
+    take = ServiceTake(host.rid(), "svc", max_batch=8, max_wait_ms=max_wait_ms, lease=60.0)
+    host.write(b"".join(host.conn.send(answer)) + b"".join(host.conn.send(take)))
+    (answered,) = caller.received()
+    assert answered.id == first.id and codec.decode(answered.items[0].value) == 10
+    got = host.received()
+    if max_wait_ms:
+        assert got == [Acked(answer.id, True)]
+        clock.advance(max_wait_ms / 1e3)
+        got += host.received()
+        assert to_host[0] == 2
+    else:
+        assert to_host[0] == 1  # the ack and the next batch in one write
+    assert got[0] == Acked(answer.id, True)
+    assert isinstance(got[1], ServiceBatch) and got[1].id == take.id
+    assert [codec.decode(it.value) for it in got[1].items] == [1, 2, 3]
+
+
+def test_the_answers_of_one_batch_to_one_caller_leave_in_one_write() -> None:
+    f = ServerFactory(MemoryReactorClock())
+    one, other, host = Peer(f), Peer(f), Peer(f)
+    calls = [(p, ServiceCall(p.rid(), "svc", Item(codec.encode(i))))
+             for i, p in enumerate([one, other, one, one])]
+    for p, c in calls:
+        p.send(c)
+    batch = host.request(ServiceTake(host.rid(), "svc", max_batch=8, max_wait_ms=0, lease=60.0))
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 4
+    writes = {id(p): _writes(p) for p in (one, other)}
+    items = [Item(codec.encode(10 + i)) for i in range(4)]
+    host.send(ServiceReply(host.rid(), "svc", batch.batch, items[0], tuple(items[1:])))
+    assert writes[id(one)][0] == 1 and writes[id(other)][0] == 1
+    got = {r.id: codec.decode(r.items[0].value) for p in (one, other) for r in p.received()}
+    assert got == {c.id: 10 + i for i, (_, c) in enumerate(calls)}
+
+
+def test_what_a_service_costs_follows_its_calls_until_each_is_done() -> None:
+    # Counted as calls come and finish (asked on every write, never summed over the queue).
+    clock = MemoryReactorClock()
+    f = ServerFactory(clock)
+    kind = next(k for k in f.kinds if k.name == "service")
+    caller, host = Peer(f), Peer(f)
+    items = [Item(codec.encode(torch.zeros(n))) for n in (4, 40, 400)]
+    each = [item_wire_size(it) + CALL_COST for it in items]
+    calls = [ServiceCall(caller.rid(), "svc", it, timeout=5.0) for it in items]
+    for c in calls:
+        caller.send(c)
+    assert kind.nbytes == SERVICE_COST + sum(each)
+    batch = host.request(ServiceTake(host.rid(), "svc", max_batch=2, max_wait_ms=0, lease=60.0))
+    assert isinstance(batch, ServiceBatch) and len(batch.items) == 2
+    assert kind.nbytes == SERVICE_COST + sum(each)  # leased calls still count
+    host.send(ServiceReply(host.rid(), "svc", batch.batch, items[0], (items[0],)))
+    assert kind.nbytes == SERVICE_COST + each[2]
+    clock.advance(5.0)  # the last call times out
+    (*_, timed_out) = caller.received()
+    assert isinstance(timed_out, ErrorReply) and timed_out.id == calls[2].id
+    assert kind.nbytes == SERVICE_COST
