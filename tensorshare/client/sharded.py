@@ -60,6 +60,7 @@ from .blocking import Begin, Client, PendingCall, Pipeline
 from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
+from .replay import ShardedReplayOps
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -133,7 +134,7 @@ def expand_servers(servers: Sequence[str] | str,
     return urls
 
 
-class ShardedClient(BinClient):
+class ShardedClient(ShardedReplayOps, BinClient):
     """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
 
     Usage::

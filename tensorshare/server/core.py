@@ -36,6 +36,7 @@ from .auth import FailedAttempts
 from .config import ServerConfig
 from .handlers import Responder
 from .persist import Loaded, Persistence
+from .replaykind import ReplayKind
 from .services import ServiceKind
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats
@@ -586,4 +587,4 @@ def _describe(item: Item | None) -> str | None:
 
 def kinds_for(server: ServerFactory) -> list[Kind]:
     """The kinds a server has (each bound to it)."""
-    return [StreamKind(server), ServiceKind(server)]
+    return [StreamKind(server), ServiceKind(server), ReplayKind(server)]

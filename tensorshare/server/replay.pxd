@@ -67,7 +67,7 @@ cdef class ReplayTable:
     cdef public int _sampler, _remover
     cdef public double _alpha
     cdef public Py_ssize_t _max_size, _max_times, _capacity
-    cdef public list _slots, _hist
+    cdef public list _slots, _hist, released
     cdef public SumTree _sum
     cdef public ExtremeTree _high, _low
     cdef public long long _nbytes, _draws_left, _next_key, _seq
