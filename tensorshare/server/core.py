@@ -167,6 +167,8 @@ class ServerFactory(Factory):
                         snapshot_every=config.snapshot_every,
                         snapshot_log_bytes=config.snapshot_log_bytes, limits=config.limits,
                         truncate_corrupt=config.truncate_corrupt_log)
+        for kind in self.kinds:  # (a kind that keeps its bins in the data log: replay bins)
+            getattr(kind, "persisted", lambda p: None)(p)
         self.loaded = loaded = p.open(self.store, self.sessions)
         self.persist = p
         self.server_id = loaded.server_id

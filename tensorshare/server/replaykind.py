@@ -42,7 +42,7 @@ from ..errors import (
     code_for,
 )
 from ..wire.messages import ErrorReply
-from ..wire.protocol import item_wire_size
+from ..wire.protocol import item_wire_size, items_header
 from ..wire.replay import (
     ReplayInfo,
     ReplayInfoReply,
@@ -57,6 +57,7 @@ from ..wire.replay import (
 )
 from .kinds import check_memory, claim_name
 from .replay import ReplayConfig, ReplayTable
+from .replaylog import Entry, ReplayLog
 
 if TYPE_CHECKING:
     from .parts import AnyReply, Conn, Handler, Server
@@ -69,17 +70,6 @@ BIN_COST = 16384
 ITEM_COST = 160
 #: Seconds over which ``inserts_per_s`` and ``samples_per_s`` are measured.
 RATE_WINDOW = 10.0
-
-
-class _Entry:
-    """An item's payload in its table: the item, its bytes, the user it counts for."""
-
-    __slots__ = ("item", "nbytes", "usage")
-
-    def __init__(self, item: Any, nbytes: int, usage: Any) -> None:
-        self.item = item
-        self.nbytes = nbytes
-        self.usage = usage
 
 
 @dataclass(eq=False, slots=True)
@@ -183,8 +173,6 @@ class ReplayKind:
         self.table = self.bins
         self._cost = 0
         self._busy: set[str] = set()  # bins with waiting requests
-        #: Where each change is written (the data log), or None: set by the persistence.
-        self.journal: Any = None
 
     def handlers(self) -> dict[type, Handler]:
         return {ReplayOpen: self._open, ReplayInsert: self._insert, ReplaySample: self._sample,
@@ -232,9 +220,34 @@ class ReplayKind:
         b.changed_at = time.time()
         self.server.changed(b.name, op, len(b.table), b.version, 0)
 
-    def _log(self, op: str, conn: Conn | None, msg: Any, **fields: Any) -> None:
-        if self.journal is not None:
-            self.journal(op, None if conn is None else conn.ctx(msg), msg, fields)
+    def _log(self, conn: Conn, msg: Any, header: dict[str, Any], items: Any = ()) -> None:
+        """Write a change to the data log (if the server has one): ``header`` with the
+        request's session and id, and ``items``."""
+        p = self.server.persist
+        if p is None:
+            return
+        ctx = conn.ctx(msg)
+        if ctx is not None:
+            header["s"], header["id"] = ctx
+        buffers: list[Any] = []
+        if items:
+            header["items"] = items_header(items, buffers)
+        p.add(header, buffers)
+
+    # -- the data log (see .replaylog) ------------------------------------------------------
+    def persisted(self, p: Any) -> None:
+        """The server keeps a data log ``p``: replay bins are in it (called before it loads)."""
+        ReplayLog(self, self.server.config.limits.max_depth).register(p)
+
+    def adopt(self, name: str, table: ReplayTable) -> ReplayBin:
+        """Take a table read back from a snapshot as the bin ``name``."""
+        b = self.bins[name] = ReplayBin(name, table)
+        self.settle(b)
+        return b
+
+    def settle(self, b: ReplayBin) -> None:
+        """After ``b``'s table changed: what left it is released, its cost counted."""
+        self._release(b)
 
     # -- open, info, update -----------------------------------------------------------------
     def _open(self, conn: Conn, msg: ReplayOpen) -> ReplayOpened:
@@ -247,8 +260,8 @@ class ReplayKind:
             raise BinNotFound(f"no replay bin {msg.bin!r}")
         config = config_of(msg.config, secrets.randbits(62))
         check_memory(self.server, BIN_COST, f"a new replay bin {msg.bin!r}", "created")
-        b = self.create(msg.bin, config)
-        self._log("replay_open", conn, msg, config=config.to_dict())
+        self.create(msg.bin, config)
+        self._log(conn, msg, {"op": "replay_open", "bin": msg.bin, "config": config.to_dict()})
         return ReplayOpened(msg.id, True, 0, config.to_dict())
 
     def create(self, name: str, config: ReplayConfig) -> ReplayBin:
@@ -265,7 +278,8 @@ class ReplayKind:
     def _update(self, conn: Conn, msg: ReplayUpdate) -> ReplayUpdated:
         b = self._bin(msg.bin)
         skipped = b.table.update_priorities(msg.keys, msg.priorities)
-        self._log("replay_update", conn, msg)
+        self._log(conn, msg, {"op": "replay_update", "bin": b.name, "keys": list(msg.keys),
+                              "priorities": list(msg.priorities)})
         self._changed(b, "replay_update")
         return ReplayUpdated(msg.id, len(msg.keys) - skipped, skipped)
 
@@ -301,12 +315,13 @@ class ReplayKind:
         if usage is not None:
             usage.check_room(sum(w.nbytes) + ITEM_COST * k, what)
         check_memory(self.server, incoming, what, "inserted")
-        entries = [_Entry(it, n, usage) for it, n in zip(msg.items, w.nbytes, strict=True)]
+        entries = [Entry(it, n, usage) for it, n in zip(msg.items, w.nbytes, strict=True)]
         keys = table.insert(entries, msg.priorities, w.nbytes)
         if usage is not None:
             usage.stored += sum(w.nbytes) + ITEM_COST * k
         b.max_item = max(b.max_item, *w.nbytes)
-        self._log("replay_insert", w.conn, msg, keys=keys)
+        self._log(w.conn, msg, {"op": "replay_insert", "bin": b.name, "keys": keys,
+                                "priorities": list(msg.priorities)}, msg.items)
         b.count(self._now(), k, 0)
         self._release(b)
         self._changed(b, "replay_insert")
@@ -336,7 +351,8 @@ class ReplayKind:
         msg: ReplaySample = w.msg
         table = b.table
         drawn = table.sample(msg.batch_size)
-        self._log("replay_sample", w.conn, msg, keys=drawn.keys)
+        self._log(w.conn, msg, {"op": "replay_sample", "bin": b.name,
+                                "batch_size": msg.batch_size, "keys": drawn.keys})
         b.count(self._now(), 0, msg.batch_size)
         self._release(b)
         self._changed(b, "replay_sample")

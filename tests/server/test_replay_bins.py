@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tensorshare.rl import ReplayBuffer, Sample
 from tensorshare.server import ServerConfig
 from tests.chaos import ChaosProxy, Faults
 from tests.conftest import wait_until
+from tests.server.test_persist_kill import Server, free_port
 
 DEADLINE = 10.0
 
@@ -334,3 +336,90 @@ def test_replay_buffer_api(server: EmbeddedServer) -> None:
         stats = buf.stats()
         assert stats["size"] == 4 and stats["inserts"] == 4 and stats["samples"] == 16
         assert "limiter" in stats and "priority_histogram" in stats
+
+
+# -- the data log and snapshots -------------------------------------------------------------
+@pytest.mark.parametrize("snapshots", ["log only", "snapshots too"])
+def test_kill_9_with_a_data_dir_keeps_every_insert_once_and_the_counters(
+        tmp_path: Path, snapshots: str) -> None:
+    # An actor inserts through one elastic client while the server is killed (SIGKILL) and
+    # started again on its data directory: every insert is there exactly once (resent ones
+    # answered from the remembered replies), and the items, priorities, counters and
+    # limiter counters a restart finds are those the server had.
+    args = ("--fsync", "always", "--quiet")
+    if snapshots == "snapshots too":
+        args += ("--snapshot-log-bytes", "8K")  # several snapshots during the run
+    server = Server(tmp_path / "data", free_port(), *args)
+    server.start()
+    n = 150
+    errors: list[BaseException] = []
+    done = threading.Event()
+    acked: list[int] = []
+
+    def actor() -> None:
+        try:
+            with Client("127.0.0.1", server.port, timeout=60.0) as c:
+                for i in range(n):
+                    c.replay_insert("kept", [{"x": torch.full((16,), float(i))}],
+                                    [float(1 + i % 5)])
+                    acked.append(i)
+                    if i % 3 == 0:
+                        c.replay_update("kept", [i + 1], [float(10 + i % 7)])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    try:
+        with Client("127.0.0.1", server.port, timeout=DEADLINE) as c:
+            c.replay_open("kept", max_size=1000, sampler="fifo", max_times_sampled=1,
+                          samples_per_insert=1.0, error_buffer=1000.0, seed=21)
+        t = threading.Thread(target=actor)
+        t.start()
+        for k in (1, 2):  # (some inserts acknowledged before each kill: the session is in
+            # the log; a kill before its first write was logged loses the session, and the
+            # client is told: SessionLost)
+            wait_until(lambda k=k: len(acked) >= 20 * k, 60.0, "inserts to be acknowledged")
+            server.kill()
+            server.start()
+        t.join(120)
+        assert done.is_set() and not errors, (errors, server.stderr)
+        with Client("127.0.0.1", server.port, timeout=DEADLINE) as c:
+            before = c.replay_info("kept").stats
+        server.kill()
+        server.start()
+        with Client("127.0.0.1", server.port, timeout=DEADLINE) as c:
+            after = c.replay_info("kept").stats
+            for key in ("size", "inserts", "samples", "evicted", "priority_histogram",
+                        "total_weight", "draws_left", "seed", "limiter"):
+                assert after[key] == before[key], key
+            assert (after["size"], after["inserts"]) == (n, n)
+            s = c.replay_sample("kept", n)  # fifo, once each: every insert, in order
+            assert [float(v[0]) for v in s.items["x"]] == [float(i) for i in range(n)]
+    finally:
+        server.stop()
+
+
+def test_a_restarted_server_draws_what_the_first_would_have(tmp_path: Path) -> None:
+    """The random state is in the log and the snapshots: two servers, one killed and started
+    again, the other not, give the same samples afterwards."""
+    drawn = []
+    for kill in (False, True):
+        server = Server(tmp_path / f"data-{kill}", free_port(), "--fsync", "always", "--quiet",
+                        "--snapshot-log-bytes", "2K")
+        server.start()
+        try:
+            with Client("127.0.0.1", server.port, timeout=DEADLINE) as c:
+                c.replay_open("same", max_size=30, seed=5)
+                for i in range(40):
+                    c.replay_insert("same", [torch.tensor(float(i))], [float(1 + i % 4)])
+                    c.replay_sample("same", 3)
+            if kill:
+                server.kill()
+                server.proc = None
+                server.start()
+            with Client("127.0.0.1", server.port, timeout=DEADLINE) as c:
+                drawn.append([c.replay_sample("same", 16).keys.tolist() for _ in range(3)])
+        finally:
+            server.stop()
+    assert drawn[0] == drawn[1]
