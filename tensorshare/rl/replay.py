@@ -66,16 +66,29 @@ class ReplayBuffer:
                  **client_options: Unpack[OptionFields]) -> None:
         self.name = name
         self.client: Any = connect(host, port, options=options, **client_options)
+        self._owned = True
         try:
-            opened = self.client.replay_open(
-                name, max_size=max_size, sampler=sampler, priority_exponent=priority_exponent,
-                remover=remover, max_times_sampled=max_times_sampled,
-                samples_per_insert=samples_per_insert, min_size_to_sample=min_size_to_sample,
-                error_buffer=error_buffer, seed=seed)
+            self._open(max_size=max_size, sampler=sampler, priority_exponent=priority_exponent,
+                       remover=remover, max_times_sampled=max_times_sampled,
+                       samples_per_insert=samples_per_insert,
+                       min_size_to_sample=min_size_to_sample, error_buffer=error_buffer,
+                       seed=seed)
         except BaseException:
             self.client.close()
             raise
-        self.config: dict[str, Any] = opened.config
+
+    @classmethod
+    def over(cls, client: Any, name: str, **config: Any) -> ReplayBuffer:
+        """A buffer on ``client``'s connection (a :class:`~tensorshare.Client` or
+        ``ShardedClient`` the caller keeps; :meth:`close` leaves it open), the bin opened
+        with ``config`` (``max_size=`` and the other arguments of :class:`ReplayBuffer`)."""
+        buf = cls.__new__(cls)
+        buf.name, buf.client, buf._owned = name, client, False
+        buf._open(**config)
+        return buf
+
+    def _open(self, **config: Any) -> None:
+        self.config: dict[str, Any] = self.client.replay_open(self.name, **config).config
 
     def insert(self, item: Any, priority: float, timeout: float | None = None) -> int:
         """Insert ``item`` (a tensor, a dict of tensors, any value the client sends) with
@@ -134,8 +147,9 @@ class ReplayBuffer:
         return dict(info.stats, size=info.size, total_weight=info.total)
 
     def close(self) -> None:
-        """Close the connection (the bin stays on the server)."""
-        self.client.close()
+        """Close the connection, if this buffer made it (the bin stays on the server)."""
+        if self._owned:
+            self.client.close()
 
     def __enter__(self) -> ReplayBuffer:
         return self

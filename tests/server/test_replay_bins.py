@@ -423,3 +423,18 @@ def test_a_restarted_server_draws_what_the_first_would_have(tmp_path: Path) -> N
         finally:
             server.stop()
     assert drawn[0] == drawn[1]
+
+
+def test_an_rl_worker_inserts_into_a_replay_bin_beside_its_rollouts(
+        server: EmbeddedServer) -> None:
+    from tensorshare.rl import RLWorker
+
+    with RLWorker("127.0.0.1", server.port, timeout=DEADLINE) as worker:
+        buf = worker.replay_buffer("rl/replay", max_size=10, sampler="fifo")
+        assert buf.insert_many([torch.ones(3)] * 2, [1.0, 1.0]) == [1, 2]
+        worker.add_data(torch.zeros(1))
+        buf.close()  # (the worker's connection: left open)
+        assert len(buf) == 2
+    with ReplayBuffer("rl/replay", "127.0.0.1", server.port, max_size=10,
+                      sampler="fifo") as learner:
+        assert learner.sample(2).items.tolist() == [[1.0] * 3] * 2
