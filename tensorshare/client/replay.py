@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.codec import decode
+from ..wire.codec import decode, decode_stacked
 from ..wire.protocol import check_bin_name
 from ..wire.replay import (
     CONFIG_FIELDS,
@@ -119,9 +119,12 @@ class _DecodeSample:
         import torch
 
         items = reply.items
-        with gc_paused(len(items)):
-            values = [decode(it.value, max_depth=self.max_depth) for it in items]
-        return Sample(stack_items(values), torch.tensor(reply.keys, dtype=torch.int64),
+        stacked = decode_stacked([it.value for it in items], max_depth=self.max_depth)
+        if stacked is None:  # (not like tensors, or maps of them: one by one)
+            with gc_paused(len(items)):
+                stacked = stack_items([decode(it.value, max_depth=self.max_depth)
+                                       for it in items])
+        return Sample(stacked, torch.tensor(reply.keys, dtype=torch.int64),
                       torch.tensor(reply.probabilities, dtype=torch.float64), reply.size,
                       reply.total)
 
