@@ -10,8 +10,10 @@ inserts them in batches of 32 (``insert_many``: one request). The learner sample
 prioritized batches of 64, corrects them with importance weights ``(size * p) ** -beta``,
 takes a double-DQN step, updates the priorities (``update_priorities``: one request) and
 publishes its parameters every 25 steps (``put``; the actors pick them up between batches).
-Every second of training it evaluates the greedy policy on a few episodes of its own; the
-run ends when their average return reaches ``--target``.
+The bin's rate limiter (``samples_per_insert=8``) keeps the learner from sampling each
+transition more than about 8 times: it waits for the actors rather than overfit what it has.
+Every second of training it evaluates the greedy policy on 5 episodes of its own; the run
+ends when their average return reaches ``--target``.
 
 More actors fill the buffer with more, and more varied, experience: the learner reaches the
 target sooner (``python examples/ape_x.py --actors 1`` against ``--actors 2``)::
@@ -44,7 +46,8 @@ REPLAY, PARAMS, STOP = "apex/replay", "apex/params", "apex/stop"
 GAMMA, N_STEP, BATCH, INSERT_BATCH = 0.99, 3, 64, 32
 #: The replay bin's configuration: the learner creates the bin with it, each actor checks it.
 CONFIG: dict[str, Any] = {"max_size": 100_000, "priority_exponent": 0.6,
-                          "min_size_to_sample": 1_000}
+                          "min_size_to_sample": 1_000, "samples_per_insert": 8.0,
+                          "error_buffer": 4_000.0}
 
 
 def q_network() -> nn.Module:
@@ -206,7 +209,7 @@ def _train(args: argparse.Namespace, c: Client, buf: ReplayBuffer, net: nn.Modul
         if args.smoke and steps >= 20:
             break
         if time.monotonic() - last_eval >= 1.0:
-            score, last_eval = _greedy_return(net, env, 3, 10_000 + steps), time.monotonic()
+            score, last_eval = _greedy_return(net, env, 5, 10_000 + steps), time.monotonic()
             stats = buf.stats()
             print(f"{time.monotonic() - start:6.1f}s  updates {steps:6d}  replay {stats['size']:6d}"
                   f"  inserts/s {stats['inserts_per_s']:8.0f}  greedy return {score:6.1f}",
@@ -229,6 +232,7 @@ def _train(args: argparse.Namespace, c: Client, buf: ReplayBuffer, net: nn.Modul
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)  # (small networks: one thread each, not one per core each)
     try:
         import gymnasium  # noqa: F401
     except ImportError:
