@@ -29,7 +29,11 @@ from ..wire.replay import (
 )
 from .command import BLOCK_SHARE, Command, FaceNeeds, gc_paused
 
-__all__ = ["ReplayInfoResult", "ReplayOpenResult", "ReplayOps", "Sample", "stack_items"]
+__all__ = ["REPLAY_REQUESTS", "ReplayInfoResult", "ReplayOpenResult", "ReplayOps", "Sample",
+           "ShardedReplayOps", "stack_items"]
+
+#: The requests of the replay ops (a sharded client serves them itself, across its servers).
+REPLAY_REQUESTS = frozenset({ReplayOpen, ReplayInsert, ReplaySample, ReplayUpdate, ReplayInfo})
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ from .blocking import Begin, Client, PendingCall, Pipeline
 from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
-from .replay import ShardedReplayOps
+from .replay import REPLAY_REQUESTS, ShardedReplayOps
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -294,6 +294,10 @@ class ShardedClient(ShardedReplayOps, BinClient):
         name = cmd.bin
         assert name is not None
         request = cmd.request
+        if type(request) in REPLAY_REQUESTS:
+            raise ValueError(f"{cmd.what}: a sharded client's replay ops span its servers "
+                             "(keys name a server): call them on the client itself, not "
+                             "in a pipeline or through begin")
         if self.relay is not None and (
                 (type(request) is Fetch and not request.spec.remove)
                 or type(request) in (Listen, Unlisten)) and self.relayed(name):

@@ -438,3 +438,12 @@ def test_an_rl_worker_inserts_into_a_replay_bin_beside_its_rollouts(
     with ReplayBuffer("rl/replay", "127.0.0.1", server.port, max_size=10,
                       sampler="fifo") as learner:
         assert learner.sample(2).items.tolist() == [[1.0] * 3] * 2
+
+
+def test_a_sharded_clients_replay_ops_are_refused_in_a_pipeline() -> None:
+    with EmbeddedServer(port=0) as s1, EmbeddedServer(port=0) as s2, \
+            ShardedClient([f"127.0.0.1:{s1.port}", f"127.0.0.1:{s2.port}"]) as c:
+        c.replay_open("p", max_size=10)
+        with pytest.raises(ValueError, match="not in a pipeline"):
+            c.begin.replay_insert("p", [torch.ones(1)], [1.0])
+        assert c.replay_info("p").size == 0
