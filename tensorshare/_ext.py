@@ -58,6 +58,7 @@ TWINS = (
     "tensorshare.server.store",
     "tensorshare.server.sessions",
     "tensorshare.server.stats",
+    "tensorshare.server.replay",
     "tensorshare.server.parts",
     "tensorshare.server.handlers",
     "tensorshare.server.connection",

@@ -243,7 +243,7 @@ def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
     from rich import box
     from rich.table import Table
 
-    tables = _service_table(bins)
+    tables = _service_table(bins) + _replay_table(bins)
     streams = {n: b["stream"] for n, b in bins.items() if b.get("kind") == "stream"}
     if not streams:
         return tables
@@ -283,6 +283,32 @@ def _service_table(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
         table.add_row(name, str(sv["queue"]), str(sv["hosts"]), f"{sv['calls_per_s']:g}",
                       str(sv["answered"]), str(sv["failed"]), str(sv["timed_out"]),
                       f"{sv['mean_batch']:g}", f"{sv['latency_mean_ms']:.2f} ms")
+    return [table]
+
+
+def _replay_table(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
+    """The replay bins: size, inserts/s and samples/s, the rate limiter, what waits."""
+    from rich import box
+    from rich.table import Table
+
+    replays = {n: b["replay"] for n, b in bins.items() if b.get("kind") == "replay"}
+    if not replays:
+        return []
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  title="replay bins", title_justify="left")
+    for col in ("replay", "size", "sampler", "inserts", "samples", "inserts/s", "samples/s",
+                "limiter", "waiting"):
+        table.add_column(col, justify="left" if col in ("replay", "sampler", "limiter")
+                         else "right")
+    for name, rp in replays.items():
+        lim = rp["limiter"]
+        held = [side for side in ("inserts", "samples") if lim[f"{side}_blocked"]]
+        limiter = f"{lim['kind']}" + (f" diff {lim['diff']:g}" if lim["diff"] is not None
+                                      else "") + (f", {'+'.join(held)} held" if held else "")
+        table.add_row(name, f"{rp['size']} / {rp['max_size']}", rp["sampler"],
+                      str(rp["inserts"]), str(rp["samples"]), f"{rp['inserts_per_s']:g}",
+                      f"{rp['samples_per_s']:g}", limiter,
+                      f"{rp['waiting_inserts']} in, {rp['waiting_samples']} out")
     return [table]
 
 

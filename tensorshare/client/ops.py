@@ -61,6 +61,7 @@ from .command import (
     make_item,
     make_items,
 )
+from .replay import ReplayOps
 from .services import ServiceOps
 from .streams import StreamOps
 
@@ -183,7 +184,7 @@ class _Decode:
         return res.value if self.value_only else res
 
 
-class Ops(StreamOps, ServiceOps):
+class Ops(StreamOps, ServiceOps, ReplayOps):
     """The ops of a tensorshare client, for any face (see the module docstring).
 
     A face provides ``limits`` (the server's), ``timeout``, ``compress`` and

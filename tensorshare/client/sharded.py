@@ -61,6 +61,7 @@ from .closing import Closing
 from .connection import outcomes_of
 from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
+from .replay import REPLAY_REQUESTS, ShardedReplayOps
 
 __all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
            "servers_from_env"]
@@ -134,7 +135,7 @@ def expand_servers(servers: Sequence[str] | str,
     return urls
 
 
-class ShardedClient(BinClient, Closing):
+class ShardedClient(ShardedReplayOps, BinClient, Closing):
     """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
 
     Usage::
@@ -294,6 +295,10 @@ class ShardedClient(BinClient, Closing):
         name = cmd.bin
         assert name is not None
         request = cmd.request
+        if type(request) in REPLAY_REQUESTS:
+            raise ValueError(f"{cmd.what}: a sharded client's replay ops span its servers "
+                             "(keys name a server): call them on the client itself, not "
+                             "in a pipeline or through begin")
         if self.relay is not None and (
                 (type(request) is Fetch and not request.spec.remove)
                 or type(request) in (Listen, Unlisten)) and self.relayed(name):

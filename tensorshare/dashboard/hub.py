@@ -246,7 +246,7 @@ class Upstream:
         """Listen to the bins that hold something (up to :data:`MAX_LISTENS`); stop
         listening to those empty for :data:`LINGER` seconds, gone, or past ``max_bins``."""
         for name, b in bins.items():
-            empty = b["n_items"] == 0 and b.get("kind") not in ("stream", "service")
+            empty = b["n_items"] == 0 and b.get("kind") not in ("stream", "service", "replay")
             if name in self.listening:
                 since = self.listening[name]
                 if not empty:

@@ -20,7 +20,8 @@ __all__ = ["WRITE_OPS", "bin_rows", "ops_table", "relay_lag", "roles", "server_v
 
 #: Ops that change a server (what a relay refuses): counted to tell a primary from its relays.
 WRITE_OPS = ("put", "append", "get", "delete", "configure", "restore", "stream_open",
-             "stream_append", "stream_end", "service_call", "service_reply")
+             "stream_append", "stream_end", "service_call", "service_reply", "replay_open",
+             "replay_insert", "replay_sample", "replay_update")
 
 
 def _ms(seconds: float | None) -> tuple[float | None, bool]:

@@ -55,6 +55,7 @@ from ..errors import (
     is_server_timeout,
 )
 from ..memory.device import check_device, load_into, want_pinned
+from .replay import ReplayBuffer
 
 __all__ = ["DATA_BIN", "PARAMS_BIN", "RLTrainer", "RLWorker", "TrainerStopped", "stop_bin_for"]
 
@@ -562,6 +563,14 @@ class RLWorker(_Base):
             self.version = res.version
             self.downloads += 1
         return self._params
+
+    def replay_buffer(self, name: str = "rl/replay", **config: Any) -> ReplayBuffer:
+        """The insert path for off-policy learning, beside :meth:`add_data`'s rollouts: a
+        :class:`~.replay.ReplayBuffer` on this worker's connection (over several servers: a
+        replay bin on each), the bin opened with ``config`` (``max_size=`` and the other
+        arguments of :class:`~.replay.ReplayBuffer`). Insert with its ``insert`` and
+        ``insert_many``; closing the worker closes it."""
+        return ReplayBuffer.over(self.client, name, **config)
 
     def add_data(self, x: Any, version: int | None = None) -> int:
         """Send a rollout, tagged with the version of the parameters last returned, or with

@@ -36,6 +36,7 @@ from .auth import FailedAttempts
 from .config import ServerConfig
 from .handlers import Responder
 from .persist import Loaded, Persistence
+from .replaykind import ReplayKind
 from .services import ServiceKind
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats
@@ -166,6 +167,8 @@ class ServerFactory(Factory):
                         snapshot_every=config.snapshot_every,
                         snapshot_log_bytes=config.snapshot_log_bytes, limits=config.limits,
                         truncate_corrupt=config.truncate_corrupt_log)
+        for kind in self.kinds:  # (a kind that keeps its bins in the data log: replay bins)
+            getattr(kind, "persisted", lambda p: None)(p)
         self.loaded = loaded = p.open(self.store, self.sessions)
         self.persist = p
         self.server_id = loaded.server_id
@@ -586,4 +589,4 @@ def _describe(item: Item | None) -> str | None:
 
 def kinds_for(server: ServerFactory) -> list[Kind]:
     """The kinds a server has (each bound to it)."""
-    return [StreamKind(server), ServiceKind(server)]
+    return [StreamKind(server), ServiceKind(server), ReplayKind(server)]

@@ -393,6 +393,10 @@ class DataLog(Protocol):
 
     def session_record(self, op: str, sid: bytes, **fields: Any) -> None: ...
 
+    def add(self, header: dict[str, Any], buffers: list[Any] | None = None) -> None:
+        """A record of another kind of bin (replay bins)."""
+        ...
+
 
 class Persistence(Protocol):
     """The data log, and the replies that wait for it."""

@@ -47,7 +47,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -244,6 +244,15 @@ class Persistence:
         self._free_at = -1.0
         self._margin = 1 << 20  # kept free beyond a record (see room)
         self.server_id = ""
+        # What other kinds of bins (replay bins) keep here, registered before :meth:`open`:
+        # their records (log and snapshot) by op -> apply (returns the reply to remember),
+        # their snapshot parts (called on the server's thread: each returns what to write,
+        # as (header, buffers) pairs, from the writing thread), their remembered replies'
+        # ops by reply class, and what each does once a snapshot is loaded.
+        self.kind_records: dict[str, Callable[[dict[str, Any], bytearray], Any]] = {}
+        self.kind_parts: list[Callable[[], Iterator[tuple[dict[str, Any], list[Any]]]]] = []
+        self.kind_replies: dict[type, str] = {}
+        self.kind_loaded: list[Callable[[], None]] = []
 
     # -- opening and loading ------------------------------------------------------------------
     def open(self, store: Store, sessions: SessionTable) -> Loaded:
@@ -373,7 +382,11 @@ class Persistence:
                     elif op == "reply":
                         self._load_reply(h, payload, sessions)
                     elif op == "end":
+                        for loaded in self.kind_loaded:
+                            loaded()
                         ended = True
+                    elif op in self.kind_records:
+                        self.kind_records[op](h, payload)
                     else:
                         raise _Bad(offset, f"unknown record {op!r}", False)
                 except _Bad:
@@ -441,9 +454,10 @@ class Persistence:
         op table, :data:`~.handlers.EFFECTS`), and remember the reply it gave."""
         rec = _Rec(h, payload, store, sessions, self.limits.max_depth)
         row = _REPLAY.get(rec.op)
-        if row is None:
+        kind = self.kind_records.get(rec.op) if row is None else None
+        if row is None and kind is None:
             raise ValueError(f"unknown record op {rec.op!r}")
-        reply = row(rec)
+        reply = row(rec) if row is not None else kind(h, payload)  # type: ignore[misc]
         if rec.sid and rec.rid and reply is not None:
             s = sessions.get(rec.sid) or sessions.open(rec.sid)
             sessions.remember(s, rec.rid, reply, rec.held_bin, rec.held)
@@ -472,6 +486,10 @@ class Persistence:
             h["kind"] = fields["kind"]
             h["items"] = items_header([it for it, _, _ in fields["items"]], buffers)
         self._add(_frame(h, buffers))
+
+    def add(self, header: dict[str, Any], buffers: list[BytesLike] | None = None) -> None:
+        """A record of another kind of bin (its ``op`` one of :attr:`kind_records`)."""
+        self._add(_frame(header, buffers or []))
 
     def session_record(self, op: str, sid: bytes, **fields: Any) -> None:
         """A session record: ``session``, ``ack`` (through, open), ``forget`` (id), ``expire``."""
@@ -614,7 +632,8 @@ class Persistence:
             self._unsynced = False
         self._segment += 1
         self._open_segment()
-        state = _capture(store, sessions)
+        state = replace(_capture(store, sessions), parts=[c() for c in self.kind_parts],
+                        reply_ops=self.kind_replies)
         self.last_snapshot = time.monotonic()
 
         def job() -> None:
@@ -847,6 +866,8 @@ class _State:
     metas: list[tuple[str, int, BinConfig, int]]
     bins: list[tuple[str, str, int, list[tuple[Any, int, int | None]]]]
     sessions: list[tuple[bytes, list[tuple[int, Reply, str | None, int]]]]
+    parts: list[Iterator[tuple[dict[str, Any], list[Any]]]] = field(default_factory=list)
+    reply_ops: dict[type, str] = field(default_factory=dict)
 
 
 def _capture(store: Store, sessions: SessionTable) -> _State:
@@ -878,14 +899,18 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
             buffers = []
             yield _frame({"op": "items", "bin": name, "items": items_header(group, buffers)},
                          buffers)
+    for part in state.parts:
+        for header, buffers in part:
+            yield _frame(header, buffers)
+    ops = {**_REPLY_OP, **state.reply_ops}
     for sid, replies in state.sessions:
         yield _frame({"op": "session", "s": sid})
         for _rid, reply, bin_name, held in replies:
-            if type(reply) is not ErrorReply and type(reply) not in _REPLY_OP:
+            if type(reply) is not ErrorReply and type(reply) not in ops:
                 continue  # a reply of a bin kind that lives in memory only (streams, services)
             extra: dict[str, Any] = {"rec": "reply", "s": sid, "held": held}
             if type(reply) is not ErrorReply:
-                extra["req_op"] = _REPLY_OP[type(reply)]
+                extra["req_op"] = ops[type(reply)]
             if bin_name is not None:
                 extra["held_bin"] = bin_name
             chunks, _ = encode_message(reply, extra)

@@ -2,6 +2,7 @@
 # ready for when the replay kind adds the module to TWINS. The .py stays the reference: this
 # file only declares what Cython may type. (Counters are int64: from_state refuses larger.)
 import cython
+from libc.stdint cimport int64_t
 
 
 @cython.final
@@ -25,18 +26,18 @@ cdef class ExtremeTree:
     cdef public Py_ssize_t capacity
     cdef public bint highest
     cdef public double[::1] priorities
-    cdef public long long[::1] seqs, winners
+    cdef public int64_t[::1] seqs, winners
 
     cpdef Py_ssize_t top(self)
     @cython.locals(pa=double, pb=double)
     cdef bint _beats(self, Py_ssize_t a, Py_ssize_t b)
     cdef Py_ssize_t _winner(self, Py_ssize_t a, Py_ssize_t b)
-    @cython.locals(winners="long long[::1]")
+    @cython.locals(winners=int64_t[::1])
     cdef _climb(self, Py_ssize_t i)
-    cpdef set(self, Py_ssize_t slot, double priority, long long seq)
+    cpdef set(self, Py_ssize_t slot, double priority, int64_t seq)
     cpdef clear(self, Py_ssize_t slot)
-    @cython.locals(old=Py_ssize_t, priorities="double[::1]", seqs="long long[::1]",
-                   winners="long long[::1]", i=Py_ssize_t)
+    @cython.locals(old=Py_ssize_t, priorities="double[::1]", seqs=int64_t[::1],
+                   winners=int64_t[::1], i=Py_ssize_t)
     cpdef grow(self, Py_ssize_t capacity)
 
 
@@ -44,7 +45,7 @@ cdef class ExtremeTree:
 cdef class RateLimiter:
     cdef public bint ratio
     cdef public double samples_per_insert, min_diff, max_diff
-    cdef public long long min_size_to_sample, inserts, samples, deletes
+    cdef public int64_t min_size_to_sample, inserts, samples, deletes
 
     cpdef double diff(self)
     cpdef bint can_insert(self, Py_ssize_t count)
@@ -54,7 +55,7 @@ cdef class RateLimiter:
 @cython.final
 @cython.freelist(256)
 cdef class ReplayItem:
-    cdef public long long key, nbytes, seq, times_sampled
+    cdef public int64_t key, nbytes, seq, times_sampled
     cdef public Py_ssize_t slot
     cdef public double priority
     cdef public object payload
@@ -67,11 +68,11 @@ cdef class ReplayTable:
     cdef public int _sampler, _remover
     cdef public double _alpha
     cdef public Py_ssize_t _max_size, _max_times, _capacity
-    cdef public list _slots, _hist
+    cdef public list _slots, _hist, released
     cdef public SumTree _sum
     cdef public ExtremeTree _high, _low
-    cdef public long long _nbytes, _draws_left, _next_key, _seq
-    cdef public long long _inserted, _sampled, _evicted, _expired, _deleted
+    cdef public int64_t _nbytes, _draws_left, _next_key, _seq
+    cdef public int64_t _inserted, _sampled, _evicted, _expired, _deleted
 
     @cython.locals(item=ReplayItem, i=Py_ssize_t, count=Py_ssize_t, key=cython.longlong,
                    priority=double, weight=double, checked=list, keys=list)

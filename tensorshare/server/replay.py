@@ -545,11 +545,14 @@ class ReplayTable:
     __slots__ = ("_alpha", "_capacity", "_deleted", "_draws_left", "_evicted", "_expired",
                  "_high", "_hist", "_inserted", "_items", "_low", "_max_size", "_max_times",
                  "_nbytes", "_next_key", "_remover", "_rng", "_sampled", "_sampler", "_seq",
-                 "_slots", "_sum", "config", "limiter")
+                 "_slots", "_sum", "config", "limiter", "released")
 
     def __init__(self, config: ReplayConfig) -> None:
         self.config = config
         self.limiter = config.limiter()
+        #: A list the caller drains, or None: the payloads of items removed (evicted,
+        #: sampled their last time, deleted), so that it can release what they held.
+        self.released: list[Any] | None = None
         self._sampler = _SAMPLER_CODES[config.sampler]
         self._remover = _REMOVER_CODES[config.remover]
         self._alpha = float(config.priority_exponent)
@@ -853,6 +856,8 @@ class ReplayTable:
         if self._max_times:
             self._draws_left -= self._max_times - item.times_sampled
         self.limiter.deletes += 1
+        if self.released is not None:
+            self.released.append(item.payload)
 
     def _grow(self, needed: int) -> None:
         capacity = max(_capacity_for(needed), 2 * self._capacity)

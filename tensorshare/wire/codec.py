@@ -80,6 +80,7 @@ __all__ = [
     "Encoded",
     "check_cuda_ipc",
     "decode",
+    "decode_stacked",
     "decode_many",
     "describe",
     "encode",
@@ -795,6 +796,66 @@ def decode(
     if len(enc.value) <= 64 and len(buffers) == 1 and not known(enc.value):
         _remember_lone_tensor(enc.value)
     return value
+
+
+class _Stacking:
+    """A tensor of a tree being stacked (:func:`decode_stacked`): its buffer's index."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def decode_stacked(encs: Sequence[Encoded], *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """Like values decoded as one, each tensor stacked along a new first dimension: what
+    ``torch.stack`` of :func:`decode` of each would give, built once from the values'
+    buffers joined (a replay sample's items).
+
+    Applies where every value has the same tree bytes (so the same dtypes and shapes) and
+    that tree is a tensor or a map of tensors, none of whose buffers is compressed; returns
+    ``None`` otherwise (decode them one by one), and for a buffer whose size is not its
+    tensor's (:func:`decode` then says why).
+    """
+    if not encs or not encs[0].buffers:
+        return None
+    tree, nbuf = encs[0].value, len(encs[0].buffers)
+    for e in encs:
+        if e.value != tree or len(e.buffers) != nbuf or \
+                any(b.codec is not None for b in e.buffers):
+            return None
+    leaves: dict[int, tuple[str, list[int]]] = {}
+
+    def make(code: int, name: str, shape: list[int], index: int) -> Any:
+        if code != EXT_TENSOR:
+            raise CodecError("not a tensor")
+        leaves[index] = (name, shape)
+        return _Stacking(index)
+
+    try:
+        value = _Unpacker(nbuf, max_depth, make).unpack(tree)
+    except CodecError:
+        return None
+    if type(value) is _Stacking:
+        return _stacked(encs, value.index, *leaves[value.index])
+    if type(value) is not dict or not all(type(v) is _Stacking for v in value.values()):
+        return None
+    out = {k: _stacked(encs, v.index, *leaves[v.index]) for k, v in value.items()}
+    return None if any(t is None for t in out.values()) else out
+
+
+def _stacked(encs: Sequence[Encoded], index: int, name: str, shape: list[int]) -> Any:
+    itemsize = _ITEMSIZE[name]
+    n = math.prod(shape)
+    size = n * itemsize
+    raw = bytearray(size * len(encs))
+    view = memoryview(raw)
+    for i, e in enumerate(encs):
+        data = e.buffers[index].data
+        if len(data) != size:
+            return None
+        view[i * size:(i + 1) * size] = data
+    return _make_tensor(name, [len(encs), *shape], n * len(encs), itemsize, raw)
 
 
 def decode_many(encs: Sequence[Encoded], *, max_depth: int = DEFAULT_MAX_DEPTH,

@@ -775,3 +775,26 @@ def test_close_does_not_wait_more_than_a_second_for_a_silent_server() -> None:
     assert not fired(closing) and not transport.disconnecting
     clock.advance(1.0)  # no answer to the bye: close anyway
     assert transport.disconnecting
+
+
+def test_replay_ops_on_the_twisted_client(client_reactor: EPollReactor,
+                                          server: EmbeddedServer) -> None:
+    """The replay ops of every face: each fires with what the blocking client returns."""
+
+    @defer.inlineCallbacks
+    def scenario() -> Any:
+        client = yield connect(client_reactor, "127.0.0.1", server.port, timeout=WAIT)
+        opened = yield client.replay_open("tx/replay", max_size=10, sampler="fifo")
+        keys = yield client.replay_insert("tx/replay", [torch.ones(2), torch.zeros(2)],
+                                          [1.0, 2.0])
+        sample = yield client.replay_sample("tx/replay", 3)
+        updated = yield client.replay_update("tx/replay", keys, [0.5, 0.5])
+        info = yield client.replay_info("tx/replay")
+        yield client.close()
+        return opened, keys, sample, updated, info
+
+    opened, keys, sample, updated, info = in_reactor(client_reactor, scenario)
+    assert opened.created and keys == [1, 2] and updated == 2
+    items, drawn, probs, size = sample
+    assert items.tolist() == [[1.0, 1.0]] * 3 and drawn.tolist() == [1, 1, 1] and size == 2
+    assert info.size == 2 and info.stats["samples"] == 3

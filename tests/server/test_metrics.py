@@ -211,3 +211,24 @@ def test_services_export_their_queue_hosts_calls_and_batches(server: EmbeddedSer
         assert m[("tensorshare_service_batches", "type")] == "counter"
     finally:
         exporter.stop()
+
+
+def test_replay_bins_export_size_counts_limiter_and_histogram(server: EmbeddedServer) -> None:
+    exporter = start_metrics_server(0, server=server)
+    try:
+        with Client("127.0.0.1", server.port) as c:
+            c.replay_open("rl/replay", max_size=3, samples_per_insert=2.0, error_buffer=10.0)
+            c.replay_insert("rl/replay", [torch.zeros(2)] * 4, [0.5, 5.0, 5.0, 50.0])
+            c.replay_sample("rl/replay", 3)
+            m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_replay_size", bin="rl/replay") == 3
+        assert _value(m, "tensorshare_replay_inserts", "tensorshare_replay_inserts_total",
+                      bin="rl/replay") == 4
+        assert _value(m, "tensorshare_replay_evicted", "tensorshare_replay_evicted_total",
+                      bin="rl/replay") == 1
+        assert _value(m, "tensorshare_replay_limiter_diff", bin="rl/replay") == 4 * 2 - 3
+        assert _value(m, "tensorshare_replay_priority_items", bin="rl/replay", ge="1") == 2
+        assert _value(m, "tensorshare_replay_priority_items", bin="rl/replay", ge="10") == 1
+        assert m[("tensorshare_replay_samples", "type")] == "counter"
+    finally:
+        exporter.stop()

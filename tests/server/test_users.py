@@ -89,7 +89,8 @@ EXPECTED_ACCESS = {
     "reload": "admin", "stream_open": "write", "stream_append": "write",
     "stream_end": "write", "stream_join": "read", "stream_read": "read",
     "stream_leave": "read", "service_call": "write", "service_take": "take",
-    "service_reply": "take",
+    "service_reply": "take", "replay_open": "write", "replay_insert": "write",
+    "replay_sample": "read", "replay_update": "write", "replay_info": "read",
 }
 
 
@@ -590,3 +591,31 @@ def test_a_users_file_is_a_token_for_protected_mode_and_a_broken_one_stops_the_s
                          timeout=60, env=env)
     assert out.returncode == 2, out
     assert "cannot read the token file of user 'alice'" in out.stderr, out.stderr
+
+
+def test_replay_inserts_count_against_the_quota_until_their_items_leave(
+        factory: ServerFactory) -> None:
+    from tensorshare.wire.replay import (
+        ReplayInsert,
+        ReplayInserted,
+        ReplayOpen,
+        ReplayOpened,
+        ReplaySample,
+        ReplaySampled,
+    )
+
+    alice = peer(factory, "alice")
+    usage = factory.users.usage["alice"]
+    big = item(bytes(40 * 1024))
+    opened = alice.request(ReplayOpen(alice.rid(), "alice/r", {"max_size": 10,
+                                                               "max_times_sampled": 1}))
+    assert isinstance(opened, ReplayOpened)
+    ok = alice.request(ReplayInsert(alice.rid(), "alice/r", big, (), (1.0,)))
+    assert isinstance(ok, ReplayInserted) and usage.stored >= 40 * 1024
+    refused = alice.request(ReplayInsert(alice.rid(), "alice/r", big, (), (1.0,)))
+    assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
+    assert "user 'alice'" in refused.message and "replay bin 'alice/r'" in refused.message
+    drawn = alice.request(ReplaySample(alice.rid(), "alice/r", 1))  # its one sample: it leaves
+    assert isinstance(drawn, ReplaySampled) and usage.stored == 0
+    assert isinstance(alice.request(ReplayInsert(alice.rid(), "alice/r", big, (), (1.0,))),
+                      ReplayInserted)

@@ -347,3 +347,33 @@ def test_demo_refuses_bad_arguments() -> None:
                            else "needs Gymnasium")):
         res = _run(["-m", "tensorshare.demo", *args], timeout=60)
         assert res.returncode == 2 and message in res.stderr, (args, res.stdout, res.stderr)
+
+
+@needs_gymnasium
+@pytest.mark.timeout(150)
+def test_ape_x_smoke_inserts_samples_and_updates() -> None:
+    res = _run([str(EXAMPLES / "ape_x.py"), "--actors", "2", "--smoke", "--max-seconds", "100"],
+               timeout=140)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "smoke: the replay plumbing works" in res.stdout, res.stdout
+    m = re.search(r"summary: 2 actors, (\d+) updates, (\d+) transitions inserted, (\d+) sampled",
+                  res.stdout)
+    assert m and int(m.group(1)) >= 20 and int(m.group(2)) >= 1000, res.stdout
+    assert "Traceback" not in res.stderr, res.stderr  # actors exit quietly
+
+
+def _ape_x_seconds(actors: int) -> float:
+    res = _run([str(EXAMPLES / "ape_x.py"), "--actors", str(actors), "--max-seconds", "400"],
+               timeout=480)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = re.search(r"reached the target in ([\d.]+) s", res.stdout)
+    assert m, res.stdout
+    return float(m.group(1))
+
+
+@needs_gymnasium
+@pytest.mark.long
+@pytest.mark.timeout(1000)
+def test_ape_x_with_two_actors_reaches_the_target_sooner_than_with_one() -> None:
+    one, two = _ape_x_seconds(1), _ape_x_seconds(2)
+    assert two < one, (one, two)

@@ -749,3 +749,25 @@ def test_decode_many_is_decode_of_each_on_fresh_memory() -> None:
             assert got == want
     many[0].add_(1)  # each tensor its own memory
     assert torch.equal(many[1], values[1]) and many[0][0] == 1.0
+
+
+def test_decode_stacked_is_torch_stack_of_each_decode() -> None:
+    from tensorshare.wire.codec import decode_stacked
+
+    values = [{"obs": torch.randn(3, 2), "a": torch.tensor(i), "done": torch.tensor(i % 2 == 0)}
+              for i in range(5)]
+    encs = [codec.encode(v) for v in values]
+    stacked = decode_stacked(encs)
+    assert set(stacked) == {"obs", "a", "done"}
+    for k in stacked:
+        expected = torch.stack([codec.decode(e)[k] for e in encs])
+        assert stacked[k].dtype == expected.dtype and torch.equal(stacked[k], expected)
+    lone = [codec.encode(torch.full((4,), float(i))) for i in range(3)]
+    assert torch.equal(decode_stacked(lone), torch.stack([codec.decode(e) for e in lone]))
+    # Not like values, or not tensors: None (decoded one by one instead).
+    assert decode_stacked([codec.encode(torch.ones(2)), codec.encode(torch.ones(3))]) is None
+    assert decode_stacked([codec.encode({"x": 1})] * 2) is None
+    assert decode_stacked([codec.encode([torch.ones(2)])] * 2) is None
+    assert decode_stacked([]) is None
+    short = codec.Encoded(encs[0].value, (codec.Buffer(b"\0" * 4),) + encs[0].buffers[1:])
+    assert decode_stacked([encs[0], short]) is None  # a buffer of the wrong size

@@ -210,7 +210,7 @@ def test_remembered_ops_are_exactly_the_ones_that_change_something() -> None:
     """Exactly-once replay (docs/PROTOCOL.md §9.4) depends on this column."""
 
     core = {name for name, op in OPS.items()
-            if op.mutating and not name.startswith(("stream_", "service_"))}
+            if op.mutating and not name.startswith(("stream_", "service_", "replay_"))}
     assert core == {"put", "append", "get", "delete", "configure"}
     # A call is answered once across reconnects; a take and a reply are not remembered (a
     # batch whose host is gone goes back to the queue; a resent reply finds it answered).
@@ -220,6 +220,10 @@ def test_remembered_ops_are_exactly_the_ones_that_change_something() -> None:
     # A stream's leave is not remembered: leaving twice is leaving once.
     assert streams == {"stream_open", "stream_append", "stream_end", "stream_join",
                        "stream_read"}
+    # Inserting, sampling (it counts draws and moves the random state) and updating are
+    # remembered; opening twice checks, and asking changes nothing.
+    replay = {name for name, op in OPS.items() if op.mutating and name.startswith("replay_")}
+    assert replay == {"replay_insert", "replay_sample", "replay_update"}
 
 
 def test_op_name_of_every_request_class() -> None:
@@ -1290,7 +1294,7 @@ def test_import_protocol_does_not_import_threading_without_site() -> None:
 ORDER_PROBE = textwrap.dedent(
     """
     import sys
-    import tensorshare.wire.services, tensorshare.wire.streams
+    import tensorshare.wire.replay, tensorshare.wire.services, tensorshare.wire.streams
     # The other kinds' rows are plain data: exporting them needs no protocol.
     assert not any(n.startswith("tensorshare.wire.protocol") for n in sys.modules)
     from tensorshare.wire.protocol import OPS
@@ -1301,15 +1305,17 @@ ORDER_PROBE = textwrap.dedent(
 
 def test_the_op_table_does_not_depend_on_what_was_imported_first() -> None:
     """A fresh interpreter that imports the stream and service modules before the protocol
-    gets the same table, in the same order: core, streams, services, then reload."""
-    from tensorshare.wire import services, streams
+    gets the same table, in the same order: core, streams, services, reload, then replay."""
+    from tensorshare.wire import replay, services, streams
 
     out = subprocess.run([sys.executable, "-c", ORDER_PROBE], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == list(OPS)
     kinds = [op.name for op in (*streams.ROWS, *services.ROWS)]
-    assert out[-len(kinds) - 1:] == [*kinds, "reload"] and out[0] == "hello"
-    assert all(OPS[op.name] is op for op in (*streams.ROWS, *services.ROWS))
+    last = [op.name for op in replay.ROWS]
+    assert out[-len(kinds) - 1 - len(last):] == [*kinds, "reload", *last]
+    assert out[0] == "hello"
+    assert all(OPS[op.name] is op for op in (*streams.ROWS, *services.ROWS, *replay.ROWS))
 
 
 def test_a_frame_of_many_items_is_parsed_with_the_garbage_collector_paused() -> None:

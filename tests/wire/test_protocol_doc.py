@@ -85,6 +85,18 @@ from tensorshare.wire.protocol import (
     ProtocolViolation,
     encode_message,
 )
+from tensorshare.wire.replay import (
+    ReplayInfo,
+    ReplayInfoReply,
+    ReplayInsert,
+    ReplayInserted,
+    ReplayOpen,
+    ReplayOpened,
+    ReplaySample,
+    ReplaySampled,
+    ReplayUpdate,
+    ReplayUpdated,
+)
 from tensorshare.wire.services import (
     ServiceAnswer,
     ServiceBatch,
@@ -142,6 +154,11 @@ REPLY_TABLES: dict[type, str] = {
     StreamItems: "reply-stream-read",
     ServiceAnswer: "reply-service-call",
     ServiceBatch: "reply-service-take",
+    ReplayOpened: "reply-replay-open",
+    ReplayInserted: "reply-replay-insert",
+    ReplaySampled: "reply-replay-sample",
+    ReplayUpdated: "reply-replay-update",
+    ReplayInfoReply: "reply-replay-info",
 }
 
 
@@ -501,6 +518,14 @@ def _full_requests() -> dict[str, list[Message]]:
         "service_take": [ServiceTake(21, "p", 64, 2.0, 1.5, 10.0, 1024)],
         "service_reply": [ServiceReply(22, "p", 3, item, (item,), 7, None, ((1, "bad"),)),
                           ServiceReply(22, "p", 3, None, (), None, "RuntimeError: boom")],
+        "replay_open": [ReplayOpen(23, "r", {
+            "max_size": 100, "sampler": "prioritized", "priority_exponent": 0.6,
+            "remover": "fifo", "max_times_sampled": 2, "samples_per_insert": 4.0,
+            "min_size_to_sample": 10, "error_buffer": 40.0, "seed": 7}, True)],
+        "replay_insert": [ReplayInsert(24, "r", item, (item,), (1.0, 0.5), 1.5)],
+        "replay_sample": [ReplaySample(25, "r", 32, 1.5)],
+        "replay_update": [ReplayUpdate(26, "r", (1, 2), (0.5, 2.0))],
+        "replay_info": [ReplayInfo(27, "r")],
     }
 
 
@@ -562,6 +587,11 @@ def _reply_cases() -> dict[str, list[Message]]:
                               StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
         "reply-service-call": [ServiceAnswer(6, (item,), 7), ServiceAnswer(6, (item,), None)],
         "reply-service-take": [ServiceBatch(7, 3, (item, item), (1, 8))],
+        "reply-replay-open": [ReplayOpened(8, True, 0, {"max_size": 10, "seed": 3})],
+        "reply-replay-insert": [ReplayInserted(9, (1, 2), 2)],
+        "reply-replay-sample": [ReplaySampled(10, (item, item), (2, 2), (0.5, 0.5), 2, 1.5)],
+        "reply-replay-update": [ReplayUpdated(11, 1, 1)],
+        "reply-replay-info": [ReplayInfoReply(12, 2, 1.5, {"size": 2})],
     }
 
 

@@ -389,7 +389,7 @@
     for (const tr of state.rows.values()) {
       tr.hidden = f !== "" && tr.dataset.bin.toLowerCase().indexOf(f) < 0;
     }
-    for (const id of ["streams", "services"]) {
+    for (const id of ["streams", "services", "replays"]) {
       for (const tr of $(id).tBodies[0].rows) {
         tr.hidden = f !== "" && (tr.dataset.bin || "").toLowerCase().indexOf(f) < 0;
       }
@@ -445,6 +445,40 @@
     let rows = [];
     for (const b of streams) rows = rows.concat(streamRows(b));
     $("streams").tBodies[0].replaceChildren(...rows);
+  }
+
+  function histogramText(h) {
+    // Items per priority bucket, the non-empty ones: "[lower edge, next): count".
+    const parts = [];
+    for (let i = 0; i < h.counts.length; i++) {
+      if (h.counts[i]) parts.push(">=" + h.edges[i] + ": " + h.counts[i]);
+    }
+    return parts.join(", ") || "empty";
+  }
+
+  function renderReplays(snap) {
+    const replays = snap.bins.filter(function (b) { return b.kind === "replay" && b.replay; });
+    $("replays-view").hidden = replays.length === 0;
+    const rows = replays.map(function (b) {
+      const rp = b.replay;
+      const lim = rp.limiter;
+      const held = ["inserts", "samples"].filter(function (side) { return lim[side + "_blocked"]; });
+      const tr = el("tr");
+      tr.dataset.bin = b.name;
+      cell(tr, "name", b.name);
+      cell(tr, "num", rp.size + " / " + rp.max_size);
+      cell(tr, "sampler", rp.sampler);
+      cell(tr, "num", fmtRate(rp.inserts_per_s, 1));
+      cell(tr, "num", fmtRate(rp.samples_per_s, 1));
+      cell(tr, "num", rp.inserts);
+      cell(tr, "num", rp.samples);
+      cell(tr, "limiter", lim.kind + (lim.diff === null ? "" : " diff " + lim.diff) +
+        (held.length ? ", " + held.join("+") + " held" : ""));
+      cell(tr, "num", rp.waiting_inserts + " in, " + rp.waiting_samples + " out");
+      cell(tr, "histogram", histogramText(rp.priority_histogram));
+      return tr;
+    });
+    $("replays").tBodies[0].replaceChildren(...rows);
   }
 
   function renderServices(snap) {
@@ -561,6 +595,7 @@
     renderBins(snap);
     renderStreams(snap);
     renderServices(snap);
+    renderReplays(snap);
     renderOps(snap);
     renderBanner(snap);
     applyFilter();

@@ -1,0 +1,149 @@
+"""Replay bins in the data log and the snapshots (:mod:`.persist`), for :mod:`.replaykind`.
+
+Log records (each a request as the server executed it, with its session ``s`` and ``id`` so
+that the replies are remembered again; see ``docs/PROTOCOL.md`` §12 and §15.3):
+
+* ``replay_open``: ``bin``, ``config`` (the configuration, the seed the server drew
+  included);
+* ``replay_insert``: ``bin``, ``items``, ``priorities``, ``keys`` (what it gave: checked when
+  replayed);
+* ``replay_sample``: ``bin``, ``batch_size``, ``keys``: replayed on the same random state,
+  the table draws the same items (checked);
+* ``replay_update``: ``bin``, ``keys``, ``priorities``.
+
+Snapshot records: ``replay_bin`` (``bin``, ``state``: the table's
+:meth:`~.replay.ReplayTable.state` but its items) and ``replay_items`` (``bin``, ``rows``: the
+state's item rows, in slot order, and ``items``: their payloads), at most
+:data:`SNAP_ITEMS` a record. Nothing read back is unpickled: items are parsed and checked as
+items from the network, the state by :meth:`~.replay.ReplayTable.from_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..wire.protocol import item_wire_size, items_header, parse_items
+from ..wire.replay import ReplayInserted, ReplaySampled, ReplayUpdated
+from .replay import ReplayConfig, ReplayTable
+
+__all__ = ["SNAP_ITEMS", "Entry", "ReplayLog"]
+
+#: Items of one replay bin per snapshot record.
+SNAP_ITEMS = 256
+
+
+class Entry:
+    """An item's payload in its table: the item, its bytes, the user it counts for."""
+
+    __slots__ = ("item", "nbytes", "usage")
+
+    def __init__(self, item: Any, nbytes: int, usage: Any) -> None:
+        self.item = item
+        self.nbytes = nbytes
+        self.usage = usage
+
+
+class ReplayLog:
+    """Reads the replay records back into ``kind`` (a :class:`~.replaykind.ReplayKind`), and
+    captures its bins for a snapshot."""
+
+    def __init__(self, kind: Any, max_depth: int) -> None:
+        self.kind = kind
+        self.max_depth = max_depth
+        # Bins of the snapshot being loaded: name -> (state, rows, payloads by key).
+        self._loading: dict[str, tuple[dict[str, Any], list[Any], dict[int, Any]]] = {}
+
+    def register(self, p: Any) -> None:
+        """Make the data log ``p`` read and write replay records."""
+        p.kind_records.update({
+            "replay_open": self._open, "replay_insert": self._insert,
+            "replay_sample": self._sample, "replay_update": self._update,
+            "replay_bin": self._bin, "replay_items": self._items})
+        p.kind_parts.append(self.capture)
+        p.kind_replies.update({ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
+                               ReplayUpdated: "replay_update"})
+        p.kind_loaded.append(self._loaded)
+
+    # -- the log --------------------------------------------------------------------------
+    def _table(self, h: dict[str, Any]) -> Any:
+        b = self.kind.bins.get(h["bin"])
+        if b is None:
+            raise ValueError(f"replay bin {h['bin']!r} was never opened")
+        return b
+
+    def _open(self, h: dict[str, Any], payload: bytearray) -> None:
+        if h["bin"] not in self.kind.bins:
+            self.kind.create(h["bin"], ReplayConfig.from_dict(h["config"]))
+
+    def _insert(self, h: dict[str, Any], payload: bytearray) -> ReplayInserted:
+        b = self._table(h)
+        items = parse_items(h, payload, self.max_depth)
+        sizes = [item_wire_size(it) for it in items]
+        keys = b.table.insert([Entry(it, n, None) for it, n in zip(items, sizes, strict=True)],
+                              h["priorities"], sizes)
+        if keys != h["keys"]:
+            raise ValueError(f"the insert gave the keys {keys}, not the logged {h['keys']}")
+        b.max_item = max(b.max_item, *sizes)
+        self.kind.settle(b)
+        return ReplayInserted(h.get("id", 0), tuple(keys), len(b.table))
+
+    def _sample(self, h: dict[str, Any], payload: bytearray) -> ReplaySampled:
+        b = self._table(h)
+        drawn = b.table.sample(h["batch_size"])
+        if drawn.keys != h["keys"]:
+            raise ValueError(f"the sample drew the keys {drawn.keys}, not the logged {h['keys']}")
+        self.kind.settle(b)
+        return ReplaySampled(h.get("id", 0), tuple(e.item for e in drawn.payloads),
+                             tuple(drawn.keys), tuple(drawn.probabilities), drawn.sizes[0],
+                             b.table.total_weight(), sum(e.nbytes for e in drawn.payloads))
+
+    def _update(self, h: dict[str, Any], payload: bytearray) -> ReplayUpdated:
+        b = self._table(h)
+        skipped = b.table.update_priorities(h["keys"], h["priorities"])
+        return ReplayUpdated(h.get("id", 0), len(h["keys"]) - skipped, skipped)
+
+    # -- snapshots ------------------------------------------------------------------------
+    def capture(self) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+        """Every replay bin as it is now (on the server's thread); the records come from the
+        writing thread (the items are immutable: only references are kept)."""
+        bins = []
+        for name, b in sorted(self.kind.bins.items()):
+            state = b.table.state()
+            rows = state.pop("items")
+            bins.append((name, state, rows, [b.table.get(r[0]).payload.item for r in rows]))
+        return _records(bins)
+
+    def _bin(self, h: dict[str, Any], payload: bytearray) -> None:
+        state = h["state"]
+        if not isinstance(state, dict):
+            raise TypeError("'state' must be a map")
+        self._loading[h["bin"]] = (state, [], {})
+
+    def _items(self, h: dict[str, Any], payload: bytearray) -> None:
+        _, rows, payloads = self._loading[h["bin"]]
+        items = parse_items(h, payload, self.max_depth)
+        if not isinstance(h["rows"], list) or len(h["rows"]) != len(items):
+            raise ValueError("a replay_items record needs one row per item")
+        for row, it in zip(h["rows"], items, strict=True):
+            rows.append(row)
+            payloads[row[0]] = Entry(it, item_wire_size(it), None)
+
+    def _loaded(self) -> None:
+        """The snapshot is read: make its tables (the log replayed after it changes them)."""
+        loading, self._loading = self._loading, {}
+        for name, (state, rows, payloads) in loading.items():
+            table = ReplayTable.from_state(dict(state, items=rows), payloads)
+            b = self.kind.adopt(name, table)
+            b.max_item = max((e.nbytes for e in payloads.values()), default=0)
+
+
+def _records(bins: list[tuple[str, dict[str, Any], list[Any], list[Any]]]
+             ) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    for name, state, rows, items in bins:
+        yield {"op": "replay_bin", "bin": name, "state": state}, []
+        for i in range(0, len(rows), SNAP_ITEMS):
+            buffers: list[Any] = []
+            header = items_header(items[i:i + SNAP_ITEMS], buffers)
+            yield {"op": "replay_items", "bin": name, "rows": rows[i:i + SNAP_ITEMS],
+                   "items": header}, buffers
