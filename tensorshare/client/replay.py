@@ -161,6 +161,9 @@ def _batch(n: Any, what: str) -> int:
 class ReplayOps(FaceNeeds):
     """Replay ops for :class:`~.ops.Ops` (see :class:`tensorshare.rl.ReplayBuffer`)."""
 
+    #: A pipeline's client, which encodes its items (``None``: this face encodes its own).
+    _host: Any = None
+
     def _replay_wait(self, timeout: float | None) -> float:
         """How long the server may keep a request waiting: ``timeout``, at most 80% of the
         client's (so that the server's answer comes before the client gives up)."""
@@ -225,7 +228,7 @@ class ReplayOps(FaceNeeds):
         prios = _numbers(priorities, "priorities")
         if len(prios) != len(values):
             raise ValueError(f"{len(values)} items but {len(prios)} priorities")
-        host: Any = getattr(self, "_host", self)
+        host: Any = self._host or self  # a pipeline encodes as its client
         items = host._items(name, values, [None] * len(values))
         request: Any = ReplayInsert(0, name, items[0], tuple(items[1:]), tuple(prios),
                                     self._replay_wait(timeout))
