@@ -51,7 +51,10 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-u
 XSS = "<img src=x onerror=alert(1)>"
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: Playwright's sync API keeps its event loop marked as running in this thread
+# while it is started, which an asyncio test run after these by the same worker cannot share
+# (the browser tests are one xdist group, run back to back; then the browser goes).
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
