@@ -45,7 +45,7 @@ from typing import Any, Union, cast
 import msgpack
 
 from ..errors import InvalidRequest, LimitExceeded, MemoryLimitExceeded, ProtocolError
-from . import services, streams
+from . import replication, services, streams
 from .auth import MECH, NONCE_BYTES, check_user_name
 from .fields import (
     ACCESS,
@@ -522,8 +522,10 @@ def _table(*groups: Sequence[Op]) -> dict[str, Op]:
 
 #: The op table: wire op -> how to encode, parse and reply to it. In the order of
 #: docs/PROTOCOL.md §3.2: the core ops, the stream bins' (:data:`.streams.ROWS`), the service
-#: bins' (:data:`.services.ROWS`), then the administration ops.
-OPS: dict[str, Op] = _table(_CORE_ROWS, streams.ROWS, services.ROWS, _ADMIN_ROWS)
+#: bins' (:data:`.services.ROWS`), the administration ops, then replication's
+#: (:data:`.replication.ROWS`).
+OPS: dict[str, Op] = _table(_CORE_ROWS, streams.ROWS, services.ROWS, _ADMIN_ROWS,
+                           replication.ROWS)
 # Every request may also carry these (see AckInfo).
 ACK_FIELDS = ("ack", "open")
 _OP_OF_CLASS: dict[type, str] = {op.request: op.name for op in OPS.values()
@@ -578,12 +580,14 @@ REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
                            "overflow": m.overflow},
     **streams.REPLY_HEADERS,
     **services.REPLY_HEADERS,
+    **replication.REPLY_HEADERS,
 }
 #: Message class -> the items it carries in the payload (in order).
 _ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
     Put: lambda m: (m.item,), Append: lambda m: m.items, Fetched: lambda m: m.items,
     **streams.ITEMS_OF,
     **services.ITEMS_OF,
+    **replication.ITEMS_OF,
 }
 
 
