@@ -54,6 +54,8 @@ __all__ = [
 PUSHED = ("repl_snap", "repl", "repl_ping")
 MAX_REPLID = 64
 MAX_ADDRESS = 512
+#: Offsets and terms stay below this (a larger one is refused).
+MAX_COUNTER = (1 << 62) - 1
 _PREFIX = struct.Struct("<2sBBIQ")
 _ZEROS = bytes(64)
 _packb = msgpack.Packer(use_bin_type=True).pack
@@ -127,9 +129,16 @@ def _opt_str(h: dict[str, Any], key: str, limit: int) -> str:
     return v
 
 
+def _bounded(h: dict[str, Any], key: str) -> int:
+    v = opt_int(h, key, 0) or 0
+    if v > MAX_COUNTER:
+        raise InvalidField(f"{key!r} must be below 2**62")
+    return v
+
+
 def _parse_psync(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Psync:
-    return Psync(rid, _opt_str(h, "replid", MAX_REPLID), opt_int(h, "offset", 0) or 0,
-                 opt_int(h, "term", 0) or 0, _opt_str(h, "address", MAX_ADDRESS))
+    return Psync(rid, _opt_str(h, "replid", MAX_REPLID), _bounded(h, "offset"),
+                 _bounded(h, "term"), _opt_str(h, "address", MAX_ADDRESS))
 
 
 def _psync_header(m: Psync) -> dict[str, Any]:
@@ -145,10 +154,8 @@ def _reply_psync(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
 
 
 def _parse_ack(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> ReplAck:
-    offset = check_int(h, "offset")
-    if offset < 0:
-        raise InvalidField("'offset' must be at least 0")
-    return ReplAck(rid, offset)
+    check_int(h, "offset")
+    return ReplAck(rid, _bounded(h, "offset"))
 
 
 def _parse_wait(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> WaitReplicas:

@@ -1,0 +1,297 @@
+"""Replication between real server processes: a replica follows its primary's data log.
+
+Each test starts ``tensorshare serve`` processes (:class:`tests.chaos.ServerProcess`), writes
+through real clients, and compares the replica with the primary item by item. Nothing waits on
+a sleep: conditions are polled with deadlines; every process is killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorshare import Client
+from tensorshare.errors import (
+    NotEnoughReplicas,
+    ReadOnlyReplica,
+    TensorShareError,
+)
+from tests.chaos import HOST, ChaosProxy, ServerProcess
+from tests.conftest import wait_until
+
+TIMEOUT = 20.0
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., ServerProcess]]:
+    made: list[ServerProcess] = []
+
+    def make(*args: str) -> ServerProcess:
+        p = ServerProcess(0, *args)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(port: int, **kw: Any) -> Client:
+        kw.setdefault("timeout", TIMEOUT)
+        c = Client(HOST, port, **kw)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+
+
+def repl(c: Client) -> dict[str, Any]:
+    return c.stats()["server"]["replication"]
+
+
+def contents(c: Client) -> dict[str, Any]:
+    """Every bin: its version and every item, compared item by item."""
+    out: dict[str, Any] = {}
+    for name, version in sorted(c.list().items()):
+        items = c.peek(name, max_items=None) if c.stats(name)["bins"][name]["kind"] == "list" \
+            else c.peek(name)
+        out[name] = (version, items)
+    return out
+
+
+def same(a: Client, b: Client) -> bool:
+    try:
+        return _equal(contents(a), contents(b))
+    except TensorShareError:
+        return False
+
+
+def _equal(x: Any, y: Any) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
+            x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and \
+            all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and \
+            all(_equal(i, j) for i, j in zip(x, y, strict=True))
+    return bool(x == y)
+
+
+def test_a_replica_takes_a_full_copy_follows_and_refuses_writes(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    import torch
+
+    primary = procs()
+    c = clients(primary.port)
+    c.put("params", {"w": torch.arange(6.0).reshape(2, 3), "step": 1})
+    for i in range(50):
+        c.append("rollouts", {"i": i, "x": torch.full((4,), float(i))})
+    c.get("rollouts", max_items=5)  # a get is replicated too (what it took is gone)
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    r = clients(replica.port)
+    wait_until(lambda: same(c, r), TIMEOUT, "the full copy")
+    for i in range(50, 80):  # then every record as it is written
+        c.append("rollouts", {"i": i, "x": torch.full((4,), float(i))})
+    c.put("params", {"w": torch.ones(2, 3), "step": 2})
+    c.delete("gone") if "gone" in c.list() else None
+    wait_until(lambda: same(c, r), TIMEOUT, "the records after it")
+    assert r.stats()["server"]["role"] == "replica"
+    assert r.peek("params")["step"] == 2
+    for write in (lambda: r.put("x", 1), lambda: r.append("rollouts", 1),
+                  lambda: r.get("rollouts"), lambda: r.delete("params")):
+        with pytest.raises(ReadOnlyReplica) as err:
+            write()
+        assert err.value.primary == f"tensorshare://{HOST}:{primary.port}"
+    with pytest.raises(ReadOnlyReplica):
+        r.stream_open("s", producers=1)
+    assert same(c, r)  # nothing changed by what was refused
+    info = repl(c)
+    assert [x["lag_bytes"] for x in info["replicas"]] == [0] or \
+        wait_until(lambda: repl(c)["replicas"][0]["lag_bytes"] == 0, TIMEOUT, "lag 0") is None
+
+
+def test_a_cut_replica_continues_from_its_offset_and_one_past_the_backlog_takes_a_full_copy(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    primary = procs("--replica-backlog", "64K")
+    c = clients(primary.port)
+    with ChaosProxy(primary.address) as proxy:
+        replica = procs("--replica-of", f"{HOST}:{proxy.port}")
+        r = clients(replica.port)
+        c.put("v", 1)
+        wait_until(lambda: same(c, r), TIMEOUT, "the first copy")
+        assert repl(c)["full_resyncs"] == 1
+        proxy.cut_all()
+        for i in range(20):  # a little: the backlog still has it
+            c.append("q", i)
+        wait_until(lambda: repl(c)["partial_resyncs"] >= 1 and same(c, r), TIMEOUT,
+                   "a partial resync")
+        assert repl(c)["full_resyncs"] == 1
+        proxy.pause_accepting()
+        proxy.cut_all()
+        wait_until(lambda: not repl(c)["replicas"], TIMEOUT, "the replica gone")
+        blob = bytes(32 << 10)
+        for i in range(8):  # 256K: four times the backlog
+            c.append("big", {"i": i, "b": blob})
+        proxy.resume_accepting()
+        wait_until(lambda: repl(c)["full_resyncs"] == 2 and same(c, r), TIMEOUT,
+                   "a full copy again")
+
+
+def test_kill_9_of_the_primary_with_min_replicas_loses_no_acknowledged_write(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    primary = procs("--min-replicas", "1", "--replica-timeout", "5")
+    c = clients(primary.port)
+    with pytest.raises(NotEnoughReplicas):
+        c.put("early", 1)  # no replica in sync: refused at once, not applied
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    r = clients(replica.port)
+    wait_until(lambda: bool(repl(c)["replicas"]) and repl(c)["replicas"][0]["live"], TIMEOUT,
+               "the replica in sync")
+    assert "early" not in r.list()
+    acked: list[list[int]] = [[] for _ in range(4)]
+    stop = threading.Event()
+
+    def produce(k: int) -> None:
+        try:
+            p = Client(HOST, primary.port, timeout=TIMEOUT, reconnect=False)
+        except (TensorShareError, OSError):
+            return  # (started after the kill)
+        try:
+            for i in range(100_000):
+                if stop.is_set():
+                    return
+                p.append("q", k * 1_000_000 + i)
+                acked[k].append(k * 1_000_000 + i)
+        except (TensorShareError, OSError):
+            return
+        finally:
+            p.close()
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(map(len, acked)) >= 400, TIMEOUT, "writes under way")
+    primary.kill()
+    stop.set()
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+    assert r.promote() == 1
+    items = r.peek("q", max_items=None)
+    assert len(items) == len(set(items)), "an item is there twice"
+    missing = {x for xs in acked for x in xs} - set(items)
+    assert not missing, f"{len(missing)} acknowledged items lost"
+    assert r.stats()["server"]["role"] == "primary"
+    r.append("q", -1)  # the promoted replica takes writes
+    assert r.peek("q", max_items=None)[-1] == -1
+
+
+def test_the_old_primary_is_fenced_by_the_newer_term_and_can_follow_the_new_one(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client],
+        tmp_path: Path) -> None:
+    a = procs("--data-dir", str(tmp_path / "a"))
+    ca = clients(a.port)
+    ca.put("v", 1)
+    b = procs("--replica-of", f"{HOST}:{a.port}")
+    cb = clients(b.port)
+    wait_until(lambda: same(ca, cb), TIMEOUT, "b follows a")
+    assert cb.promote() == 1
+    cb.put("v", 2)
+    # A replica that has seen term 1 asks the old primary: it learns of the newer term.
+    c = procs("--replica-of", f"{HOST}:{b.port}", "--data-dir", str(tmp_path / "c"))
+    cc = clients(c.port)
+    wait_until(lambda: same(cb, cc), TIMEOUT, "c follows b")
+    assert cc.stats()["server"]["term"] == 1
+    c.close()
+    c2 = procs("--replica-of", f"{HOST}:{a.port}", "--data-dir", str(tmp_path / "c"))
+    wait_until(lambda: ca.stats()["server"]["role"] == "fenced", TIMEOUT, "a fenced")
+    with pytest.raises(ReadOnlyReplica):
+        ca.put("v", 3)
+    c2.close()
+    a.close()
+    a2 = procs("--data-dir", str(tmp_path / "a"), "--replica-of", f"{HOST}:{b.port}")
+    ca2 = clients(a2.port)
+    wait_until(lambda: same(cb, ca2), TIMEOUT, "the old primary follows the new one")
+    assert ca2.peek("v") == 2 and ca2.stats()["server"]["term"] == 1
+
+
+def test_a_replica_with_a_wrong_token_or_without_the_replicate_right_is_refused(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client],
+        tmp_path: Path) -> None:
+    (tmp_path / "admin.token").write_text("admin-token-123456")
+    (tmp_path / "plain.token").write_text("plain-token-123456")
+    (tmp_path / "repl.token").write_text("repl-token-1234567")
+    (tmp_path / "wrong.token").write_text("wrong-token-123456")
+    users = tmp_path / "users.toml"
+    users.write_text('[users.admin]\ntoken_file = "admin.token"\nread = ["*"]\nwrite = ["*"]\n'
+                     'admin = true\n[users.plain]\ntoken_file = "plain.token"\nread = ["*"]\n'
+                     'write = ["*"]\n[users.follower]\ntoken_file = "repl.token"\n'
+                     'replicate = true\n')
+    primary = procs("--users-file", str(users))
+    c = clients(primary.port, token_file=str(tmp_path / "admin.token"), user="admin")
+    c.put("v", 1)
+    bad = procs("--replica-of", f"{HOST}:{primary.port}", "--upstream-token-file",
+                str(tmp_path / "plain.token"), "--upstream-user", "plain")
+    wrong = procs("--replica-of", f"{HOST}:{primary.port}", "--upstream-token-file",
+                  str(tmp_path / "wrong.token"), "--upstream-user", "follower")
+    good = procs("--replica-of", f"{HOST}:{primary.port}", "--upstream-token-file",
+                 str(tmp_path / "repl.token"), "--upstream-user", "follower")
+    g = clients(good.port)
+    wait_until(lambda: same(c, g), TIMEOUT, "the replica with the right")
+    wait_until(lambda: "may not replicate" in bad.stderr(), TIMEOUT, "the refusal")
+    wait_until(lambda: "authentication_failed" in wrong.stderr(), TIMEOUT, "the wrong token")
+    assert len(repl(c)["replicas"]) == 1
+    assert clients(bad.port).list() == {}
+
+
+def test_fuzzed_replication_requests_are_refused_and_the_server_serves_on(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    import random
+    import socket
+
+    import msgpack
+
+    from tensorshare.wire.frames import encode_frame
+    from tensorshare.wire.messages import Hello
+    from tests.rawwire import WireClient
+
+    primary = procs()
+    c = clients(primary.port)
+    c.put("v", 1)
+    rng = random.Random(39)
+    values: list[Any] = [None, -1, 0, 1, 2**64 - 1, "x" * 600, b"\x00", [], {}, 1.5, True, "abc"]
+    hello = WireClient().frame(Hello(1, (1,), "fuzz"))
+    for _ in range(100):
+        op = rng.choice(["psync", "repl_ack", "promote", "wait_replicas"])
+        h: dict[str, Any] = {"op": op, "id": rng.randrange(2, 1000)}
+        for key in rng.sample(["replid", "offset", "term", "address", "n", "timeout"], 3):
+            h[key] = rng.choice(values)
+        frame = b"".join(bytes(x) for x in encode_frame(msgpack.packb(h)))
+        with socket.create_connection((HOST, primary.port), timeout=TIMEOUT) as s:
+            s.sendall(hello + frame)
+            s.settimeout(0.05)
+            try:
+                while s.recv(65536):
+                    pass
+            except (TimeoutError, OSError):
+                pass
+    assert primary.running, primary.stderr()[-3000:]
+    assert c.peek("v") == 1 and c.ping() is None, primary.stderr()[-3000:]
