@@ -35,7 +35,7 @@ import msgpack
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
-from ..errors import NotEnoughReplicas, ReadOnlyReplica
+from ..errors import NotEnoughReplicas, PermissionDenied, ReadOnlyReplica
 from ..wire import services as wire_services
 from ..wire import streams as wire_streams
 from ..wire.frames import PREFIX, BytesLike
@@ -163,7 +163,7 @@ class Replication:
         self._wait_timer: IDelayedCall | None = None
         self._ping: IDelayedCall | None = None
         self.upstream: Any = None  # the replica's side (see .upstream)
-        self.counters = {"full_resyncs": 0, "partial_resyncs": 0, "replicas_dropped": 0}
+        self.resyncs = {"full_resyncs": 0, "partial_resyncs": 0, "replicas_dropped": 0}
         self._table: dict[str, Any] = {}
 
     # -- the Kind protocol (no bins) ------------------------------------------------------
@@ -325,7 +325,7 @@ class Replication:
         link.sent = end
 
     def _drop(self, link: Link, why: str) -> None:
-        self.counters["replicas_dropped"] += 1
+        self.resyncs["replicas_dropped"] += 1
         log.warn("dropping replica {addr}: {why}, over --replica-buffer={limit} (it resyncs "
                  "when it reconnects)", addr=link.address, why=why,
                  limit=self.config.replica_buffer)
@@ -346,7 +346,7 @@ class Replication:
     def _psync(self, conn: Conn, msg: Psync) -> Any:
         user = conn.user
         if user is None or not (user.replicate or user.name == "default"):
-            return ErrorReply(msg.id, "permission_denied", (
+            return ErrorReply(msg.id, PermissionDenied.code, (
                 f"user {getattr(user, 'name', '?')!r} may not replicate this server: give it "
                 f"replicate = true in the users file"))
         if self.role != "primary" or self.fenced is not None:
@@ -369,7 +369,7 @@ class Replication:
         link.queue = [e for e in self.backlog if e[0] > msg.offset]
         link.queued = sum(e[2] for e in link.queue)
         link.snap = iter(())
-        self.counters["partial_resyncs"] += 1
+        self.resyncs["partial_resyncs"] += 1
         log.info("replica {addr} continues from offset {off}", addr=link.address,
                  off=msg.offset)
         conn.then(lambda: self.server.reactor.callLater(0, self._pump, link))
@@ -379,7 +379,7 @@ class Replication:
         f = self.server
         link = self.links[conn] = Link(conn, msg.address, self.offset)
         link.snap = _snapshot_frames(_capture(f.store, f.sessions, self.term))
-        self.counters["full_resyncs"] += 1
+        self.resyncs["full_resyncs"] += 1
         log.info("replica {addr} takes a full copy at offset {off}", addr=link.address,
                  off=self.offset)
         conn.then(lambda: f.reactor.callLater(0, self._pump, link))
@@ -534,7 +534,7 @@ class Replication:
     # -- statistics -----------------------------------------------------------------------
     def describe_role(self) -> dict[str, Any]:
         """The stats' ``role`` and ``term``, and their ``replication`` map."""
-        out: dict[str, Any] = {"offset": self.offset, **self.counters}
+        out: dict[str, Any] = {"offset": self.offset, **self.resyncs}
         if self.role == "replica":
             up = self.upstream
             out.update(primary=self.primary, offset=up.offset if up else 0,

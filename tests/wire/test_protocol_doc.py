@@ -85,6 +85,14 @@ from tensorshare.wire.protocol import (
     ProtocolViolation,
     encode_message,
 )
+from tensorshare.wire.replication import (
+    Promote,
+    Psync,
+    PsyncReply,
+    ReplAck,
+    ReplicaCount,
+    WaitReplicas,
+)
 from tensorshare.wire.services import (
     ServiceAnswer,
     ServiceBatch,
@@ -142,6 +150,8 @@ REPLY_TABLES: dict[type, str] = {
     StreamItems: "reply-stream-read",
     ServiceAnswer: "reply-service-call",
     ServiceBatch: "reply-service-take",
+    PsyncReply: "reply-psync",
+    ReplicaCount: "reply-replicas",
 }
 
 
@@ -490,6 +500,10 @@ def _full_requests() -> dict[str, list[Message]]:
         "bye": [Bye(12)],
         "auth": [Auth(13, b"p" * 32)],
         "reload": [Reload(23)],
+        "psync": [Psync(24, "abc", 10, 2, "h:1")],
+        "repl_ack": [ReplAck(25, 10)],
+        "promote": [Promote(26)],
+        "wait_replicas": [WaitReplicas(27, 1, 1.5)],
         "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640),
                         StreamOpen(14, "s", device_ipc=True)],
         "stream_append": [StreamAppend(15, "s", 1, 0, item, (item,), (64, 64), 1.5)],
@@ -562,6 +576,8 @@ def _reply_cases() -> dict[str, list[Message]]:
                               StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
         "reply-service-call": [ServiceAnswer(6, (item,), 7), ServiceAnswer(6, (item,), None)],
         "reply-service-take": [ServiceBatch(7, 3, (item, item), (1, 8))],
+        "reply-psync": [PsyncReply(8, "full", "abc", 10, 2)],
+        "reply-replicas": [ReplicaCount(9, 1, 2)],
     }
 
 
