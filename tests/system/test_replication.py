@@ -295,3 +295,61 @@ def test_fuzzed_replication_requests_are_refused_and_the_server_serves_on(
                 pass
     assert primary.running, primary.stderr()[-3000:]
     assert c.peek("v") == 1 and c.ping() is None, primary.stderr()[-3000:]
+
+
+def test_clients_with_an_address_list_follow_the_promotion_and_resume_exactly_once(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    primary = procs("--min-replicas", "1")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    both = f"tensorshare://{HOST}:{replica.port},{HOST}:{primary.port}"
+    admin = clients(replica.port)
+    wait_until(lambda: admin.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    acked: list[list[int]] = [[] for _ in range(6)]
+    got: list[list[Any]] = [[] for _ in range(2)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def produce(k: int) -> None:
+        try:
+            with Client(both, timeout=TIMEOUT) as p:
+                assert p._conn._connector.current.address.port == primary.port
+                i = 0
+                while not stop.is_set():
+                    p.append("q", k * 1_000_000 + i)
+                    acked[k].append(k * 1_000_000 + i)
+                    i += 1
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def consume(k: int) -> None:
+        try:
+            with Client(both, timeout=TIMEOUT) as g:
+                while not stop.is_set() or g.list().get("q"):
+                    try:
+                        got[k].extend(g.get("q", max_items=50))
+                    except TensorShareError as exc:
+                        if type(exc).__name__ != "BinNotFound":
+                            raise
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(6)]
+    threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(map(len, acked)) >= 300, TIMEOUT, "writes under way")
+    primary.kill()
+    assert admin.promote() == 1
+    before = sum(map(len, acked))
+    wait_until(lambda: sum(map(len, acked)) >= before + 300 or bool(errors), TIMEOUT,
+               "writes on the promoted replica")
+    stop.set()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+        assert not t.is_alive()
+    assert not errors, errors
+    left = admin.peek("q", max_items=None) if "q" in admin.list() else []
+    everything = [x for xs in got for x in xs] + list(left)
+    assert len(everything) == len(set(everything)), "an item delivered twice"
+    missing = {x for xs in acked for x in xs} - set(everything)
+    assert not missing, f"{len(missing)} acknowledged items lost"
