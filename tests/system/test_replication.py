@@ -353,3 +353,119 @@ def test_clients_with_an_address_list_follow_the_promotion_and_resume_exactly_on
     assert len(everything) == len(set(everything)), "an item delivered twice"
     missing = {x for xs in acked for x in xs} - set(everything)
     assert not missing, f"{len(missing)} acknowledged items lost"
+
+
+def _fake_primary_messages(rng: Any) -> list[bytes]:
+    """What a broken primary sends after its psync reply: one bad message (each kind)."""
+    import msgpack
+
+    from tensorshare.server.persist import _frame, _record
+    from tensorshare.wire import codec
+    from tensorshare.wire.messages import Item
+    from tensorshare.wire.protocol import items_header
+    from tensorshare.wire.replication import pushed_frame
+
+    def rec(h: dict[str, Any], items: tuple[Any, ...] = ()) -> list[Any]:
+        buffers: list[Any] = []
+        if items:
+            h["items"] = items_header([Item(codec.encode(v)) for v in items], buffers)
+        return _record(_frame(h, buffers))
+
+    def push(h: dict[str, Any], r: list[Any]) -> bytes:
+        return b"".join(bytes(c) for c in pushed_frame(h, r, sum(len(c) for c in r)))
+
+    good = rec({"op": "put", "bin": "b"}, (1,))
+    flipped = bytearray(b"".join(bytes(c) for c in good))
+    flipped[-1] ^= 0xFF
+    cases = [
+        push({"op": "repl_snap", "term": 0}, [rng.randbytes(rng.randrange(1, 300))]),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "frob"})),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "items", "bin": "nope"}, (1,))),
+        push({"op": "repl", "term": 0, "offset": 10}, [bytes(flipped)]),
+        push({"op": "repl", "term": 0}, good),
+        push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "put", "bin": 7})),
+        push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "take", "bin": "b"})),
+        push({"op": "whatever", "term": 0}, good),
+        b"".join(bytes(c) for c in pushed_frame({"op": "repl_ping", "term": 0}))[:-1]
+        + b"\xc1",
+        bytes(16) + rng.randbytes(64),
+        b"".join(bytes(c) for c in _raw_frame(msgpack.packb([1, 2, 3]))),
+    ]
+    rng.shuffle(cases)
+    return cases
+
+
+def _raw_frame(header: bytes) -> list[Any]:
+    from tensorshare.wire.frames import encode_frame
+
+    return encode_frame(header)
+
+
+def test_a_replica_survives_every_malformed_message_of_its_primary(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """A fake primary answers the handshake and psync, then sends one broken message per
+    connection: the replica drops it, stays up, serves its clients, and comes back."""
+    import random
+    import socket
+
+    from tensorshare.wire.frames import FrameDecoder
+    from tensorshare.wire.messages import HelloReply, Limits
+    from tensorshare.wire.protocol import encode_message
+    from tensorshare.wire.replication import PsyncReply
+
+    rng = random.Random(39)
+    cases = _fake_primary_messages(rng)
+    with socket.create_server((HOST, 0)) as listener:
+        listener.settimeout(TIMEOUT)
+        replica = procs("--replica-of", f"{HOST}:{listener.getsockname()[1]}")
+        r = clients(replica.port)
+        for bad in cases:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(TIMEOUT)
+                decoder = FrameDecoder(1 << 20, 1 << 16)
+                seen: list[Any] = []
+                while len(seen) < 2:  # hello, then psync
+                    data = conn.recv(65536)
+                    assert data, "the replica closed before its psync"
+                    seen.extend(decoder.feed(data))
+                    if len(seen) == 1:
+                        conn.sendall(b"".join(bytes(c) for c in encode_message(HelloReply(
+                            1, 1, "fake", Limits(), False, "f" * 16))[0]))
+                conn.sendall(b"".join(bytes(c) for c in encode_message(
+                    PsyncReply(2, "full", "fake", 0, 0))[0]) + bad)
+                try:  # the replica drops the connection
+                    while conn.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+        assert replica.running
+        assert r.ping() is None and r.stats()["server"]["role"] == "replica"
+        assert "resyncing from the primary" in replica.stderr()
+
+
+def test_a_replica_that_stops_reading_costs_the_primary_at_most_its_replica_buffer(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    import socket
+
+    from tensorshare.wire.messages import Hello
+    from tensorshare.wire.protocol import encode_message
+    from tensorshare.wire.replication import Psync
+
+    primary = procs("--replica-buffer", "1M")
+    c = clients(primary.port)
+    with socket.create_connection((HOST, primary.port), timeout=TIMEOUT) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"".join(bytes(x) for x in encode_message(Hello(1, (1,), "stuck"))[0]))
+        s.sendall(b"".join(bytes(x) for x in encode_message(Psync(2))[0]))
+        wait_until(lambda: bool(repl(c)["replicas"]), TIMEOUT, "the stuck replica")
+        blob = bytes(1 << 20)
+        for i in range(64):  # far more than the socket buffers and --replica-buffer
+            c.put(f"b{i % 4}", blob)
+            if repl(c)["replicas_dropped"]:
+                break
+        wait_until(lambda: repl(c)["replicas_dropped"] == 1 and not repl(c)["replicas"],
+                   TIMEOUT, "the stuck replica dropped")
+        wait_until(lambda: c.stats()["server"]["memory"]["output"] < 1 << 20, TIMEOUT,
+                   "its queued output released")
+    assert c.peek("b0") == blob
