@@ -894,15 +894,16 @@ class SnapshotLoader:
     def __init__(self, persist: Persistence, store: Store, sessions: SessionTable) -> None:
         self.persist, self.store, self.sessions = persist, store, sessions
         self.bins: dict[str, tuple[str, list[tuple[Any, int, int | None]]]] = {}
+        self.metas: list[tuple[str, int, BinConfig, int]] = []
         self.ended = False
 
     def feed(self, h: dict[str, Any], payload: bytearray) -> None:
         """One record; raises ``KeyError``, ``TypeError``, ``ValueError`` if malformed."""
-        op, store = h["op"], self.store
-        if op == "meta":
+        op = h["op"]
+        if op == "meta":  # (set with the contents: a version never shows with old items)
             mi, mb, ov = h["config"]
-            store.load_meta(h["bin"], int(h["version"]), BinConfig(mi, mb, ov),
-                            int(h.get("drops", 0)))
+            self.metas.append((h["bin"], int(h["version"]), BinConfig(mi, mb, ov),
+                               int(h.get("drops", 0))))
         elif op == "bin":
             self.bins[h["bin"]] = (h["kind"], [])
         elif op == "items":
@@ -922,7 +923,9 @@ class SnapshotLoader:
             raise ValueError(f"unknown record {op!r}")
 
     def finish(self) -> None:
-        """Every record is in: set the bins' contents."""
+        """Every record is in: set the names' versions and limits, and the bins' contents."""
+        for name, version, config, drops in self.metas:
+            self.store.load_meta(name, version, config, drops)
         for name, (kind, entries) in self.bins.items():
             self.store.load_bin(name, kind, entries)
 

@@ -35,7 +35,13 @@ import msgpack
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
-from ..errors import NotEnoughReplicas, PermissionDenied, ReadOnlyReplica
+from ..errors import (
+    InvalidRequest,
+    NotEnoughReplicas,
+    PermissionDenied,
+    ReadOnlyReplica,
+    StorageUnavailable,
+)
 from ..wire import services as wire_services
 from ..wire import streams as wire_streams
 from ..wire.frames import PREFIX, BytesLike
@@ -63,6 +69,8 @@ _REPL_OPS = frozenset({"psync", "repl_ack", "promote", "wait_replicas"})
 # The other kinds' ops: their state is not in the data log, so they live on the primary only.
 _KIND_OPS = frozenset(op.name for op in (*wire_streams.ROWS, *wire_services.ROWS))
 _ALLOWED_ON_REPLICA = frozenset({"reload"})
+# What a replica serves only once its first full copy is applied.
+_DATA_READS = frozenset({"peek", "list", "listen"})
 _PUMP_BYTES = 8 << 20  # a full copy queues at most about this much before it waits
 _PING_EVERY = 1.0
 
@@ -110,12 +118,12 @@ class MemoryLog(Persistence):
 class Link:
     """One replica, as its primary sees it (on the replica's connection)."""
 
-    def __init__(self, conn: Any, address: str, start: int) -> None:
+    def __init__(self, conn: Any, address: str, start: int, acked: int) -> None:
         self.conn = conn
         self.address = address or conn.peer
         self.start = start  # the offset its stream starts from
         self.sent = start
-        self.acked = start if start else 0
+        self.acked = acked  # what it confirmed (a full copy: nothing until it says so)
         self.acked_at = time.monotonic()
         self.live = False  # its full copy (if any) is sent: it follows the log
         self.snap: Iterator[list[BytesLike]] | None = None
@@ -265,6 +273,10 @@ class Replication:
             return None
         if self.role == "replica" or self.fenced is not None:
             if route.read and op not in _KIND_OPS:
+                if op in _DATA_READS and self.role == "replica" and not self._synced():
+                    return ErrorReply(msg.id, StorageUnavailable.code, (
+                        f"this replica has not received its first full copy from "
+                        f"{self.primary} yet: reads are served once it has"))
                 return None
             return ErrorReply(msg.id, ReadOnlyReplica.code, self._read_only(op))
         if route.read:
@@ -275,6 +287,9 @@ class Replication:
                 f"{op} refused: {n} replica(s) in sync, --min-replicas is "
                 f"{self.config.min_replicas}; nothing was applied (reads go on)"))
         return None
+
+    def _synced(self) -> bool:
+        return self.upstream is not None and self.upstream.ever_synced
 
     def _read_only(self, op: str) -> str:
         if self.fenced is not None:
@@ -364,7 +379,7 @@ class Replication:
         return self._full(conn, msg)
 
     def _continue(self, conn: Conn, msg: Psync) -> Any:
-        link = self.links[conn] = Link(conn, msg.address, msg.offset)
+        link = self.links[conn] = Link(conn, msg.address, msg.offset, msg.offset)
         # What it missed goes first (after the reply), then what comes meanwhile.
         link.queue = [e for e in self.backlog if e[0] > msg.offset]
         link.queued = sum(e[2] for e in link.queue)
@@ -377,7 +392,7 @@ class Replication:
 
     def _full(self, conn: Conn, msg: Psync) -> Any:
         f = self.server
-        link = self.links[conn] = Link(conn, msg.address, self.offset)
+        link = self.links[conn] = Link(conn, msg.address, self.offset, 0)
         link.snap = _snapshot_frames(_capture(f.store, f.sessions, self.term))
         self.resyncs["full_resyncs"] += 1
         log.info("replica {addr} takes a full copy at offset {off}", addr=link.address,
@@ -495,6 +510,10 @@ class Replication:
     def _promote(self, conn: Conn, msg: Promote) -> Any:
         if self.role == "primary" and self.fenced is None:
             return ReplicaCount(msg.id, self.in_sync(), self.term)
+        if self.role == "replica" and not self._synced():
+            return ErrorReply(msg.id, InvalidRequest.code, (
+                f"promote refused: this replica never received a full copy from "
+                f"{self.primary}, so it has none of the primary's data"))
         self.promote()
         return ReplicaCount(msg.id, 0, self.term)
 

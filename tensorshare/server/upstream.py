@@ -56,7 +56,8 @@ class Upstream:
         self.user = cfg.upstream_user or os.environ.get("TENSORSHARE_USER") or None
         self.replid = ""
         self.offset = 0
-        self.synced = False  # a full copy was applied: it answers reads
+        self.synced = False  # the current stream's full copy is applied
+        self.ever_synced = False  # a full copy was applied once: it answers reads
         self.last_heard = time.monotonic()
         self.proto: _UpstreamProtocol | None = None
         self.delay = 0.1
@@ -133,7 +134,7 @@ class Upstream:
         for name in self._before - set(loader.bins):
             f.store.load_bin(name, "value", [])
         self.repl.term = max(self.repl.term, f.persist.term)
-        self.synced = True
+        self.synced = self.ever_synced = True
         if f.persist.on_disk:  # its data directory starts again from this copy
             f.snapshot(wait=True)
         for name in sorted(self._before | set(loader.bins)):
@@ -215,10 +216,10 @@ class _UpstreamProtocol(Protocol):
             up.replid = ""  # what it has is not to be trusted: a full copy next time
             self.abort()
             return
+        up.server.commit()  # (its own data log first: what it acknowledges is written)
         if applied and up.offset != self.acked:
             self.acked = up.offset
             self._send(ReplAck(self._next_id(), up.offset))
-        up.server.commit()
 
     def _message(self, h: dict[str, Any], payload: Any) -> bool:
         op, up = h.get("op"), self.up
