@@ -783,6 +783,8 @@ def run_stats(args: argparse.Namespace) -> int:
                    f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
         ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
     ]
+    if s.get("replication") is not None:
+        rows.append(("replication", replication_line(s)))
     for key, value in rows:
         info.add_row(key, value)
 
@@ -819,3 +821,18 @@ def _bucket(bound: float | None, bounds: list[float]) -> str:
     if bound == math.inf:
         return f"> {_num(bounds[-1] * 1000)} ms"
     return f"{_num(bound * 1000)} ms"
+
+
+def replication_line(s: dict[str, Any]) -> str:
+    """The ``stats`` view's replication row: the role and term, and the replicas' lag (or,
+    on a replica, its primary and its own)."""
+    r = s["replication"]
+    head = f"{s['role']}, term {s['term']}, offset {r['offset']}"
+    resyncs = f"{r['full_resyncs']} full and {r['partial_resyncs']} partial resyncs"
+    if "primary" in r:
+        lag = "never synced" if not r.get("synced") else f"heard {r['lag_s']:.1f} s ago"
+        return f"{head}; replica of {r['primary']} ({lag})"
+    reps = ", ".join(f"{x['address']} lag {fmt_bytes(x['lag_bytes'])}/{x['lag_s']:.1f} s"
+                     for x in r["replicas"]) or "no replicas"
+    return f"{head}; {reps}; {resyncs}"
+
