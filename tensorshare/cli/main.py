@@ -377,6 +377,9 @@ def _add_admin(sub: _Commands, conn: argparse.ArgumentParser) -> None:
                        "liveness probes")
     h.add_argument("--unix", default=None, metavar="PATH",
                    help="the server's Unix socket (the same as --host unix://PATH)")
+    h.add_argument("--role", choices=("primary", "replica"), default=None,
+                   help="also exit 1 unless the server is this (its stats' role): a "
+                        "readiness probe that sends clients to the primary only")
 
 
 def _add_demo(sub: _Commands) -> None:
@@ -823,6 +826,10 @@ def _health(args: argparse.Namespace) -> int:
                         tls_ca=args.tls_ca, token_file=args.token_file,
                         user=args.user) as c:
                 c.ping()
+                role = c.stats("tensorshare-health-no-bin")["server"].get("role") \
+                    if args.role else None
+                if role is not None and role != args.role:
+                    raise ValueError(f"{c.address} is a {role}, not a {args.role}")
                 result.append((c.address, time.monotonic() - start))
         except BaseException as exc:  # reported by the waiting thread below
             result.append(exc)
