@@ -112,6 +112,9 @@ def _replication_options(d: argparse.ArgumentParser) -> None:
     g.add_argument("--upstream-user", default=None, metavar="NAME",
                    help="the primary's user to replicate as (it needs replicate = true; "
                         "default: TENSORSHARE_USER, else 'default')")
+    g.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
+                   help="the CA of a tensorshare+tls:// primary's certificate (default: "
+                        "TENSORSHARE_TLS_CA, else the system's)")
     g.add_argument("--replica-backlog", type=_size, default=64 << 20, metavar="BYTES",
                    help="recent records kept for replicas that reconnect (default 64M); one "
                         "that missed more takes a full copy")
@@ -545,7 +548,8 @@ def _replication(args: argparse.Namespace) -> dict[str, Any]:
     if of is not None and "://" not in of:
         of = f"tensorshare://{of}"
     return {"replica_of": of, "upstream_token_file": args.upstream_token_file,
-            "upstream_user": args.upstream_user, "replica_backlog": args.replica_backlog,
+            "upstream_user": args.upstream_user, "upstream_tls_ca": args.upstream_tls_ca,
+            "replica_backlog": args.replica_backlog,
             "replica_buffer": args.replica_buffer, "min_replicas": max(args.min_replicas, 0),
             "replica_timeout": args.replica_timeout}
 

@@ -99,6 +99,8 @@ class ServerConfig:
             writes with ``read_only_replica`` until promoted.
         upstream_token, upstream_token_file, upstream_user: how a replica proves itself to its
             primary (default: ``TENSORSHARE_TOKEN`` and ``TENSORSHARE_USER``).
+        upstream_tls_ca: the CA of a ``tensorshare+tls://`` primary's certificate (default:
+            ``TENSORSHARE_TLS_CA``, else the system's).
         replica_backlog: bytes of recent records a primary keeps for replicas that reconnect
             (a partial resync); one that missed more takes a full copy.
         replica_buffer: bytes queued for one replica before the primary drops it (it resyncs).
@@ -137,6 +139,7 @@ class ServerConfig:
     upstream_token: str | None = field(default=None, repr=False)
     upstream_token_file: str | None = None
     upstream_user: str | None = None
+    upstream_tls_ca: str | None = None
     replica_backlog: int = 64 << 20
     replica_buffer: int = 256 << 20
     min_replicas: int = 0

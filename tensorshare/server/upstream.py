@@ -10,6 +10,7 @@ Everything runs in the server's reactor thread.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -64,6 +65,7 @@ class Upstream:
         self._stopped = False
         self._retry: Any = None
         self.loader: SnapshotLoader | None = None
+        self._last_why = ""
         self._before: set[str] = set()
 
     def start(self) -> None:
@@ -89,20 +91,39 @@ class Upstream:
         if a.path is not None:
             reactor.connectUNIX(a.path, factory, timeout=5)
         elif a.tls:
-            from twisted.internet import ssl
+            from twisted.protocols.tls import TLSMemoryBIOFactory
 
-            reactor.connectSSL(a.host, a.port, factory, ssl.optionsForClientTLS(a.host),
-                               timeout=5)
+            # (TLS flushes small writes on the next turn of ``clock``: the server's own
+            # reactor, never the global one, which a private server's thread does not run)
+            tls = TLSMemoryBIOFactory(self._tls(), True, factory, clock=reactor)
+            reactor.connectTCP(a.host, a.port, tls, timeout=5)
         else:
             reactor.connectTCP(a.host, a.port, factory, timeout=5)
+
+    def _tls(self) -> Any:
+        """The TLS options: the primary's certificate checked against ``upstream_tls_ca``
+        (or ``TENSORSHARE_TLS_CA``, else the system's CAs) and its host name."""
+        from twisted.internet import ssl
+
+        ca = self.server.config.upstream_tls_ca or os.environ.get("TENSORSHARE_TLS_CA")
+        if ca is None:
+            return ssl.optionsForClientTLS(self.address.host)
+        with open(ca, encoding="ascii") as f:
+            pems = re.findall(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----",
+                              f.read(), re.S)
+        roots = ssl.trustRootFromCertificates([ssl.Certificate.loadPEM(p) for p in pems])
+        return ssl.optionsForClientTLS(self.address.host, trustRoot=roots)
 
     def lost(self, why: str) -> None:
         self.proto = None
         self.loader = None
         if self._stopped:
             return
-        log.info("replica: the connection to the primary {addr} ended ({why}); again in "
-                 "{delay:g} s", addr=str(self.address), why=why, delay=self.delay)
+        # A warning once per reason (a wrong CA, a refused connection), not once a second.
+        emit = log.info if why == self._last_why else log.warn
+        self._last_why = why
+        emit("replica: the connection to the primary {addr} ended ({why}); again in "
+             "{delay:g} s", addr=str(self.address), why=why, delay=self.delay)
         self._retry = self.server.reactor.callLater(self.delay, self._connect)
         self.delay = min(self.delay * 2, _MAX_DELAY)
 
@@ -180,7 +201,7 @@ class _UpstreamProtocol(Protocol):
 
     def _send(self, msg: Any) -> None:
         t: Any = self.transport
-        t.writeSequence(encode_message(msg)[0])
+        t.write(b"".join(encode_message(msg)[0]))  # (small: one write, whatever the transport)
 
     def abort(self) -> None:
         t: Any = self.transport

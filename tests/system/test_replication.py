@@ -483,3 +483,31 @@ def test_a_replica_that_stops_reading_costs_the_primary_at_most_its_replica_buff
         wait_until(lambda: c.stats()["server"]["memory"]["output"] < 1 << 20, TIMEOUT,
                    "its queued output released")
     assert c.peek("b0") == blob
+
+
+def test_a_replica_follows_a_primary_over_tls_with_a_token(
+        procs: Callable[..., ServerProcess], tmp_path: Path, tls_files: Any) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-token-for-both-1234")
+    primary = procs("--token-file", str(token), "--tls-cert", tls_files.cert, "--tls-key",
+                    tls_files.key)
+    c = Client(f"tensorshare+tls://localhost:{primary.port}", token_file=str(token),
+               tls_ca=tls_files.ca, timeout=TIMEOUT)
+    try:
+        c.put("v", {"x": 1})
+        replica = procs("--token-file", str(token), "--replica-of",
+                        f"tensorshare+tls://localhost:{primary.port}", "--upstream-token-file",
+                        str(token), "--upstream-tls-ca", tls_files.ca)
+        wrong_ca = procs("--replica-of", f"tensorshare+tls://localhost:{primary.port}",
+                         "--upstream-token-file", str(token), "--upstream-tls-ca",
+                         tls_files.other_ca)
+        r = Client(HOST, replica.port, token_file=str(token), timeout=TIMEOUT)
+        try:
+            wait_until(lambda: same(c, r), TIMEOUT, "the replica over TLS")
+        finally:
+            r.close()
+        wait_until(lambda: "certificate verify failed" in wrong_ca.stderr(), TIMEOUT,
+                   "a CA that signed nothing")
+        assert len(repl(c)["replicas"]) == 1
+    finally:
+        c.close()
