@@ -24,6 +24,7 @@ from ..wire.auth import client_proof, new_nonce
 from ..wire.frames import FrameDecoder, OversizedFrame
 from ..wire.messages import Auth, Hello, Stats
 from ..wire.protocol import PROTOCOL_VERSIONS, encode_message
+from ..wire.replication import Psync
 from .endpoint import Endpoint
 
 __all__ = ["PrimaryFinder", "addresses"]
@@ -88,12 +89,33 @@ class PrimaryFinder:
         if best is None:
             raise ConnectionRefusedError(
                 f"no primary among {', '.join(map(str, self.endpoints))}: {'; '.join(why)}")
+        for ep in self.endpoints:  # a former primary that has not heard of the newer term
+            if self.seen.get(str(ep), ("", best[1]))[1] < best[1] and \
+                    self.seen[str(ep)][0] == "primary":
+                self.tell_term(ep, best[1])
         self.current = best[0]
         return self.opener(best[0], self.timeout)
+
+    def tell_term(self, ep: Endpoint, term: int) -> None:
+        """Tell a server that says it is the primary under an older term of the newer one (a
+        ``psync`` with that term: it stops accepting writes, and answers with a refusal).
+        Best effort: a user without the ``replicate`` right cannot, and nothing fails."""
+        try:
+            self._exchange(ep, Psync(2, "", 0, term, ""))
+        except (OSError, TensorShareError, ValueError, KeyError):
+            pass
 
     def probe(self, ep: Endpoint) -> tuple[str, int]:
         """``(role, term)`` of one server (an older server without replication: a primary
         of term 0)."""
+        stats = self._exchange(ep, Stats(2, _NO_BIN))["stats"]
+        role, term = stats.get("role", "primary"), stats.get("term", 0)
+        if not isinstance(role, str) or not isinstance(term, int):
+            raise ValueError("a malformed role or term")
+        return role, term
+
+    def _exchange(self, ep: Endpoint, request: Any) -> dict[str, Any]:
+        """A handshake (without a session), then ``request``: its reply's header."""
         sock = self.opener(ep, min(self.timeout, 5.0))
         try:
             sock.settimeout(min(self.timeout, 5.0))
@@ -109,12 +131,8 @@ class PrimaryFinder:
                                      _PROBE, ep.user)
                 sock.sendall(b"".join(encode_message(Auth(1, proof))[0]))
                 reader.reply()
-            sock.sendall(b"".join(encode_message(Stats(2, _NO_BIN))[0]))
-            stats = reader.reply()["stats"]
-            role, term = stats.get("role", "primary"), stats.get("term", 0)
-            if not isinstance(role, str) or not isinstance(term, int):
-                raise ValueError("a malformed role or term")
-            return role, term
+            sock.sendall(b"".join(encode_message(request)[0]))
+            return reader.reply()
         finally:
             sock.close()
 

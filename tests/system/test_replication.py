@@ -511,3 +511,25 @@ def test_a_replica_follows_a_primary_over_tls_with_a_token(
         assert len(repl(c)["replicas"]) == 1
     finally:
         c.close()
+
+
+def test_a_client_that_sees_a_newer_term_fences_the_former_primary(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    a = procs()
+    b = procs("--replica-of", f"{HOST}:{a.port}")
+    ca, cb = clients(a.port), clients(b.port)
+    ca.put("v", 1)
+    wait_until(lambda: same(ca, cb), TIMEOUT, "b follows a")
+    assert cb.promote() == 1  # a still runs, and still says it is the primary (term 0)
+    assert ca.stats()["server"]["role"] == "primary"
+    both = Client([f"{HOST}:{a.port}", f"{HOST}:{b.port}"],
+                  timeout=TIMEOUT)
+    try:
+        assert both._conn._connector.current.address.port == b.port  # the newer term wins
+        both.put("v", 2)
+    finally:
+        both.close()
+    assert ca.stats()["server"]["role"] == "fenced"  # told of term 1 by the client
+    with pytest.raises(ReadOnlyReplica):
+        ca.put("v", 3)
+    assert cb.peek("v") == 2 and ca.peek("v") == 1
