@@ -889,39 +889,37 @@ def _rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reload(args: argparse.Namespace) -> int:
-    """``tensorshare reload``: the server rereads its users file and token files."""
+def _admin_call(args: argparse.Namespace, command: str, call: Any) -> tuple[str, Any] | None:
+    """One call of ``call(client)`` on ``--host`` for an admin command: ``(address, result)``,
+    or ``None`` once it failed (said on stderr)."""
     from ..client.blocking import Client
     from ..errors import TensorShareError
 
     try:
         with Client(args.host, args.port, timeout=args.timeout, reconnect=False, session=False,
-                    name="tensorshare-reload", shm=False, tls=args.tls, tls_ca=args.tls_ca,
+                    name=f"tensorshare-{command}", shm=False, tls=args.tls, tls_ca=args.tls_ca,
                     token_file=args.token_file, user=args.user) as c:
-            c.reload_users()
-            where = c.address
+            return c.address, call(c)
     except (TensorShareError, ValueError, OSError) as exc:
-        print(f"tensorshare reload: {_failure(exc)}", file=sys.stderr)
+        print(f"tensorshare {command}: {_failure(exc)}", file=sys.stderr)
+        return None
+
+
+def _reload(args: argparse.Namespace) -> int:
+    """``tensorshare reload``: the server rereads its users file and token files."""
+    done = _admin_call(args, "reload", lambda c: c.reload_users())
+    if done is None:
         return 1
-    print(f"ok: {where} reloaded its users")
+    print(f"ok: {done[0]} reloaded its users")
     return 0
 
 
 def _promote(args: argparse.Namespace) -> int:
     """``tensorshare promote``: the replica becomes the primary under a new term."""
-    from ..client.blocking import Client
-    from ..errors import TensorShareError
-
-    try:
-        with Client(args.host, args.port, timeout=args.timeout, reconnect=False, session=False,
-                    name="tensorshare-promote", shm=False, tls=args.tls, tls_ca=args.tls_ca,
-                    token_file=args.token_file, user=args.user) as c:
-            term = c.promote()
-            where = c.address
-    except (TensorShareError, ValueError, OSError) as exc:
-        print(f"tensorshare promote: {_failure(exc)}", file=sys.stderr)
+    done = _admin_call(args, "promote", lambda c: c.promote())
+    if done is None:
         return 1
-    print(f"ok: {where} is the primary (term {term})")
+    print(f"ok: {done[0]} is the primary (term {done[1]})")
     return 0
 
 
