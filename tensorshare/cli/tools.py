@@ -782,9 +782,8 @@ def run_stats(args: argparse.Namespace) -> int:
                    f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}, "
                    f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
         ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
+        *([("replication", replication_line(s))] if s.get("replication") else []),
     ]
-    if s.get("replication") is not None:
-        rows.append(("replication", replication_line(s)))
     for key, value in rows:
         info.add_row(key, value)
 
