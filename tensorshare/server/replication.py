@@ -388,7 +388,8 @@ class Replication:
         log.info("replica {addr} continues from offset {off}", addr=link.address,
                  off=msg.offset)
         conn.then(lambda: self.server.reactor.callLater(0, self._pump, link))
-        return PsyncReply(msg.id, "continue", self.replid, msg.offset, self.term)
+        return PsyncReply(msg.id, "continue", self.replid, msg.offset, self.term,
+                          self.server.server_id)
 
     def _full(self, conn: Conn, msg: Psync) -> Any:
         f = self.server
@@ -398,7 +399,7 @@ class Replication:
         log.info("replica {addr} takes a full copy at offset {off}", addr=link.address,
                  off=self.offset)
         conn.then(lambda: f.reactor.callLater(0, self._pump, link))
-        return PsyncReply(msg.id, "full", self.replid, self.offset, self.term)
+        return PsyncReply(msg.id, "full", self.replid, self.offset, self.term, f.server_id)
 
     def _pump(self, link: Link) -> None:
         """Stream a full copy, a few MiB at a time (the server keeps serving between)."""

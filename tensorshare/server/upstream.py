@@ -276,6 +276,9 @@ class _UpstreamProtocol(Protocol):
             if h["mode"] == "full":
                 up.full_copy(int(h["offset"]), str(h["replid"]))
             up.repl.term = max(up.repl.term, int(h["term"]))
+            sid = h.get("server_id")
+            if isinstance(sid, str) and sid:  # the primary's data set: its versions go on here
+                up.server.server_id = sid
             log.info("replica: following {addr} ({mode}, offset {off}, term {term})",
                      addr=str(up.address), mode=h["mode"], off=h["offset"], term=h["term"])
         return False

@@ -84,6 +84,7 @@ class PsyncReply:
     replid: str
     offset: int
     term: int
+    server_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,8 @@ def _reply_psync(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     if mode not in ("full", "continue"):
         raise InvalidField("'mode' must be 'full' or 'continue'")
     replid = _opt_str(h, "replid", MAX_REPLID)
-    return PsyncReply(rid, mode, replid, check_int(h, "offset"), check_int(h, "term"))
+    return PsyncReply(rid, mode, replid, check_int(h, "offset"), check_int(h, "term"),
+                      _opt_str(h, "server_id", MAX_REPLID))
 
 
 def _parse_ack(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> ReplAck:
@@ -196,7 +198,7 @@ ROWS: tuple[Op, ...] = (
 #: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).
 REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     PsyncReply: lambda m: {"mode": m.mode, "replid": m.replid, "offset": m.offset,
-                           "term": m.term},
+                           "term": m.term, "server_id": m.server_id},
     ReplicaCount: lambda m: {"replicas": m.replicas, "term": m.term},
 }
 #: Message class -> the items its payload carries (none: records travel as raw payloads).

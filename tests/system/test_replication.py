@@ -115,6 +115,8 @@ def test_a_replica_takes_a_full_copy_follows_and_refuses_writes(
     c.delete("gone") if "gone" in c.list() else None
     wait_until(lambda: same(c, r), TIMEOUT, "the records after it")
     assert r.stats()["server"]["role"] == "replica"
+    # The replica holds the primary's data set: it reports its id (versions go on there).
+    assert r.stats()["server"]["server_id"] == c.stats()["server"]["server_id"]
     assert r.peek("params")["step"] == 2
     for write in (lambda: r.put("x", 1), lambda: r.append("rollouts", 1),
                   lambda: r.get("rollouts"), lambda: r.delete("params")):

@@ -576,7 +576,7 @@ def _reply_cases() -> dict[str, list[Message]]:
                               StreamItems(5, (), 7, 9, 0, 576, 640, 576, True, 2, True)],
         "reply-service-call": [ServiceAnswer(6, (item,), 7), ServiceAnswer(6, (item,), None)],
         "reply-service-take": [ServiceBatch(7, 3, (item, item), (1, 8))],
-        "reply-psync": [PsyncReply(8, "full", "abc", 10, 2)],
+        "reply-psync": [PsyncReply(8, "full", "abc", 10, 2, "f" * 16)],
         "reply-replicas": [ReplicaCount(9, 1, 2)],
     }
 
