@@ -43,6 +43,8 @@
         │                                  read were freed (``missed`` says how many)
         ├── ProducerGone                   a stream's producer died before ending its epoch
         ├── ServiceFailed                  a service's host failed the call (its model raised)
+        ├── ReadOnlyReplica                a write sent to a replica (``primary``: where to send it)
+        ├── NotEnoughReplicas              fewer replicas than --min-replicas confirmed the write
         └── UnsupportedVersion             no protocol version in common with the server
 
 Local mistakes (a bad argument, a value that cannot be sent) raise ``TypeError`` /
@@ -60,6 +62,8 @@ same class with :func:`error_from_code`. An unknown code becomes a plain ``Serve
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ERROR_CODES",
     "AuthenticationError",
@@ -75,8 +79,10 @@ __all__ = [
     "MemoryLimitExceeded",
     "BinFull",
     "NestingTooDeep",
+    "NotEnoughReplicas",
     "PermissionDenied",
     "QuotaExceeded",
+    "ReadOnlyReplica",
     "ProducerGone",
     "ProtocolError",
     "ReplyTimeout",
@@ -375,6 +381,36 @@ class ServiceFailed(ServerError):
     code = "service_failed"
 
 
+class ReadOnlyReplica(ServerError):
+    """A write (or a stream or service op) sent to a replica, or to a former primary that
+    heard of a newer term: nothing was changed. Send it to the primary; a client given an
+    address list finds it by itself.
+
+    Attributes:
+        primary: the primary's address as this server knows it (``None`` when it knows none,
+            as on a former primary fenced by a newer term).
+    """
+
+    code = "read_only_replica"
+
+    def __init__(self, message: str = "", code: str | None = None) -> None:
+        super().__init__(message, code)
+        found = re.search(r"\(primary: ([^)\s]+)\)", message)
+        self.primary: str | None = found.group(1) if found else None
+
+
+class NotEnoughReplicas(ServerError):
+    """The server runs with ``--min-replicas N`` and could not get the write onto N replicas.
+
+    Refused at once (nothing applied) while fewer than N replicas are in sync; answered after
+    ``--replica-timeout`` when the replicas did not confirm it in time: then the write may
+    have been applied (as with Redis's ``WAIT``), and retried in the same session it is
+    applied once.
+    """
+
+    code = "not_enough_replicas"
+
+
 class UnsupportedVersion(ServerError):
     """The client and the server share no protocol version."""
 
@@ -388,7 +424,7 @@ ERROR_CODES: dict[str, type[TensorShareError]] = {
                               WaitTimeout,
                               ProtocolError, SessionTakenOver, StorageUnavailable,
                               AuthenticationError, PermissionDenied, Lagged, ProducerGone,
-                              ServiceFailed)
+                              ServiceFailed, ReadOnlyReplica, NotEnoughReplicas)
     if cls.code is not None
 }
 

@@ -96,7 +96,35 @@ def _disk_options() -> argparse.ArgumentParser:
     g.add_argument("--truncate-corrupt-log", action="store_true",
                    help="start even if the data log is corrupt in the middle, dropping it "
                         "from the bad record on (the start-up error tells you when)")
+    _replication_options(d)
     return d
+
+
+def _replication_options(d: argparse.ArgumentParser) -> None:
+    """``serve``'s replication options (README: Replication and failover)."""
+    g = d.add_argument_group("replication (see the README's Replication and failover)")
+    g.add_argument("--replica-of", default=None, metavar="URL",
+                   help="follow this primary as a replica: serve reads, refuse writes until "
+                        "`tensorshare promote`")
+    g.add_argument("--upstream-token-file", default=None, metavar="PATH",
+                   help="the primary's token (default: TENSORSHARE_TOKEN or the file "
+                        "TENSORSHARE_TOKEN_FILE names)")
+    g.add_argument("--upstream-user", default=None, metavar="NAME",
+                   help="the primary's user to replicate as (it needs replicate = true; "
+                        "default: TENSORSHARE_USER, else 'default')")
+    g.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
+                   help="the CA of a tensorshare+tls:// primary's certificate (default: "
+                        "TENSORSHARE_TLS_CA, else the system's)")
+    g.add_argument("--replica-backlog", type=_size, default=64 << 20, metavar="BYTES",
+                   help="recent records kept for replicas that reconnect (default 64M); one "
+                        "that missed more takes a full copy")
+    g.add_argument("--replica-buffer", type=_size, default=256 << 20, metavar="BYTES",
+                   help="bytes queued for one replica before it is dropped (default 256M)")
+    g.add_argument("--min-replicas", type=int, default=0, metavar="N",
+                   help="answer a write once N replicas have it; with fewer in sync, refuse "
+                        "writes (default 0: replicas are asynchronous)")
+    g.add_argument("--replica-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="how long a write waits for --min-replicas (default 10)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -342,11 +370,19 @@ def _add_admin(sub: _Commands, conn: argparse.ArgumentParser) -> None:
     rl.add_argument("--server", dest="host", default=None, metavar="URL",
                     help="the server (the same as --host)")
 
+    pr = sub.add_parser("promote", parents=[conn], help="make a replica the primary under a "
+                        "new term (for an admin user); its clients follow it")
+    pr.add_argument("--server", dest="host", default=None, metavar="URL",
+                    help="the replica (the same as --host)")
+
     h = sub.add_parser("health", parents=[conn], help="exit 0 if the server answers a ping "
                        "within --timeout, else 1 (one line each way): for readiness and "
                        "liveness probes")
     h.add_argument("--unix", default=None, metavar="PATH",
                    help="the server's Unix socket (the same as --host unix://PATH)")
+    h.add_argument("--role", choices=("primary", "replica"), default=None,
+                   help="also exit 1 unless the server is this (its stats' role): a "
+                        "readiness probe that sends clients to the primary only")
 
 
 def _add_demo(sub: _Commands) -> None:
@@ -502,7 +538,20 @@ def _server_config(args: argparse.Namespace, limits: Any) -> Any:
                         fsync=args.fsync, snapshot_every=args.snapshot_every,
                         snapshot_log_bytes=args.snapshot_log_bytes,
                         truncate_corrupt_log=args.truncate_corrupt_log,
-                        relay_of=_upstream(args))
+                        relay_of=_upstream(args), **_replication(args))
+
+
+def _replication(args: argparse.Namespace) -> dict[str, Any]:
+    if args.command != "serve":
+        return {}
+    of = args.replica_of
+    if of is not None and "://" not in of:
+        of = f"tensorshare://{of}"
+    return {"replica_of": of, "upstream_token_file": args.upstream_token_file,
+            "upstream_user": args.upstream_user, "upstream_tls_ca": args.upstream_tls_ca,
+            "replica_backlog": args.replica_backlog,
+            "replica_buffer": args.replica_buffer, "min_replicas": max(args.min_replicas, 0),
+            "replica_timeout": args.replica_timeout}
 
 
 def _upstream(args: argparse.Namespace) -> str | None:
@@ -781,6 +830,10 @@ def _health(args: argparse.Namespace) -> int:
                         tls_ca=args.tls_ca, token_file=args.token_file,
                         user=args.user) as c:
                 c.ping()
+                role = c.stats("tensorshare-health-no-bin")["server"].get("role") \
+                    if args.role else None
+                if role is not None and role != args.role:
+                    raise ValueError(f"{c.address} is a {role}, not a {args.role}")
                 result.append((c.address, time.monotonic() - start))
         except BaseException as exc:  # reported by the waiting thread below
             result.append(exc)
@@ -836,21 +889,37 @@ def _rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reload(args: argparse.Namespace) -> int:
-    """``tensorshare reload``: the server rereads its users file and token files."""
+def _admin_call(args: argparse.Namespace, command: str, call: Any) -> tuple[str, Any] | None:
+    """One call of ``call(client)`` on ``--host`` for an admin command: ``(address, result)``,
+    or ``None`` once it failed (said on stderr)."""
     from ..client.blocking import Client
     from ..errors import TensorShareError
 
     try:
         with Client(args.host, args.port, timeout=args.timeout, reconnect=False, session=False,
-                    name="tensorshare-reload", shm=False, tls=args.tls, tls_ca=args.tls_ca,
+                    name=f"tensorshare-{command}", shm=False, tls=args.tls, tls_ca=args.tls_ca,
                     token_file=args.token_file, user=args.user) as c:
-            c.reload_users()
-            where = c.address
+            return c.address, call(c)
     except (TensorShareError, ValueError, OSError) as exc:
-        print(f"tensorshare reload: {_failure(exc)}", file=sys.stderr)
+        print(f"tensorshare {command}: {_failure(exc)}", file=sys.stderr)
+        return None
+
+
+def _reload(args: argparse.Namespace) -> int:
+    """``tensorshare reload``: the server rereads its users file and token files."""
+    done = _admin_call(args, "reload", lambda c: c.reload_users())
+    if done is None:
         return 1
-    print(f"ok: {where} reloaded its users")
+    print(f"ok: {done[0]} reloaded its users")
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    """``tensorshare promote``: the replica becomes the primary under a new term."""
+    done = _admin_call(args, "promote", lambda c: c.promote())
+    if done is None:
+        return 1
+    print(f"ok: {done[0]} is the primary (term {done[1]})")
     return 0
 
 
@@ -886,4 +955,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dashboard(args)
     if args.command == "reload":
         return _reload(args)
+    if args.command == "promote":
+        return _promote(args)
     return _tool(args)

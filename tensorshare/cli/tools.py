@@ -800,27 +800,11 @@ def run_stats(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     s, bins = reply["server"], reply["bins"]
-    mem, waiting, counters = s["memory"], s["waiting"], s["counters"]
+    counters = s["counters"]
     info = Table.grid(padding=(0, 2))
     info.add_column()
     info.add_column()
-    limit = " (no limit)" if mem["max_memory"] is None else \
-        f" of max_memory {fmt_bytes(mem['max_memory'])}"
-    rows = [
-        ("server", f"{s['server']} at {_where(args)} (id {s['server_id']})"),
-        ("uptime", fmt_age(s["uptime"])),
-        ("connections", f"{s['connections']} open, {counters.get('connections_total', 0)} "
-                        f"since start, {counters.get('connections_refused', 0)} refused"),
-        ("listeners", str(s["listeners"])),
-        ("sessions", f"{s['sessions']} ({counters.get('sessions_resumed', 0)} resumed, "
-                     f"{counters.get('sessions_expired', 0)} expired)"),
-        ("bins", f"{s['bins']} holding {sum(b['n_items'] for b in bins.values())} items"),
-        ("memory", f"{fmt_bytes(mem['total'])}{limit}: stored {fmt_bytes(mem['stored'])}, "
-                   f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}, "
-                   f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
-        ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
-    ]
-    for key, value in rows:
+    for key, value in _server_rows(args, s, bins):
         info.add_row(key, value)
 
     ops = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
@@ -854,3 +838,40 @@ def _bucket(bound: float | None, bounds: list[float]) -> str:
     if bound == math.inf:
         return f"> {_num(bounds[-1] * 1000)} ms"
     return f"{_num(bound * 1000)} ms"
+
+
+def replication_line(s: dict[str, Any]) -> str:
+    """The ``stats`` view's replication row: the role and term, and the replicas' lag (or,
+    on a replica, its primary and its own)."""
+    r = s["replication"]
+    head = f"{s['role']}, term {s['term']}, offset {r['offset']}"
+    resyncs = f"{r['full_resyncs']} full and {r['partial_resyncs']} partial resyncs"
+    if "primary" in r:
+        lag = "never synced" if not r.get("synced") else f"heard {r['lag_s']:.1f} s ago"
+        return f"{head}; replica of {r['primary']} ({lag})"
+    reps = ", ".join(f"{x['address']} lag {fmt_bytes(x['lag_bytes'])}/{x['lag_s']:.1f} s"
+                     for x in r["replicas"]) or "no replicas"
+    return f"{head}; {reps}; {resyncs}"
+
+
+def _server_rows(args: argparse.Namespace, s: dict[str, Any], bins: dict[str, Any]
+                 ) -> list[tuple[str, str]]:
+    """The ``stats`` view's rows about the server as a whole."""
+    mem, waiting, counters = s["memory"], s["waiting"], s["counters"]
+    limit = " (no limit)" if mem["max_memory"] is None else \
+        f" of max_memory {fmt_bytes(mem['max_memory'])}"
+    return [
+        ("server", f"{s['server']} at {_where(args)} (id {s['server_id']})"),
+        ("uptime", fmt_age(s["uptime"])),
+        ("connections", f"{s['connections']} open, {counters.get('connections_total', 0)} "
+                        f"since start, {counters.get('connections_refused', 0)} refused"),
+        ("listeners", str(s["listeners"])),
+        ("sessions", f"{s['sessions']} ({counters.get('sessions_resumed', 0)} resumed, "
+                     f"{counters.get('sessions_expired', 0)} expired)"),
+        ("bins", f"{s['bins']} holding {sum(b['n_items'] for b in bins.values())} items"),
+        ("memory", f"{fmt_bytes(mem['total'])}{limit}: stored {fmt_bytes(mem['stored'])}, "
+                   f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}, "
+                   f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
+        ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
+        *([("replication", replication_line(s))] if s.get("replication") else []),
+    ]

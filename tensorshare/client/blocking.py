@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from ..wire.messages import Limits
 from ..wire.records import Item
-from .connection import Connection, PendingCall
+from .connection import Connection, PendingCall, open_socket
+from .failover import PrimaryFinder, addresses
 from .ops import (
     NOWAIT,
     BinClient,
@@ -41,6 +42,11 @@ class Client(BinClient):
             ``tensorshare+tls://HOST:PORT``, or ``unix://PATH`` for a server on this
             machine's Unix socket (faster, and large tensors may travel through shared
             memory, see ``shm``; a bare path is refused: write ``unix:///tmp/x.sock``).
+            A list of addresses (``["a:7000", "b:7000"]``, or one string with commas,
+            ``"tensorshare://a:7000,b:7000"``): a primary and its replicas; the client
+            connects to the one that says it is the primary (the higher term wins), and
+            again after every drop, so it follows a promotion (README: Replication and
+            failover).
             Neither host nor port: ``TENSORSHARE_URL``, else ``127.0.0.1:8000`` (see
             :mod:`tensorshare.client.endpoint`).
         port: server port (ignored for a URL; default 8000).
@@ -80,12 +86,18 @@ class Client(BinClient):
     _submit_many: Callable[[Iterable[Command]], list[PendingCall]]
     _run_pipeline: Callable[[Pipeline, Iterable[tuple[Command, int]]], list[Any]]
 
-    def __init__(self, host: str | None = None, port: int | None = None,
+    def __init__(self, host: str | list[str] | None = None, port: int | None = None,
                  timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
                  connector: Callable[[], socket.socket] | None = None,
                  **overrides: Unpack[OptionFields]) -> None:
         opts = ClientOptions.of(options, timeout=timeout, **overrides)
-        endpoint = opts.endpoint(host, port)
+        hosts = addresses(host) if connector is None else None
+        if hosts is not None:  # a primary and its replicas: connect to the primary
+            endpoints = [opts.endpoint(h, port) for h in hosts]
+            endpoint = endpoints[0]
+            connector = PrimaryFinder(endpoints, opts.timeout, open_socket)
+        else:
+            endpoint = opts.endpoint(host if not isinstance(host, list) else host[0], port)
         conn = self._conn = Connection(endpoint, opts, connector)
         # The connection's entry points, bound once: a call is one step from its op to the
         # engine, as when the client was its connection.

@@ -647,19 +647,8 @@ class Connection:
     def _connect(self) -> socket.socket:
         if self._connector is not None:
             sock = self._connector()
-        elif self.path is not None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(self.timeout)
-                sock.connect(self.path)
-            except BaseException:
-                sock.close()
-                raise
         else:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.endpoint.tls:
-                sock = _tls(sock, self.endpoint, self.address)
+            sock = open_socket(self.endpoint, self.timeout)
         # Non-blocking from here on: reads already wait in poll (Python's own poll before every
         # recv and send on a socket with a timeout would be one more system call each), and
         # _sendall waits for room itself, up to the timeout (a server that stops reading).
@@ -1058,6 +1047,26 @@ class _Refused(Exception):
     def __init__(self, error: TensorShareError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def open_socket(endpoint: Endpoint, timeout: float) -> socket.socket:
+    """A socket connected to ``endpoint`` (TCP, TLS over TCP, or a Unix socket), in blocking
+    mode with ``timeout``."""
+    a = endpoint.address
+    if a.path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(a.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((a.host, a.port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if endpoint.tls:
+        sock = _tls(sock, endpoint, str(endpoint))
+    return sock
 
 
 def _tls(sock: socket.socket, endpoint: Endpoint, address: str) -> socket.socket:

@@ -46,6 +46,7 @@ from ..wire.records import (
     Item,
     Put,
 )
+from ..wire.replication import Promote, WaitReplicas
 from ..wire.tensors import decode_tensor, encode_tensor
 from .command import (
     _FRAME_SLACK,
@@ -128,6 +129,14 @@ def _version(reply: Any) -> int:
 
 def _none(reply: Any) -> None:
     return None
+
+
+def _replica_count(reply: Any) -> int:
+    return int(reply.replicas)
+
+
+def _term(reply: Any) -> int:
+    return int(reply.term)
 
 
 def _true(reply: Any) -> bool:
@@ -443,6 +452,23 @@ class Ops(StreamOps, ServiceOps, ReplayOps):
                 message says why).
         """
         return self._execute(Command(Reload(0), "reload of the users", _true))
+
+    def wait_replicas(self, n: int, timeout: float) -> Any:
+        """How many replicas have every write this client made so far (as Redis's ``WAIT``):
+        answered once ``n`` have them, or after ``timeout`` seconds (at most nine tenths of
+        the client's own ``timeout``) with how many do. ``0`` from a server without
+        replicas."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError("n must be a whole number >= 0")
+        wait = min(check_timeout(timeout), self.timeout * 0.9)
+        request: Any = WaitReplicas(0, n, wait)
+        return self._execute(Command(request, "wait_replicas", _replica_count))
+
+    def promote(self) -> Any:
+        """Make the server (a replica) the primary under a new term; returns the term. A
+        primary answers its own term and changes nothing. Needs an ``admin`` user."""
+        request: Any = Promote(0)
+        return self._execute(Command(request, "promote", _term))
 
     # -- listeners --------------------------------------------------------------------------
     def listen(self, name: str, callback: Callable[[dict[str, Any]], Any], *,

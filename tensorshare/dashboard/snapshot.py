@@ -104,7 +104,9 @@ def roles(replies: Sequence[dict[str, Any] | None]) -> list[tuple[str, int | Non
     """``(role, relay_of)`` per server. A relay reports its primary's ``server_id``, so
     servers sharing one are a primary and its relays: the primary is the one that served
     the most changing requests (a relay refuses them all), the first given on a tie. Any
-    other server is a ``"shard"`` when there are several, else ``"server"``."""
+    other server is a ``"shard"`` when there are several, else ``"server"``; but a server
+    whose stats say it is a ``"replica"`` or ``"fenced"`` (replication) is that, and one
+    that has replicas is a ``"primary"``."""
     groups: dict[str, list[int]] = {}
     answered: dict[int, dict[str, Any]] = {}
     for i, r in enumerate(replies):
@@ -124,6 +126,11 @@ def roles(replies: Sequence[dict[str, Any] | None]) -> list[tuple[str, int | Non
         primary = max(members, key=lambda i: (writes(i), -i))
         for i in members:
             out[i] = ("primary", None) if i == primary else ("relay", primary)
+    for i, r in enumerate(replies):
+        role = None if r is None else r["server"].get("role")
+        if role in ("replica", "fenced") or (
+                role == "primary" and r["server"]["replication"].get("replicas")):  # type: ignore[index]
+            out[i] = (role, None)
     return out
 
 

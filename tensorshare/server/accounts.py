@@ -57,7 +57,7 @@ DEFAULT, READONLY = "default", "readonly"
 READ_ONLY_OPS = frozenset(name for name, op in OPS.items() if op.read)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _USER_KEYS = frozenset({"token_file", "read", "write", "max_memory", "max_connections",
-                        "admin"})
+                        "admin", "replicate"})
 
 
 def parse_size(value: object, what: str = "max_memory") -> int:
@@ -104,6 +104,7 @@ class User:
         max_connections: connections it may have open at once (``None``: no quota).
         admin: it may reload the users (the ``reload`` op).
         ops: the only ops it may send at all (the built-in ``readonly``); ``None``: any.
+        replicate: it may follow this server as a replica (``psync``).
     """
 
     name: str
@@ -114,6 +115,7 @@ class User:
     max_connections: int | None = None
     admin: bool = False
     ops: frozenset[str] | None = None
+    replicate: bool = False
     may_read: Callable[[str], bool] = field(init=False, repr=False)
     may_write: Callable[[str], bool] = field(init=False, repr=False)
     #: Nothing about it needs checking per request (everything, admin, no quota).
@@ -195,13 +197,13 @@ def _user_of(name: str, spec: Any, base: str) -> User:
     if max_conns is not None and (not isinstance(max_conns, int) or isinstance(max_conns, bool)
                                   or max_conns < 1):
         raise ValueError(f"{who}: max_connections must be a whole number of at least 1")
-    admin = spec.get("admin", False)
-    if not isinstance(admin, bool):
-        raise ValueError(f"{who}: admin must be true or false")
+    admin, replicate = spec.get("admin", False), spec.get("replicate", False)
+    if not isinstance(admin, bool) or not isinstance(replicate, bool):
+        raise ValueError(f"{who}: admin and replicate must be true or false")
     return User(name, _read_keys(path, who), _patterns(spec, "read", who),
                 _patterns(spec, "write", who),
                 None if max_memory is None else parse_size(max_memory, f"{who}: max_memory"),
-                max_conns, admin)
+                max_conns, admin, replicate=replicate)
 
 
 def _read_users_file(path: str) -> list[User]:
@@ -231,9 +233,10 @@ def _builtin(config: ServerConfig) -> list[User]:
     out: list[User] = []
     if config.token_file is not None:
         out.append(User(DEFAULT, _read_keys(config.token_file, "--token-file"), ("*",), ("*",),
-                        admin=True))
+                        admin=True, replicate=True))
     elif config.token:
-        out.append(User(DEFAULT, tuple(tokens_of(config.token)), ("*",), ("*",), admin=True))
+        out.append(User(DEFAULT, tuple(tokens_of(config.token)), ("*",), ("*",), admin=True,
+                        replicate=True))
     read_keys: tuple[bytes, ...] = ()
     if config.read_token_file is not None:
         read_keys = _read_keys(config.read_token_file, "--read-token-file")

@@ -94,6 +94,20 @@ class ServerConfig:
         relay_of: this server is a relay of that primary (a URL, see :mod:`tensorshare.relay`):
             it serves the primary's bins read-only; every request that would change something
             is refused with ``permission_denied`` naming the primary.
+        replica_of: this server is a replica of that primary (a URL): it follows the primary's
+            data log (:mod:`tensorshare.server.replication`), serves reads, and refuses
+            writes with ``read_only_replica`` until promoted.
+        upstream_token, upstream_token_file, upstream_user: how a replica proves itself to its
+            primary (default: ``TENSORSHARE_TOKEN`` and ``TENSORSHARE_USER``).
+        upstream_tls_ca: the CA of a ``tensorshare+tls://`` primary's certificate (default:
+            ``TENSORSHARE_TLS_CA``, else the system's).
+        replica_backlog: bytes of recent records a primary keeps for replicas that reconnect
+            (a partial resync); one that missed more takes a full copy.
+        replica_buffer: bytes queued for one replica before the primary drops it (it resyncs).
+        min_replicas: a write is answered once this many replicas have it; with fewer in sync
+            writes are refused with ``not_enough_replicas``.
+        replica_timeout: seconds a write waits for ``min_replicas`` replicas before it is
+            answered ``not_enough_replicas`` (it may have been applied).
     """
 
     limits: Limits = field(default_factory=Limits)
@@ -121,3 +135,12 @@ class ServerConfig:
     tls_cert: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_CERT"))
     tls_key: str | None = field(default_factory=lambda: os.environ.get("TENSORSHARE_TLS_KEY"))
     relay_of: str | None = None
+    replica_of: str | None = None
+    upstream_token: str | None = field(default=None, repr=False)
+    upstream_token_file: str | None = None
+    upstream_user: str | None = None
+    upstream_tls_ca: str | None = None
+    replica_backlog: int = 64 << 20
+    replica_buffer: int = 256 << 20
+    min_replicas: int = 0
+    replica_timeout: float = 10.0

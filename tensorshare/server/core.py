@@ -37,6 +37,7 @@ from .config import ServerConfig
 from .handlers import Responder
 from .persist import Loaded, Persistence
 from .replaykind import ReplayKind
+from .replication import Replication
 from .services import ServiceKind
 from .sessions import ServerSession, SessionTable
 from .stats import ServerStats
@@ -141,6 +142,8 @@ class ServerFactory(Factory):
         self.sessions = SessionTable(config.max_sessions, config.max_session_bytes)
         self.users = Users(self)  # who may connect, with which rights and quotas
         self.auth_failures = FailedAttempts()
+        # Replicas of this server, or its primary (a kind: it serves the replication ops).
+        self.replication = Replication(self)
         self.kinds = kinds_for(self)  # streams, services: the bins beside the store's
         self.responder = Responder(self)
         self._expiry: IDelayedCall | None = None  # the next detached session's expiry
@@ -156,6 +159,7 @@ class ServerFactory(Factory):
         self.loaded: Loaded | None = None
         if config.data_dir is not None:
             self._open_data(config)
+        self.replication.start()
 
     def _open_data(self, config: ServerConfig) -> None:
         """Load the data directory and log every effect from now on.
@@ -410,10 +414,12 @@ class ServerFactory(Factory):
                 return
             if was_failing:
                 self._storage_recovered()
+        self.replication.push()
         if self._holders:
             holders, self._holders = self._holders, []
-            for conn in holders:
-                conn.committed()
+            if not self.replication.hold(holders):  # (--min-replicas: until replicas have it)
+                for conn in holders:
+                    conn.committed()
         if p.snapshot_due():
             self.snapshot()
 
@@ -491,6 +497,7 @@ class ServerFactory(Factory):
 
     def close_persistence(self) -> None:
         """Flush, write a final snapshot and release the data directory (at shutdown)."""
+        self.replication.stop()
         p = self.persist
         if p is None:
             return
@@ -549,11 +556,12 @@ class ServerFactory(Factory):
             "requests": report["requests"], "bytes_in": self.stats.bytes_in(open_in),
             "bytes_out": report["bytes_out"], "latency": report["latency"],
             "users": self.users.describe(),
+            **self.replication.describe_role(),
         }
 
     def _persistence(self) -> dict[str, Any] | None:
         p = self.persist
-        if p is None:
+        if p is None or not p.on_disk:
             return None
         why = self.storage_state()
         return {"dir": p.dir, "fsync": p.fsync, "writable": why is None, "error": why}
@@ -589,4 +597,4 @@ def _describe(item: Item | None) -> str | None:
 
 def kinds_for(server: ServerFactory) -> list[Kind]:
     """The kinds a server has (each bound to it)."""
-    return [StreamKind(server), ServiceKind(server), ReplayKind(server)]
+    return [StreamKind(server), ServiceKind(server), ReplayKind(server), server.replication]

@@ -52,6 +52,9 @@ class EmbeddedServer:
         token_file: read the token from this file instead (surrounding whitespace is not
             part of it).
         insecure: listen beyond loopback without a token (on a network you trust).
+        replica_of: follow that primary (a URL) as a replica: reads served, writes refused
+            until ``tensorshare promote`` (sets ``config.replica_of``; the upstream token and
+            user are ``config``'s ``upstream_*``).
 
     Raises:
         OSError: the port or path could not be bound (e.g. it is in use), or ``token_file``
@@ -65,10 +68,12 @@ class EmbeddedServer:
                  limits: Limits | None = None, max_memory: int | None = None,
                  config: ServerConfig | None = None, unix: str | None = None,
                  token: str | None = None, token_file: str | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, replica_of: str | None = None) -> None:
         if port is None and unix is None:
             raise ValueError("give a TCP port, a Unix socket path, or both")
         config = secured(config, token, token_file, insecure)
+        if replica_of is not None:
+            config = replace(config or ServerConfig(), replica_of=replica_of)
         if port is not None:
             check_exposure(host, config or ServerConfig())
         self.host = host
@@ -219,7 +224,7 @@ def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
                limits: Limits | None = None, max_memory: int | None = None, ready: Any = None,
                config: ServerConfig | None = None, unix: str | None = None,
                token: str | None = None, token_file: str | None = None,
-               insecure: bool = False) -> None:
+               insecure: bool = False, replica_of: str | None = None) -> None:
     """Run a server until interrupted (Ctrl+C). This blocks, as in the seed
     (``run_server(8000)``, ``run_server(8000, "0.0.0.0", token_file=...)``).
 
@@ -227,12 +232,13 @@ def run_server(port: int | None = 8000, host: str = "127.0.0.1", *,
         port: TCP port (0 picks a free one; it is logged and passed to ``ready``).
         host: interface to bind; 127.0.0.1 by default, ``0.0.0.0`` to accept other machines
             (with ``token``/``token_file``, or ``insecure=True``).
-        limits, max_memory, config, unix, token, token_file, insecure: see
+        limits, max_memory, config, unix, token, token_file, insecure, replica_of: see
             :class:`EmbeddedServer`.
         ready: optional callable ``ready(server)`` called once the port is bound.
     """
     server = EmbeddedServer(port, host=host, limits=limits, max_memory=max_memory, config=config,
-                            unix=unix, token=token, token_file=token_file, insecure=insecure)
+                            unix=unix, token=token, token_file=token_file, insecure=insecure,
+                            replica_of=replica_of)
     # This process is the server: tune the cyclic garbage collector for it. What is loaded
     # at start (a data directory) is frozen out of every collection, and collections come
     # less often: a batch of 50,000 small items would otherwise trigger hundreds, each

@@ -11,7 +11,7 @@ cdef class Responder:
     cdef dict _handlers
     cdef list _tables
     cdef dict _kind_of
-    cdef public object relay_of, _users
+    cdef public object relay_of, _users, fence
     cdef dict _routes, _refusals
     cdef Route _get, _peek
 

@@ -160,6 +160,10 @@ class Responder:
         self._kind_of = {id(kind.table): kind for kind in server.kinds}
         #: The primary this server relays (read-only), or ``None``.
         self.relay_of = server.config.relay_of
+        #: What refuses requests before their handlers (a relay's or a replica's writes),
+        #: ``None`` when nothing does: ``fence(msg, route)`` returns the refusal or ``None``.
+        self.fence: Callable[[Any, Route], Any] | None = (
+            self._relay_fence if self.relay_of is not None else None)
         self._routes: dict[type, Route] = {}
         #: Op name -> the kind told of its refused requests (see :meth:`refused`).
         self._refusals: dict[str, Kind] = {}
@@ -195,8 +199,10 @@ class Responder:
         """
         if route is None:
             route = self.route(msg)
-        if not route.read and self.relay_of is not None:
-            return self._refuse_write(msg, route.op)
+        if self.fence is not None:
+            refusal = self.fence(msg, route)
+            if refusal is not None:
+                return refusal
         # What it may do (see .users): one check, skipped for a user who may do all without a
         # quota. (A connection has its user and usage from its hello on: none is routed before.)
         user = conn.user
@@ -242,6 +248,9 @@ class Responder:
         kind = self._kind_of[id(table)]
         return InvalidRequest(f"bin {msg.bin!r} is a {kind.name} bin: {op_name(msg)} is for "
                               f"value and list bins (use the {kind.name}'s own operations)")
+
+    def _relay_fence(self, msg: Any, route: Route) -> ErrorReply | None:
+        return None if route.read else self._refuse_write(msg, route.op)
 
     def _refuse_write(self, msg: Any, op: str) -> ErrorReply:
         """The answer to a write that a relay does not allow."""

@@ -135,6 +135,7 @@ def _families(stats: dict[str, Any], bins: dict[str, dict[str, Any]], *,
     yield from _counters(stats["counters"])
     yield _latency(stats["latency"])
     yield from _user_families(stats.get("users", {}))
+    yield from _replication_families(stats)
     if per_bin:
         yield from _bin_families(bins)
         yield from _stream_families(bins)
@@ -169,6 +170,41 @@ def _state_gauges(stats: dict[str, Any], bins: dict[str, dict[str, Any]]
                  waiting["fetches"])
     yield _gauge("blocked_appends", "appends waiting for room in a full 'block' bin now",
                  waiting["appends"])
+
+
+def _replication_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The server's role and term, and its replicas' lag (or, on a replica, its own)."""
+    repl = stats.get("replication")
+    if repl is None:
+        return
+    role = GaugeMetricFamily("tensorshare_replication_role", "1 for the server's role now",
+                             labels=["role"])
+    role.add_metric([str(stats["role"])], 1)
+    yield role
+    yield _gauge("replication_term", "the server's term (a promotion starts a new one)",
+                 stats["term"])
+    yield _gauge("replication_offset", "the replication offset (bytes of records)",
+                 repl["offset"])
+    resyncs = CounterMetricFamily("tensorshare_replication_resyncs",
+                                  "replica resyncs served, full copies and partial",
+                                  labels=["kind"])
+    resyncs.add_metric(["full"], repl["full_resyncs"])
+    resyncs.add_metric(["partial"], repl["partial_resyncs"])
+    yield resyncs
+    if "lag_s" in repl:  # a replica
+        yield _gauge("replication_lag_seconds", "seconds since the primary was last heard",
+                     repl["lag_s"] or 0.0)
+        return
+    lag_bytes = GaugeMetricFamily("tensorshare_replica_lag_bytes",
+                                  "bytes of records a replica has not acknowledged",
+                                  labels=["replica"])
+    lag_s = GaugeMetricFamily("tensorshare_replica_lag_seconds",
+                              "seconds a replica has been behind", labels=["replica"])
+    for r in repl["replicas"]:
+        lag_bytes.add_metric([r["address"]], r["lag_bytes"])
+        lag_s.add_metric([r["address"]], r["lag_s"])
+    yield lag_bytes
+    yield lag_s
 
 
 def _memory_gauges(stats: dict[str, Any]) -> Iterator[Metric]:

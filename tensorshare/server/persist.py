@@ -77,6 +77,8 @@ __all__ = [
     "DataError",
     "Loaded",
     "Persistence",
+    "SnapshotLoader",
+    "parse_record",
 ]
 
 FSYNC_POLICIES = ("always", "everysec", "no")
@@ -197,6 +199,23 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def parse_record(buf: bytearray) -> tuple[dict[str, Any], bytearray]:
+    """One record as a replica receives it (``u32 len | u32 crc32 | frame``): its header and
+    payload. Raises ``ValueError`` when it does not check out."""
+    if len(buf) < _REC.size:
+        raise ValueError("a record shorter than its length and checksum")
+    n, crc = _REC.unpack_from(buf)
+    if n != len(buf) - _REC.size:
+        raise ValueError("a record whose length does not match")
+    frame = bytearray(memoryview(buf)[_REC.size:])
+    if zlib.crc32(frame) != crc:
+        raise ValueError("a record checksum mismatch")
+    try:
+        return _parse_frame(frame, 0)
+    except _Bad as bad:
+        raise ValueError(bad.reason) from None
+
+
 class Persistence:
     """The data log and snapshots of one data directory.
 
@@ -209,6 +228,9 @@ class Persistence:
         truncate_corrupt: start even if a log segment is corrupt in the middle, dropping it
             from the first bad record on (only after you have read the error that says so).
     """
+
+    #: The records reach a disk (a replica's :class:`~.replication.MemoryLog` says no).
+    on_disk = True
 
     def __init__(self, data_dir: str, *, fsync: str = "everysec",
                  snapshot_every: float | None = 300.0, snapshot_log_bytes: int = 1 << 30,
@@ -253,6 +275,10 @@ class Persistence:
         self.kind_parts: list[Callable[[], Iterator[tuple[dict[str, Any], list[Any]]]]] = []
         self.kind_replies: dict[type, str] = {}
         self.kind_loaded: list[Callable[[], None]] = []
+        #: The newest term (replication's epoch) recorded in this data set (``term`` records).
+        self.term = 0
+        #: Called with each record's chunks and size as it is added (replication's tap).
+        self.tap: Callable[[list[BytesLike], int], None] | None = None
 
     # -- opening and loading ------------------------------------------------------------------
     def open(self, store: Store, sessions: SessionTable) -> Loaded:
@@ -358,52 +384,25 @@ class Persistence:
         return os.path.join(self.dir, f"{kind}-{n:012d}.{ext}")
 
     def _load_snapshot(self, path: str, store: Store, sessions: SessionTable) -> None:
-        bins: dict[str, tuple[str, list[tuple[Any, int, int | None]]]] = {}
-        ended = False
+        loader = SnapshotLoader(self, store, sessions)
         try:
             for offset, h, payload in _records(path, SNAP_MAGIC, self.max_record):
-                if ended:
+                if loader.ended:
                     raise _Bad(offset, "records after the end record", False)
-                op = h["op"]
                 try:
-                    if op == "meta":
-                        mi, mb, ov = h["config"]
-                        store.load_meta(h["bin"], int(h["version"]), BinConfig(mi, mb, ov),
-                                        int(h.get("drops", 0)))
-                    elif op == "bin":
-                        bins[h["bin"]] = (h["kind"], [])
-                    elif op == "items":
-                        entries = bins[h["bin"]][1]
-                        for it in parse_items(h, payload, self.limits.max_depth):
-                            entries.append((it, item_wire_size(it), it.tag))
-                    elif op == "session":
-                        if sessions.get(h["s"]) is None:
-                            sessions.open(h["s"])
-                    elif op == "reply":
-                        self._load_reply(h, payload, sessions)
-                    elif op == "end":
-                        for loaded in self.kind_loaded:
-                            loaded()
-                        ended = True
-                    elif op in self.kind_records:
-                        self.kind_records[op](h, payload)
-                    else:
-                        raise _Bad(offset, f"unknown record {op!r}", False)
-                except _Bad:
-                    raise
+                    loader.feed(h, payload)
                 except (KeyError, TypeError, ValueError, OverflowError) as exc:
-                    raise _Bad(offset, f"malformed {op!r} record: {exc!r}", False) from None
+                    raise _Bad(offset, f"malformed {h['op']!r} record: {exc!r}", False) from None
         except _Bad as bad:
             raise DataError(
                 f"snapshot {path} is corrupt at offset {bad.offset}: {bad.reason}. Nothing was "
                 f"loaded. Move the file away to start from the snapshot and log before it (if "
                 f"any; the log after it may then be incomplete), or restore the directory "
                 f"from a backup.") from None
-        if not ended:
+        if not loader.ended:
             raise DataError(f"snapshot {path} has no end record (it is incomplete). Nothing "
                             f"was loaded. Move it away to start from the data before it.")
-        for name, (kind, entries) in bins.items():
-            store.load_bin(name, kind, entries)
+        loader.finish()
 
     def _load_reply(self, h: dict[str, Any], payload: bytearray, sessions: SessionTable) -> None:
         s = sessions.get(h["s"]) or sessions.open(h["s"])
@@ -453,6 +452,9 @@ class Persistence:
         """Replay one log record through :data:`_REPLAY` (requests through the server's own
         op table, :data:`~.handlers.EFFECTS`), and remember the reply it gave."""
         rec = _Rec(h, payload, store, sessions, self.limits.max_depth)
+        if rec.op == "term":
+            self.term = max(self.term, _term_of(h))
+            return
         row = _REPLAY.get(rec.op)
         kind = self.kind_records.get(rec.op) if row is None else None
         if row is None and kind is None:
@@ -497,10 +499,24 @@ class Persistence:
         h.update(fields)
         self._add(_frame(h))
 
+    def term_record(self, term: int) -> None:
+        """Record a new term (replication's epoch: a promotion)."""
+        self.term = term
+        self._add(_frame({"op": "term", "term": term}))
+
     def _add(self, frame: list[BytesLike]) -> None:
         rec = _record(frame)
+        n = sum(len(c) for c in rec)
         self._pending.extend(rec)
-        self._pending_bytes += sum(len(c) for c in rec)
+        self._pending_bytes += n
+        self.records += 1
+        if self.tap is not None:
+            self.tap(rec, n)
+
+    def add_record(self, rec: list[BytesLike], nbytes: int) -> None:
+        """Add a record as it is (one a replica received from its primary)."""
+        self._pending.extend(rec)
+        self._pending_bytes += nbytes
         self.records += 1
 
     @property
@@ -632,8 +648,8 @@ class Persistence:
             self._unsynced = False
         self._segment += 1
         self._open_segment()
-        state = replace(_capture(store, sessions), parts=[c() for c in self.kind_parts],
-                        reply_ops=self.kind_replies)
+        state = replace(_capture(store, sessions, self.term),
+                        parts=[c() for c in self.kind_parts], reply_ops=self.kind_replies)
         self.last_snapshot = time.monotonic()
 
         def job() -> None:
@@ -868,18 +884,76 @@ class _State:
     sessions: list[tuple[bytes, list[tuple[int, Reply, str | None, int]]]]
     parts: list[Iterator[tuple[dict[str, Any], list[Any]]]] = field(default_factory=list)
     reply_ops: dict[type, str] = field(default_factory=dict)
+    term: int = 0
 
 
-def _capture(store: Store, sessions: SessionTable) -> _State:
+def _capture(store: Store, sessions: SessionTable, term: int = 0) -> _State:
     return _State(
         list(store.metas()),
         list(store.entries()),
         [(s.id, [(rid, r.reply, r.bin, r.held) for rid, r in s.replies.items()])
          for s in sessions],
+        term=term,
     )
 
 
+def _term_of(h: dict[str, Any]) -> int:
+    term = h["term"]
+    if type(term) is not int or term < 0:
+        raise TypeError("'term' must be an int >= 0")
+    return term
+
+
+class SnapshotLoader:
+    """Loads snapshot records into a store and a session table, one record at a time (from a
+    snapshot file, or a replica's full copy from its primary)."""
+
+    def __init__(self, persist: Persistence, store: Store, sessions: SessionTable) -> None:
+        self.persist, self.store, self.sessions = persist, store, sessions
+        self.bins: dict[str, tuple[str, list[tuple[Any, int, int | None]]]] = {}
+        self.metas: list[tuple[str, int, BinConfig, int]] = []
+        self.ended = False
+
+    def feed(self, h: dict[str, Any], payload: bytearray) -> None:
+        """One record; raises ``KeyError``, ``TypeError``, ``ValueError`` if malformed."""
+        op = h["op"]
+        if op == "meta":  # (set with the contents: a version never shows with old items)
+            mi, mb, ov = h["config"]
+            self.metas.append((h["bin"], int(h["version"]), BinConfig(mi, mb, ov),
+                               int(h.get("drops", 0))))
+        elif op == "bin":
+            self.bins[h["bin"]] = (h["kind"], [])
+        elif op == "items":
+            entries = self.bins[h["bin"]][1]
+            for it in parse_items(h, payload, self.persist.limits.max_depth):
+                entries.append((it, item_wire_size(it), it.tag))
+        elif op == "session":
+            if self.sessions.get(h["s"]) is None:
+                self.sessions.open(h["s"])
+        elif op == "reply":
+            self.persist._load_reply(h, payload, self.sessions)
+        elif op == "term":
+            self.persist.term = max(self.persist.term, _term_of(h))
+        elif op == "end":
+            self.ended = True
+        elif op in self.persist.kind_records:  # (another kind of bins: replay bins)
+            self.persist.kind_records[op](h, payload)
+        else:
+            raise ValueError(f"unknown record {op!r}")
+
+    def finish(self) -> None:
+        """Every record is in: set the names' versions and limits, and the bins' contents."""
+        for name, version, config, drops in self.metas:
+            self.store.load_meta(name, version, config, drops)
+        for name, (kind, entries) in self.bins.items():
+            self.store.load_bin(name, kind, entries)
+        for loaded in self.persist.kind_loaded:
+            loaded()
+
+
 def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
+    if state.term:
+        yield _frame({"op": "term", "term": state.term})
     for name, version, cfg, drops in state.metas:
         yield _frame({"op": "meta", "bin": name, "version": version,
                       "config": [cfg.max_items, cfg.max_bytes, cfg.overflow], "drops": drops})

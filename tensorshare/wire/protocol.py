@@ -45,7 +45,7 @@ from typing import Any, Union, cast
 import msgpack
 
 from ..errors import InvalidRequest, LimitExceeded, MemoryLimitExceeded, ProtocolError
-from . import replay, services, streams
+from . import replay, replication, services, streams
 from .auth import MECH, NONCE_BYTES, check_user_name
 from .fields import (
     ACCESS,
@@ -523,10 +523,10 @@ def _table(*groups: Sequence[Op]) -> dict[str, Op]:
 
 #: The op table: wire op -> how to encode, parse and reply to it. In the order of
 #: docs/PROTOCOL.md §3.2: the core ops, the stream bins' (:data:`.streams.ROWS`), the service
-#: bins' (:data:`.services.ROWS`), the administration ops, then the replay bins'
-#: (:data:`.replay.ROWS`).
+#: bins' (:data:`.services.ROWS`), the administration ops, the replay bins'
+#: (:data:`.replay.ROWS`), then replication's (:data:`.replication.ROWS`).
 OPS: dict[str, Op] = _table(_CORE_ROWS, streams.ROWS, services.ROWS, _ADMIN_ROWS,
-                            replay.ROWS)
+                            replay.ROWS, replication.ROWS)
 #: The ops whose replies the client reads from their fixed layouts (:mod:`.prepared`), and
 #: the reply each expects: those the op table parses as a Stored, a Fetched or an Acked.
 REPLY_EXPECTS: dict[str, type] = {
@@ -589,6 +589,7 @@ REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     **streams.REPLY_HEADERS,
     **services.REPLY_HEADERS,
     **replay.REPLY_HEADERS,
+    **replication.REPLY_HEADERS,
 }
 #: Message class -> the items it carries in the payload (in order).
 _ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
@@ -596,6 +597,7 @@ _ITEMS_OF: dict[type, Callable[[Any], Sequence[Item]]] = {
     **streams.ITEMS_OF,
     **services.ITEMS_OF,
     **replay.ITEMS_OF,
+    **replication.ITEMS_OF,
 }
 
 

@@ -347,6 +347,13 @@ def test_roles_and_relay_lag_from_the_stats_alone() -> None:
             {"server": 0, "name": "only-here", "version": 1}]
     assert relay_lag(rows, [1, None, None, None]) == {0: 1}
     assert rows[1]["behind"] == 2 and "behind" not in rows[0] and "behind" not in rows[2]
+    # Replication says what each server is in its stats.
+    primary, replica, fenced = (reply(s, 0) for s in "cde")
+    primary["server"].update(role="primary", replication={"replicas": [{"offset": 1}]})
+    replica["server"].update(role="replica", replication={"primary": "x:1"})
+    fenced["server"].update(role="fenced", replication={"replicas": []})
+    assert roles([primary, replica, fenced]) == [
+        ("primary", None), ("replica", None), ("fenced", None)]
 
 
 def test_the_ops_table_rates_and_latency_quantiles() -> None:

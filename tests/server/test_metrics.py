@@ -232,3 +232,24 @@ def test_replay_bins_export_size_counts_limiter_and_histogram(server: EmbeddedSe
         assert m[("tensorshare_replay_samples", "type")] == "counter"
     finally:
         exporter.stop()
+
+
+def test_replication_exports_the_role_the_term_and_each_replicas_lag(
+        server: EmbeddedServer) -> None:
+    exporter = start_metrics_server(0, server=server)
+    replica = EmbeddedServer(0, replica_of=f"127.0.0.1:{server.port}")
+    try:
+        c = Client("127.0.0.1", server.port, timeout=5)
+        c.put("w", 1)
+        wait_until(lambda: c.wait_replicas(1, 1.0) == 1, 10, "the replica in sync")
+        m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_replication_role", role="primary") == 1
+        assert _value(m, "tensorshare_replication_term") == 0
+        (address,) = [r["address"] for r in c.stats()["server"]["replication"]["replicas"]]
+        assert _value(m, "tensorshare_replica_lag_bytes", replica=address) == 0
+        assert _value(m, "tensorshare_replication_resyncs", "tensorshare_replication_resyncs_total",
+                      kind="full") == 1
+        c.close()
+    finally:
+        replica.stop()
+        exporter.stop()

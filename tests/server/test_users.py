@@ -45,6 +45,7 @@ from tensorshare.wire.messages import (
     Stored,
 )
 from tensorshare.wire.protocol import OPS, PROTOCOL_VERSIONS, AckInfo
+from tensorshare.wire.replication import Promote, ReplAck, WaitReplicas
 from tests.rawwire import Get, Peek, replaced
 from tests.server.test_connection import Peer
 from tests.wire.test_protocol_doc import _full_requests
@@ -90,7 +91,8 @@ EXPECTED_ACCESS = {
     "stream_end": "write", "stream_join": "read", "stream_read": "read",
     "stream_leave": "read", "service_call": "write", "service_take": "take",
     "service_reply": "take", "replay_open": "write", "replay_insert": "write",
-    "replay_sample": "read", "replay_update": "write", "replay_info": "read",
+    "replay_sample": "read", "replay_update": "write", "replay_info": "read", "psync": "none",
+    "repl_ack": "none", "promote": "admin", "wait_replicas": "none",
 }
 
 
@@ -160,14 +162,18 @@ def test_every_op_states_what_it_needs() -> None:
 def _request(op: str, rid: int, name: str) -> Any:
     """One request of ``op`` on bin ``name`` (or without a bin, for the ops that have none)."""
     binless = {"list": ListBins(rid), "ping": Ping(rid), "cancel": Cancel(rid, 999),
-               "stats": Stats(rid), "bye": Bye(rid), "reload": Reload(rid)}
+               "stats": Stats(rid), "bye": Bye(rid), "reload": Reload(rid),
+               "repl_ack": ReplAck(rid, 0), "promote": Promote(rid),
+               "wait_replicas": WaitReplicas(rid, 0, 0.0)}
     if op in binless:
         return binless[op]
     msg = _full_requests()[op][0]
     return replaced(msg, id=rid, bin=name)
 
 
-@pytest.mark.parametrize("op", [name for name in OPS if name not in ("hello", "auth")])
+# (psync needs the user's ``replicate`` right, which its handler checks: see
+# tests/system/test_replication.py)
+@pytest.mark.parametrize("op", [name for name in OPS if name not in ("hello", "auth", "psync")])
 def test_each_op_of_every_kind_is_allowed_or_refused_as_the_users_file_says(
         factory: ServerFactory, op: str) -> None:
     access = EXPECTED_ACCESS[op]

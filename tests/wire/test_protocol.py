@@ -1305,14 +1305,15 @@ ORDER_PROBE = textwrap.dedent(
 
 def test_the_op_table_does_not_depend_on_what_was_imported_first() -> None:
     """A fresh interpreter that imports the stream and service modules before the protocol
-    gets the same table, in the same order: core, streams, services, reload, then replay."""
-    from tensorshare.wire import replay, services, streams
+    gets the same table, in the same order: core, streams, services, reload, replay, then
+    replication's."""
+    from tensorshare.wire import replay, replication, services, streams
 
     out = subprocess.run([sys.executable, "-c", ORDER_PROBE], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == list(OPS)
     kinds = [op.name for op in (*streams.ROWS, *services.ROWS)]
-    last = [op.name for op in replay.ROWS]
+    last = [op.name for op in (*replay.ROWS, *replication.ROWS)]
     assert out[-len(kinds) - 1 - len(last):] == [*kinds, "reload", *last]
     assert out[0] == "hello"
     assert all(OPS[op.name] is op for op in (*streams.ROWS, *services.ROWS, *replay.ROWS))

@@ -97,6 +97,14 @@ from tensorshare.wire.replay import (
     ReplayUpdate,
     ReplayUpdated,
 )
+from tensorshare.wire.replication import (
+    Promote,
+    Psync,
+    PsyncReply,
+    ReplAck,
+    ReplicaCount,
+    WaitReplicas,
+)
 from tensorshare.wire.services import (
     ServiceAnswer,
     ServiceBatch,
@@ -159,6 +167,8 @@ REPLY_TABLES: dict[type, str] = {
     ReplaySampled: "reply-replay-sample",
     ReplayUpdated: "reply-replay-update",
     ReplayInfoReply: "reply-replay-info",
+    PsyncReply: "reply-psync",
+    ReplicaCount: "reply-replicas",
 }
 
 
@@ -507,6 +517,10 @@ def _full_requests() -> dict[str, list[Message]]:
         "bye": [Bye(12)],
         "auth": [Auth(13, b"p" * 32)],
         "reload": [Reload(23)],
+        "psync": [Psync(24, "abc", 10, 2, "h:1")],
+        "repl_ack": [ReplAck(25, 10)],
+        "promote": [Promote(26)],
+        "wait_replicas": [WaitReplicas(27, 1, 1.5)],
         "stream_open": [StreamOpen(14, "s", 1, 2, 8, "detach", 2.0, "epoch", 5.0, 640),
                         StreamOpen(14, "s", device_ipc=True)],
         "stream_append": [StreamAppend(15, "s", 1, 0, item, (item,), (64, 64), 1.5)],
@@ -592,6 +606,8 @@ def _reply_cases() -> dict[str, list[Message]]:
         "reply-replay-sample": [ReplaySampled(10, (item, item), (2, 2), (0.5, 0.5), 2, 1.5)],
         "reply-replay-update": [ReplayUpdated(11, 1, 1)],
         "reply-replay-info": [ReplayInfoReply(12, 2, 1.5, {"size": 2})],
+        "reply-psync": [PsyncReply(8, "full", "abc", 10, 2, "f" * 16)],
+        "reply-replicas": [ReplicaCount(9, 1, 2)],
     }
 
 

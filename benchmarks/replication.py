@@ -1,0 +1,146 @@
+"""Replication: what a replica costs its primary, how far it lags, and how long a failover takes.
+
+Runs ``tensorshare serve`` processes on this machine (the primary pinned to core 0, its
+replica to core 1 where there are two, the client on the last core) and measures:
+
+* write throughput (tiny appends, 1 MiB puts, 64 MiB puts) with no replica, one asynchronous
+  replica, and one synchronous replica (``--min-replicas 1``), as ratios of the first;
+* the replica's lag under that load (``lag_bytes`` and ``lag_s`` sampled from the primary's
+  stats while it runs: p50 and p99);
+* failover: from the primary's ``kill -9`` to the first acknowledged write on the promoted
+  replica (a client with both addresses, ``tensorshare promote`` in between).
+
+    python benchmarks/replication.py            # the full run (a few minutes)
+    python benchmarks/replication.py --quick    # a smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from tensorshare import Client
+
+HOST = "127.0.0.1"
+
+
+def serve(*args: str, core: int | None = None) -> tuple[subprocess.Popen[str], int]:
+    cmd = [sys.executable, "-m", "tensorshare", "serve", "--host", HOST, "--port", "0",
+           "--quiet", "--max-memory", "none", *args]
+    if core is not None and hasattr(os, "sched_setaffinity") and os.cpu_count():
+        cmd = ["taskset", "-c", str(core % (os.cpu_count() or 1)), *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    m = re.search(r"listening on \S+:(\d+)", proc.stdout.readline())
+    if m is None:
+        proc.kill()
+        raise RuntimeError("the server did not start")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, int(m.group(1))
+
+
+def writes(c: Client, size: int, n: int) -> float:
+    """Writes per second of ``n`` writes of ``size`` bytes (tiny: appends of an int)."""
+    import torch
+
+    value: Any = torch.zeros(size, dtype=torch.uint8) if size else 0
+    start = time.perf_counter()
+    for i in range(n):
+        if size:
+            c.put(f"bench/{i % 4}", value)
+        else:
+            c.append("bench/tiny", i)
+    return n / (time.perf_counter() - start)
+
+
+def lag_sampler(c: Client, out: list[tuple[int, float]], stop: threading.Event) -> None:
+    while not stop.is_set():
+        for r in c.stats()["server"]["replication"].get("replicas", []):
+            out.append((r["lag_bytes"], r["lag_s"]))
+        stop.wait(0.01)
+
+
+def run_setup(mode: str, plan: list[tuple[str, int, int]]) -> tuple[dict[str, float], list[Any]]:
+    extra = ["--min-replicas", "1"] if mode == "sync" else []
+    primary, port = serve(*extra, core=0)
+    procs = [primary]
+    try:
+        if mode != "none":
+            procs.append(serve("--replica-of", f"{HOST}:{port}", core=1)[0])
+        c = Client(HOST, port, timeout=120)
+        probe = Client(HOST, port, timeout=30)
+        while mode != "none" and not any(r["live"] for r in
+                                         probe.stats()["server"]["replication"]["replicas"]):
+            time.sleep(0.05)
+        lags: list[tuple[int, float]] = []
+        stop = threading.Event()
+        sampler = threading.Thread(target=lag_sampler, args=(probe, lags, stop), daemon=True)
+        sampler.start()
+        rates = {name: writes(c, size, n) for name, size, n in plan}
+        stop.set()
+        sampler.join()
+        return rates, lags
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def failover() -> float:
+    primary, port = serve("--min-replicas", "1", core=0)
+    replica, rport = serve("--replica-of", f"{HOST}:{port}", core=1)
+    try:
+        admin = Client(HOST, rport, timeout=30)
+        while not admin.stats()["server"]["replication"].get("synced"):
+            time.sleep(0.05)
+        c = Client(f"tensorshare://{HOST}:{rport},{HOST}:{port}", timeout=30)
+        c.append("q", 0)
+        start = time.perf_counter()
+        os.kill(primary.pid, signal.SIGKILL)
+        admin.promote()
+        c.append("q", 1)
+        return time.perf_counter() - start
+    finally:
+        for p in (primary, replica):
+            p.kill()
+            p.wait()
+
+
+def quantile(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100)[int(q * 100) - 1] if len(xs) > 1 else \
+        (xs[0] if xs else float("nan"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run")
+    args = ap.parse_args()
+    scale = 20 if args.quick else 1
+    plan = [("tiny", 0, 20_000 // scale), ("1 MiB", 1 << 20, 400 // scale),
+            ("64 MiB", 64 << 20, max(20 // scale, 2))]
+    results = {mode: run_setup(mode, plan) for mode in ("none", "async", "sync")}
+    base = results["none"][0]
+    print(f"{'writes/s':>10} | " + " | ".join(f"{m:>16}" for m in results))
+    for name, _, _ in plan:
+        cells = [f"{r[name]:8.0f} ({r[name] / base[name]:4.2f}x)" for r, _ in results.values()]
+        print(f"{name:>10} | " + " | ".join(f"{c:>16}" for c in cells))
+    for mode in ("async", "sync"):
+        lags = results[mode][1]
+        b = [float(x[0]) for x in lags]
+        s = [x[1] for x in lags]
+        print(f"lag ({mode}): bytes p50 {quantile(b, .5):.0f} p99 {quantile(b, .99):.0f}; "
+              f"seconds p50 {quantile(s, .5):.3f} p99 {quantile(s, .99):.3f}")
+    print(f"failover (kill -9 to the first acknowledged write on the promoted replica): "
+          f"{failover():.2f} s")
+
+
+if __name__ == "__main__":
+    main()
