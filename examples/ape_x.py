@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tensorshare import Client, EmbeddedServer
+from tensorshare.errors import WaitTimeout
 from tensorshare.rl import ReplayBuffer
 
 REPLAY, PARAMS, STOP = "apex/replay", "apex/params", "apex/stop"
@@ -127,8 +128,21 @@ def run_actor(port: int, index: int, eps: float) -> int:
             while len(pending) >= INSERT_BATCH:
                 batch, pending = pending[:INSERT_BATCH], pending[INSERT_BATCH:]
                 prios = _td_errors(net, _stack(batch)) + 1e-3
-                buf.insert_many(batch, prios, timeout=30.0)
+                if not _insert(c, buf, batch, prios):
+                    return 0  # the learner is done
     return 0
+
+
+def _insert(c: Client, buf: ReplayBuffer, batch: list[Any], prios: Any) -> bool:
+    """Insert a batch, waiting while the rate limiter holds it (the learner samples slower
+    than the actors insert) for as long as the learner runs; ``False`` once it stopped."""
+    while True:
+        try:
+            buf.insert_many(batch, prios, timeout=2.0)
+            return True
+        except WaitTimeout:
+            if c.list().get(STOP):
+                return False
 
 
 # -- the learner ----------------------------------------------------------------------------

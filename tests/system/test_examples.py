@@ -373,7 +373,11 @@ def _ape_x_seconds(actors: int) -> float:
 
 @needs_gymnasium
 @pytest.mark.long
-@pytest.mark.timeout(1000)
+@pytest.mark.alone  # (wall time: nothing else running beside it)
+@pytest.mark.timeout(1800)
 def test_ape_x_with_two_actors_reaches_the_target_sooner_than_with_one() -> None:
-    one, two = _ape_x_seconds(1), _ape_x_seconds(2)
-    assert two < one, (one, two)
+    # The better of two runs each (interleaved): one run's wall time on a small machine
+    # swings with how the processes happen to share its cores.
+    runs = [(_ape_x_seconds(1), _ape_x_seconds(2)) for _ in range(2)]
+    one, two = min(r[0] for r in runs), min(r[1] for r in runs)
+    assert two < one, runs
