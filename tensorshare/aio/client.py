@@ -32,11 +32,11 @@ from typing import Any, Unpack
 
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
-from ..client.facts import SessionFacts
+from ..client.facts import SessionEvents, SessionFacts
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.pipeline import Pipeline
-from ..client.session import Call, ClientSession, Done, Drop, Notify, Ready, Send
+from ..client.session import Call, ClientSession, Done, Notify, Ready
 from ..errors import ConnectError, ConnectionLost, ServerError, TensorShareError, error_from_code
 from ..wire.messages import ErrorReply, Unlisten
 from .listen import ListenEvents
@@ -61,7 +61,7 @@ class _Refused(Exception):
         self.error = error
 
 
-class AsyncClient(SessionFacts, Ops):
+class AsyncClient(SessionFacts, SessionEvents, Ops):
     """A connection to a tensorshare server for asyncio programs.
 
     Usage::
@@ -305,20 +305,10 @@ class AsyncClient(SessionFacts, Ops):
         return outcomes
 
     # -- events ---------------------------------------------------------------------------------
-    def _process(self, events: builtins.list[Any]) -> None:
-        for ev in events:
-            cls = type(ev)
-            if cls is Done:
-                self._finish(ev)
-            elif cls is Notify:
-                self._notify(ev)
-            elif cls is Ready:
-                self._on_ready(ev)
-            elif cls is Drop:
-                self._drop(ev.reason)
-            elif cls is Send:
-                if self._protocol is not None:
-                    self._protocol.write(ev.chunks)
+    # (_process: SessionEvents, which hands each event to the handlers below)
+    def _send(self, chunks: Any) -> None:
+        if self._protocol is not None:
+            self._protocol.write(chunks)
 
     def _finish(self, ev: Done) -> None:
         call = ev.call

@@ -4,13 +4,16 @@ handshake and whether the client is connected or closed, read from its sans-I/O
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .session import Done, Drop, Notify, Ready, Send
 
 if TYPE_CHECKING:
     from ..wire.messages import Limits
     from .session import ClientSession
 
-__all__ = ["SessionFacts"]
+__all__ = ["SessionEvents", "SessionFacts"]
 
 
 class SessionFacts:
@@ -67,3 +70,30 @@ class SessionFacts:
     def _share_min_bytes(self) -> int | None:
         conn = self._client_session().conn
         return self.shm_min_bytes if conn is not None and conn.shm else None
+
+
+class SessionEvents:
+    """A mixin of the asyncio and Twisted clients: :meth:`_process` hands each event of their
+    session to the client's own handler of its kind."""
+
+    __slots__ = ()
+
+    _finish: Callable[[Done], None]
+    _notify: Callable[[Notify], None]
+    _on_ready: Callable[[Ready], None]
+    _drop: Callable[[str], None]
+    _send: Callable[[Any], None]
+
+    def _process(self, events: list[Any]) -> None:
+        for ev in events:
+            cls = type(ev)
+            if cls is Done:
+                self._finish(ev)
+            elif cls is Notify:
+                self._notify(ev)
+            elif cls is Ready:
+                self._on_ready(ev)
+            elif cls is Drop:
+                self._drop(ev.reason)
+            elif cls is Send:
+                self._send(ev.chunks)

@@ -50,7 +50,7 @@ from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_
 from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply
 from .endpoint import Endpoint
-from .facts import SessionFacts
+from .facts import SessionEvents, SessionFacts
 from .ops import (
     NOWAIT,
     Command,
@@ -59,7 +59,7 @@ from .ops import (
 )
 from .options import AllOptionFields, ClientOptions
 from .pipeline import Pipeline
-from .session import Call, ClientSession, Done, Drop, Notify, Ready, Send
+from .session import Call, ClientSession, Done, Notify, Ready
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -120,7 +120,7 @@ class _Factory(ClientFactory):
         self.client._connect_failed(reason.getErrorMessage())
 
 
-class TxClient(SessionFacts, Ops):
+class TxClient(SessionFacts, SessionEvents, Ops):
     """A connection to a tensorshare server, for code running in a Twisted reactor.
 
     Made by :func:`connect`. Mirrors :class:`tensorshare.Client`: the same methods, arguments
@@ -307,20 +307,10 @@ class TxClient(SessionFacts, Ops):
         if chunks:
             _write(proto, chunks)
 
-    def _process(self, events: builtins.list[Any]) -> None:
-        for ev in events:
-            cls = type(ev)
-            if cls is Done:
-                self._finish(ev)
-            elif cls is Notify:
-                self._notify(ev)
-            elif cls is Ready:
-                self._ready(ev)
-            elif cls is Drop:
-                self._drop(ev.reason)
-            elif cls is Send:
-                if self.protocol is not None and not self.protocol.lost:
-                    _write(self.protocol, ev.chunks)
+    # (_process: SessionEvents, which hands each event to the handlers below)
+    def _send(self, chunks: Any) -> None:
+        if self.protocol is not None and not self.protocol.lost:
+            _write(self.protocol, chunks)
 
     @staticmethod
     def _finish(ev: Done) -> None:
@@ -545,7 +535,7 @@ class TxClient(SessionFacts, Ops):
                             f"is the server started with --tls-cert? (a plain server: "
                             f"connect with tensorshare://)")
 
-    def _ready(self, ev: Ready) -> None:
+    def _on_ready(self, ev: Ready) -> None:
         self._attempt = 0
         if ev.first:
             if not self.ready.called:
