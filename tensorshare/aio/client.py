@@ -32,12 +32,13 @@ from typing import Any, Unpack
 
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
+from ..client.facts import SessionEvents, SessionFacts
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.pipeline import Pipeline
-from ..client.session import Call, Done, Drop, Notify, Ready, Send
+from ..client.session import Call, ClientSession, Done, Notify, Ready
 from ..errors import ConnectError, ConnectionLost, ServerError, TensorShareError, error_from_code
-from ..wire.messages import ErrorReply, Limits, Unlisten
+from ..wire.messages import ErrorReply, Unlisten
 from .listen import ListenEvents
 from .pipeline import AsyncPipeline
 from .protocol import AioProtocol, SocketStream
@@ -60,7 +61,7 @@ class _Refused(Exception):
         self.error = error
 
 
-class AsyncClient(Ops):
+class AsyncClient(SessionFacts, SessionEvents, Ops):
     """A connection to a tensorshare server for asyncio programs.
 
     Usage::
@@ -121,50 +122,16 @@ class AsyncClient(Ops):
         self._tasks: set[asyncio.Task[Any]] = set()  # async listen callbacks running
 
     # -- what the server said -----------------------------------------------------------------
-    @property
-    def limits(self) -> Limits:
-        """The server's limits (from the last handshake)."""
-        return self._session.limits
-
-    @property
-    def server_version(self) -> str:
-        hello = self._session.server
-        return hello.server if hello else ""
-
-    @property
-    def protocol_version(self) -> int:
-        hello = self._session.server
-        return hello.version if hello else 0
-
-    @property
-    def server_id(self) -> str:
-        """Changes when a server restarted without persistence (its versions began again)."""
-        hello = self._session.server
-        return hello.server_id if hello else ""
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client is connected right now (``False`` while reconnecting)."""
-        return self._session.connected and self._session.closed is None
-
-    @property
-    def closed(self) -> bool:
-        """Whether the client is closed (or gave up reconnecting): every call fails."""
-        return self._session.closed is not None
+    # (limits, server_version, protocol_version, server_id, connected, closed and
+    # shared_memory: SessionFacts)
+    def _client_session(self) -> ClientSession:
+        return self._session
 
     @property
     def options(self) -> ClientOptions:
         """The options this client was made with."""
         return self._options
 
-    @property
-    def shared_memory(self) -> bool:
-        """Whether large tensors travel through shared memory on this connection."""
-        conn = self._session.conn
-        return conn is not None and conn.shm
-
-    def _share_min_bytes(self) -> int | None:
-        return self.shm_min_bytes if self.shared_memory else None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
@@ -338,20 +305,10 @@ class AsyncClient(Ops):
         return outcomes
 
     # -- events ---------------------------------------------------------------------------------
-    def _process(self, events: builtins.list[Any]) -> None:
-        for ev in events:
-            cls = type(ev)
-            if cls is Done:
-                self._finish(ev)
-            elif cls is Notify:
-                self._notify(ev)
-            elif cls is Ready:
-                self._on_ready(ev)
-            elif cls is Drop:
-                self._drop(ev.reason)
-            elif cls is Send:
-                if self._protocol is not None:
-                    self._protocol.write(ev.chunks)
+    # (_process: SessionEvents, which hands each event to the handlers below)
+    def _send(self, chunks: Any) -> None:
+        if self._protocol is not None:
+            self._protocol.write(chunks)
 
     def _finish(self, ev: Done) -> None:
         call = ev.call

@@ -31,9 +31,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..client.connection import _skip_sent  # (the blocking client's: one way to count)
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
-from ..wire.frames import BytesLike
+from ..wire.frames import BytesLike, skip_sent  # (the blocking client's too: one way to count)
 
 __all__ = ["READ_CHUNK", "AioProtocol", "SocketStream"]
 
@@ -136,7 +135,7 @@ class _Out:
         self.views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
         self.keep = shared
         self.fds = [m.fd for m in shared] if shared else []
-        self.i = _skip_sent(self.views, 0, 0)
+        self.i = skip_sent(self.views, 0, 0)
 
     def send(self, sock: socket.socket) -> bool:
         """Send what the socket takes now; whether everything went.
@@ -159,7 +158,7 @@ class _Out:
                 self.fds = pending[len(now):]
             else:
                 sent = sock.sendmsg(views[self.i:self.i + _MAX_IOV])
-            self.i = _skip_sent(views, self.i, sent)
+            self.i = skip_sent(views, self.i, sent)
         self.keep = None
         return True
 
@@ -230,7 +229,7 @@ class SocketStream:
             if sent == sum(map(len, chunks)):
                 return
         out = _Out(chunks, shared)
-        out.i = _skip_sent(out.views, out.i, sent)
+        out.i = skip_sent(out.views, out.i, sent)
         self._out.append(out)
         if not self._writing:
             self._write_ready()

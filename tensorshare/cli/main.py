@@ -889,9 +889,10 @@ def _rebalance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_call(args: argparse.Namespace, command: str, call: Any) -> tuple[str, Any] | None:
-    """One call of ``call(client)`` on ``--host`` for an admin command: ``(address, result)``,
-    or ``None`` once it failed (said on stderr)."""
+def _admin(args: argparse.Namespace, command: str, call: Any, ok: str) -> int:
+    """``tensorshare reload`` / ``promote``: one call of ``call(client)`` on ``--host``; on
+    success print ``ok`` (formatted with ``where`` and ``result``), else the failure on
+    stderr (exit status 1)."""
     from ..client.blocking import Client
     from ..errors import TensorShareError
 
@@ -899,28 +900,21 @@ def _admin_call(args: argparse.Namespace, command: str, call: Any) -> tuple[str,
         with Client(args.host, args.port, timeout=args.timeout, reconnect=False, session=False,
                     name=f"tensorshare-{command}", shm=False, tls=args.tls, tls_ca=args.tls_ca,
                     token_file=args.token_file, user=args.user) as c:
-            return c.address, call(c)
+            where, result = c.address, call(c)
     except (TensorShareError, ValueError, OSError) as exc:
         print(f"tensorshare {command}: {_failure(exc)}", file=sys.stderr)
-        return None
-
-
-def _reload(args: argparse.Namespace) -> int:
-    """``tensorshare reload``: the server rereads its users file and token files."""
-    done = _admin_call(args, "reload", lambda c: c.reload_users())
-    if done is None:
         return 1
-    print(f"ok: {done[0]} reloaded its users")
+    print(ok.format(where=where, result=result))
     return 0
 
 
-def _promote(args: argparse.Namespace) -> int:
-    """``tensorshare promote``: the replica becomes the primary under a new term."""
-    done = _admin_call(args, "promote", lambda c: c.promote())
-    if done is None:
-        return 1
-    print(f"ok: {done[0]} is the primary (term {done[1]})")
-    return 0
+#: The admin commands: ``command -> (what it calls on the client, what it prints)``.
+_ADMIN: dict[str, tuple[Any, str]] = {
+    # the server rereads its users file and token files
+    "reload": (lambda c: c.reload_users(), "ok: {where} reloaded its users"),
+    # the replica becomes the primary under a new term
+    "promote": (lambda c: c.promote(), "ok: {where} is the primary (term {result})"),
+}
 
 
 def _where(args: argparse.Namespace) -> str:
@@ -953,8 +947,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _rebalance(args)
     if args.command == "dashboard":
         return _dashboard(args)
-    if args.command == "reload":
-        return _reload(args)
-    if args.command == "promote":
-        return _promote(args)
+    if args.command in _ADMIN:
+        return _admin(args, args.command, *_ADMIN[args.command])
     return _tool(args)

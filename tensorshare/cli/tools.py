@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -231,85 +231,81 @@ def user_table(server: dict[str, Any]) -> list[RenderableType]:
     return [table]
 
 
-#: The columns of the streams' table, and how each is justified.
+#: The columns of the streams', services' and replay bins' tables, and how each is justified.
 _STREAM_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
     ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
     ("state", "left"), ("position", "right"), ("lag", "right"), ("stalled", "right"),
     ("stall total", "right"), ("missed", "right"))
+_SERVICE_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("service", "left"), ("queue", "right"), ("hosts", "right"), ("calls/s", "right"),
+    ("answered", "right"), ("failed", "right"), ("timed out", "right"),
+    ("mean batch", "right"), ("latency", "right"))
+_REPLAY_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
+    ("replay", "left"), ("size", "right"), ("sampler", "left"), ("inserts", "right"),
+    ("samples", "right"), ("inserts/s", "right"), ("samples/s", "right"),
+    ("limiter", "left"), ("waiting", "right"))
+
+
+def _kind_table(bins: dict[str, dict[str, Any]], kind: str, title: str,
+                columns: Sequence[tuple[str, JustifyMethod]],
+                rows: Callable[[str, dict[str, Any]], Iterator[tuple[str, ...]]]
+                ) -> list[RenderableType]:
+    """The table titled ``title`` of the bins of ``kind`` (none where no bin is of that kind):
+    ``columns`` (``(heading, justify)``), the ``rows(name, summary)`` of each bin."""
+    from rich import box
+    from rich.table import Table
+
+    found = {n: b[kind] for n, b in bins.items() if b.get("kind") == kind}
+    if not found:
+        return []
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  title=title, title_justify="left")
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
+    for name, summary in found.items():
+        for row in rows(name, summary):
+            table.add_row(*row)
+    return [table]
 
 
 def kind_tables(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
     """The tables of the bins of other kinds (streams: their consumers), after the main one."""
-    from rich import box
-    from rich.table import Table
-
-    tables = _service_table(bins) + _replay_table(bins)
-    streams = {n: b["stream"] for n, b in bins.items() if b.get("kind") == "stream"}
-    if not streams:
-        return tables
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  title="streams", title_justify="left")
-    for col, justify in _STREAM_COLUMNS:
-        table.add_column(col, justify=justify)
-    for name, st in streams.items():
-        epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
-        table.add_row(name, str(st["head"]), epoch, f"{st['window']} window, "
-                      f"on_lag={st['on_lag']}", "finished" if st["finished"] else
-                      ("broken" if st["broken"] else ""), "", "", "", "", "")
-        for idx, p in st["producers"].items():
-            table.add_row("", "", str(p["epoch"]), f"producer {idx}", p["state"],
-                          str(p["sent"]), "", "", "", "")
-        for cname, c in st["consumers"].items():
-            table.add_row("", "", "", cname, c["state"], _dash(c["position"]), _dash(c["lag"]),
-                          f"{c['stalled_s']:.1f}s", f"{c['stall_total_s']:.1f}s",
-                          str(c["missed"]))
-    return [table, *tables]
+    return (_kind_table(bins, "stream", "streams", _STREAM_COLUMNS, _stream_rows)
+            + _kind_table(bins, "service", "services", _SERVICE_COLUMNS, _service_rows)
+            + _kind_table(bins, "replay", "replay bins", _REPLAY_COLUMNS, _replay_rows))
 
 
-def _service_table(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
-    """The service bins: queue, hosts, calls/s, mean batch and latency."""
-    from rich import box
-    from rich.table import Table
-
-    services = {n: b["service"] for n, b in bins.items() if b.get("kind") == "service"}
-    if not services:
-        return []
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  title="services", title_justify="left")
-    for col in ("service", "queue", "hosts", "calls/s", "answered", "failed", "timed out",
-                "mean batch", "latency"):
-        table.add_column(col, justify="left" if col == "service" else "right")
-    for name, sv in services.items():
-        table.add_row(name, str(sv["queue"]), str(sv["hosts"]), f"{sv['calls_per_s']:g}",
-                      str(sv["answered"]), str(sv["failed"]), str(sv["timed_out"]),
-                      f"{sv['mean_batch']:g}", f"{sv['latency_mean_ms']:.2f} ms")
-    return [table]
+def _stream_rows(name: str, st: dict[str, Any]) -> Iterator[tuple[str, ...]]:
+    """A stream: its head and epoch, then a row per producer and per consumer."""
+    epoch = f"{st['epoch']} ({st['epoch_sent']}/{st['epoch_samples'] or '?'})"
+    yield (name, str(st["head"]), epoch, f"{st['window']} window, "
+           f"on_lag={st['on_lag']}", "finished" if st["finished"] else
+           ("broken" if st["broken"] else ""), "", "", "", "", "")
+    for idx, p in st["producers"].items():
+        yield ("", "", str(p["epoch"]), f"producer {idx}", p["state"],
+               str(p["sent"]), "", "", "", "")
+    for cname, c in st["consumers"].items():
+        yield ("", "", "", cname, c["state"], _dash(c["position"]), _dash(c["lag"]),
+               f"{c['stalled_s']:.1f}s", f"{c['stall_total_s']:.1f}s", str(c["missed"]))
 
 
-def _replay_table(bins: dict[str, dict[str, Any]]) -> list[RenderableType]:
-    """The replay bins: size, inserts/s and samples/s, the rate limiter, what waits."""
-    from rich import box
-    from rich.table import Table
+def _service_rows(name: str, sv: dict[str, Any]) -> Iterator[tuple[str, ...]]:
+    """A service: queue, hosts, calls/s, mean batch and latency."""
+    yield (name, str(sv["queue"]), str(sv["hosts"]), f"{sv['calls_per_s']:g}",
+           str(sv["answered"]), str(sv["failed"]), str(sv["timed_out"]),
+           f"{sv['mean_batch']:g}", f"{sv['latency_mean_ms']:.2f} ms")
 
-    replays = {n: b["replay"] for n, b in bins.items() if b.get("kind") == "replay"}
-    if not replays:
-        return []
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  title="replay bins", title_justify="left")
-    for col in ("replay", "size", "sampler", "inserts", "samples", "inserts/s", "samples/s",
-                "limiter", "waiting"):
-        table.add_column(col, justify="left" if col in ("replay", "sampler", "limiter")
-                         else "right")
-    for name, rp in replays.items():
-        lim = rp["limiter"]
-        held = [side for side in ("inserts", "samples") if lim[f"{side}_blocked"]]
-        limiter = f"{lim['kind']}" + (f" diff {lim['diff']:g}" if lim["diff"] is not None
-                                      else "") + (f", {'+'.join(held)} held" if held else "")
-        table.add_row(name, f"{rp['size']} / {rp['max_size']}", rp["sampler"],
-                      str(rp["inserts"]), str(rp["samples"]), f"{rp['inserts_per_s']:g}",
-                      f"{rp['samples_per_s']:g}", limiter,
-                      f"{rp['waiting_inserts']} in, {rp['waiting_samples']} out")
-    return [table]
+
+def _replay_rows(name: str, rp: dict[str, Any]) -> Iterator[tuple[str, ...]]:
+    """A replay bin: size, inserts/s and samples/s, the rate limiter, what waits."""
+    lim = rp["limiter"]
+    held = [side for side in ("inserts", "samples") if lim[f"{side}_blocked"]]
+    limiter = f"{lim['kind']}" + (f" diff {lim['diff']:g}" if lim["diff"] is not None
+                                  else "") + (f", {'+'.join(held)} held" if held else "")
+    yield (name, f"{rp['size']} / {rp['max_size']}", rp["sampler"],
+           str(rp["inserts"]), str(rp["samples"]), f"{rp['inserts_per_s']:g}",
+           f"{rp['samples_per_s']:g}", limiter,
+           f"{rp['waiting_inserts']} in, {rp['waiting_samples']} out")
 
 
 def _dash(value: Any) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 from ..wire.messages import Limits
 from ..wire.records import Item
 from .connection import Connection, PendingCall, open_socket
+from .facts import SessionFacts
 from .failover import PrimaryFinder, addresses
 from .ops import (
     NOWAIT,
@@ -30,11 +31,12 @@ from .ops import (
 )
 from .options import UNSET, ClientOptions, OptionFields, Unset
 from .pipeline import Pipeline
+from .session import ClientSession
 
 __all__ = ["NOWAIT", "BinLimits", "Client", "FetchResult", "PendingCall", "Pipeline"]
 
 
-class Client(BinClient):
+class Client(SessionFacts, BinClient):
     """A blocking, thread-safe connection to a tensorshare server that rides out drops.
 
     Args:
@@ -120,34 +122,10 @@ class Client(BinClient):
         limits = property(attrgetter("_conn._session.limits"),
                           doc="The server's limits (from the last handshake).")
 
-    @property
-    def server_version(self) -> str:
-        """The server's software and version, e.g. ``"tensorshare/0.2.0"``."""
-        hello = self._conn._session.server
-        return hello.server if hello else ""
-
-    @property
-    def protocol_version(self) -> int:
-        hello = self._conn._session.server
-        return hello.version if hello else 0
-
-    @property
-    def server_id(self) -> str:
-        """Random per server data set: it changes when the server restarted without
-        persistence (bin versions then started again)."""
-        hello = self._conn._session.server
-        return hello.server_id if hello else ""
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client is connected right now (``False`` while reconnecting)."""
-        session = self._conn._session
-        return session.connected and session.closed is None
-
-    @property
-    def closed(self) -> bool:
-        """Whether the client is closed (or gave up reconnecting): every call fails."""
-        return self._conn._session.closed is not None
+    # (server_version, protocol_version, server_id, connected, closed and shared_memory:
+    # SessionFacts)
+    def _client_session(self) -> ClientSession:
+        return self._conn._session
 
     @property
     def options(self) -> ClientOptions:
@@ -192,15 +170,6 @@ class Client(BinClient):
         state = "closed" if self.closed else ("connected" if self.connected else "reconnecting")
         return f"<tensorshare.Client {self.address} {state}>"
 
-    def _share_min_bytes(self) -> int | None:
-        conn = self._conn._session.conn
-        return self.shm_min_bytes if conn is not None and conn.shm else None
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether large tensors travel through shared memory on this connection."""
-        conn = self._conn._session.conn
-        return conn is not None and conn.shm
 
 
 class Begin(Ops):

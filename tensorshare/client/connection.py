@@ -46,7 +46,7 @@ from ..errors import (
     error_from_code,
 )
 from ..memory.fdpass import ANC_SPACE, MAX_FDS_PER_MESSAGE, fds_of
-from ..wire.frames import BytesLike
+from ..wire.frames import BytesLike, skip_sent
 from ..wire.records import ErrorReply
 from .command import Command, gc_paused
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
@@ -974,7 +974,7 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
         if sent == sum(map(len, chunks)):
             return
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
-    i = _skip_sent(views, 0, sent)
+    i = skip_sent(views, 0, sent)
     pending = list(fds) if fds else []
     poller = None
     tls = isinstance(sock, ssl.SSLSocket)
@@ -1000,23 +1000,7 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
             if not poller.poll(None if timeout is None else timeout * 1000.0):
                 raise TimeoutError(f"the server did not read for {timeout:g} s") from None
             continue
-        i = _skip_sent(views, i, sent)
-
-
-def _skip_sent(views: list[memoryview], i: int, sent: int) -> int:
-    """Advance past ``sent`` bytes from ``views[i]`` on (a partly sent view is re-sliced)
-    and past empty views; return the index of the first view with bytes left."""
-    while sent:
-        n = views[i].nbytes
-        if sent >= n:
-            sent -= n
-            i += 1
-        else:
-            views[i] = views[i][sent:]
-            sent = 0
-    while i < len(views) and views[i].nbytes == 0:
-        i += 1
-    return i
+        i = skip_sent(views, i, sent)
 
 
 def _tls_recv_into(sock: socket.socket, target: memoryview | bytearray) -> int:

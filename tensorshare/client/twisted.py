@@ -48,8 +48,9 @@ from zope.interface import implementer
 
 from ..errors import ConnectError, ConnectionLost, TensorShareError, error_from_code
 from ..wire.frames import BytesLike
-from ..wire.messages import ErrorReply, Limits
+from ..wire.messages import ErrorReply
 from .endpoint import Endpoint
+from .facts import SessionEvents, SessionFacts
 from .ops import (
     NOWAIT,
     Command,
@@ -58,7 +59,7 @@ from .ops import (
 )
 from .options import AllOptionFields, ClientOptions
 from .pipeline import Pipeline
-from .session import Call, Done, Drop, Notify, Ready, Send
+from .session import Call, ClientSession, Done, Notify, Ready
 
 __all__ = ["NOWAIT", "FetchResult", "TxClient", "TxProtocol", "connect"]
 
@@ -119,7 +120,7 @@ class _Factory(ClientFactory):
         self.client._connect_failed(reason.getErrorMessage())
 
 
-class TxClient(Ops):
+class TxClient(SessionFacts, SessionEvents, Ops):
     """A connection to a tensorshare server, for code running in a Twisted reactor.
 
     Made by :func:`connect`. Mirrors :class:`tensorshare.Client`: the same methods, arguments
@@ -179,44 +180,11 @@ class TxClient(Ops):
         self._drop_reason: str | None = None
 
     # -- what the server said ---------------------------------------------------------------
-    @property
-    def limits(self) -> Limits:
-        """The server's limits (from the last handshake)."""
-        return self.session.limits
+    # (limits, server_version, protocol_version, server_id, connected, closed and
+    # shared_memory: SessionFacts)
+    def _client_session(self) -> ClientSession:
+        return self.session
 
-    @property
-    def server_version(self) -> str:
-        hello = self.session.server
-        return hello.server if hello else ""
-
-    @property
-    def protocol_version(self) -> int:
-        hello = self.session.server
-        return hello.version if hello else 0
-
-    @property
-    def server_id(self) -> str:
-        hello = self.session.server
-        return hello.server_id if hello else ""
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client is connected right now (``False`` while reconnecting)."""
-        return self.session.connected and self.session.closed is None
-
-    @property
-    def closed(self) -> bool:
-        """Whether the client is closed (or gave up reconnecting): every call fails."""
-        return self.session.closed is not None
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether large tensors travel through shared memory on this connection."""
-        conn = self.session.conn
-        return conn is not None and conn.shm
-
-    def _share_min_bytes(self) -> int | None:
-        return self.shm_min_bytes if self.shared_memory else None
 
     # -- the op surface (see .ops) ----------------------------------------------------------
     def _execute(self, cmd: Command) -> Deferred[Any]:
@@ -339,20 +307,10 @@ class TxClient(Ops):
         if chunks:
             _write(proto, chunks)
 
-    def _process(self, events: builtins.list[Any]) -> None:
-        for ev in events:
-            cls = type(ev)
-            if cls is Done:
-                self._finish(ev)
-            elif cls is Notify:
-                self._notify(ev)
-            elif cls is Ready:
-                self._ready(ev)
-            elif cls is Drop:
-                self._drop(ev.reason)
-            elif cls is Send:
-                if self.protocol is not None and not self.protocol.lost:
-                    _write(self.protocol, ev.chunks)
+    # (_process: SessionEvents, which hands each event to the handlers below)
+    def _send(self, chunks: Any) -> None:
+        if self.protocol is not None and not self.protocol.lost:
+            _write(self.protocol, chunks)
 
     @staticmethod
     def _finish(ev: Done) -> None:
@@ -577,7 +535,7 @@ class TxClient(Ops):
                             f"is the server started with --tls-cert? (a plain server: "
                             f"connect with tensorshare://)")
 
-    def _ready(self, ev: Ready) -> None:
+    def _on_ready(self, ev: Ready) -> None:
         self._attempt = 0
         if ev.first:
             if not self.ready.called:

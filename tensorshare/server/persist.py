@@ -52,7 +52,7 @@ from typing import Any
 
 import msgpack
 
-from ..wire.frames import ALIGN, PREFIX, BytesLike, aligned, encode_frame
+from ..wire.frames import ALIGN, PREFIX, BytesLike, aligned, encode_frame, skip_sent
 from ..wire.messages import (
     Append,
     Configure,
@@ -862,17 +862,7 @@ def _writev_all(fd: int, chunks: list[BytesLike]) -> None:
              for c in chunks]
     i = 0
     while i < len(views):
-        n = os.writev(fd, views[i : i + 512])
-        while n:
-            size = len(views[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
-        while i < len(views) and len(views[i]) == 0:
-            i += 1
+        i = skip_sent(views, i, os.writev(fd, views[i : i + 512]))
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ from .tensors import (
     make_tensor,
     remember,
     swap_bytes,
+    torch_dtype,
     torch_dtypes,
     writable_raw,
 )
@@ -924,14 +925,7 @@ def _remember_lone_tensor(tree: bytes) -> None:
 def _make_tensor(
     name: str, shape: list[int], n: int, itemsize: int, raw: bytearray | memoryview
 ) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise CodecError("the value holds a torch tensor but torch is not installed") from None
-    dtype = _torch_dtypes(torch)[1].get(name)
-    if dtype is None:
-        raise CodecError(f"this torch has no dtype {name!r}")
-    return make_tensor(dtype, name, shape, n, itemsize, raw)
+    return make_tensor(torch_dtype(name), name, shape, n, itemsize, raw)
 
 
 def _make_ndarray(

@@ -47,6 +47,7 @@ __all__ = [
     "check_str",
     "check_timeout",
     "is_int",
+    "kind_op",
     "opt_int",
     "parse_acked",
     "read_items",
@@ -116,6 +117,16 @@ class Op:
 
 #: The values of :attr:`Op.access`.
 ACCESS = ("none", "read", "write", "take", "admin")
+
+
+def kind_op(name: str, request: type, header: Callable[[Any], dict[str, Any]],
+            parse: Callable[[int, dict[str, Any], Payload, Limits], Any],
+            parse_reply: Callable[[int, dict[str, Any], Payload, Limits], Any], mutating: bool,
+            access: str, *fields: str) -> Op:
+    """A row of the op table for the ops of a bin kind or of replication: the request's
+    header keys are ``op``, ``id`` and ``fields``; none is open to the read-only token."""
+    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
+              access=access)
 
 
 # -- field checks -----------------------------------------------------------------------------

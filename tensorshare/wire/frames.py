@@ -54,6 +54,7 @@ __all__ = [
     "aligned",
     "encode_frame",
     "payload_layout",
+    "skip_sent",
 ]
 
 MAGIC = b"TS"
@@ -426,3 +427,20 @@ class FrameDecoder:
         self._payload_len = 0
         self._oversized = False
         self._pos = 0
+
+
+def skip_sent(views: list[memoryview], i: int, sent: int) -> int:
+    """Advance past ``sent`` bytes from ``views[i]`` on (a partly sent view is re-sliced)
+    and past empty views; return the index of the first view with bytes left (what a
+    ``send`` or ``writev`` of ``views[i:]`` that wrote ``sent`` bytes leaves)."""
+    while sent:
+        n = views[i].nbytes
+        if sent >= n:
+            sent -= n
+            i += 1
+        else:
+            views[i] = views[i][sent:]
+            sent = 0
+    while i < len(views) and views[i].nbytes == 0:
+        i += 1
+    return i

@@ -29,13 +29,12 @@ from ..errors import LimitExceeded
 from .fields import (
     InvalidField,
     Op,
-    ParseReply,
-    ParseRequest,
     check_bin,
     check_bool,
     check_int,
     check_timeout,
     is_int,
+    kind_op,
     opt_int,
     read_items,
 )
@@ -328,32 +327,25 @@ def _parse_info(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 
 
 # -- the rows, exported for the op table ------------------------------------------------------
-def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
-         parse: ParseRequest, parse_reply: ParseReply, mutating: bool, access: str,
-         *fields: str) -> Op:
-    # No replay op is open to the read-only token (a sample moves the bin's counts).
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
-              access=access)
-
-
 #: The rows of the op table for replay bins, in the order of docs/PROTOCOL.md §3.2.26-30
 #: (:data:`.protocol.OPS` puts them last). Remembered (mutating): inserting, sampling (it
 #: counts the draws, may remove items and moves the bin's random state) and updating.
 #: Opening twice is harmless (the second checks), and so is asking for the info. A user
-#: needs write on the bin to open it, insert and update, read to sample and ask.
+#: needs write on the bin to open it, insert and update, read to sample and ask. None is open
+#: to the read-only token (a sample moves the bin's counts).
 ROWS: tuple[Op, ...] = (
-    _row("replay_open", ReplayOpen, _open_header, _parse_open, _reply_opened, False,
-         "write", "bin", "create", *CONFIG_FIELDS),
-    _row("replay_insert", ReplayInsert, _insert_header, _parse_insert, _reply_inserted, True,
-         "write", "bin", "items", "priorities", "timeout"),
-    _row("replay_sample", ReplaySample,
-         lambda m: {"bin": m.bin, "batch_size": m.batch_size, "timeout": m.timeout},
-         _parse_sample, _reply_sampled, True, "read", "bin", "batch_size", "timeout"),
-    _row("replay_update", ReplayUpdate,
-         lambda m: {"bin": m.bin, "keys": list(m.keys), "priorities": list(m.priorities)},
-         _parse_update, _reply_updated, True, "write", "bin", "keys", "priorities"),
-    _row("replay_info", ReplayInfo, lambda m: {"bin": m.bin},
-         _parse_info, _reply_info, False, "read", "bin"),
+    kind_op("replay_open", ReplayOpen, _open_header, _parse_open, _reply_opened, False,
+            "write", "bin", "create", *CONFIG_FIELDS),
+    kind_op("replay_insert", ReplayInsert, _insert_header, _parse_insert, _reply_inserted, True,
+            "write", "bin", "items", "priorities", "timeout"),
+    kind_op("replay_sample", ReplaySample,
+            lambda m: {"bin": m.bin, "batch_size": m.batch_size, "timeout": m.timeout},
+            _parse_sample, _reply_sampled, True, "read", "bin", "batch_size", "timeout"),
+    kind_op("replay_update", ReplayUpdate,
+            lambda m: {"bin": m.bin, "keys": list(m.keys), "priorities": list(m.priorities)},
+            _parse_update, _reply_updated, True, "write", "bin", "keys", "priorities"),
+    kind_op("replay_info", ReplayInfo, lambda m: {"bin": m.bin},
+            _parse_info, _reply_info, False, "read", "bin"),
 )
 
 #: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).

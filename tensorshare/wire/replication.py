@@ -33,6 +33,7 @@ from .fields import (
     Op,
     check_int,
     is_int,
+    kind_op,
     opt_int,
     parse_acked,
 )
@@ -174,26 +175,20 @@ def _reply_count(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
     return ReplicaCount(rid, check_int(h, "replicas"), check_int(h, "term"))
 
 
-def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]], parse: Any,
-         parse_reply: Any, access: str, *fields: str) -> Op:
-    # Nothing here is remembered: a resent psync starts a new stream, an ack or a wait is
-    # asked again, a resent promote finds the server promoted already. None is open to the
-    # read-only token. psync checks the user's ``replicate`` right itself.
-    return Op(name, request, header, parse, parse_reply, False, ("op", "id", *fields),
-              access=access)
-
-
 #: The rows of the op table for replication, in the order of docs/PROTOCOL.md §3.2.26-29
-#: (:data:`.protocol.OPS` puts them last).
+#: (:data:`.protocol.OPS` puts them last). Nothing here is remembered: a resent psync starts
+#: a new stream, an ack or a wait is asked again, a resent promote finds the server promoted
+#: already. None is open to the read-only token. psync checks the user's ``replicate`` right
+#: itself.
 ROWS: tuple[Op, ...] = (
-    _row("psync", Psync, _psync_header, _parse_psync, _reply_psync, "none",
-         "replid", "offset", "term", "address"),
-    _row("repl_ack", ReplAck, lambda m: {"offset": m.offset}, _parse_ack, parse_acked,
-         "none", "offset"),
-    _row("promote", Promote, lambda m: {}, lambda rid, h, p, lim: Promote(rid), _reply_count,
-         "admin"),
-    _row("wait_replicas", WaitReplicas, lambda m: {"n": m.n, "timeout": m.timeout},
-         _parse_wait, _reply_count, "none", "n", "timeout"),
+    kind_op("psync", Psync, _psync_header, _parse_psync, _reply_psync, False, "none",
+            "replid", "offset", "term", "address"),
+    kind_op("repl_ack", ReplAck, lambda m: {"offset": m.offset}, _parse_ack, parse_acked,
+            False, "none", "offset"),
+    kind_op("promote", Promote, lambda m: {}, lambda rid, h, p, lim: Promote(rid), _reply_count,
+            False, "admin"),
+    kind_op("wait_replicas", WaitReplicas, lambda m: {"n": m.n, "timeout": m.timeout},
+            _parse_wait, _reply_count, False, "none", "n", "timeout"),
 )
 #: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).
 REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {

@@ -31,13 +31,12 @@ from .fields import (
     MAX_APPEND_ITEMS,
     InvalidField,
     Op,
-    ParseReply,
-    ParseRequest,
     check_bin,
     check_bool,
     check_int,
     check_timeout,
     is_int,
+    kind_op,
     opt_int,
     parse_acked,
     read_items,
@@ -281,31 +280,24 @@ def _parse_reply(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
 
 
 # -- the rows, exported for the op table ------------------------------------------------------
-def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
-         parse: ParseRequest, parse_reply: ParseReply, mutating: bool, *fields: str) -> Op:
-    # No service op is open to the read-only token: a call runs a host's work, a take and a
-    # reply answer other clients' calls. A user's patterns: a call needs write on the
-    # service (it queues work), hosting (take, reply) read and write ("take": it sees the
-    # callers' inputs and answers them), so a caller cannot serve other users' calls.
-    access = "write" if name == "service_call" else "take"
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
-              access=access)
-
-
 #: The rows of the op table for service bins, in the order of docs/PROTOCOL.md §3.2.22-24
 #: (:data:`.protocol.OPS` puts them after the stream bins').
 #: Remembered (mutating): a call (resent after a reconnect, it is the same call, answered
 #: once; its answer is kept for the caller's session until acknowledged). Not remembered: a
 #: take (a batch whose host's connection is gone goes back to the queue; a take resent
 #: after a reconnect is a new take) and a reply (a batch answers once; a resent reply finds
-#: its batch gone and is acknowledged with flag false).
+#: its batch gone and is acknowledged with flag false). No service op is open to the
+#: read-only token: a call runs a host's work, a take and a reply answer other clients' calls.
+#: A user's patterns: a call needs write on the service (it queues work), hosting (take,
+#: reply) read and write ("take": it sees the callers' inputs and answers them), so a caller
+#: cannot serve other users' calls.
 ROWS: tuple[Op, ...] = (
-    _row("service_call", ServiceCall, _call_header, _parse_call, _reply_answer, True,
-         "bin", "items", "timeout", "wait_room", "rows"),
-    _row("service_take", ServiceTake, _take_header, _parse_take, _reply_batch, False,
-         "bin", "max_batch", "max_wait_ms", "timeout", "lease", "max_queue"),
-    _row("service_reply", ServiceReply, _reply_header, _parse_reply, parse_acked, False,
-         "bin", "batch", "items", "version", "error", "failed"),
+    kind_op("service_call", ServiceCall, _call_header, _parse_call, _reply_answer, True, "write",
+            "bin", "items", "timeout", "wait_room", "rows"),
+    kind_op("service_take", ServiceTake, _take_header, _parse_take, _reply_batch, False, "take",
+            "bin", "max_batch", "max_wait_ms", "timeout", "lease", "max_queue"),
+    kind_op("service_reply", ServiceReply, _reply_header, _parse_reply, parse_acked, False, "take",
+            "bin", "batch", "items", "version", "error", "failed"),
 )
 #: Reply class -> its ``ok`` header fields (joins :data:`.protocol.REPLY_HEADERS`).
 REPLY_HEADERS: dict[type, Callable[[Any], dict[str, Any]]] = {

@@ -30,14 +30,13 @@ from .fields import (
     MAX_APPEND_ITEMS,
     InvalidField,
     Op,
-    ParseReply,
-    ParseRequest,
     check_bin,
     check_bool,
     check_int,
     check_name,
     check_timeout,
     is_int,
+    kind_op,
     opt_int,
     parse_acked,
     read_items,
@@ -430,7 +429,8 @@ def _parse_join(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -
 def _reply_joined(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Any:
     return StreamJoined(rid, opt_int(h, "position"), check_int(h, "epoch"),
                         opt_int(h, "offset") or 0, opt_int(h, "epoch_samples"),
-                        opt_int(h, "head") or 0, check_bool(h, "resumed"), check_bool(h, "finished"))
+                        opt_int(h, "head") or 0, check_bool(h, "resumed"), check_bool(h,
+            "finished"))
 
 
 # -- stream_read ----------------------------------------------------------------------------
@@ -485,34 +485,28 @@ def _parse_leave(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
 
 
 # -- the rows, exported for the op table ------------------------------------------------------
-def _row(name: str, request: type, header: Callable[[Any], dict[str, Any]],
-         parse: ParseRequest, parse_reply: ParseReply, mutating: bool, *fields: str) -> Op:
-    # No stream op is open to the read-only token: each one moves a cursor or changes
-    # what the other members of the stream see. A user's patterns: the producers' ops need
-    # write on the stream, the consumers' read (as a Kafka consumer needs read on a topic).
-    access = "read" if name in ("stream_join", "stream_read", "stream_leave") else "write"
-    return Op(name, request, header, parse, parse_reply, mutating, ("op", "id", *fields),
-              access=access)
-
-
 #: The rows of the op table for stream bins, in the order of docs/PROTOCOL.md §3.2.16-21
 #: (:data:`.protocol.OPS` puts them after the core ops).
 #: Remembered (mutating): opening (it may end a broken epoch), appending, ending an epoch,
 #: joining (it places a cursor) and reading (it moves one). Leaving twice is harmless.
+#: No stream op is open to the read-only token: each one moves a cursor or changes what the
+#: other members of the stream see. A user's patterns: the producers' ops need write on the
+#: stream, the consumers' read (as a Kafka consumer needs read on a topic).
 ROWS: tuple[Op, ...] = (
-    _row("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True,
-         "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay", "lease",
-         "samples", "device_ipc"),
-    _row("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended, True,
-         "bin", "producer", "epoch", "items", "samples", "timeout"),
-    _row("stream_end", StreamEnd, _end_header, _parse_end, _reply_ended, True,
-         "bin", "producer", "epoch", "samples", "last", "timeout"),
-    _row("stream_join", StreamJoin, _join_header, _parse_join, _reply_joined, True,
-         "bin", "consumer", "start", "lease", "resume"),
-    _row("stream_read", StreamRead, _read_header, _parse_read, _reply_items, True,
-         "bin", "consumer", "at", "max_items", "timeout"),
-    _row("stream_leave", StreamLeave, _leave_header, _parse_leave, parse_acked, False,
-         "bin", "consumer"),
+    kind_op("stream_open", StreamOpen, _open_header, _parse_open, _reply_opened, True, "write",
+            "bin", "producer", "producers", "window", "on_lag", "max_stall", "replay", "lease",
+            "samples", "device_ipc"),
+    kind_op("stream_append", StreamAppend, _append_header, _parse_append, _reply_appended, True,
+            "write",
+            "bin", "producer", "epoch", "items", "samples", "timeout"),
+    kind_op("stream_end", StreamEnd, _end_header, _parse_end, _reply_ended, True, "write",
+            "bin", "producer", "epoch", "samples", "last", "timeout"),
+    kind_op("stream_join", StreamJoin, _join_header, _parse_join, _reply_joined, True, "read",
+            "bin", "consumer", "start", "lease", "resume"),
+    kind_op("stream_read", StreamRead, _read_header, _parse_read, _reply_items, True, "read",
+            "bin", "consumer", "at", "max_items", "timeout"),
+    kind_op("stream_leave", StreamLeave, _leave_header, _parse_leave, parse_acked, False, "read",
+            "bin", "consumer"),
 )
 
 

@@ -28,7 +28,7 @@ from ..errors import CodecError
 from .records import Buffer, Encoded, encoded_of, raw_buffer
 
 __all__ = ["DTYPES", "EXT_TENSOR", "ITEMSIZE", "decode_tensor", "encode_tensor", "remember",
-           "torch_dtypes", "writable_raw"]
+           "torch_dtype", "torch_dtypes", "writable_raw"]
 
 EXT_TENSOR = 1
 
@@ -160,11 +160,13 @@ def decode_tensor(enc: Encoded, max_raw_bytes: int) -> Any:
     name, shape, n, itemsize, dtype = lone
     raw = writable_raw(enc.buffers[0], n * itemsize, max_raw_bytes)
     if dtype is None:
-        dtype = lone[4] = _torch_dtype(name)
+        dtype = lone[4] = torch_dtype(name)
     return make_tensor(dtype, name, shape, n, itemsize, raw)
 
 
-def _torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of wire dtype ``name`` (:class:`CodecError` where torch is missing or
+    lacks it)."""
     try:
         import torch
     except ImportError:
