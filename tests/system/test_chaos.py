@@ -34,7 +34,6 @@ from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 from tests.conftest import wait_until
 
 BIN = "q"
-TIMEOUT = 30.0  # each client's timeout: generous, so that only real failures raise
 DEADLINE = 90.0  # for a whole run (joins, polls); far above its ~5 s, below pytest's 120 s
 GET_WAIT = 0.25  # a consumer's get waits this long for data
 
@@ -61,23 +60,6 @@ def proxies(seed: int) -> Iterator[Callable[[tuple[str, int]], ChaosProxy]]:
     finally:
         for p in made:
             p.close()
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(port: int, **kw: Any) -> Client:
-        kw.setdefault("timeout", TIMEOUT)
-        c = Client(HOST, port, **kw)
-        made.append(c)
-        return c
-
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
 
 
 @pytest.fixture

@@ -43,23 +43,6 @@ def procs() -> Iterator[Callable[..., ServerProcess]]:
             p.close()
 
 
-@pytest.fixture
-def clients() -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(port: int, **kw: Any) -> Client:
-        kw.setdefault("timeout", TIMEOUT)
-        c = Client(HOST, port, **kw)
-        made.append(c)
-        return c
-
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
-
-
 def repl(c: Client) -> dict[str, Any]:
     return c.stats()["server"]["replication"]
 
