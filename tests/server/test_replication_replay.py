@@ -70,6 +70,13 @@ def replays(srv: EmbeddedServer) -> dict[str, Any]:
     return srv.call(read)
 
 
+def remembered(srv: EmbeddedServer) -> set[tuple[bytes, int, str]]:
+    """The replay replies each session of ``srv`` remembers (exactly once on a retry)."""
+    return srv.call(lambda: {(s.id, rid, type(r.reply).__name__)
+                             for s in srv.factory.sessions for rid, r in s.replies.items()
+                             if type(r.reply).__name__.startswith("Replay")})
+
+
 def synced(a: EmbeddedServer, b: EmbeddedServer) -> bool:
     return replays(a) == replays(b)
 
@@ -99,12 +106,19 @@ def test_a_replica_copies_and_follows_replay_bins_and_serves_them_once_promoted(
     r = clients(replica.port)
     wait_until(lambda: synced(primary, replica), TIMEOUT, "the full copy of the replay bins")
     assert set(replays(replica)) == {"r", "u", "nbytes"}
+    # The remembered replies of the replay ops came with it (a retry is answered once).
+    mine = remembered(primary)
+    assert "ReplaySampled" in {x[2] for x in mine}  # (the ones not yet acknowledged)
+    assert remembered(replica) == mine
     # Then it follows: inserts (some evicting), updates, samples (some expiring items).
     keys = fill(c, "r", 30, 20)  # past max_size: the fifo remover evicts
     assert c.replay_update("r", keys[:5] + [1], [9.0] * 6) == 5
     c.replay_sample("r", 16)
     c.replay_sample("u", 6)  # max_times_sampled=2: items leave
     wait_until(lambda: synced(primary, replica), TIMEOUT, "the records after it")
+    # (acknowledgements that release no items are not records: a replica, like a restart,
+    # may remember more than its primary still does, never less)
+    assert remembered(primary) <= remembered(replica)
     state = replays(replica)["r"][1]
     assert sorted(row[0] for row in state["items"]) == list(range(11, 51))  # the item ids
     assert {row[0]: row[1] for row in state["items"]}[keys[0]] == 9.0  # the priority update
