@@ -193,3 +193,26 @@ def test_a_replica_keeps_the_replay_bins_in_its_own_data_directory(
     assert replays(alone) == want
     a = clients(alone.port)
     assert a.replay_sample("r", 4).keys.tolist() == c.replay_sample("r", 4).keys.tolist()
+
+
+def test_the_old_primary_made_a_replica_takes_the_new_primarys_replay_bins_whole(
+        servers: Callable[..., EmbeddedServer], clients: Callable[[int], Client],
+        tmp_path: Path) -> None:
+    a = servers(config=ServerConfig(data_dir=str(tmp_path / "a")))
+    ca = clients(a.port)
+    ca.replay_open("r", max_size=20, seed=1)
+    fill(ca, "r", 0, 8)
+    b = servers(replica_of=f"127.0.0.1:{a.port}")
+    cb = clients(b.port)
+    wait_until(lambda: synced(a, b), TIMEOUT, "b follows a")
+    assert cb.promote() == 1
+    fill(cb, "r", 8, 3)  # on the new primary only
+    # Writes that the old primary took after the failover (nobody told it): they go.
+    ca.replay_open("only_a", max_size=5)
+    fill(ca, "r", 100, 6)
+    a.stop()
+    old = servers(config=ServerConfig(data_dir=str(tmp_path / "a"),
+                                      replica_of=f"127.0.0.1:{b.port}"))
+    wait_until(lambda: synced(b, old), TIMEOUT, "the old primary follows the new one")
+    assert set(replays(old)) == {"r", "nbytes"}  # its own bin is gone, its cost with it
+    assert sorted(row[0] for row in replays(old)["r"][1]["items"]) == list(range(1, 12))
