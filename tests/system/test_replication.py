@@ -518,3 +518,69 @@ def test_a_client_that_sees_a_newer_term_fences_the_former_primary(
     with pytest.raises(ReadOnlyReplica):
         ca.put("v", 3)
     assert cb.peek("v") == 2 and ca.peek("v") == 1
+
+
+def test_a_failover_ends_streams_with_a_typed_error_and_services_carry_on(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """Streams and services live in memory on the primary. When it dies and a replica is
+    promoted, a stream's consumer waiting in a read and its producer get ``BinNotFound`` at
+    once (never a hang), a consumer that joins again is told it did not resume, and a
+    service's callers and hosts (with address lists) carry on on the promoted replica."""
+    from tensorshare.errors import BinNotFound
+
+    primary = procs()
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    both = f"tensorshare://{HOST}:{primary.port},{HOST}:{replica.port}"
+    admin, watch = clients(replica.port), clients(primary.port)
+    wait_until(lambda: repl(admin)["synced"], TIMEOUT, "the replica in sync")
+    producer, consumer, host, caller = (Client(both, timeout=TIMEOUT) for _ in range(4))
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def serve() -> None:  # a service host, as an InferenceHost runs
+        while not stop.is_set():
+            try:
+                batch = host.service_take("svc", timeout=0.5)
+                host.service_reply("svc", batch.batch, [v * 2 for v in batch.values])
+                answered.append(len(batch.values))
+            except TensorShareError:
+                continue  # (a take that timed out, or the connection lost: take again)
+
+    read: list[Any] = []
+
+    def wait_read() -> None:
+        try:
+            read.append(consumer.stream_read("s", "c", timeout=TIMEOUT / 2))
+        except BaseException as exc:  # checked below
+            read.append(exc)
+
+    threads = [threading.Thread(target=serve), threading.Thread(target=wait_read)]
+    try:
+        opened = producer.stream_open("s")
+        consumer.stream_join("s", "c")
+        producer.stream_append("s", [1, 2], epoch=opened.epoch)
+        assert consumer.stream_read("s", "c").items == [1, 2]
+        threads[0].start()
+        assert caller.service_call("svc", 21).value == 42
+        threads[1].start()
+        wait_until(lambda: watch.stats("s")["bins"]["s"]["waiters"] == 1, TIMEOUT,
+                   "the consumer's read waiting on the primary")
+        primary.kill()
+        assert admin.promote() == 1
+        threads[1].join(TIMEOUT)
+        assert not threads[1].is_alive(), "the waiting read hangs after the failover"
+        assert isinstance(read[0], BinNotFound), read
+        with pytest.raises(BinNotFound):
+            producer.stream_append("s", [3], epoch=opened.epoch)
+        joined = consumer.stream_join("s", "c")  # a new, empty stream: it says so
+        assert (joined.resumed, joined.head) == (False, 0)
+        producer.stream_append("s", [3], epoch=producer.stream_open("s").epoch)
+        assert consumer.stream_read("s", "c").items == [3]
+        assert caller.service_call("svc", 5).value == 10  # its host follows the primary
+    finally:
+        stop.set()
+        for t in threads:
+            if t.ident is not None:  # (started)
+                t.join(TIMEOUT)
+        for c in (producer, consumer, host, caller):
+            c.close()
