@@ -10,6 +10,7 @@ thread. Nothing waits on a sleep: conditions are polled with deadlines.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,34 +29,9 @@ TIMEOUT = 20.0
 
 @pytest.fixture
 def servers() -> Iterator[Callable[..., EmbeddedServer]]:
-    made: list[EmbeddedServer] = []
-
-    def make(**kw: Any) -> EmbeddedServer:
-        s = EmbeddedServer(0, **kw)
-        made.append(s)
-        return s
-
-    try:
-        yield make
-    finally:
-        for s in reversed(made):
-            s.stop()
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[[int], Client]]:
-    made: list[Client] = []
-
-    def make(port: int) -> Client:
-        c = Client("127.0.0.1", port, timeout=TIMEOUT)
-        made.append(c)
-        return c
-
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
+    """``servers(**kw)``: an :class:`EmbeddedServer` on a free port, stopped at the end."""
+    with ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(EmbeddedServer(0, **kw))
 
 
 def replays(srv: EmbeddedServer) -> dict[str, Any]:
@@ -85,13 +61,29 @@ def repl(c: Client) -> dict[str, Any]:
     return c.stats()["server"]["replication"]
 
 
+def following(servers: Callable[..., EmbeddedServer], clients: Callable[..., Client],
+              tmp_path: Path, replica_dir: str | None = None
+              ) -> tuple[EmbeddedServer, Client, EmbeddedServer]:
+    """A primary with a data directory and a replay bin ``r`` of 8 items, and a replica of
+    it (with its own data directory ``replica_dir``) that has its full copy."""
+    primary = servers(config=ServerConfig(data_dir=str(tmp_path / "a")))
+    c = clients(primary.port)
+    c.replay_open("r", max_size=50, seed=5)
+    fill(c, "r", 0, 8)
+    replica = servers(config=ServerConfig(
+        data_dir=None if replica_dir is None else str(tmp_path / replica_dir),
+        replica_of=f"127.0.0.1:{primary.port}"))
+    wait_until(lambda: synced(primary, replica), TIMEOUT, "the full copy")
+    return primary, c, replica
+
+
 def fill(c: Client, name: str, first: int, n: int) -> list[int]:
     return list(c.replay_insert(name, [torch.full((3,), float(i)) for i in range(first, first + n)],
                                 [1.0 + i % 5 for i in range(first, first + n)]))
 
 
 def test_a_replica_copies_and_follows_replay_bins_and_serves_them_once_promoted(
-        servers: Callable[..., EmbeddedServer], clients: Callable[[int], Client]) -> None:
+        servers: Callable[..., EmbeddedServer], clients: Callable[..., Client]) -> None:
     primary = servers()
     c = clients(primary.port)
     c.replay_open("r", max_size=40, sampler="prioritized", remover="fifo",
@@ -143,7 +135,7 @@ def test_a_replica_copies_and_follows_replay_bins_and_serves_them_once_promoted(
 
 
 def test_a_cut_replica_resyncs_its_replay_bins_partially_then_fully(
-        servers: Callable[..., EmbeddedServer], clients: Callable[[int], Client]) -> None:
+        servers: Callable[..., EmbeddedServer], clients: Callable[..., Client]) -> None:
     primary = servers(config=ServerConfig(replica_backlog=64 << 10))
     c = clients(primary.port)
     c.replay_open("r", max_size=100, seed=3)
@@ -173,16 +165,10 @@ def test_a_cut_replica_resyncs_its_replay_bins_partially_then_fully(
 
 
 def test_a_replica_keeps_the_replay_bins_in_its_own_data_directory(
-        servers: Callable[..., EmbeddedServer], clients: Callable[[int], Client],
+        servers: Callable[..., EmbeddedServer], clients: Callable[..., Client],
         tmp_path: Path) -> None:
-    primary = servers(config=ServerConfig(data_dir=str(tmp_path / "a")))
-    c = clients(primary.port)
-    c.replay_open("r", max_size=50, seed=5)
-    fill(c, "r", 0, 5)
-    replica = servers(config=ServerConfig(data_dir=str(tmp_path / "b"),
-                                          replica_of=f"127.0.0.1:{primary.port}"))
-    wait_until(lambda: synced(primary, replica), TIMEOUT, "the full copy")
-    keys = fill(c, "r", 5, 5)  # records after its copy's snapshot: in its data log
+    primary, c, replica = following(servers, clients, tmp_path, "b")
+    keys = fill(c, "r", 8, 5)  # records after its copy's snapshot: in its data log
     c.replay_update("r", keys, [4.0] * 5)
     c.replay_sample("r", 3)
     wait_until(lambda: synced(primary, replica), TIMEOUT, "the records")
@@ -196,15 +182,10 @@ def test_a_replica_keeps_the_replay_bins_in_its_own_data_directory(
 
 
 def test_the_old_primary_made_a_replica_takes_the_new_primarys_replay_bins_whole(
-        servers: Callable[..., EmbeddedServer], clients: Callable[[int], Client],
+        servers: Callable[..., EmbeddedServer], clients: Callable[..., Client],
         tmp_path: Path) -> None:
-    a = servers(config=ServerConfig(data_dir=str(tmp_path / "a")))
-    ca = clients(a.port)
-    ca.replay_open("r", max_size=20, seed=1)
-    fill(ca, "r", 0, 8)
-    b = servers(replica_of=f"127.0.0.1:{a.port}")
+    a, ca, b = following(servers, clients, tmp_path)
     cb = clients(b.port)
-    wait_until(lambda: synced(a, b), TIMEOUT, "b follows a")
     assert cb.promote() == 1
     fill(cb, "r", 8, 3)  # on the new primary only
     # Writes that the old primary took after the failover (nobody told it): they go.
