@@ -7,6 +7,7 @@ a sleep: conditions are polled with deadlines; every process is killed in ``fina
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -322,24 +323,33 @@ def test_clients_with_an_address_list_follow_the_promotion_and_resume_exactly_on
 
     threads = [threading.Thread(target=produce, args=(k,)) for k in range(6)]
     threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]
+    fail_over_under(threads, acked, errors, stop, primary, admin, 300)
+    left = admin.peek("q", max_items=None) if "q" in admin.list() else []
+    everything = [x for xs in got for x in xs] + list(left)
+    assert len(everything) == len(set(everything)), "an item delivered twice"
+    missing = {x for xs in acked for x in xs} - set(everything)
+    assert not missing, f"{len(missing)} acknowledged items lost"
+
+
+def fail_over_under(threads: list[threading.Thread], acked: list[list[int]],
+                    errors: list[BaseException], stop: threading.Event,
+                    primary: ServerProcess, admin: Client, n: int) -> None:
+    """Start ``threads`` (writers that fill ``acked``); once ``n`` writes are acknowledged,
+    kill -9 the primary and promote the replica ``admin`` is connected to; once ``n`` more
+    are acknowledged there, stop them: none failed."""
     for t in threads:
         t.start()
-    wait_until(lambda: sum(map(len, acked)) >= 300, TIMEOUT, "writes under way")
+    wait_until(lambda: sum(map(len, acked)) >= n or bool(errors), TIMEOUT, "writes under way")
     primary.kill()
     assert admin.promote() == 1
     before = sum(map(len, acked))
-    wait_until(lambda: sum(map(len, acked)) >= before + 300 or bool(errors), TIMEOUT,
+    wait_until(lambda: sum(map(len, acked)) >= before + n or bool(errors), TIMEOUT,
                "writes on the promoted replica")
     stop.set()
     for t in threads:
         t.join(TIMEOUT * 2)
         assert not t.is_alive()
     assert not errors, errors
-    left = admin.peek("q", max_items=None) if "q" in admin.list() else []
-    everything = [x for xs in got for x in xs] + list(left)
-    assert len(everything) == len(set(everything)), "an item delivered twice"
-    missing = {x for xs in acked for x in xs} - set(everything)
-    assert not missing, f"{len(missing)} acknowledged items lost"
 
 
 def _fake_primary_messages(rng: Any) -> list[bytes]:
@@ -584,3 +594,37 @@ def test_a_failover_ends_streams_with_a_typed_error_and_services_carry_on(
                 t.join(TIMEOUT)
         for c in (producer, consumer, host, caller):
             c.close()
+
+
+def test_replay_inserts_through_a_failover_are_applied_exactly_once(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """With ``--min-replicas 1``, an insert into a replay bin that was in flight when the
+    primary died is, retried on the promoted replica in the same session, applied once: the
+    bin holds exactly the acknowledged inserts, each key once."""
+    primary = procs("--min-replicas", "1")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    both = f"tensorshare://{HOST}:{primary.port},{HOST}:{replica.port}"
+    admin, watch = clients(replica.port), clients(primary.port)
+    wait_until(lambda: repl(admin)["synced"] and repl(watch)["replicas"][0]["live"], TIMEOUT,
+               "the replica in sync")
+    acked: list[list[int]] = [[], [], []]  # the keys each inserter was given
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def insert(keys: list[int]) -> None:
+        try:
+            with Client(both, timeout=TIMEOUT) as p:
+                p.replay_open("r", max_size=1_000_000, seed=7)
+                for i in itertools.count():
+                    if stop.is_set():
+                        return
+                    keys.extend(p.replay_insert("r", [(i, id(keys))], [1.0]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=insert, args=(keys,)) for keys in acked]
+    fail_over_under(threads, acked, errors, stop, primary, admin, 150)
+    keys = [key for keys in acked for key in keys]
+    assert len(keys) == len(set(keys)), "one key given twice"
+    info = admin.replay_info("r")
+    assert info.size == info.stats["inserts"] == len(keys), "an insert lost or applied twice"
