@@ -102,6 +102,8 @@ def test_a_replica_copies_and_follows_replay_bins_and_serves_them_once_promoted(
     mine = remembered(primary)
     assert "ReplaySampled" in {x[2] for x in mine}  # (the ones not yet acknowledged)
     assert remembered(replica) == mine
+    events: list[dict[str, Any]] = []
+    r.listen("r", events.append)  # a listener on the replica hears each change, in order
     # Then it follows: inserts (some evicting), updates, samples (some expiring items).
     keys = fill(c, "r", 30, 20)  # past max_size: the fifo remover evicts
     assert c.replay_update("r", keys[:5] + [1], [9.0] * 6) == 5
@@ -111,6 +113,11 @@ def test_a_replica_copies_and_follows_replay_bins_and_serves_them_once_promoted(
     # (acknowledgements that release no items are not records: a replica, like a restart,
     # may remember more than its primary still does, never less)
     assert remembered(primary) <= remembered(replica)
+    version = replays(primary)["r"][0]
+    wait_until(lambda: len(events) == 3, TIMEOUT, "the replica's listener's events")
+    assert [(e["op"], e["version"]) for e in events] == [
+        ("replay_insert", version - 2), ("replay_update", version - 1),
+        ("replay_sample", version)]
     state = replays(replica)["r"][1]
     assert sorted(row[0] for row in state["items"]) == list(range(11, 51))  # the item ids
     assert {row[0]: row[1] for row in state["items"]}[keys[0]] == 9.0  # the priority update
