@@ -285,7 +285,7 @@ class Replication:
                         f"{self.primary} yet: reads are served once it has"))
                 return None
             return ErrorReply(msg.id, ReadOnlyReplica.code, self._read_only(op))
-        if route.read:
+        if route.read or op in _REPLICA_READS:
             return None
         n = self.in_sync()
         if n < self.config.min_replicas:

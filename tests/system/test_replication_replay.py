@@ -204,3 +204,24 @@ def test_the_old_primary_made_a_replica_takes_the_new_primarys_replay_bins_whole
     wait_until(lambda: synced(b, old), TIMEOUT, "the old primary follows the new one")
     assert set(replays(old)) == {"r", "nbytes"}  # its own bin is gone, its cost with it
     assert sorted(row[0] for row in replays(old)["r"][1]["items"]) == list(range(1, 12))
+
+
+def test_a_primary_short_of_replicas_refuses_replay_writes_and_answers_replay_info(
+        servers: Callable[..., EmbeddedServer], clients: Callable[..., Client]) -> None:
+    from tensorshare.errors import NotEnoughReplicas
+
+    primary = servers(config=ServerConfig(min_replicas=1, replica_timeout=5.0))
+    c = clients(primary.port)
+    with pytest.raises(NotEnoughReplicas):
+        c.replay_open("r", max_size=10)  # no replica in sync: refused, not applied
+    replica = servers(replica_of=f"127.0.0.1:{primary.port}")
+    wait_until(lambda: c.wait_replicas(1, 1.0) == 1, TIMEOUT, "the replica in sync")
+    c.replay_open("r", max_size=10, seed=2)
+    fill(c, "r", 0, 4)  # each answered once the replica has it
+    assert synced(primary, replica)
+    replica.stop()
+    wait_until(lambda: not repl(c)["replicas"], TIMEOUT, "the replica gone")
+    with pytest.raises(NotEnoughReplicas):
+        c.replay_sample("r", 2)
+    assert c.replay_info("r").size == 4  # a read: it goes on
+    assert replays(primary)["r"][1]["counters"]["samples"] == 0
