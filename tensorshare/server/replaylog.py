@@ -17,8 +17,9 @@ Snapshot records: ``replay_bin`` (``bin``, ``state``: the table's
 payloads), at most :data:`SNAP_ITEMS` a record. A snapshot (a file, or a replica's full copy:
 :mod:`.replication`) holds every replay bin: loading one replaces them all. The same rows
 apply a replica's records as they arrive, so a replica's bins follow its primary's (their
-versions too: each insert, sample and update counts one, as on the primary). Nothing read back is unpickled: items are parsed and checked as
-items from the network, the state by :meth:`~.replay.ReplayTable.from_state`.
+versions too: each insert, sample and update counts one, as on the primary). Nothing read
+back is unpickled: items are parsed and checked as items from the network, the state by
+:meth:`~.replay.ReplayTable.from_state`.
 """
 
 from __future__ import annotations
