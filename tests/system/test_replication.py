@@ -383,6 +383,14 @@ def _fake_primary_messages(rng: Any) -> list[bytes]:
         push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "put", "bin": 7})),
         push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "take", "bin": "b"})),
         push({"op": "whatever", "term": 0}, good),
+        # replay bins in a full copy: a state that is none, rows for a bin never described
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_bin", "bin": "r",
+                                                  "state": {"version": 99}}))
+        + push({"op": "repl_snap", "term": 0}, rec({"op": "end"})),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_items", "bin": "r",
+                                                  "rows": [[1, 1.0, 0, 8, 0]]}, (1,))),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_bin", "bin": "r",
+                                                  "state": {}, "version": -1})),
         b"".join(bytes(c) for c in pushed_frame({"op": "repl_ping", "term": 0}))[:-1]
         + b"\xc1",
         bytes(16) + rng.randbytes(64),
