@@ -5,7 +5,7 @@ import cython
 
 from tensorshare.wire.records cimport Buffer, Encoded, Item
 
-cdef Py_ssize_t RUN_MIN, RUN_ITEM_MAX, RUN_MAX_BYTES, _ALIGN_MASK
+cdef Py_ssize_t _ALIGN_MASK
 cdef object _MAX_RAW_BYTES
 
 
