@@ -136,10 +136,7 @@ class Run:
 
     def __init__(self, value: bytes, data: memoryview, count: int,
                  tags: tuple[int | None, ...]) -> None:
-        self.value = value
-        self.data = data
-        self.count = count
-        self.tags = tags
+        self.value, self.data, self.count, self.tags = value, data, count, tags
 
     def __repr__(self) -> str:
         return f"Run(count={self.count}, nbytes={len(self.data)})"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -16,43 +16,15 @@ import pytest
 import torch
 
 from tensorshare import Client, EmbeddedServer
-from tensorshare.client.twisted import connect
 from tensorshare.wire import codec
 from tensorshare.wire.frames import PREFIX, aligned
 from tensorshare.wire.messages import Acked, Append, Hello, HelloReply, Item
 from tensorshare.wire.records import Fetch, Fetched
 from tests.client.test_blocking_scripted import Scripted
-from tests.client.test_both_clients import Reactor, SyncTx
+from tests.client.test_both_clients import kind, make  # noqa: F401  (the two faces' clients)
 from tests.rawwire import Get, Peek, WireClient
 
 WAIT = 30.0
-
-
-@pytest.fixture(params=["blocking", "twisted"])
-def make(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
-    """Clients of the blocking or the Twisted face (closed at the end)."""
-    made: list[Any] = []
-    reactor: list[Reactor] = []
-
-    def build(port: int, **kw: Any) -> Any:
-        kw.setdefault("timeout", WAIT)
-        if request.param == "blocking":
-            c: Any = Client("127.0.0.1", port, **kw)
-        else:
-            if not reactor:
-                reactor.append(Reactor())
-            r = reactor[0]
-            c = SyncTx(r, r.call(connect, r.reactor, "127.0.0.1", port, **kw))
-        made.append(c)
-        return c
-
-    try:
-        yield build
-    finally:
-        for c in made:
-            c.close()
-        for r in reactor:
-            r.stop()
 
 
 def queue() -> tuple[list[Any], list[int | None]]:
@@ -69,7 +41,7 @@ def one_storage(values: list[Any]) -> bool:
 
 
 def test_a_drain_comes_back_as_rows_of_one_tensor(server: EmbeddedServer,
-                                                   make: Callable[..., Any]) -> None:
+                                                   make: Callable[..., Any]) -> None:  # noqa: F811
     c = make(server.port)
     values, tags = queue()
     for v, t in zip(values, tags, strict=True):
@@ -90,7 +62,7 @@ def test_a_drain_comes_back_as_rows_of_one_tensor(server: EmbeddedServer,
 
 
 def test_a_value_bin_and_a_lone_item_are_as_before(server: EmbeddedServer,
-                                                   make: Callable[..., Any]) -> None:
+                                                   make: Callable[..., Any]) -> None:  # noqa: F811
     c = make(server.port)
     c.put("w", torch.ones(4))
     assert torch.equal(c.get("w"), torch.ones(4))
