@@ -141,3 +141,20 @@ def test_a_new_client_reads_an_old_servers_items(server: EmbeddedServer) -> None
             t.join(WAIT)
     assert [t.tolist() for t in got] == [v.tolist() for v in values]
     assert srv.of(Hello)[0].runs is True
+
+
+def test_over_shared_memory_runs_and_memfd_items_share_a_reply(tmp_path: Any) -> None:
+    """On a Unix socket that agreed on memfds, a large tensor travels as a memfd item between
+    the runs of small ones (a memfd buffer is never in a run)."""
+    small = [torch.full((4,), float(i)) for i in range(20)]
+    big = torch.arange(1 << 18, dtype=torch.float64)  # 2 MiB: over shm_min_bytes
+    values = [*small[:10], big, *small[10:]]
+    with EmbeddedServer(port=None, unix=str(tmp_path / "s.sock")) as srv, \
+            Client(f"unix://{srv.unix}", timeout=WAIT, shm_min_bytes=1 << 20) as c:
+        for v in values:
+            c.append("q", v)
+        for remove in (False, True):
+            got = c.fetch("q", remove=remove, max_items=100).items
+            assert len(got) == len(values)
+            assert all(torch.equal(a, b) for a, b in zip(got, values, strict=True))
+            assert one_storage(got[:10]) and one_storage(got[11:])
