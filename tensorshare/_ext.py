@@ -51,6 +51,7 @@ __all__ = ["NO_EXTENSIONS_ENV", "REBUILD", "TWINS", "Stale", "compiled", "instal
 TWINS = (
     "tensorshare.wire.records",
     "tensorshare.wire.tensors",
+    "tensorshare.wire.runs",
     "tensorshare.wire.frames",
     "tensorshare.wire.fields",
     "tensorshare.wire.prepared",

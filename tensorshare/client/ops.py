@@ -47,6 +47,7 @@ from ..wire.records import (
     Put,
 )
 from ..wire.replication import Promote, WaitReplicas
+from ..wire.runs import decode_items, run_count
 from ..wire.tensors import decode_tensor, encode_tensor
 from .command import (
     _FRAME_SLACK,
@@ -110,6 +111,12 @@ def decode_fetched(reply: Fetched, max_depth: int,
     if reply.unchanged:
         return reply
     items = reply.items
+    n = run_count(items)
+    if n:  # runs of like tensors as one buffer (wire/runs.py)
+        with gc_paused(n):
+            values, tags = decode_items(items, max_depth, cuda_ipc)
+        return Fetched(reply.id, reply.kind, values, reply.version, reply.n_items,
+                       reply.dropped, False, tags)
     if len(items) == 1:  # (the common reply: one lone tensor of a shape seen before)
         it = items[0]
         value = decode_tensor(it.value, _MAX_RAW_BYTES)

@@ -572,7 +572,7 @@ class ClientSession:
         self._nonce = new_nonce() if self.token is not None else None
         hello = Hello(self._new_id(), PROTOCOL_VERSIONS, self.name, self._nonce,
                       self.session_id, self.generation > 1 and self.session_id is not None,
-                      self.shm, self.user if self.token is not None else None)
+                      self.shm, self.user if self.token is not None else None, True)
         self._out_shared = []
         c = Call(hello.id, hello, "hello", "handshake", None, None, self.timeout, None, False,
                  now, now + self.timeout, state=SENT, sent_on=self.generation)

@@ -48,6 +48,8 @@ from ..wire.protocol import (
     PROTOCOL_VERSIONS,
     BadRequest,
     ServerConnection,
+    encode_fetched_parts,
+    encode_fetched_with_id,
     encode_message,
     encode_reply,
 )
@@ -104,6 +106,7 @@ class Connection:
         # Requests answered later (a waiting get, a held append): id -> when they came in.
         self.started: dict[int, float] = {}
         self.shm = False  # the handshake agreed on memfd buffers (Unix socket)
+        self.runs = False  # ... and on runs of like tensors in get/peek replies (wire/runs)
         self._waiting: dict[int, tuple[Waits, IDelayedCall | None]] = {}
         self._closed = False
         self._refusing = False  # the handshake failed: its refusal is on its way (delayed)
@@ -269,7 +272,9 @@ class Connection:
         if cls is Fetched and reply.items and not msg.spec.remove:
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
-            chunks = f.encode_peek(msg.bin, reply, shared)
+            chunks = f.encode_peek(msg.bin, reply, shared, self.runs)
+        elif cls is Fetched and self.runs and len(reply.items) > 1:  # (runs: wire/runs.py)
+            chunks = encode_fetched_with_id(reply.id, *encode_fetched_parts(reply, shared, True))
         else:
             chunks = encode_reply(reply, shared)
         nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
@@ -769,6 +774,7 @@ class ServerProtocol(Connection, Protocol):
         f.users.bind(self, user)
         self.shm = msg.shm and bool(getattr(self.transport, "_passes_fds", False)) and \
             shm.available()
+        self.runs = msg.runs
         self.conn.handshake_done()
         self._stop_timer()
         how = "resumed its session" if resumed else (
@@ -777,7 +783,8 @@ class ServerProtocol(Connection, Protocol):
                  peer=self.peer, how=how, ro=(", read-only" if role == "read" else "") + (
                      f", user {user.name!r}" if user.name != "default" else ""))
         self.send(HelloReply(rid, self.version, f"tensorshare/{__version__}", f.config.limits,
-                             resumed, f.server_id, self.shm, proof, role, user.name))
+                             resumed, f.server_id, self.shm, proof, role, user.name,
+                             self.runs))
 
     def _refuse(self, rid: int, error: TensorShareError) -> None:
         """Answer the handshake with ``error`` and close: it failed."""

@@ -215,16 +215,17 @@ class ServerFactory(Factory):
         """The bins someone listens to."""
         return list(self._listeners)
 
-    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None
-                    ) -> list[BytesLike]:
-        """Encode a peek reply, reusing the encoding of the same bin version's last one."""
+    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None,
+                    runs: bool = False) -> list[BytesLike]:
+        """Encode a peek reply (``runs``: with runs of like tensors, wire/runs.py), reusing
+        the encoding of the same bin version's last one."""
         key = (reply.kind, reply.version, reply.n_items, reply.dropped,
-               tuple(id(it) for it in reply.items), shared is not None)
+               tuple(id(it) for it in reply.items), shared is not None, runs)
         hit = self._peek_cache.get(name)
         if hit is None or hit[0] != key:
             # The items are kept with the entry, so their ids cannot be reused meanwhile.
             mine: list[Any] | None = [] if shared is not None else None
-            hit = (key, reply.items, mine, *encode_fetched_parts(reply, mine))
+            hit = (key, reply.items, mine, *encode_fetched_parts(reply, mine, runs))
             self._peek_cache[name] = hit
             self.stats.counters["reply_encodes"] += 1
         else:

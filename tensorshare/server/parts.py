@@ -266,8 +266,8 @@ class Stores(Protocol):
         """Put the items of a get reply back at the front of their bin."""
         ...
 
-    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None
-                    ) -> list[BytesLike]: ...
+    def encode_peek(self, name: str, reply: Fetched, shared: list[Any] | None,
+                    runs: bool = False) -> list[BytesLike]: ...
 
 
 class Sessions(Protocol):

@@ -28,6 +28,7 @@ from .codec import validate
 from .frames import Payload
 from .messages import Limits, Reply, Request
 from .records import Acked, Buffer, Item, encoded_of, raw_buffer
+from .runs import read_run
 
 __all__ = [
     "ACCESS",
@@ -298,11 +299,14 @@ def read_items(h: dict[str, Any], payload: Payload, max_depth: int,
         raise InvalidField("'items' must be a list")
     view = memoryview(payload)
     end = 0  # buffers must be ordered and disjoint: no aliasing tricks
-    items = []
+    items: list[Item] = []
     fds = PARSING_FDS.get()
     size = len(view)
     for raw in raw_items:
         if type(raw) is not list or len(raw) != 3:
+            if type(raw) is dict and not check:  # a run of like tensors (a reply: wire/runs)
+                end = _read_run(raw, view, end, items)
+                continue
             raise InvalidField("an item must be [value, buffers, tag]")
         value, bufs, tag = raw
         if type(value) is not bytes or type(bufs) is not list:
@@ -335,6 +339,16 @@ def read_items(h: dict[str, Any], payload: Payload, max_depth: int,
     if end != len(payload):
         raise InvalidField(f"payload of {len(payload)} bytes but buffers end at {end}")
     return items
+
+
+def _read_run(raw: dict[str, Any], view: memoryview, end: int, items: list[Any]) -> int:
+    """Read the run ``raw`` of a reply's items into ``items`` (see :mod:`.runs`)."""
+    try:
+        run, end = read_run(raw, view, end)
+    except ValueError as exc:
+        raise InvalidField(str(exc)) from None
+    items.append(run)
+    return end
 
 
 def _parse_buffer(desc: Any, view: memoryview, end: int, fds: Fds | None = None

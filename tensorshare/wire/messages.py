@@ -113,6 +113,7 @@ class Hello:
     resume: bool = False
     shm: bool = False  # the client can pass large buffers as sealed memfds (Unix socket)
     user: str | None = None
+    runs: bool = False  # the client reads runs of like tensors (wire/runs.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +252,7 @@ class HelloReply:
     proof: bytes | None = None
     role: str = "write"
     user: str = "default"
+    runs: bool = False  # get/peek replies may carry runs of like tensors (wire/runs.py)
 
 
 @dataclass(frozen=True, slots=True)

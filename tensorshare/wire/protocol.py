@@ -118,6 +118,7 @@ from .records import (
     Put,
     Stored,
 )
+from .runs import items_header as runs_header
 
 __all__ = [
     "ACCESS",
@@ -331,6 +332,8 @@ def _hello_header(m: Hello) -> dict[str, Any]:
         h["shm"] = True
     if m.user is not None:
         h["user"] = m.user
+    if m.runs:
+        h["runs"] = True
     return h
 
 
@@ -350,7 +353,8 @@ def _parse_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
             raise InvalidField(f"'user': {exc}") from None
     return Hello(rid, tuple(versions), client if isinstance(client, str) else "",
                  _hello_nonce(h.get("auth")), session,
-                 check_bool(h, "resume") and session is not None, check_bool(h, "shm"), user)
+                 check_bool(h, "resume") and session is not None, check_bool(h, "shm"), user,
+                 check_bool(h, "runs"))
 
 
 def _hello_nonce(auth: Any) -> bytes | None:
@@ -385,7 +389,7 @@ def _reply_hello(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) 
                       check_bool(h, "resumed"), server_id if isinstance(server_id, str) else "",
                       check_bool(h, "shm"), proof if isinstance(proof, bytes) else None,
                       role if role in ("read", "write") else "write",
-                      user if isinstance(user, str) else "default")
+                      user if isinstance(user, str) else "default", check_bool(h, "runs"))
 
 
 def _parse_auth(rid: int, h: dict[str, Any], payload: Payload, limits: Limits) -> Request:
@@ -481,7 +485,7 @@ _FETCH_FIELDS = ("bin", "max_items", "wait", "timeout", "min_items", "min_tag", 
 # The core ops: value and list bins, the handshake, the connection's own (§3.2.1-15).
 _CORE_ROWS = (
     _op("hello", Hello, _hello_header, _parse_hello, _reply_hello, False,
-        "versions", "client", "auth", "session", "resume", "shm", "user"),
+        "versions", "client", "auth", "session", "resume", "shm", "user", "runs"),
     _op("put", Put, _store_header, _parse_store(Put), _reply_stored, True, "bin", "items",
         "timeout", "wait_room", "min_version"),
     _op("append", Append, _store_header, _parse_store(Append), _reply_stored, True,
@@ -555,7 +559,8 @@ def _hello_reply_header(m: HelloReply) -> dict[str, Any]:
         "resumed": m.resumed, "server_id": m.server_id, **({"shm": True} if m.shm else {}),
         **({"proof": m.proof} if m.proof is not None else {}),
         **({"role": m.role} if m.role != "write" else {}),
-        **({"user": m.user} if m.user != "default" else {})}
+        **({"user": m.user} if m.user != "default" else {}),
+        **({"runs": True} if m.runs else {})}
 
 
 def _fetched_header(f: Fetched) -> dict[str, Any]:
@@ -665,9 +670,10 @@ _PACKED_REPLY_OK = _packb("op") + _packb("reply") + _packb("id")
 _NOTIFY_OP = _packb("op") + _packb("notify")
 
 
-def encode_fetched_parts(reply: Fetched, shared: list[Any] | None
+def encode_fetched_parts(reply: Fetched, shared: list[Any] | None, runs: bool = False
                          ) -> tuple[bytes, list[BytesLike], int]:
-    """The parts of a get/peek reply that do not depend on its request id, encoded once.
+    """The parts of a get/peek reply that do not depend on its request id, encoded once
+    (``runs``: with runs of like tensors where they apply, :mod:`.runs`).
 
     Returns:
         ``(tail, buffers, fields)``: the packed header fields after ``op`` and ``id``, the
@@ -677,7 +683,7 @@ def encode_fetched_parts(reply: Fetched, shared: list[Any] | None
     header: dict[str, Any] = {"ok": True}
     header.update(_fetched_header(reply))
     buffers: list[BytesLike] = []
-    header["items"] = _items_header(reply.items, buffers, shared)
+    header["items"] = (runs_header if runs else _items_header)(reply.items, buffers, shared)
     packed = _packb(header)
     fields = len(header) + 2
     if fields > 15 or packed[0] & 0xF0 != 0x80:  # not a fixmap: never with these fields

@@ -83,6 +83,8 @@ from tensorshare.wire.protocol import (
     BadRequest,
     ClientConnection,
     ProtocolViolation,
+    encode_fetched_parts,
+    encode_fetched_with_id,
     encode_message,
 )
 from tensorshare.wire.replay import (
@@ -139,6 +141,7 @@ GOLDEN_NAMES = [
     "put-reply",
     "get-request",
     "get-reply",
+    "get-reply-run",
 ]
 # The session id and server id of the example in §10 (real ones are random).
 GOLDEN_SESSION = bytes(range(SESSION_ID_BYTES))
@@ -235,14 +238,14 @@ def w_item() -> Item:
 
 
 def hello_reply(server_name: str = "tensorshare/0.1.0",
-                server_id: str = GOLDEN_SERVER_ID) -> HelloReply:
-    return HelloReply(1, 1, server_name, Limits(), False, server_id)
+                server_id: str = GOLDEN_SERVER_ID, runs: bool = True) -> HelloReply:
+    return HelloReply(1, 1, server_name, Limits(), False, server_id, runs=runs)
 
 
 def expected_golden(name: str) -> bytes:
     """What the code produces for the message each golden dump shows (see §10 of the doc)."""
     if name == "hello-request":
-        return frame_bytes(Hello(1, (1,), "tensorshare-python", None, GOLDEN_SESSION))
+        return frame_bytes(Hello(1, (1,), "tensorshare-python", None, GOLDEN_SESSION, runs=True))
     if name == "hello-request-minimal":
         return frame_bytes(Hello(1, (1,), "tensorshare-python"))
     if name == "hello-reply":
@@ -255,6 +258,11 @@ def expected_golden(name: str) -> bytes:
         return b"".join(bytes(c) for c in ClientConnection().send(Get(3, "w"), AckInfo(2)))
     if name == "get-reply":
         return frame_bytes(Fetched(3, "value", (w_item(),), 2, 0))
+    if name == "get-reply-run":  # (§3.3.3.1)
+        torch = pytest.importorskip("torch")
+        run = tuple(Item(codec.encode(torch.tensor([x]))) for x in (1.0, 2.0, 3.0))
+        parts = encode_fetched_parts(Fetched(3, "list", run, 4, 0), None, True)
+        return b"".join(bytes(c) for c in encode_fetched_with_id(3, *parts))
     raise AssertionError(name)
 
 
@@ -311,7 +319,9 @@ def test_golden_requests_get_golden_replies_from_a_real_server(hello: str) -> No
         live = read_frame(sock)
         server_id = header_of(live)["server_id"]
         assert re.fullmatch(r"[0-9a-f]{16}", server_id), server_id
-        assert live == frame_bytes(hello_reply(f"tensorshare/{__version__}", server_id))
+        # (the minimal hello offers no runs: the reply agrees on none, §10.3)
+        assert live == frame_bytes(hello_reply(f"tensorshare/{__version__}", server_id,
+                                               runs=hello == "hello-request"))
         sock.sendall(golden("put-request"))
         assert read_frame(sock).hex(" ") == golden("put-reply").hex(" ")
         sock.sendall(golden("get-request"))
@@ -500,7 +510,7 @@ def test_ack_fields_are_documented_once_for_every_request() -> None:
 def _full_requests() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
-        "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True, "alice")],
+        "hello": [Hello(1, (1,), "me", b"n" * 32, GOLDEN_SESSION, True, True, "alice", True)],
         "put": [Put(2, "w", item, 4), Put(2, "w", item, room=1.5),
                 Put(2, "w", item, room=math.inf)],
         "append": [Append(2, "w", item, 1.5, (), 4), Append(2, "w", item, 1.5, (), wait_room=True)],
@@ -576,7 +586,7 @@ def _reply_cases() -> dict[str, list[Message]]:
     item = Item(codec.encode([1, "a", b"b"]), tag=5)
     return {
         "reply-hello": [hello_reply(), HelloReply(1, 1, "s", Limits(), True, "ab", True,
-                                                  b"p" * 32, "read", "alice")],
+                                                  b"p" * 32, "read", "alice", True)],
         "reply-challenge": [Challenge(1, b"n" * 32)],
         "reply-put": [Stored(2, 1, 1), Stored(2, 3, 2, dropped=1)],
         "reply-get": [Fetched(3, "list", (item, item), 5, 1, 2),
