@@ -1,0 +1,191 @@
+"""Every face follows the primary of an address list (README: Replication and failover).
+
+Each test starts a primary (``--min-replicas 1``) and its replica as real ``tensorshare
+serve`` processes, connects one face with the address list (the replica first: the face must
+find the primary itself), appends in a session, then ``kill -9``s the primary and promotes the
+replica. The face's session resumes on the promoted replica: every acknowledged append is
+there, none twice, and the server counts the resumed session. Nothing waits on a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.epollreactor import EPollReactor
+from twisted.python.failure import Failure
+
+from tensorshare import Client, RLWorker
+from tensorshare.aio import AsyncClient
+from tensorshare.client.sharded import connect as connect_blocking
+from tensorshare.client.twisted import connect as connect_twisted
+from tensorshare.errors import ConnectError
+from tests.chaos import HOST, ServerProcess
+from tests.conftest import wait_until
+
+TIMEOUT = 20.0
+#: A producer's loop: ``produce(addresses, acked, stop)`` appends ``0, 1, 2, ...`` to bin
+#: ``q`` until ``stop`` is set, recording each acknowledged one in ``acked``.
+Produce = Callable[[list[str], list[int], threading.Event], None]
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., ServerProcess]]:
+    made: list[ServerProcess] = []
+
+    def make(*args: str) -> ServerProcess:
+        p = ServerProcess(0, *args)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
+
+
+def fail_over(procs: Callable[..., ServerProcess], clients: Callable[..., Client],
+              produce: Produce, bin: str = "q") -> None:
+    """Run ``produce`` against a primary and its replica, kill -9 the primary and promote
+    the replica under it; check that its session resumed there with nothing lost or
+    doubled."""
+    primary = procs("--min-replicas", "1")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    admin = clients(replica.port)
+    wait_until(lambda: admin.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    both = [f"{HOST}:{replica.port}", f"{HOST}:{primary.port}"]
+    acked: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            produce(both, acked, stop)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=run, name="tensorshare-test-face")
+    t.start()
+    try:
+        wait_until(lambda: len(acked) >= 100 or bool(errors), TIMEOUT, "writes under way")
+        resumed = admin.stats()["server"]["counters"].get("sessions_resumed", 0)
+        primary.kill()
+        assert admin.promote() == 1
+        before = len(acked)
+        wait_until(lambda: len(acked) >= before + 100 or bool(errors), TIMEOUT,
+                   "writes on the promoted replica")
+    finally:
+        stop.set()
+        t.join(TIMEOUT * 2)
+    assert not t.is_alive()
+    assert not errors, errors
+    items = admin.peek(bin, max_items=None)
+    assert len(items) == len(set(items)), "an append applied twice"
+    missing = set(acked) - set(items)
+    assert not missing, f"{len(missing)} acknowledged appends lost"
+    assert admin.stats()["server"]["counters"]["sessions_resumed"] > resumed, \
+        "the face's session did not resume on the promoted replica"
+
+
+def test_the_twisted_client_follows_the_promotion(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    def produce(both: list[str], acked: list[int], stop: threading.Event) -> None:
+        reactor = EPollReactor()
+        outcome: list[Any] = []
+
+        @defer.inlineCallbacks
+        def scenario() -> Any:
+            c = yield connect_twisted(reactor, both, timeout=TIMEOUT)
+            assert c.primary_choice.current.address.port == int(both[1].rsplit(":", 1)[1])
+            i = 0
+            while not stop.is_set():
+                yield c.append("q", i)
+                acked.append(i)
+                i += 1
+            yield c.close()
+
+        def finish(result: Any) -> None:
+            outcome.append(result)
+            reactor.stop()
+
+        reactor.callWhenRunning(lambda: scenario().addBoth(finish))
+        reactor.run(installSignalHandlers=False)
+        if isinstance(outcome[0], Failure):
+            outcome[0].raiseException()
+
+    fail_over(procs, clients, produce)
+
+
+def test_the_asyncio_client_follows_the_promotion(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    def produce(both: list[str], acked: list[int], stop: threading.Event) -> None:
+        async def scenario() -> None:
+            # One string with commas, the scheme applying to each.
+            async with AsyncClient("tensorshare://" + ",".join(both), timeout=TIMEOUT) as c:
+                assert c.primary_choice is not None
+                assert c.primary_choice.current == c.primary_choice.endpoints[1]
+                i = 0
+                while not stop.is_set():
+                    await c.append("q", i)
+                    acked.append(i)
+                    i += 1
+
+        asyncio.run(scenario())
+
+    fail_over(procs, clients, produce)
+
+
+def test_connect_with_an_address_list_follows_the_promotion(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    def produce(both: list[str], acked: list[int], stop: threading.Event) -> None:
+        with connect_blocking(both, timeout=TIMEOUT) as c:  # type: ignore[arg-type]
+            i = 0
+            while not stop.is_set():
+                c.append("q", i)
+                acked.append(i)
+                i += 1
+
+    fail_over(procs, clients, produce)
+
+
+def test_an_rl_worker_with_an_address_list_follows_the_promotion(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    def produce(both: list[str], acked: list[int], stop: threading.Event) -> None:
+        worker = RLWorker(both, timeout=TIMEOUT, watch_stop=False)  # type: ignore[arg-type]
+        try:
+            i = 0
+            while not stop.is_set():
+                assert worker.add_data(i) > 0
+                acked.append(i)
+                i += 1
+        finally:
+            worker.close()
+
+    fail_over(procs, clients, produce, bin="rl/rollouts")
+
+
+def test_the_faces_say_why_when_no_server_of_the_list_is_the_primary(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    primary = procs()
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    r = clients(replica.port)
+    wait_until(lambda: r.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    only = [f"{HOST}:{replica.port}"]
+
+    async def aio() -> None:
+        await AsyncClient(only, timeout=1, reconnect=False).connect()
+
+    with pytest.raises(ConnectError, match="no primary among .* is a replica"):
+        asyncio.run(aio())
+    reactor = EPollReactor()
+    outcome: list[Any] = []
+    reactor.callWhenRunning(lambda: connect_twisted(reactor, only, timeout=1, reconnect=False)
+                            .addBoth(lambda r: (outcome.append(r), reactor.stop())))
+    reactor.run(installSignalHandlers=False)
+    assert isinstance(outcome[0], Failure) and outcome[0].check(ConnectError)
+    assert "is a replica" in str(outcome[0].value)
