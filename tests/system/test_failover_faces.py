@@ -189,3 +189,42 @@ def test_the_faces_say_why_when_no_server_of_the_list_is_the_primary(
     reactor.run(installSignalHandlers=False)
     assert isinstance(outcome[0], Failure) and outcome[0].check(ConnectError)
     assert "is a replica" in str(outcome[0].value)
+
+
+def test_the_wings_and_the_callback_api_reach_the_primary_of_an_address_list(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """``SharedLoader`` (and ``serve_loader``), ``InferenceClient`` (and ``InferenceHost``)
+    and ``TensorShare`` given the list with the replica first: they work, on the primary
+    (stream and service bins live on the primary only, and a replica refuses their ops)."""
+    import torch
+
+    from tensorshare import TensorShare
+    from tensorshare.data import SharedLoader, serve_loader
+    from tensorshare.inference import InferenceClient, InferenceHost
+
+    primary = procs()
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    r = clients(replica.port)
+    wait_until(lambda: r.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    both = [f"{HOST}:{replica.port}", f"{HOST}:{primary.port}"]
+    samples = [torch.full((2,), float(i)) for i in range(12)]
+    loader = SharedLoader("s", both, batch_size=4, timeout=TIMEOUT)  # type: ignore[arg-type]
+    feeder = threading.Thread(target=serve_loader, args=([torch.stack(samples)], "s", both),
+                              kwargs={"wait_for": 1, "timeout": TIMEOUT})
+    feeder.start()
+    got = torch.cat(list(loader))
+    feeder.join(TIMEOUT)
+    loader.close()
+    assert torch.equal(got, torch.stack(samples))
+    model = torch.nn.Linear(2, 1)
+    with InferenceHost("policy", model, both, timeout=TIMEOUT), \
+            InferenceClient("policy", both, timeout=TIMEOUT) as pc:  # type: ignore[arg-type]
+        with torch.no_grad():
+            assert torch.allclose(pc.predict(samples[3]), model(samples[3][None])[0])
+    answers: list[dict[str, Any]] = []
+    ts = TensorShare(both, timeout=TIMEOUT)  # type: ignore[arg-type]
+    ts.put("via-callbacks", 7, answers.append)
+    ts.peek("via-callbacks", lambda a: (answers.append(a), ts.stop()))
+    ts.start()
+    assert [a["status"] for a in answers] == ["OK", "OK"] and answers[1]["data"] == 7
+    wait_until(lambda: "via-callbacks" in r.list(), TIMEOUT, "the put, replicated")
