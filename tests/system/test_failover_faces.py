@@ -19,7 +19,7 @@ from twisted.internet import defer
 from twisted.internet.epollreactor import EPollReactor
 from twisted.python.failure import Failure
 
-from tensorshare import Client, RLWorker
+from tensorshare import Client, RLTrainer, RLWorker
 from tensorshare.aio import AsyncClient
 from tensorshare.client.sharded import connect as connect_blocking
 from tensorshare.client.twisted import connect as connect_twisted
@@ -193,8 +193,8 @@ def test_the_faces_say_why_when_no_server_of_the_list_is_the_primary(
 
 def test_the_wings_and_the_callback_api_reach_the_primary_of_an_address_list(
         procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
-    """``SharedLoader`` (and ``serve_loader``), ``InferenceClient`` (and ``InferenceHost``)
-    and ``TensorShare`` given the list with the replica first: they work, on the primary
+    """``SharedLoader`` (and ``serve_loader``), ``InferenceClient`` (and ``InferenceHost``),
+    ``TensorShare`` and ``RLTrainer`` given the list with the replica first: they work, on the primary
     (stream and service bins live on the primary only, and a replica refuses their ops)."""
     import torch
 
@@ -228,3 +228,10 @@ def test_the_wings_and_the_callback_api_reach_the_primary_of_an_address_list(
     ts.start()
     assert [a["status"] for a in answers] == ["OK", "OK"] and answers[1]["data"] == 7
     wait_until(lambda: "via-callbacks" in r.list(), TIMEOUT, "the put, replicated")
+    trainer = RLTrainer(both, timeout=TIMEOUT)  # type: ignore[arg-type]
+    try:
+        version = trainer.publish_parameters({"w": torch.ones(3)})
+    finally:
+        trainer.close()
+    wait_until(lambda: r.list().get("rl/parameters") == version, TIMEOUT,
+               "the trainer's parameters, replicated")
