@@ -33,7 +33,7 @@ from typing import Any, Unpack
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
 from ..client.facts import SessionEvents, SessionFacts
-from ..client.failover import PrimaryChoice, addresses
+from ..client.failover import PrimaryChoice, resolve_list
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.pipeline import Pipeline
@@ -105,17 +105,10 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
             changes["timeout"] = timeout
         opts = self._options = ClientOptions.of(options, **changes)
         self.timeout, self.reconnect = opts.timeout, opts.reconnect
-        hosts = addresses(host)
         #: An address list's servers (``None``: one server): each connection goes to the
         #: one that says it is the primary (README: Replication and failover).
-        self.primary_choice: PrimaryChoice | None = None
-        if hosts is None:
-            assert not isinstance(host, list)  # (a list is an address list)
-            self.endpoint = opts.endpoint(host, port)
-        else:
-            self.primary_choice = PrimaryChoice([opts.endpoint(h, port) for h in hosts],
-                                                opts.timeout)
-            self.endpoint = self.primary_choice.endpoints[0]
+        self.primary_choice: PrimaryChoice | None
+        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)

@@ -64,12 +64,7 @@ async def _exchange(probe: Probe, timeout: float,
         try:
             writer.write(probe.start())
             while not probe.done:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise ConnectionResetError("the server closed the connection")
-                out = probe.feed(data)
-                if out:
-                    writer.write(out)
+                writer.write(probe.feed(await reader.read(1 << 16)))
             return probe
         finally:
             writer.close()

@@ -32,7 +32,8 @@ from ..wire.protocol import PROTOCOL_VERSIONS, encode_message
 from ..wire.replication import Psync
 from .endpoint import Endpoint
 
-__all__ = ["PROBE_ERRORS", "PrimaryChoice", "PrimaryFinder", "Probe", "addresses"]
+__all__ = ["PROBE_ERRORS", "PrimaryChoice", "PrimaryFinder", "Probe", "addresses",
+           "resolve_list"]
 
 _PROBE = "tensorshare-probe"
 _NO_BIN = "tensorshare-probe-no-bin"
@@ -89,6 +90,9 @@ class Probe:
         return b"".join(encode_message(hello)[0])
 
     def feed(self, data: bytes) -> bytes:
+        """What came (``b""``: the server closed the connection, an error)."""
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
         out: list[bytes] = []
         for frame in self.decoder.feed(data):
             if self.reply is not None:
@@ -109,6 +113,18 @@ class Probe:
             return b"".join(encode_message(self.request)[0])
         self.stage, self.reply = "done", h
         return b""
+
+
+def resolve_list(host: Any, port: int | None, endpoint: Callable[[Any, int | None], Endpoint],
+                 timeout: float) -> tuple[Endpoint, PrimaryChoice | None]:
+    """A face's servers: its endpoint and, for an address list (:func:`addresses`), the
+    :class:`PrimaryChoice` of its servers (the endpoint: the first of them)."""
+    hosts = addresses(host)
+    if hosts is None:
+        assert not isinstance(host, list)  # (a list is an address list)
+        return endpoint(host, port), None
+    choice = PrimaryChoice([endpoint(h, port) for h in hosts], timeout)
+    return choice.endpoints[0], choice
 
 
 def _header(frame: Any) -> dict[str, Any]:
@@ -247,12 +263,7 @@ class PrimaryFinder(PrimaryChoice):
             sock.settimeout(self.probe_timeout)
             sock.sendall(probe.start())
             while not probe.done:
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionResetError("the server closed the connection")
-                out = probe.feed(data)
-                if out:
-                    sock.sendall(out)
+                sock.sendall(probe.feed(sock.recv(1 << 16)))
             return probe
         finally:
             sock.close()

@@ -51,7 +51,7 @@ from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply
 from .endpoint import Endpoint
 from .facts import SessionEvents, SessionFacts
-from .failover import PROBE_ERRORS, PrimaryChoice, Probe, addresses
+from .failover import PROBE_ERRORS, PrimaryChoice, Probe, resolve_list
 from .ops import (
     NOWAIT,
     Command,
@@ -160,17 +160,10 @@ class TxClient(SessionFacts, SessionEvents, Ops):
                  **overrides: Unpack[AllOptionFields]) -> None:
         opts = self.options = ClientOptions.of(options, **overrides)
         self.reactor = reactor
-        hosts = addresses(host) if connector is None else None
         #: An address list's servers (``None``: one server): each connection goes to the
         #: one that says it is the primary (README: Replication and failover).
-        self.primary_choice: PrimaryChoice | None = None
-        if hosts is None:
-            assert not isinstance(host, list)  # (a list is an address list)
-            self.endpoint = opts.endpoint(host, port)
-        else:
-            self.primary_choice = PrimaryChoice([opts.endpoint(h, port) for h in hosts],
-                                                opts.timeout)
-            self.endpoint = self.primary_choice.endpoints[0]
+        self.primary_choice: PrimaryChoice | None
+        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)

@@ -3,30 +3,50 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from tensorshare import Client
+from tests.chaos import ServerProcess
 
 #: Each client's timeout: generous, so that only real failures raise.
 CLIENT_TIMEOUT = 30.0
+
+T = TypeVar("T")
+
+
+def closed_after(new: Callable[..., T]) -> Iterator[Callable[..., T]]:
+    """A fixture's body: yields ``new`` (clients, servers, proxies: anything with a
+    ``close``), and closes everything it made at the end of the test."""
+    made: list[Any] = []
+
+    def make(*args: Any, **kw: Any) -> T:
+        x = new(*args, **kw)
+        made.append(x)
+        return x
+
+    try:
+        yield make
+    finally:
+        for x in made:
+            x.close()
 
 
 @pytest.fixture
 def clients() -> Iterator[Callable[..., Client]]:
     """``clients(port, **kw)``: a client of the server on ``port`` (on 127.0.0.1), closed at
     the end of the test."""
-    made: list[Client] = []
 
-    def make(port: int, **kw: Any) -> Client:
+    def client(port: int, **kw: Any) -> Client:
         kw.setdefault("timeout", CLIENT_TIMEOUT)
-        c = Client("127.0.0.1", port, **kw)
-        made.append(c)
-        return c
+        return Client("127.0.0.1", port, **kw)
 
-    try:
-        yield make
-    finally:
-        for c in made:
-            c.close()
+    yield from closed_after(client)
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., ServerProcess]]:
+    """``procs(*args)``: a ``tensorshare serve`` process on a free port with those options
+    (:class:`tests.chaos.ServerProcess`), killed at the end of the test."""
+    yield from closed_after(lambda *args: ServerProcess(0, *args))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,22 +31,6 @@ TIMEOUT = 20.0
 #: A producer's loop: ``produce(addresses, acked, stop)`` appends ``0, 1, 2, ...`` to bin
 #: ``q`` until ``stop`` is set, recording each acknowledged one in ``acked``.
 Produce = Callable[[list[str], list[int], threading.Event], None]
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., ServerProcess]]:
-    made: list[ServerProcess] = []
-
-    def make(*args: str) -> ServerProcess:
-        p = ServerProcess(0, *args)
-        made.append(p)
-        return p
-
-    try:
-        yield make
-    finally:
-        for p in made:
-            p.close()
 
 
 def fail_over(procs: Callable[..., ServerProcess], clients: Callable[..., Client],

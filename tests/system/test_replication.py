@@ -8,7 +8,7 @@ a sleep: conditions are polled with deadlines; every process is killed in ``fina
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +25,6 @@ from tests.chaos import HOST, ChaosProxy, ServerProcess
 from tests.conftest import wait_until
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., ServerProcess]]:
-    made: list[ServerProcess] = []
-
-    def make(*args: str) -> ServerProcess:
-        p = ServerProcess(0, *args)
-        made.append(p)
-        return p
-
-    try:
-        yield make
-    finally:
-        for p in made:
-            p.close()
 
 
 def repl(c: Client) -> dict[str, Any]:
