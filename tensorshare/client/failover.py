@@ -150,7 +150,8 @@ class PrimaryChoice:
 
     Args:
         endpoints: the servers, each with its token and user.
-        timeout: seconds the client may take to connect (a probe takes at most 5 of them).
+        timeout: seconds the client may take to connect (a probe takes at most half, and
+            at most 5 s).
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], timeout: float) -> None:
@@ -162,7 +163,9 @@ class PrimaryChoice:
 
     @property
     def probe_timeout(self) -> float:
-        return min(self.timeout, 5.0)
+        """How long a probe may take: a server that never answers (a machine that is gone)
+        costs at most this, and leaves half the client's timeout to connect."""
+        return min(self.timeout / 2, 5.0)
 
     def role_probe(self, ep: Endpoint) -> Probe:
         """The probe that asks ``ep`` its role and term (``stats`` of no bin)."""
