@@ -57,6 +57,7 @@ class ReplayInfoResult:
     stats: dict[str, Any]
 
 
+@dataclass(slots=True, eq=False)
 class Sample:
     """A sample of a replay bin: ``items`` (like tensors stacked along a new first
     dimension, dicts of like tensors stacked key by key, anything else a list), ``keys``
@@ -66,15 +67,11 @@ class Sample:
     sum of ``priority ** priority_exponent``, or the size for the other samplers: what a
     sharded sample weighs the bin by)."""
 
-    __slots__ = ("items", "keys", "probabilities", "size", "total")
-
-    def __init__(self, items: Any, keys: Any, probabilities: Any, size: int,
-                 total: float = 0.0) -> None:
-        self.items = items
-        self.keys = keys
-        self.probabilities = probabilities
-        self.size = size
-        self.total = total
+    items: Any
+    keys: Any
+    probabilities: Any
+    size: int
+    total: float = 0.0
 
     def __iter__(self) -> Any:
         return iter((self.items, self.keys, self.probabilities, self.size))

@@ -10,6 +10,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
+from .._reactor import ReactorThread
 from .hub import Hub, Upstream
 from .web import Auth, DashboardResource, DashboardSite, is_loopback
 
@@ -41,7 +42,7 @@ def check_exposure(host: str, token: str | None, insecure: bool) -> None:
                      f"network")
 
 
-class Dashboard:
+class Dashboard(ReactorThread):
     """A read-only dashboard of one or more tensorshare servers, served over HTTP.
 
     Usage::
@@ -70,6 +71,8 @@ class Dashboard:
         OSError: the port could not be bound.
     """
 
+    _what = "dashboard"
+
     def __init__(self, servers: Sequence[str] | str, *, port: int = 8080,
                  host: str = "127.0.0.1", read_token: str | None = None,
                  tls_ca: str | None = None, timeout: float = 5.0, interval: float = 1.0,
@@ -97,13 +100,10 @@ class Dashboard:
         except BaseException:
             self._close_reactor()
             raise
-        self.port: int = self._port.getHost().port
+        self.port = self._port.getHost().port
         self.auth.port = self.port
-        self._done = threading.Event()
         self.reactor.callWhenRunning(self.hub.start)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"tensorshare-dashboard-{self.port}")
-        self._thread.start()
+        self._start_thread(f"tensorshare-dashboard-{self.port}")
 
     @property
     def url(self) -> str:
@@ -125,32 +125,6 @@ class Dashboard:
     def _changed(self, index: int, event: dict[str, Any]) -> None:
         self.hub.changed(index, event)
 
-    def _run(self) -> None:
-        try:
-            self.reactor.run(installSignalHandlers=False)
-        finally:
-            self._done.set()
-
-    def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
-        """Run ``fn(*args)`` in the dashboard's reactor thread and return its result."""
-        done = threading.Event()
-        box: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed back to the caller
-                box.append((False, exc))
-            done.set()
-
-        self.reactor.callFromThread(run)
-        if not done.wait(timeout):
-            raise TimeoutError("the dashboard's reactor did not answer")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
     def first_contact(self, timeout: float) -> list[str | None]:
         """Wait (up to ``timeout``) for the first attempt to reach each server; return each
         one's error then (``None``: it answered)."""
@@ -169,30 +143,3 @@ class Dashboard:
         self.hub.stop()
         self._port.stopListening()
         self.reactor.callLater(0.05, self.reactor.stop)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Close every stream and connection, stop the reactor and join its thread."""
-        if not self._done.is_set():
-            self.reactor.callFromThread(self._shutdown)
-            if not self._done.wait(timeout):
-                raise TimeoutError(f"the dashboard on port {self.port} did not stop within "
-                                   f"{timeout:g} s")
-        self._thread.join(timeout)
-        self._close_reactor()
-
-    def _close_reactor(self) -> None:
-        try:
-            self.reactor.waker.connectionLost(None)
-            self.reactor._poller.close()
-        except (AttributeError, OSError):
-            pass
-
-    @property
-    def running(self) -> bool:
-        return not self._done.is_set()
-
-    def __enter__(self) -> Dashboard:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -86,41 +86,36 @@ WARMUP_SECONDS = 2.0  # the demo's 1-worker phase, for the speedup it prints
 
 
 # -- the run's bins ------------------------------------------------------------------------------------
+#: The bins of a run: each one's attribute of :class:`Bins` -> its name under the run's prefix.
+_BIN_NAMES = {"params": "parameters", "data": "rollouts", "policy": "policy", "ready": "ready",
+              "active": "active"}
+
+
 @dataclass(frozen=True)
 class Bins:
-    """The bins of one run, all under one prefix so that runs sharing a server stay apart."""
+    """The bins of one run, all under one prefix so that runs sharing a server stay apart.
+
+    Attributes:
+        params: the parameters (its version is the parameter version).
+        data: the segments, tagged with the version that played them.
+        policy: the service bin of the policy, with central inference (``central=True``).
+        ready: each worker appends its id once connected: the trainer starts the clock after.
+        active: how many workers may act (ids below it); missing: all. For the demo's warm-up.
+        stop: where the trainer signals the end of the run (see :mod:`tensorshare.rl`).
+    """
 
     prefix: str
+    params: str = field(init=False)
+    data: str = field(init=False)
+    policy: str = field(init=False)
+    ready: str = field(init=False)
+    active: str = field(init=False)
+    stop: str = field(init=False)
 
-    @property
-    def params(self) -> str:
-        """The parameters (its version is the parameter version)."""
-        return f"{self.prefix}/parameters"
-
-    @property
-    def data(self) -> str:
-        """The segments, tagged with the version that played them."""
-        return f"{self.prefix}/rollouts"
-
-    @property
-    def policy(self) -> str:
-        """The service bin of the policy, with central inference (``central=True``)."""
-        return f"{self.prefix}/policy"
-
-    @property
-    def ready(self) -> str:
-        """Each worker appends its id once connected: the trainer starts the clock after."""
-        return f"{self.prefix}/ready"
-
-    @property
-    def active(self) -> str:
-        """How many workers may act (ids below it); missing: all. For the demo's warm-up."""
-        return f"{self.prefix}/active"
-
-    @property
-    def stop(self) -> str:
-        """Where the trainer signals the end of the run (see :mod:`tensorshare.rl`)."""
-        return stop_bin_for(self.data)
+    def __post_init__(self) -> None:
+        for attr, name in _BIN_NAMES.items():
+            object.__setattr__(self, attr, f"{self.prefix}/{name}")
+        object.__setattr__(self, "stop", stop_bin_for(self.data))
 
     def all(self) -> list[str]:
         """Every bin of the run."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
+from .._reactor import ReactorThread
 from ..wire.messages import Limits
 from .auth import check_exposure
 from .config import ServerConfig
@@ -24,7 +25,7 @@ __all__ = ["EmbeddedServer", "run_server"]
 log = Logger(namespace="tensorshare.server")
 
 
-class EmbeddedServer:
+class EmbeddedServer(ReactorThread):
     """A server running on a private reactor in a daemon thread.
 
     Usage::
@@ -64,6 +65,8 @@ class EmbeddedServer:
             or an empty token.
     """
 
+    _what = "server"
+
     def __init__(self, port: int | None = 0, *, host: str = "127.0.0.1",
                  limits: Limits | None = None, max_memory: int | None = None,
                  config: ServerConfig | None = None, unix: str | None = None,
@@ -81,7 +84,6 @@ class EmbeddedServer:
         self._ports: list[Any] = []
         self.reactor = make_reactor()
         self._stopping = False
-        self._reactor_closed = False
         try:
             self.factory = ServerFactory(self.reactor, limits, max_memory, config=config)
             if port is not None:
@@ -100,13 +102,8 @@ class EmbeddedServer:
             self._close_reactor()
             raise
         # The TCP port (0 if there is none).
-        self.port: int = self._ports[0].getHost().port if port is not None else 0
-        # Liveness is this event, not Thread.is_alive(): a join() interrupted by Ctrl+C can
-        # leave a thread marked as stopped while it runs on (CPython 3.11).
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"tensorshare-server-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        self.port = self._ports[0].getHost().port if port is not None else 0
+        self._start_thread(f"tensorshare-server-{self.port}")
         log.info("tensorshare server listening on {where}", where=", ".join(self.addresses))
 
     @property
@@ -116,32 +113,6 @@ class EmbeddedServer:
         if self.unix is not None:
             out.append(f"unix://{self.unix}")
         return out
-
-    def call(self, fn: Any, *args: Any, timeout: float = 10.0) -> Any:
-        """Run ``fn(*args)`` in the server's reactor thread and return its result."""
-        done = threading.Event()
-        box: list[Any] = []
-
-        def run() -> None:
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed back to the caller below
-                box.append((False, exc))
-            done.set()
-
-        self.reactor.callFromThread(run)
-        if not done.wait(timeout):
-            raise TimeoutError("the server's reactor did not answer")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def _run(self) -> None:
-        try:
-            self.reactor.run(installSignalHandlers=False)
-        finally:
-            self._done.set()
 
     def _shutdown(self) -> None:
         if self._stopping or not self.reactor.running:
@@ -166,37 +137,10 @@ class EmbeddedServer:
         """
         if timeout is None:
             timeout = 600.0 if self.factory.config.data_dir else 10.0
-        if not self._done.is_set():
-            self.reactor.callFromThread(self._shutdown)
-            if not self._done.wait(timeout):
-                raise TimeoutError(f"the server thread on port {self.port} did not stop "
-                                   f"within {timeout:g} s")
-        self._thread.join(timeout)
+        super().stop(timeout)
+
+    def _stopped(self) -> None:
         self.factory.close_persistence()  # if the reactor ended some other way
-        self._close_reactor()
-
-    def _close_reactor(self) -> None:
-        # A private reactor is never used again: give back its epoll and waker descriptors,
-        # or a process that starts many servers (a test suite) runs out of them.
-        if self._reactor_closed:
-            return
-        self._reactor_closed = True
-        try:
-            self.reactor.waker.connectionLost(None)
-            self.reactor._poller.close()
-        except (AttributeError, OSError):  # another reactor type, or already closed
-            pass
-
-    @property
-    def running(self) -> bool:
-        """Whether the server is running (its reactor thread has not ended)."""
-        return not self._done.is_set()
-
-    def __enter__(self) -> EmbeddedServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def secured(config: ServerConfig | None, token: str | None, token_file: str | None,

@@ -270,11 +270,15 @@ class Persistence:
         # their records (log and snapshot) by op -> apply (returns the reply to remember),
         # their snapshot parts (called on the server's thread: each returns what to write,
         # as (header, buffers) pairs, from the writing thread), their remembered replies'
-        # ops by reply class, and what each does once a snapshot is loaded.
+        # ops by reply class, and what each does once a snapshot is loaded (a snapshot, or
+        # a replica's full copy, replaces every bin of theirs).
         self.kind_records: dict[str, Callable[[dict[str, Any], bytearray], Any]] = {}
         self.kind_parts: list[Callable[[], Iterator[tuple[dict[str, Any], list[Any]]]]] = []
         self.kind_replies: dict[type, str] = {}
         self.kind_loaded: list[Callable[[], None]] = []
+        #: What each does when a snapshot starts loading (a replica's full copy may start
+        #: again after a cut one: what the cut one left is dropped).
+        self.kind_begin: list[Callable[[], None]] = []
         #: The newest term (replication's epoch) recorded in this data set (``term`` records).
         self.term = 0
         #: Called with each record's chunks and size as it is added (replication's tap).
@@ -648,8 +652,7 @@ class Persistence:
             self._unsynced = False
         self._segment += 1
         self._open_segment()
-        state = replace(_capture(store, sessions, self.term),
-                        parts=[c() for c in self.kind_parts], reply_ops=self.kind_replies)
+        state = self.capture(store, sessions)
         self.last_snapshot = time.monotonic()
 
         def job() -> None:
@@ -668,6 +671,13 @@ class Persistence:
             self._snapshot_thread = threading.Thread(target=job, daemon=True,
                                                      name="tensorshare-snapshot")
             self._snapshot_thread.start()
+
+    def capture(self, store: Store, sessions: SessionTable, term: int | None = None) -> _State:
+        """References to everything a snapshot holds, the other kinds' bins included (on
+        the server's thread; :func:`_snapshot_frames` writes it from any thread): a snapshot
+        file, or a replica's full copy."""
+        return replace(_capture(store, sessions, self.term if term is None else term),
+                       parts=[c() for c in self.kind_parts], reply_ops=self.kind_replies)
 
     def _write_snapshot(self, number: int, state: _State) -> None:
         path = self._path("snapshot", number)
@@ -903,6 +913,8 @@ class SnapshotLoader:
         self.bins: dict[str, tuple[str, list[tuple[Any, int, int | None]]]] = {}
         self.metas: list[tuple[str, int, BinConfig, int]] = []
         self.ended = False
+        for begin in persist.kind_begin:
+            begin()
 
     def feed(self, h: dict[str, Any], payload: bytearray) -> None:
         """One record; raises ``KeyError``, ``TypeError``, ``ValueError`` if malformed."""

@@ -623,25 +623,15 @@ class ReplayTable:
 
     def check_insert(self, count: int) -> None:
         """``InvalidRequest`` if an insert of ``count`` items could never proceed."""
-        _check_batch(count, "an insert")
-        most = self.limiter.max_insert()
-        if count > most:
-            raise InvalidRequest(
-                f"an insert of {count} items is more than the rate limiter lets one request "
-                f"carry ({math.floor(most)}: half the error_buffer window over "
-                "samples_per_insert, so that inserts and samples can never block each other "
-                "for good): insert fewer at a time or raise error_buffer")
+        _check_request(count, "an insert", self.limiter.max_insert(),
+                       f"an insert of {count} items", "carry", " over samples_per_insert",
+                       "insert fewer at a time or raise error_buffer")
 
     def check_sample(self, batch_size: int) -> None:
         """``InvalidRequest`` if a sample of ``batch_size`` could never proceed."""
-        _check_batch(batch_size, "a sample")
-        most = self.limiter.max_sample()
-        if batch_size > most:
-            raise InvalidRequest(
-                f"a sample of {batch_size} is more than the rate limiter lets one request "
-                f"draw ({math.floor(most)}: half the error_buffer window, so that inserts and "
-                "samples can never block each other for good): raise error_buffer to at "
-                f"least {batch_size} or sample smaller batches")
+        _check_request(batch_size, "a sample", self.limiter.max_sample(),
+                       f"a sample of {batch_size}", "draw", "",
+                       f"raise error_buffer to at least {batch_size} or sample smaller batches")
         if self._max_times and batch_size > self._max_size * self._max_times:
             raise InvalidRequest(
                 f"a sample of {batch_size} is more than max_size * max_times_sampled = "
@@ -922,6 +912,20 @@ class ReplayTable:
 def _check_batch(count: object, what: str) -> None:
     if not _is_int(count) or not 1 <= count <= MAX_BATCH:
         raise InvalidRequest(f"{what} carries 1 to {MAX_BATCH} items, not {count!r}")
+
+
+def _check_request(count: int, what: str, most: float, request: str, verb: str,
+                   over: str, fix: str) -> None:
+    """``InvalidRequest`` unless ``count`` items make a batch (:func:`_check_batch`) that
+    the rate limiter lets one request move (``most``: half the error_buffer window, ``over``
+    what it is taken over), so that inserts and samples can never block each other for
+    good; ``request``, ``verb`` and ``fix`` word the refusal."""
+    _check_batch(count, what)
+    if count > most:
+        raise InvalidRequest(
+            f"{request} is more than the rate limiter lets one request {verb} "
+            f"({math.floor(most)}: half the error_buffer window{over}, so that inserts and "
+            f"samples can never block each other for good): {fix}")
 
 
 def _restore(cls: type[ReplayTable], state: Mapping[str, Any],

@@ -19,8 +19,9 @@ they arrived (encoded, never decoded here). The ops (:mod:`tensorshare.wire.repl
 Inserts, samples and updates are remembered for their session (exactly once across
 reconnects). Items' bytes count against ``max_memory`` and their user's quota until they
 leave the bin. With a data directory, each op that changed a bin is a record of the data
-log and every bin is in the snapshots (:mod:`.persist` calls :meth:`ReplayKind.load` and
-:meth:`ReplayKind.snapshot_state`).
+log and every bin is in the snapshots (:mod:`.replaylog`); the same records and snapshots
+make a replica's replay bins follow its primary's (:mod:`.replication`): a replica answers
+``replay_info`` and refuses the other ops (``read_only_replica``) until it is promoted.
 """
 
 from __future__ import annotations
@@ -239,15 +240,35 @@ class ReplayKind:
         """The server keeps a data log ``p``: replay bins are in it (called before it loads)."""
         ReplayLog(self, self.server.config.limits.max_depth).register(p)
 
-    def adopt(self, name: str, table: ReplayTable) -> ReplayBin:
-        """Take a table read back from a snapshot as the bin ``name``."""
+    def adopt(self, name: str, table: ReplayTable, version: int = 0) -> ReplayBin:
+        """Take a table read back from a snapshot (or a replica's full copy) as the bin
+        ``name``, in place of the one of that name (its listeners are told)."""
+        old = self.bins.get(name)
         b = self.bins[name] = ReplayBin(name, table)
+        b.version = version
+        if old is not None:
+            self._recount(old)  # (no longer in the kind: it counts nothing)
         self.settle(b)
+        self.server.changed(name, "put", len(table), version, 0)
         return b
+
+    def drop(self, name: str) -> None:
+        """A snapshot (a replica's full copy) has no bin ``name``: it goes (nothing waits on
+        a replica's bins: their ops are refused there)."""
+        b = self.bins.pop(name)
+        self._recount(b)
+        self._busy.discard(name)
+        self.server.changed(name, "delete", 0, b.version + 1, 0)
 
     def settle(self, b: ReplayBin) -> None:
         """After ``b``'s table changed: what left it is released, its cost counted."""
         self._release(b)
+
+    def applied(self, b: ReplayBin, op: str) -> None:
+        """A record of the data log (a restart's replay, or a replica following its primary)
+        changed ``b`` as ``op`` did: settled, its version counted, its listeners told."""
+        self.settle(b)
+        self._changed(b, op)
 
     # -- open, info, update -----------------------------------------------------------------
     def _open(self, conn: Conn, msg: ReplayOpen) -> ReplayOpened:

@@ -12,10 +12,14 @@ that the replies are remembered again; see ``docs/PROTOCOL.md`` §12 and §15.3)
 * ``replay_update``: ``bin``, ``keys``, ``priorities``.
 
 Snapshot records: ``replay_bin`` (``bin``, ``state``: the table's
-:meth:`~.replay.ReplayTable.state` but its items) and ``replay_items`` (``bin``, ``rows``: the
-state's item rows, in slot order, and ``items``: their payloads), at most
-:data:`SNAP_ITEMS` a record. Nothing read back is unpickled: items are parsed and checked as
-items from the network, the state by :meth:`~.replay.ReplayTable.from_state`.
+:meth:`~.replay.ReplayTable.state` but its items, and ``version``: the bin's version) and
+``replay_items`` (``bin``, ``rows``: the state's item rows, in slot order, and ``items``: their
+payloads), at most :data:`SNAP_ITEMS` a record. A snapshot (a file, or a replica's full copy:
+:mod:`.replication`) holds every replay bin: loading one replaces them all. The same rows
+apply a replica's records as they arrive, so a replica's bins follow its primary's (their
+versions too: each insert, sample and update counts one, as on the primary). Nothing read
+back is unpickled: items are parsed and checked as items from the network, the state by
+:meth:`~.replay.ReplayTable.from_state`.
 """
 
 from __future__ import annotations
@@ -51,8 +55,8 @@ class ReplayLog:
     def __init__(self, kind: Any, max_depth: int) -> None:
         self.kind = kind
         self.max_depth = max_depth
-        # Bins of the snapshot being loaded: name -> (state, rows, payloads by key).
-        self._loading: dict[str, tuple[dict[str, Any], list[Any], dict[int, Any]]] = {}
+        # Bins of the snapshot being loaded: name -> (state, rows, payloads by key, version).
+        self._loading: dict[str, tuple[dict[str, Any], list[Any], dict[int, Any], int]] = {}
 
     def register(self, p: Any) -> None:
         """Make the data log ``p`` read and write replay records."""
@@ -64,6 +68,7 @@ class ReplayLog:
         p.kind_replies.update({ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
                                ReplayUpdated: "replay_update"})
         p.kind_loaded.append(self._loaded)
+        p.kind_begin.append(self._loading.clear)
 
     # -- the log --------------------------------------------------------------------------
     def _table(self, h: dict[str, Any]) -> Any:
@@ -85,7 +90,7 @@ class ReplayLog:
         if keys != h["keys"]:
             raise ValueError(f"the insert gave the keys {keys}, not the logged {h['keys']}")
         b.max_item = max(b.max_item, *sizes)
-        self.kind.settle(b)
+        self.kind.applied(b, "replay_insert")
         return ReplayInserted(h.get("id", 0), tuple(keys), len(b.table))
 
     def _sample(self, h: dict[str, Any], payload: bytearray) -> ReplaySampled:
@@ -93,7 +98,7 @@ class ReplayLog:
         drawn = b.table.sample(h["batch_size"])
         if drawn.keys != h["keys"]:
             raise ValueError(f"the sample drew the keys {drawn.keys}, not the logged {h['keys']}")
-        self.kind.settle(b)
+        self.kind.applied(b, "replay_sample")
         return ReplaySampled(h.get("id", 0), tuple(e.item for e in drawn.payloads),
                              tuple(drawn.keys), tuple(drawn.probabilities), drawn.sizes[0],
                              b.table.total_weight(), sum(e.nbytes for e in drawn.payloads))
@@ -101,6 +106,7 @@ class ReplayLog:
     def _update(self, h: dict[str, Any], payload: bytearray) -> ReplayUpdated:
         b = self._table(h)
         skipped = b.table.update_priorities(h["keys"], h["priorities"])
+        self.kind.applied(b, "replay_update")
         return ReplayUpdated(h.get("id", 0), len(h["keys"]) - skipped, skipped)
 
     # -- snapshots ------------------------------------------------------------------------
@@ -111,17 +117,20 @@ class ReplayLog:
         for name, b in sorted(self.kind.bins.items()):
             state = b.table.state()
             rows = state.pop("items")
-            bins.append((name, state, rows, [b.table.get(r[0]).payload.item for r in rows]))
+            items = [b.table.get(r[0]).payload.item for r in rows]
+            bins.append((name, b.version, state, rows, items))
         return _records(bins)
 
     def _bin(self, h: dict[str, Any], payload: bytearray) -> None:
-        state = h["state"]
+        state, version = h["state"], h.get("version", 0)
         if not isinstance(state, dict):
             raise TypeError("'state' must be a map")
-        self._loading[h["bin"]] = (state, [], {})
+        if type(version) is not int or version < 0:
+            raise TypeError("'version' must be an int >= 0")
+        self._loading[h["bin"]] = (state, [], {}, version)
 
     def _items(self, h: dict[str, Any], payload: bytearray) -> None:
-        _, rows, payloads = self._loading[h["bin"]]
+        _, rows, payloads, _ = self._loading[h["bin"]]
         items = parse_items(h, payload, self.max_depth)
         if not isinstance(h["rows"], list) or len(h["rows"]) != len(items):
             raise ValueError("a replay_items record needs one row per item")
@@ -130,18 +139,24 @@ class ReplayLog:
             payloads[row[0]] = Entry(it, item_wire_size(it), None)
 
     def _loaded(self) -> None:
-        """The snapshot is read: make its tables (the log replayed after it changes them)."""
-        loading, self._loading = self._loading, {}
-        for name, (state, rows, payloads) in loading.items():
-            table = ReplayTable.from_state(dict(state, items=rows), payloads)
-            b = self.kind.adopt(name, table)
+        """The snapshot is read: its tables replace every replay bin (the log replayed after
+        it changes them)."""
+        loading = dict(self._loading)
+        self._loading.clear()
+        tables = {name: (ReplayTable.from_state(dict(state, items=rows), payloads), payloads,
+                         version)
+                  for name, (state, rows, payloads, version) in loading.items()}
+        for name in [n for n in self.kind.bins if n not in tables]:
+            self.kind.drop(name)
+        for name, (table, payloads, version) in tables.items():
+            b = self.kind.adopt(name, table, version)
             b.max_item = max((e.nbytes for e in payloads.values()), default=0)
 
 
-def _records(bins: list[tuple[str, dict[str, Any], list[Any], list[Any]]]
+def _records(bins: list[tuple[str, int, dict[str, Any], list[Any], list[Any]]]
              ) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-    for name, state, rows, items in bins:
-        yield {"op": "replay_bin", "bin": name, "state": state}, []
+    for name, version, state, rows, items in bins:
+        yield {"op": "replay_bin", "bin": name, "state": state, "version": version}, []
         for i in range(0, len(rows), SNAP_ITEMS):
             buffers: list[Any] = []
             header = items_header(items[i:i + SNAP_ITEMS], buffers)

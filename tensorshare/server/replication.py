@@ -9,8 +9,9 @@ with the log id and offset it has: the records after it come from the backlog, o
 backlog no longer reaches back that far, a **full copy** (the snapshot's records, captured in
 one go as references and streamed while the primary keeps serving) and then the records after
 the copy's offset. A replica applies records through the same code as a restart's replay
-(:meth:`.persist.Persistence._apply`), sessions and remembered replies included, and writes
-them as they are to its own data log if it has one.
+(:meth:`.persist.Persistence._apply`), sessions, remembered replies and replay bins included
+(their tables are in the copy, :meth:`.persist.Persistence.capture`, and each change is a
+record), and writes them as they are to its own data log if it has one.
 
 Writes on a replica are refused (``read_only_replica``, naming the primary) by the
 responder's ``fence``; so are they on a former primary that heard of a newer **term** (the
@@ -56,7 +57,7 @@ from ..wire.replication import (
     WaitReplicas,
     pushed_frame,
 )
-from .persist import Persistence, _capture, _record, _snapshot_frames
+from .persist import Persistence, _record, _snapshot_frames
 
 if TYPE_CHECKING:
     from .parts import Conn, Handler, Route
@@ -68,9 +69,12 @@ log = Logger(namespace="tensorshare.server")
 _REPL_OPS = frozenset({"psync", "repl_ack", "promote", "wait_replicas"})
 # The other kinds' ops: their state is not in the data log, so they live on the primary only.
 _KIND_OPS = frozenset(op.name for op in (*wire_streams.ROWS, *wire_services.ROWS))
+# Ops no read-only token may send but that change nothing: a replica serves them (replay
+# bins are replicated; a sample moves their random state and counts, so it is a write).
+_REPLICA_READS = frozenset({"replay_info"})
 _ALLOWED_ON_REPLICA = frozenset({"reload"})
 # What a replica serves only once its first full copy is applied.
-_DATA_READS = frozenset({"peek", "list", "listen"})
+_DATA_READS = frozenset({"peek", "list", "listen", "replay_info"})
 _PUMP_BYTES = 8 << 20  # a full copy queues at most about this much before it waits
 _PING_EVERY = 1.0
 
@@ -237,6 +241,8 @@ class Replication:
         f = self.server
         p = MemoryLog(f.config.limits, self._holds)
         p.term = self.term
+        for kind in f.kinds:  # replay bins: their records and full-copy parts, as on disk
+            getattr(kind, "persisted", lambda p: None)(p)
         f.persist = p
         f.store.journal = p.record
         return p
@@ -272,14 +278,14 @@ class Replication:
         if op in _REPL_OPS or op in _ALLOWED_ON_REPLICA:
             return None
         if self.role == "replica" or self.fenced is not None:
-            if route.read and op not in _KIND_OPS:
+            if (route.read and op not in _KIND_OPS) or op in _REPLICA_READS:
                 if op in _DATA_READS and self.role == "replica" and not self._synced():
                     return ErrorReply(msg.id, StorageUnavailable.code, (
                         f"this replica has not received its first full copy from "
                         f"{self.primary} yet: reads are served once it has"))
                 return None
             return ErrorReply(msg.id, ReadOnlyReplica.code, self._read_only(op))
-        if route.read:
+        if route.read or op in _REPLICA_READS:
             return None
         n = self.in_sync()
         if n < self.config.min_replicas:
@@ -394,7 +400,10 @@ class Replication:
     def _full(self, conn: Conn, msg: Psync) -> Any:
         f = self.server
         link = self.links[conn] = Link(conn, msg.address, self.offset, 0)
-        link.snap = _snapshot_frames(_capture(f.store, f.sessions, self.term))
+        p = f.persist
+        assert p is not None  # (_activate gave it one)
+        # (the replay bins too: every kind whose bins are in the data log)
+        link.snap = _snapshot_frames(p.capture(f.store, f.sessions, self.term))
         self.resyncs["full_resyncs"] += 1
         log.info("replica {addr} takes a full copy at offset {off}", addr=link.address,
                  off=self.offset)

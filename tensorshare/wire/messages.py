@@ -29,6 +29,7 @@ __all__ = [
     "Acked",
     "Append",
     "Auth",
+    "Batch",
     "Bye",
     "Cancel",
     "Challenge",
@@ -50,6 +51,7 @@ __all__ = [
     "Listening",
     "Listing",
     "Message",
+    "OfBin",
     "Ping",
     "Put",
     "Reload",
@@ -128,25 +130,41 @@ class ListBins:
 
 
 @dataclass(frozen=True, slots=True)
-class _OfBin:
-    """A request that names one bin and nothing else."""
+class OfBin:
+    """A request on one bin: its id and the bin's name, the fields every request that names
+    one bin starts with (``delete``, ``listen`` and ``unlisten`` carry nothing else; the
+    requests of streams and replay bins add their own)."""
 
     id: int
     bin: str
 
 
+class Batch:
+    """A request that carries ``item``, then ``rest``: its :attr:`items` (mixed into the
+    writes of the bin kinds: ``stream_append``, ``replay_insert``)."""
+
+    __slots__ = ()
+    item: Item
+    rest: tuple[Item, ...]
+
+    @property
+    def items(self) -> tuple[Item, ...]:
+        """Every item of the request, in order."""
+        return (self.item, *self.rest) if self.rest else (self.item,)
+
+
 @dataclass(frozen=True, slots=True)
-class Delete(_OfBin):
+class Delete(OfBin):
     """Delete the bin."""
 
 
 @dataclass(frozen=True, slots=True)
-class Listen(_OfBin):
+class Listen(OfBin):
     """Hear of each change of the bin (``Changed``), from now on."""
 
 
 @dataclass(frozen=True, slots=True)
-class Unlisten(_OfBin):
+class Unlisten(OfBin):
     """Hear no more of the bin's changes."""
 
 

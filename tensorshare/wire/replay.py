@@ -39,7 +39,7 @@ from .fields import (
     read_items,
 )
 from .frames import Payload
-from .messages import Item, Limits
+from .messages import Batch, Item, Limits, OfBin
 
 __all__ = [
     "CONFIG_FIELDS",
@@ -66,64 +66,49 @@ CONFIG_FIELDS = ("max_size", "sampler", "priority_exponent", "remover", "max_tim
 
 # -- messages -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class ReplayOpen:
+class ReplayOpen(OfBin):
     """Create replay bin ``bin`` with ``config`` (the :data:`CONFIG_FIELDS` given), or check
     that the bin has it (``seed`` ``None`` matches any seed); ``create=False`` only checks
     (``bin_not_found`` if there is no such bin)."""
 
-    id: int
-    bin: str
     config: dict[str, Any]
     create: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayInsert:
+class ReplayInsert(OfBin, Batch):
     """Insert ``item`` (then ``rest``) with ``priorities`` (one per item, finite, >= 0).
 
     ``timeout``: how long the insert may wait for the rate limiter (``None``: no limit;
     ``0``: not at all) before the error ``timeout``, nothing inserted."""
 
-    id: int
-    bin: str
     item: Item
     rest: tuple[Item, ...] = ()
     priorities: tuple[float, ...] = ()
     timeout: float | None = None
 
-    @property
-    def items(self) -> tuple[Item, ...]:
-        """Every item of the insert, in order."""
-        return (self.item, *self.rest) if self.rest else (self.item,)
-
 
 @dataclass(frozen=True, slots=True)
-class ReplaySample:
+class ReplaySample(OfBin):
     """Draw ``batch_size`` items; ``timeout`` as for :class:`ReplayInsert` (an empty bin
     waits too)."""
 
-    id: int
-    bin: str
     batch_size: int
     timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayUpdate:
+class ReplayUpdate(OfBin):
     """Set the priorities of the items ``keys`` (keys no longer in the bin are skipped)."""
 
-    id: int
-    bin: str
     keys: tuple[int, ...]
     priorities: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayInfo:
+class ReplayInfo(OfBin):
     """Ask for the bin's size, total weight and statistics."""
 
-    id: int
-    bin: str
 
 
 @dataclass(frozen=True, slots=True)

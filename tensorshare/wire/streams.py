@@ -42,7 +42,7 @@ from .fields import (
     read_items,
 )
 from .frames import Payload
-from .messages import Item, Limits
+from .messages import Batch, Item, Limits, OfBin
 
 __all__ = [
     "LAG_POLICIES",
@@ -81,7 +81,7 @@ MAX_LEASE = 3600.0
 
 # -- messages -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class StreamOpen:
+class StreamOpen(OfBin):
     """A producer opens a stream (creating it if needed) with the stream's settings.
 
     Attributes:
@@ -102,8 +102,6 @@ class StreamOpen:
             host (a Unix socket); ``replay="epoch"`` is refused.
     """
 
-    id: int
-    bin: str
     producer: int = 0
     producers: int = 1
     window: int = 32
@@ -116,7 +114,7 @@ class StreamOpen:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamAppend:
+class StreamAppend(OfBin, Batch):
     """A producer appends items (``item``, then ``rest``) to its epoch ``epoch``.
 
     ``samples``: the samples each item holds (one int per item); ``None``: 1 each.
@@ -124,8 +122,6 @@ class StreamAppend:
     other producers) before the error ``bin_full``; ``None``: no limit.
     """
 
-    id: int
-    bin: str
     producer: int
     epoch: int
     item: Item
@@ -133,14 +129,9 @@ class StreamAppend:
     samples: tuple[int, ...] | None = None
     timeout: float | None = None
 
-    @property
-    def items(self) -> tuple[Item, ...]:
-        """Every item of the append, in order."""
-        return (self.item, *self.rest) if self.rest else (self.item,)
-
 
 @dataclass(frozen=True, slots=True)
-class StreamEnd:
+class StreamEnd(OfBin):
     """A producer marks the end of its epoch ``epoch``, in which it sent ``samples`` samples;
     ``last``: it will send no more epochs (the stream finishes once every producer said so).
 
@@ -148,8 +139,6 @@ class StreamEnd:
     the others have not yet) before the error ``timeout``; ``None``: no limit.
     """
 
-    id: int
-    bin: str
     producer: int
     epoch: int
     samples: int
@@ -158,7 +147,7 @@ class StreamEnd:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamJoin:
+class StreamJoin(OfBin):
     """A consumer joins the stream under the name ``consumer`` (creating the stream if needed).
 
     Attributes:
@@ -171,8 +160,6 @@ class StreamJoin:
             (``False``: it moves to ``start``).
     """
 
-    id: int
-    bin: str
     consumer: str
     start: str = "now"
     lease: float = 10.0
@@ -180,7 +167,7 @@ class StreamJoin:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamRead:
+class StreamRead(OfBin):
     """A consumer reads up to ``max_items`` items from position ``at`` (``None``: from where
     its last read ended), which acknowledges every position before ``at``.
 
@@ -188,8 +175,6 @@ class StreamRead:
     default, and absent or nil on the wire: answer at once).
     """
 
-    id: int
-    bin: str
     consumer: str
     at: int | None = None
     max_items: int | None = None
@@ -197,11 +182,9 @@ class StreamRead:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamLeave:
+class StreamLeave(OfBin):
     """A consumer leaves the stream (it no longer holds anyone back)."""
 
-    id: int
-    bin: str
     consumer: str
 
 

@@ -26,6 +26,7 @@ from tensorshare.client.twisted import connect as connect_twisted
 from tensorshare.errors import ConnectError
 from tests.chaos import HOST, ServerProcess
 from tests.conftest import wait_until
+from tests.system.conftest import fail_over_under
 
 TIMEOUT = 20.0
 #: A producer's loop: ``produce(addresses, acked, stop)`` appends ``0, 1, 2, ...`` to bin
@@ -42,6 +43,7 @@ def fail_over(procs: Callable[..., ServerProcess], clients: Callable[..., Client
     replica = procs("--replica-of", f"{HOST}:{primary.port}")
     admin = clients(replica.port)
     wait_until(lambda: admin.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    resumed = admin.stats()["server"]["counters"].get("sessions_resumed", 0)
     both = [f"{HOST}:{replica.port}", f"{HOST}:{primary.port}"]
     acked: list[int] = []
     errors: list[BaseException] = []
@@ -50,24 +52,11 @@ def fail_over(procs: Callable[..., ServerProcess], clients: Callable[..., Client
     def run() -> None:
         try:
             produce(both, acked, stop)
-        except BaseException as exc:  # reported below
+        except BaseException as exc:  # reported by fail_over_under
             errors.append(exc)
 
-    t = threading.Thread(target=run, name="tensorshare-test-face")
-    t.start()
-    try:
-        wait_until(lambda: len(acked) >= 100 or bool(errors), TIMEOUT, "writes under way")
-        resumed = admin.stats()["server"]["counters"].get("sessions_resumed", 0)
-        primary.kill()
-        assert admin.promote() == 1
-        before = len(acked)
-        wait_until(lambda: len(acked) >= before + 100 or bool(errors), TIMEOUT,
-                   "writes on the promoted replica")
-    finally:
-        stop.set()
-        t.join(TIMEOUT * 2)
-    assert not t.is_alive()
-    assert not errors, errors
+    face = threading.Thread(target=run, name="tensorshare-test-face")
+    fail_over_under([face], [acked], errors, stop, primary, admin, 100)
     items = admin.peek(bin, max_items=None)
     assert len(items) == len(set(items)), "an append applied twice"
     missing = set(acked) - set(items)

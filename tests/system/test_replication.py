@@ -7,6 +7,7 @@ a sleep: conditions are polled with deadlines; every process is killed in ``fina
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from tensorshare.errors import (
 )
 from tests.chaos import HOST, ChaosProxy, ServerProcess
 from tests.conftest import wait_until
+from tests.system.conftest import fail_over_under
 
 TIMEOUT = 20.0
 
@@ -306,19 +308,7 @@ def test_clients_with_an_address_list_follow_the_promotion_and_resume_exactly_on
 
     threads = [threading.Thread(target=produce, args=(k,)) for k in range(6)]
     threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: sum(map(len, acked)) >= 300, TIMEOUT, "writes under way")
-    primary.kill()
-    assert admin.promote() == 1
-    before = sum(map(len, acked))
-    wait_until(lambda: sum(map(len, acked)) >= before + 300 or bool(errors), TIMEOUT,
-               "writes on the promoted replica")
-    stop.set()
-    for t in threads:
-        t.join(TIMEOUT * 2)
-        assert not t.is_alive()
-    assert not errors, errors
+    fail_over_under(threads, acked, errors, stop, primary, admin, 300)
     left = admin.peek("q", max_items=None) if "q" in admin.list() else []
     everything = [x for xs in got for x in xs] + list(left)
     assert len(everything) == len(set(everything)), "an item delivered twice"
@@ -357,6 +347,14 @@ def _fake_primary_messages(rng: Any) -> list[bytes]:
         push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "put", "bin": 7})),
         push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "take", "bin": "b"})),
         push({"op": "whatever", "term": 0}, good),
+        # replay bins in a full copy: a state that is none, rows for a bin never described
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_bin", "bin": "r",
+                                                  "state": {"version": 99}}))
+        + push({"op": "repl_snap", "term": 0}, rec({"op": "end"})),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_items", "bin": "r",
+                                                  "rows": [[1, 1.0, 0, 8, 0]]}, (1,))),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "replay_bin", "bin": "r",
+                                                  "state": {}, "version": -1})),
         b"".join(bytes(c) for c in pushed_frame({"op": "repl_ping", "term": 0}))[:-1]
         + b"\xc1",
         bytes(16) + rng.randbytes(64),
@@ -502,3 +500,103 @@ def test_a_client_that_sees_a_newer_term_fences_the_former_primary(
     with pytest.raises(ReadOnlyReplica):
         ca.put("v", 3)
     assert cb.peek("v") == 2 and ca.peek("v") == 1
+
+
+def test_a_failover_ends_streams_with_a_typed_error_and_services_carry_on(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """Streams and services live in memory on the primary. When it dies and a replica is
+    promoted, a stream's consumer waiting in a read and its producer get ``BinNotFound`` at
+    once (never a hang), a consumer that joins again is told it did not resume, and a
+    service's callers and hosts (with address lists) carry on on the promoted replica."""
+    from tensorshare.errors import BinNotFound
+
+    primary = procs()
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    both = f"tensorshare://{HOST}:{primary.port},{HOST}:{replica.port}"
+    admin, watch = clients(replica.port), clients(primary.port)
+    wait_until(lambda: repl(admin)["synced"], TIMEOUT, "the replica in sync")
+    producer, consumer, host, caller = (Client(both, timeout=TIMEOUT) for _ in range(4))
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def serve() -> None:  # a service host, as an InferenceHost runs
+        while not stop.is_set():
+            try:
+                batch = host.service_take("svc", timeout=0.5)
+                host.service_reply("svc", batch.batch, [v * 2 for v in batch.values])
+                answered.append(len(batch.values))
+            except TensorShareError:
+                continue  # (a take that timed out, or the connection lost: take again)
+
+    read: list[Any] = []
+
+    def wait_read() -> None:
+        try:
+            read.append(consumer.stream_read("s", "c", timeout=TIMEOUT / 2))
+        except BaseException as exc:  # checked below
+            read.append(exc)
+
+    threads = [threading.Thread(target=serve), threading.Thread(target=wait_read)]
+    try:
+        opened = producer.stream_open("s")
+        consumer.stream_join("s", "c")
+        producer.stream_append("s", [1, 2], epoch=opened.epoch)
+        assert consumer.stream_read("s", "c").items == [1, 2]
+        threads[0].start()
+        assert caller.service_call("svc", 21).value == 42
+        threads[1].start()
+        wait_until(lambda: watch.stats("s")["bins"]["s"]["waiters"] == 1, TIMEOUT,
+                   "the consumer's read waiting on the primary")
+        primary.kill()
+        assert admin.promote() == 1
+        threads[1].join(TIMEOUT)
+        assert not threads[1].is_alive(), "the waiting read hangs after the failover"
+        assert isinstance(read[0], BinNotFound), read
+        with pytest.raises(BinNotFound):
+            producer.stream_append("s", [3], epoch=opened.epoch)
+        joined = consumer.stream_join("s", "c")  # a new, empty stream: it says so
+        assert (joined.resumed, joined.head) == (False, 0)
+        producer.stream_append("s", [3], epoch=producer.stream_open("s").epoch)
+        assert consumer.stream_read("s", "c").items == [3]
+        assert caller.service_call("svc", 5).value == 10  # its host follows the primary
+    finally:
+        stop.set()
+        for t in threads:
+            if t.ident is not None:  # (started)
+                t.join(TIMEOUT)
+        for c in (producer, consumer, host, caller):
+            c.close()
+
+
+def test_replay_inserts_through_a_failover_are_applied_exactly_once(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """With ``--min-replicas 1``, an insert into a replay bin that was in flight when the
+    primary died is, retried on the promoted replica in the same session, applied once: the
+    bin holds exactly the acknowledged inserts, each key once."""
+    primary = procs("--min-replicas", "1")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    both = f"tensorshare://{HOST}:{primary.port},{HOST}:{replica.port}"
+    admin, watch = clients(replica.port), clients(primary.port)
+    wait_until(lambda: repl(admin)["synced"] and repl(watch)["replicas"][0]["live"], TIMEOUT,
+               "the replica in sync")
+    acked: list[list[int]] = [[], [], []]  # the keys each inserter was given
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def insert(keys: list[int]) -> None:
+        try:
+            with Client(both, timeout=TIMEOUT) as p:
+                p.replay_open("r", max_size=1_000_000, seed=7)
+                for i in itertools.count():
+                    if stop.is_set():
+                        return
+                    keys.extend(p.replay_insert("r", [(i, id(keys))], [1.0]))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=insert, args=(keys,)) for keys in acked]
+    fail_over_under(threads, acked, errors, stop, primary, admin, 150)
+    keys = [key for keys in acked for key in keys]
+    assert len(keys) == len(set(keys)), "one key given twice"
+    info = admin.replay_info("r")
+    assert info.size == info.stats["inserts"] == len(keys), "an insert lost or applied twice"
