@@ -208,3 +208,39 @@ def test_the_wings_and_the_callback_api_reach_the_primary_of_an_address_list(
         trainer.close()
     wait_until(lambda: r.list().get("rl/parameters") == version, TIMEOUT,
                "the trainer's parameters, replicated")
+
+
+def test_an_inference_client_and_its_host_follow_the_promotion(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """A service lives on the primary only; with address lists, the host takes again from
+    the promoted replica and the caller's calls are answered there, each right."""
+    import torch
+
+    from tensorshare.inference import InferenceClient, InferenceHost
+
+    primary = procs()
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    admin = clients(replica.port)
+    wait_until(lambda: admin.stats()["server"]["replication"]["synced"], TIMEOUT, "in sync")
+    both = [f"{HOST}:{replica.port}", f"{HOST}:{primary.port}"]
+    model = torch.nn.Linear(2, 1)
+    answered: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def call() -> None:
+        try:
+            with InferenceClient("policy", both, timeout=TIMEOUT) as pc:  # type: ignore[arg-type]
+                i = 0
+                while not stop.is_set():
+                    x = torch.full((2,), float(i))
+                    with torch.no_grad():
+                        assert torch.allclose(pc.predict(x), model(x[None])[0])
+                    answered.append(i)
+                    i += 1
+        except BaseException as exc:  # reported by fail_over_under
+            errors.append(exc)
+
+    with InferenceHost("policy", model, both, timeout=TIMEOUT):  # type: ignore[arg-type]
+        fail_over_under([threading.Thread(target=call)], [answered], errors, stop, primary,
+                        admin, 50)
