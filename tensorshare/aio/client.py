@@ -33,12 +33,14 @@ from typing import Any, Unpack
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
 from ..client.facts import SessionEvents, SessionFacts
+from ..client.failover import PrimaryChoice, resolve_list
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.pipeline import Pipeline
 from ..client.session import Call, ClientSession, Done, Notify, Ready
 from ..errors import ConnectError, ConnectionLost, ServerError, TensorShareError, error_from_code
 from ..wire.messages import ErrorReply, Unlisten
+from .failover import find_primary
 from .listen import ListenEvents
 from .pipeline import AsyncPipeline
 from .protocol import AioProtocol, SocketStream
@@ -84,7 +86,10 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
             ``tensorshare://``, ``tensorshare+tls://`` or ``unix://``; neither:
             ``TENSORSHARE_URL``); over ``unix://`` tensors of at least ``shm_min_bytes``
             travel through shared memory both ways. The default name is
-            ``"tensorshare-asyncio"``.
+            ``"tensorshare-asyncio"``. An address list (``["a:7000", "b:7000"]``, or
+            ``"tensorshare://a:7000,b:7000"``): a primary and its replicas; every
+            connection goes to the one that says it is the primary, so the client follows
+            a promotion (see :mod:`tensorshare.client.failover`).
 
     :meth:`connect` (or ``async with``) connects within ``timeout`` and raises
     ``ConnectError`` or the server's typed refusal (``AuthenticationError``, ...); the
@@ -92,7 +97,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
     the loop it connected on (other threads: ``asyncio.run_coroutine_threadsafe``).
     """
 
-    def __init__(self, host: str | None = None, port: int | None = None,
+    def __init__(self, host: str | list[str] | None = None, port: int | None = None,
                  timeout: float | Unset = UNSET, *, options: ClientOptions | None = None,
                  **overrides: Unpack[OptionFields]) -> None:
         changes: dict[str, Any] = dict(overrides)
@@ -100,7 +105,10 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
             changes["timeout"] = timeout
         opts = self._options = ClientOptions.of(options, **changes)
         self.timeout, self.reconnect = opts.timeout, opts.reconnect
-        self.endpoint = opts.endpoint(host, port)
+        #: An address list's servers (``None``: one server): each connection goes to the
+        #: one that says it is the primary (README: Replication and failover).
+        self.primary_choice: PrimaryChoice | None
+        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)
@@ -552,32 +560,36 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         """
         loop = self._loop_now()
         async with asyncio.timeout(self.timeout):
-            if self.endpoint.tls:
+            ep = self.endpoint if self.primary_choice is None else \
+                await find_primary(self.primary_choice, _tls_context)
+            where = ep.address
+            if ep.tls:
                 try:
                     _, made = await loop.create_connection(
-                        lambda: AioProtocol(self), self.host, self.port,
-                        ssl=_tls_context(self.endpoint), server_hostname=self.host)
+                        lambda: AioProtocol(self), where.host, where.port,
+                        ssl=_tls_context(ep), server_hostname=where.host)
                 except ssl.SSLError as exc:
-                    raise _Refused(_tls_error(exc, self.endpoint, self.address)) from None
+                    raise _Refused(_tls_error(exc, ep, str(ep))) from None
                 return made
-            sock = await self._socket(loop)
+            sock = await self._socket(loop, ep)
             proto = AioProtocol(self)
             SocketStream(loop, sock, proto)
             return proto
 
-    async def _socket(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
-        """A connected non-blocking socket: the Unix socket's, or the first address of the
-        host that answers (TCP_NODELAY on).
+    async def _socket(self, loop: asyncio.AbstractEventLoop, ep: Endpoint) -> socket.socket:
+        """A connected non-blocking socket to ``ep``: the Unix socket's, or the first address
+        of the host that answers (TCP_NODELAY on).
 
         Raises:
             OSError: none answered.
         """
-        if self.path is not None:
-            where: list[tuple[Any, ...]] = [(socket.AF_UNIX, self.path)]
+        a = ep.address
+        if a.path is not None:
+            where: list[tuple[Any, ...]] = [(socket.AF_UNIX, a.path)]
         else:
-            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            infos = await loop.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM)
             where = [(family, addr) for family, _, _, _, addr in infos]
-        error: OSError = OSError(f"no address for {self.address}")
+        error: OSError = OSError(f"no address for {ep}")
         for family, addr in where:
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:

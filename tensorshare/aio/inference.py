@@ -28,8 +28,9 @@ class AsyncInferenceClient(InferenceCaller):
 
     Args:
         name, host, port, timeout, wait_room, compress, device: as for
-            :class:`~tensorshare.inference.InferenceClient` (one server: several servers
-            need the blocking client's ``ShardedClient``).
+            :class:`~tensorshare.inference.InferenceClient` (one server, or a list of a
+            primary and its replicas, ``["a:7000", "b:7000"]``: several shards need the
+            blocking client's ``ShardedClient``).
         client: an :class:`~.client.AsyncClient` to use instead of connecting (not closed
             by :meth:`aclose`).
         options, client_options: the new client's :class:`~tensorshare.ClientOptions`, and
@@ -37,13 +38,14 @@ class AsyncInferenceClient(InferenceCaller):
             ``InferenceClient``.
     """
 
-    def __init__(self, name: str, host: str | None = None, port: int | None = None, *,
+    def __init__(self, name: str, host: str | list[str] | None = None,
+                 port: int | None = None, *,
                  timeout: float = 5.0, wait_room: bool = True, compress: str | None = "auto",
                  client: AsyncClient | None = None, device: Any = None,
                  options: ClientOptions | None = None,
                  **client_options: Unpack[TransportFields]) -> None:
         super().__init__(name, timeout, wait_room, compress, device, client is None)
-        if host is not None and "," in host:
+        if isinstance(host, str) and "," in host:
             raise ValueError("AsyncInferenceClient connects to one server; for a service on "
                              "several, use InferenceClient (a ShardedClient)")
         self.client = AsyncClient(host, port, self.client_timeout, options=options,

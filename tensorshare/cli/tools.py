@@ -231,6 +231,38 @@ def user_table(server: dict[str, Any]) -> list[RenderableType]:
     return [table]
 
 
+def replication_table(server: dict[str, Any]) -> list[RenderableType]:
+    """The replication table (a server with replicas, or a replica): its role, term, offset
+    and resyncs in the title; a primary's row per replica (address, offset, lag in bytes and
+    seconds, live), a replica's one row for its primary."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    r = server.get("replication")
+    if not r or (server.get("role") == "primary" and not r.get("replicas")
+                 and not server.get("term")):
+        return []  # (never replicated: nothing to tell)
+    fenced = f", fenced by term {r['fenced_by']}" if "fenced_by" in r else ""
+    need = f", min_replicas {r['min_replicas']}" if r.get("min_replicas") else ""
+    title = (f"replication: {server['role']}, term {server['term']}, offset {r['offset']}"
+             f"{need}{fenced}; resyncs {r['full_resyncs']} full, {r['partial_resyncs']} "
+             f"partial, {r.get('replicas_dropped', 0)} dropped")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    if "primary" in r:  # a replica: its primary
+        for col in ("primary", "offset", "lag s", "synced"):
+            table.add_column(col, justify="left" if col == "primary" else "right")
+        lag = "-" if r.get("lag_s") is None else f"{r['lag_s']:.3f}"
+        table.add_row(str(r["primary"]), str(r["offset"]), lag, "yes" if r["synced"] else "no")
+        return [Text(title), table]
+    for col in ("replica", "offset", "lag bytes", "lag s", "live"):
+        table.add_column(col, justify="left" if col == "replica" else "right")
+    for x in r["replicas"]:
+        table.add_row(x["address"] or "-", str(x["offset"]), str(x["lag_bytes"]),
+                      f"{x['lag_s']:.3f}", "yes" if x.get("live") else "no")
+    return [Text(title), table]
+
+
 #: The columns of the streams', services' and replay bins' tables, and how each is justified.
 _STREAM_COLUMNS: tuple[tuple[str, JustifyMethod], ...] = (
     ("stream", "left"), ("head", "right"), ("epoch", "right"), ("member", "left"),
@@ -721,7 +753,8 @@ def _monitor_view(snap: dict[str, Any] | None, rates: _Rates, address: str,
         else:
             row = [str(b["n_items"]), fmt_bytes(b["nbytes"]), str(b["listeners"])]
         table.add_row(name, *row, *(rates.cell(name, r) for r in _RATES))
-    return Group(Text(head), table, *kind_tables(bins), *user_table(s), Text(foot))
+    return Group(Text(head), table, *kind_tables(bins), *replication_table(s), *user_table(s),
+                 Text(foot))
 
 
 def run_monitor(args: argparse.Namespace) -> int:
@@ -824,7 +857,8 @@ def run_stats(args: argparse.Namespace) -> int:
         events.add_row(key, str(counters[key]))
     for code in sorted(s["errors"]):
         events.add_row(f"errors: {code}", str(s["errors"][code]))
-    _print(_console(), Group(info, "", ops, "", events, *kind_tables(bins), *user_table(s)))
+    _print(_console(), Group(info, "", ops, "", events, *kind_tables(bins),
+                             *replication_table(s), *user_table(s)))
     return 0
 
 
@@ -834,20 +868,6 @@ def _bucket(bound: float | None, bounds: list[float]) -> str:
     if bound == math.inf:
         return f"> {_num(bounds[-1] * 1000)} ms"
     return f"{_num(bound * 1000)} ms"
-
-
-def replication_line(s: dict[str, Any]) -> str:
-    """The ``stats`` view's replication row: the role and term, and the replicas' lag (or,
-    on a replica, its primary and its own)."""
-    r = s["replication"]
-    head = f"{s['role']}, term {s['term']}, offset {r['offset']}"
-    resyncs = f"{r['full_resyncs']} full and {r['partial_resyncs']} partial resyncs"
-    if "primary" in r:
-        lag = "never synced" if not r.get("synced") else f"heard {r['lag_s']:.1f} s ago"
-        return f"{head}; replica of {r['primary']} ({lag})"
-    reps = ", ".join(f"{x['address']} lag {fmt_bytes(x['lag_bytes'])}/{x['lag_s']:.1f} s"
-                     for x in r["replicas"]) or "no replicas"
-    return f"{head}; {reps}; {resyncs}"
 
 
 def _server_rows(args: argparse.Namespace, s: dict[str, Any], bins: dict[str, Any]
@@ -869,5 +889,4 @@ def _server_rows(args: argparse.Namespace, s: dict[str, Any], bins: dict[str, An
                    f"sessions {fmt_bytes(mem['sessions'])}, output {fmt_bytes(mem['output'])}, "
                    f"receiving {fmt_bytes(mem.get('receiving', 0))}"),
         ("waiting", f"{waiting['fetches']} fetches, {waiting['appends']} blocked appends"),
-        *([("replication", replication_line(s))] if s.get("replication") else []),
     ]

@@ -51,6 +51,7 @@ from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply
 from .endpoint import Endpoint
 from .facts import SessionEvents, SessionFacts
+from .failover import PROBE_ERRORS, PrimaryChoice, Probe, resolve_list
 from .ops import (
     NOWAIT,
     Command,
@@ -133,7 +134,10 @@ class TxClient(SessionFacts, SessionEvents, Ops):
         reactor: provides ``connectTCP``/``connectSSL``/``connectUNIX`` and ``callLater``.
         host, port: the server's address (``host`` may be a ``tensorshare://``,
             ``tensorshare+tls://`` or ``unix://`` URL; neither: ``TENSORSHARE_URL``), as for
-            :class:`tensorshare.Client`.
+            :class:`tensorshare.Client`; an address list (``["a:7000", "b:7000"]``, or
+            ``"tensorshare://a:7000,b:7000"``): a primary and its replicas, each connection
+            to the one that says it is the primary (:func:`find_primary`), so the client
+            follows a promotion.
         options: a :class:`~.options.ClientOptions` (``timeout``, ``reconnect``,
             ``compress``, ``name``, ``shm``, ``tls``, ``token``, ...), as for
             :class:`tensorshare.Client` (over a ``unix://`` address, tensors of at least
@@ -150,13 +154,16 @@ class TxClient(SessionFacts, SessionEvents, Ops):
             typed refusal (:class:`~tensorshare.errors.AuthenticationError`, ...).
     """
 
-    def __init__(self, reactor: Any, host: str | None = None, port: int | None = None, *,
-                 options: ClientOptions | None = None,
+    def __init__(self, reactor: Any, host: str | list[str] | None = None,
+                 port: int | None = None, *, options: ClientOptions | None = None,
                  connector: Callable[[TxClient], Any] | None = None,
                  **overrides: Unpack[AllOptionFields]) -> None:
         opts = self.options = ClientOptions.of(options, **overrides)
         self.reactor = reactor
-        self.endpoint = opts.endpoint(host, port)
+        #: An address list's servers (``None``: one server): each connection goes to the
+        #: one that says it is the primary (README: Replication and failover).
+        self.primary_choice: PrimaryChoice | None
+        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
         where = self.endpoint.address
         self.host, self.port, self.path = where.host, where.port, where.path
         self.address = str(self.endpoint)
@@ -406,21 +413,29 @@ class TxClient(SessionFacts, SessionEvents, Ops):
         if self._connector is not None:
             self._connecting = self._connector(self)
             return
-        try:
-            if self.path is not None:
-                self._connecting = self.reactor.connectUNIX(self.path, _Factory(self),
-                                                            timeout=self.timeout)
-            elif self.endpoint.tls:
-                from twisted.protocols.tls import TLSMemoryBIOFactory
+        if self.primary_choice is None:
+            self._dial(self.endpoint)
+            return
+        finding = self._connecting = _Finding(find_primary(self.reactor, self.primary_choice))
+        finding.d.addCallbacks(self._found, self._not_found, callbackArgs=(finding,),
+                               errbackArgs=(finding,))
 
-                # (Not reactor.connectSSL: its TLS layer flushes on the global reactor.)
-                tls = TLSMemoryBIOFactory(_tls_options(self.endpoint), True, _Factory(self),
-                                          clock=self.reactor)
-                self._connecting = self.reactor.connectTCP(self.host, self.port, tls,
-                                                           timeout=self.timeout)
-            else:
-                self._connecting = self.reactor.connectTCP(self.host, self.port, _Factory(self),
-                                                           timeout=self.timeout)
+    def _found(self, ep: Endpoint, finding: _Finding) -> None:
+        """The address list's primary is ``ep``: connect to it (unless given up since)."""
+        if self._connecting is not finding:
+            return  # (stopped: the client closed, or its start is overdue)
+        self._connecting = None
+        if not self._closing and self.session.closed is None:
+            self._dial(ep)
+
+    def _not_found(self, failure: Failure, finding: _Finding) -> None:
+        """No primary in the address list (yet): like a refused connection."""
+        if self._connecting is finding:
+            self._connect_failed(failure.getErrorMessage())
+
+    def _dial(self, ep: Endpoint) -> None:
+        try:
+            self._connecting = dial(self.reactor, ep, _Factory(self), self.timeout)
         except Exception as exc:  # e.g. a malformed address refused synchronously
             self._connect_failed(str(exc))
 
@@ -598,6 +613,126 @@ def _tls_options(endpoint: Endpoint) -> Any:
     return ssl.optionsForClientTLS(endpoint.address.host, trustRoot=trust)
 
 
+def dial(reactor: Any, ep: Endpoint, factory: Any, timeout: float) -> Any:
+    """Connect ``factory`` to ``ep`` (TCP, TLS or a Unix socket); the ``IConnector``."""
+    where = ep.address
+    if where.path is not None:
+        return reactor.connectUNIX(where.path, factory, timeout=timeout)
+    if ep.tls:
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        # (Not reactor.connectSSL: its TLS layer flushes on the global reactor.)
+        factory = TLSMemoryBIOFactory(_tls_options(ep), True, factory, clock=reactor)
+    return reactor.connectTCP(where.host, where.port, factory, timeout=timeout)
+
+
+class _Finding:
+    """A client's connection attempt while it asks an address list for its primary."""
+
+    def __init__(self, d: Deferred[Endpoint]) -> None:
+        self.d = d
+
+    def stopConnecting(self) -> None:  # noqa: N802 (IConnector's name)
+        self.d.cancel()
+
+
+def find_primary(reactor: Any, choice: PrimaryChoice) -> Deferred[Endpoint]:
+    """Ask every server of ``choice`` its role and term, at once (the blocking client's
+    :class:`~.failover.Probe` over the reactor's connections); fence a former primary
+    that has not heard of the newer term (best effort); fire with the primary's endpoint.
+    Errbacks with ``ConnectionRefusedError`` while none says it is the primary."""
+    probes = [(ep, choice.role_probe(ep)) for ep in choice.endpoints]
+    asked = [_exchange(reactor, probe, choice.probe_timeout).addCallbacks(
+        lambda p, ep=ep: choice.heard(ep, p), lambda f, ep=ep: choice.failed(ep, f.value))
+        for ep, probe in probes]
+
+    def chosen(_: Any) -> Deferred[Endpoint]:
+        primary, stale = choice.choose()
+        fenced = [_exchange(reactor, choice.fence_probe(ep, term), choice.probe_timeout)
+                  .addErrback(lambda f: None) for ep, term in stale]
+        return gatherResults(fenced).addCallback(lambda _: primary)
+
+    return gatherResults(asked).addCallback(chosen)
+
+
+def _exchange(reactor: Any, probe: Probe, timeout: float) -> Deferred[Probe]:
+    """Run ``probe`` over a connection of its own, within ``timeout``."""
+    done: Deferred[Probe] = Deferred()
+    factory = _ProbeFactory(probe, done)
+    try:
+        connector = dial(reactor, probe.ep, factory, timeout)
+    except Exception as exc:  # e.g. a malformed address refused synchronously
+        return fail(exc)
+    timer = reactor.callLater(timeout, factory.expire, connector)
+
+    def stop_timer(result: Any) -> Any:
+        if timer.active():
+            timer.cancel()
+        return result
+
+    return done.addBoth(stop_timer)
+
+
+class _ProbeProtocol(Protocol):
+    def __init__(self, factory: _ProbeFactory) -> None:
+        self.factory = factory
+
+    def connectionMade(self) -> None:  # noqa: N802 (Twisted's name)
+        self.factory.protocol_ = self
+        t: Any = self.transport
+        t.write(self.factory.probe.start())
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+        probe = self.factory.probe
+        try:
+            out = probe.feed(data)
+        except PROBE_ERRORS as exc:
+            self.factory.finish(Failure(exc))
+            return
+        if out:
+            t: Any = self.transport
+            t.write(out)
+        if probe.done:
+            self.factory.finish(probe)
+
+    def connectionLost(self, reason: Failure | None = None) -> None:  # noqa: N802
+        self.factory.protocol_ = None
+        self.factory.finish(Failure(ConnectionResetError("the server closed the connection")))
+
+
+class _ProbeFactory(ClientFactory):
+    """One probe's connection: fires ``done`` with the probe once its reply is in (or with
+    why not), then closes."""
+
+    noisy = False
+
+    def __init__(self, probe: Probe, done: Deferred[Probe]) -> None:
+        self.probe, self.done = probe, done
+        self.protocol_: _ProbeProtocol | None = None
+
+    def buildProtocol(self, addr: Any) -> _ProbeProtocol:  # noqa: N802 (Twisted's name)
+        return _ProbeProtocol(self)
+
+    def clientConnectionFailed(self, connector: Any, reason: Failure) -> None:  # noqa: N802
+        self.finish(reason)
+
+    def expire(self, connector: Any) -> None:
+        self.finish(Failure(TimeoutError("no answer to the probe in time")))
+        try:
+            connector.stopConnecting()
+        except Exception:  # connected already (twisted's NotConnectingError)
+            pass
+
+    def finish(self, result: Probe | Failure) -> None:
+        if not self.done.called:
+            self.done.callback(result) if not isinstance(result, Failure) else \
+                self.done.errback(result)
+        proto = self.protocol_
+        t: Any = None if proto is None else proto.transport
+        if t is not None:
+            t.abortConnection()
+
+
 def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
     # The stock Twisted transports only accept bytes, so the frame (header and every tensor
     # buffer) is joined into one bytes object here: one copy of the data. The server avoids
@@ -605,14 +740,14 @@ def _write(proto: TxProtocol, chunks: list[BytesLike]) -> None:
     proto.transport.write(b"".join(chunks))  # type: ignore[union-attr]  # only when connected
 
 
-def connect(reactor: Any, host: str | None = None, port: int | None = None, *,
+def connect(reactor: Any, host: str | list[str] | None = None, port: int | None = None, *,
             options: ClientOptions | None = None,
             **overrides: Unpack[AllOptionFields]) -> Deferred[TxClient]:
     """Connect to a tensorshare server and do the handshake; fire with a :class:`TxClient`.
 
     Args:
         reactor: the reactor to use (``reactor.connectTCP`` and ``reactor.callLater``).
-        host, port: the server's address.
+        host, port: the server's address, or an address list (see :class:`TxClient`).
         options: a :class:`~.options.ClientOptions`: ``timeout`` is how long the first
             connection may take (with ``reconnect`` on, attempts are repeated until then),
             and the server has to answer each request; the others are as for

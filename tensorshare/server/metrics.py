@@ -186,7 +186,8 @@ def _replication_families(stats: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge("replication_offset", "the replication offset (bytes of records)",
                  repl["offset"])
     resyncs = CounterMetricFamily("tensorshare_replication_resyncs",
-                                  "replica resyncs served, full copies and partial",
+                                  "resyncs, full copies and partial (on a primary: served to "
+                                  "its replicas; on a replica: taken from its primary)",
                                   labels=["kind"])
     resyncs.add_metric(["full"], repl["full_resyncs"])
     resyncs.add_metric(["partial"], repl["partial_resyncs"])
@@ -194,17 +195,24 @@ def _replication_families(stats: dict[str, Any]) -> Iterator[Metric]:
     if "lag_s" in repl:  # a replica
         yield _gauge("replication_lag_seconds", "seconds since the primary was last heard",
                      repl["lag_s"] or 0.0)
+        yield _gauge("replication_synced", "1 while the replica's full copy is applied",
+                     int(bool(repl.get("synced"))))
         return
-    lag_bytes = GaugeMetricFamily("tensorshare_replica_lag_bytes",
-                                  "bytes of records a replica has not acknowledged",
-                                  labels=["replica"])
-    lag_s = GaugeMetricFamily("tensorshare_replica_lag_seconds",
-                              "seconds a replica has been behind", labels=["replica"])
+    yield CounterMetricFamily("tensorshare_replication_replicas_dropped",
+                              "replicas dropped for falling past --replica-buffer",
+                              value=repl.get("replicas_dropped", 0))
+    per_replica = {name: GaugeMetricFamily(f"tensorshare_replica_{name}", text,
+                                           labels=["replica"])
+                   for name, text in (("offset", "the offset a replica has acknowledged"),
+                                      ("lag_bytes", "bytes of records a replica has not "
+                                                    "acknowledged"),
+                                      ("lag_seconds", "seconds a replica has been behind"),
+                                      ("live", "1 while a replica is connected"))}
     for r in repl["replicas"]:
-        lag_bytes.add_metric([r["address"]], r["lag_bytes"])
-        lag_s.add_metric([r["address"]], r["lag_s"])
-    yield lag_bytes
-    yield lag_s
+        for name, value in (("offset", r["offset"]), ("lag_bytes", r["lag_bytes"]),
+                            ("lag_seconds", r["lag_s"]), ("live", int(bool(r.get("live"))))):
+            per_replica[name].add_metric([r["address"]], value)
+    yield from per_replica.values()
 
 
 def _memory_gauges(stats: dict[str, Any]) -> Iterator[Metric]:

@@ -275,6 +275,8 @@ class _UpstreamProtocol(Protocol):
             up.delay = 0.1
             if h["mode"] == "full":
                 up.full_copy(int(h["offset"]), str(h["replid"]))
+            # (On a replica the resync counts are those it took; on a primary, served.)
+            up.repl.resyncs["full_resyncs" if h["mode"] == "full" else "partial_resyncs"] += 1
             up.repl.term = max(up.repl.term, int(h["term"]))
             sid = h.get("server_id")
             if isinstance(sid, str) and sid:  # the primary's data set: its versions go on here

@@ -38,3 +38,50 @@ def test_with_no_primary_in_the_list_the_client_cannot_connect_and_says_why() ->
         wait_until(lambda: "v" in r.list(), 10, "the put on the replica")
         c.close()
         r.close()
+
+
+def test_a_server_of_the_list_that_never_answers_costs_each_face_one_probe_timeout() -> None:
+    """A listening socket that never answers (a hung machine) first in the list: every face
+    still connects to the primary within its timeout (the probe gives up on it in half)."""
+    import asyncio
+    import socket
+    import threading
+
+    from twisted.internet import defer
+    from twisted.internet.epollreactor import EPollReactor
+    from twisted.python.failure import Failure
+
+    from tensorshare.aio import AsyncClient
+    from tensorshare.client.twisted import connect
+
+    with socket.socket() as silent, EmbeddedServer(0) as primary:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # (never accepted: the kernel completes the handshake, nobody talks)
+        both = [f"127.0.0.1:{silent.getsockname()[1]}", f"127.0.0.1:{primary.port}"]
+        with Client(both, timeout=4) as c:
+            assert c.put("blocking", 1) == 1
+
+        async def aio() -> int:
+            async with AsyncClient(both, timeout=4) as a:
+                return int(await a.put("aio", 1))
+
+        assert asyncio.run(aio()) == 1
+        reactor = EPollReactor()
+        outcome: list[object] = []
+
+        @defer.inlineCallbacks
+        def tx() -> object:
+            t = yield connect(reactor, both, timeout=4)
+            version = yield t.put("twisted", 1)
+            yield t.close()
+            return version
+
+        reactor.callWhenRunning(lambda: tx().addBoth(lambda r: (outcome.append(r),
+                                                                reactor.stop())))
+        thread = threading.Thread(target=reactor.run, kwargs={"installSignalHandlers": False})
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive()
+        if isinstance(outcome[0], Failure):
+            outcome[0].raiseException()
+        assert outcome == [1]

@@ -351,3 +351,35 @@ def _serve_policy(host: Client, stop: threading.Event) -> None:
         except WaitTimeout:
             continue
         host.service_reply("policy", batch.batch, [v * 2 for v in batch.values])
+
+
+@pytest.mark.timeout(90)
+def test_a_primary_and_its_replica_show_role_term_each_replicas_lag_and_resyncs(
+        open_tab: Any) -> None:
+    with EmbeddedServer(0) as primary, \
+            EmbeddedServer(0, replica_of=f"127.0.0.1:{primary.port}") as replica, \
+            Client("127.0.0.1", primary.port) as c, Client("127.0.0.1", replica.port) as r:
+        wait_until(lambda: r.stats()["server"]["replication"]["synced"], 20, "in sync")
+        c.put("w", torch.zeros(4))
+        offset = c.stats()["server"]["replication"]["offset"]
+        wait_until(lambda: r.stats()["server"]["replication"]["offset"] == offset, 20,
+                   "the replica caught up")
+        (address,) = [x["address"] for x in c.stats()["server"]["replication"]["replicas"]]
+        with Dashboard([f"127.0.0.1:{primary.port}", f"127.0.0.1:{replica.port}"], port=0,
+                       interval=0.2) as dash:
+            tab = open_tab(dash, dash.url)
+
+            def fact(index: int) -> Any:
+                return tab.page.evaluate(
+                    "i => { const v = document.querySelector('.card[data-server=\"' + i + "
+                    "'\"] .fact-replication'); return v && !v.parentNode.hidden ? "
+                    "v.textContent : null; }", index)
+
+            want = (f"primary, term 0, offset {offset}; {address} at {offset}, lag 0 B / "
+                    f"0.000 s; resyncs 1 full, 0 partial")
+            wait_until(lambda: fact(0) == want, 15, f"the primary's card to say {want!r}")
+            wait_until(lambda: (fact(1) or "").startswith(
+                f"replica, term 0, offset {offset}; replica of 127.0.0.1:{primary.port}, "
+                f"lag "), 15, "the replica's card")
+            assert (fact(1) or "").endswith("s; resyncs 1 full, 0 partial")
+            assert not tab.errors and not [m for m in tab.console if m[0] == "error"]

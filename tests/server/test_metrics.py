@@ -249,7 +249,38 @@ def test_replication_exports_the_role_the_term_and_each_replicas_lag(
         assert _value(m, "tensorshare_replica_lag_bytes", replica=address) == 0
         assert _value(m, "tensorshare_replication_resyncs", "tensorshare_replication_resyncs_total",
                       kind="full") == 1
+        offset = c.stats()["server"]["replication"]["offset"]
+        assert _value(m, "tensorshare_replica_offset", replica=address) == offset
+        assert _value(m, "tensorshare_replica_lag_seconds", replica=address) == 0
+        assert _value(m, "tensorshare_replica_live", replica=address) == 1
+        assert _value(m, "tensorshare_replication_replicas_dropped",
+                      "tensorshare_replication_replicas_dropped_total") == 0
         c.close()
     finally:
         replica.stop()
         exporter.stop()
+
+
+def test_a_replica_exports_its_role_offset_lag_and_the_resyncs_it_took(
+        server: EmbeddedServer) -> None:
+    replica = EmbeddedServer(0, replica_of=f"127.0.0.1:{server.port}")
+    exporter = start_metrics_server(0, server=replica)
+    try:
+        with Client("127.0.0.1", server.port, timeout=5) as c:
+            c.put("w", 1)
+            assert c.wait_replicas(1, 10.0) == 1
+            offset = c.stats()["server"]["replication"]["offset"]
+            # (While the client is open: its session's end is a record too.)
+            wait_until(lambda: _value(_scrape(exporter.url), "tensorshare_replication_offset")
+                       == offset, 10, "the replica's offset")
+        m = _scrape(exporter.url)
+        assert _value(m, "tensorshare_replication_role", role="replica") == 1
+        assert _value(m, "tensorshare_replication_term") == 0
+        assert _value(m, "tensorshare_replication_synced") == 1
+        assert _value(m, "tensorshare_replication_lag_seconds") >= 0
+        assert _value(m, "tensorshare_replication_resyncs", "tensorshare_replication_resyncs_total",
+                      kind="full") == 1
+        assert "tensorshare_replica_lag_bytes" not in m  # (a primary's, per replica)
+    finally:
+        exporter.stop()
+        replica.stop()

@@ -32,6 +32,7 @@ from tensorshare import Client, EmbeddedServer
 from tensorshare.errors import ConnectionLost, SessionLost, WaitTimeout
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 from tests.conftest import wait_until
+from tests.system.conftest import closed_after
 
 BIN = "q"
 DEADLINE = 90.0  # for a whole run (joins, polls); far above its ~5 s, below pytest's 120 s
@@ -48,34 +49,7 @@ def seed() -> int:
 
 @pytest.fixture
 def proxies(seed: int) -> Iterator[Callable[[tuple[str, int]], ChaosProxy]]:
-    made: list[ChaosProxy] = []
-
-    def make(target: tuple[str, int]) -> ChaosProxy:
-        p = ChaosProxy(target, seed=seed)
-        made.append(p)
-        return p
-
-    try:
-        yield make
-    finally:
-        for p in made:
-            p.close()
-
-
-@pytest.fixture
-def server_process() -> Iterator[Callable[..., ServerProcess]]:
-    made: list[ServerProcess] = []
-
-    def start(*args: str) -> ServerProcess:
-        p = ServerProcess(0, *args)
-        made.append(p)
-        return p
-
-    try:
-        yield start
-    finally:
-        for p in made:
-            p.close()
+    yield from closed_after(lambda target: ChaosProxy(target, seed=seed))
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -330,7 +304,7 @@ def test_every_item_arrives_exactly_once_through_a_cutting_proxy(
 
 @pytest.mark.long
 def test_a_server_killed_and_restarted_loses_only_what_it_held(
-        server_process: Callable[..., ServerProcess],
+        procs: Callable[..., ServerProcess],
         proxies: Callable[[tuple[str, int]], ChaosProxy], clients: Callable[..., Client]) -> None:
     """SIGKILL the server in the middle of the run, restart it (no persistence).
 
@@ -341,7 +315,7 @@ def test_a_server_killed_and_restarted_loses_only_what_it_held(
     append that returned a version at or below that bound was stored by the old server.
     """
     n_producers, n_consumers, n_items, max_items = 16, 4, 4_000, 16
-    srv = server_process()
+    srv = procs()
     proxy = proxies(srv.address)
     ports = [proxy.port] + [proxy.open_port() for _ in range(n_producers + n_consumers - 1)]
     conns = [clients(port) for port in ports]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +24,9 @@ from tensorshare.errors import (
 )
 from tests.chaos import HOST, ChaosProxy, ServerProcess
 from tests.conftest import wait_until
+from tests.system.conftest import fail_over_under
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., ServerProcess]]:
-    made: list[ServerProcess] = []
-
-    def make(*args: str) -> ServerProcess:
-        p = ServerProcess(0, *args)
-        made.append(p)
-        return p
-
-    try:
-        yield make
-    finally:
-        for p in made:
-            p.close()
 
 
 def repl(c: Client) -> dict[str, Any]:
@@ -329,27 +314,6 @@ def test_clients_with_an_address_list_follow_the_promotion_and_resume_exactly_on
     assert len(everything) == len(set(everything)), "an item delivered twice"
     missing = {x for xs in acked for x in xs} - set(everything)
     assert not missing, f"{len(missing)} acknowledged items lost"
-
-
-def fail_over_under(threads: list[threading.Thread], acked: list[list[int]],
-                    errors: list[BaseException], stop: threading.Event,
-                    primary: ServerProcess, admin: Client, n: int) -> None:
-    """Start ``threads`` (writers that fill ``acked``); once ``n`` writes are acknowledged,
-    kill -9 the primary and promote the replica ``admin`` is connected to; once ``n`` more
-    are acknowledged there, stop them: none failed."""
-    for t in threads:
-        t.start()
-    wait_until(lambda: sum(map(len, acked)) >= n or bool(errors), TIMEOUT, "writes under way")
-    primary.kill()
-    assert admin.promote() == 1
-    before = sum(map(len, acked))
-    wait_until(lambda: sum(map(len, acked)) >= before + n or bool(errors), TIMEOUT,
-               "writes on the promoted replica")
-    stop.set()
-    for t in threads:
-        t.join(TIMEOUT * 2)
-        assert not t.is_alive()
-    assert not errors, errors
 
 
 def _fake_primary_messages(rng: Any) -> list[bytes]:

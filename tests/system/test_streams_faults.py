@@ -43,6 +43,7 @@ from tensorshare.memory import shm as shm_module
 from tensorshare.server.streams import Stream, StreamKind
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
 from tests.conftest import wait_until
+from tests.system.conftest import closed_after
 
 TIMEOUT = 20.0  # a member's patience (reads, connects): only real failures reach it
 JOIN = 30.0  # joining a thread or waiting for a child's line
@@ -186,18 +187,7 @@ class Child:
 
 @pytest.fixture
 def children() -> Iterator[Callable[..., Child]]:
-    made: list[Child] = []
-
-    def start(*args: Any, **kw: Any) -> Child:
-        c = Child(*args, **kw)
-        made.append(c)
-        return c
-
-    try:
-        yield start
-    finally:
-        for c in made:
-            c.close()
+    yield from closed_after(Child)
 
 
 def stream_stats(port: int, name: str) -> dict[str, Any]:

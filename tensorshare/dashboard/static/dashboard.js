@@ -187,10 +187,12 @@
     const c = {card: card, name: name, role: role, ident: ident};
     for (const [key, label] of [["uptime", "uptime"], ["connections", "connections"],
       ["sessions", "sessions"], ["listeners", "listeners"], ["bins", "bins"],
-      ["requests", "requests/s"], ["waiting", "waiting"], ["persistence", "data log"]]) {
+      ["requests", "requests/s"], ["waiting", "waiting"], ["persistence", "data log"],
+      ["replication", "replication"]]) {
       c[key] = fact(facts, label);
       c[key].classList.add("fact-" + key);
     }
+    c.replication.parentNode.classList.add("wide");  // (a line per replica set: the card's width)
     card.appendChild(facts);
     const mem = el("div", "memory");
     const memTitle = el("div", "label");
@@ -242,6 +244,25 @@
     setText(c.kinds, parts.length ? "stored by kind: " + parts.join(", ") : "");
   }
 
+  // A server's replication (its stats' role, term and replication map), as monitor shows it:
+  // on a primary each replica's offset and lag, on a replica its primary and lag; resyncs.
+  function replicationText(st) {
+    const r = st.replication;
+    if (!r) return "";
+    let text = st.role + ", term " + st.term + ", offset " + r.offset;
+    if (r.primary !== undefined) {
+      text += "; replica of " + r.primary + ", " + (!r.synced ? "not synced" :
+        "lag " + (r.lag_s === null ? "-" : r.lag_s.toFixed(3) + " s"));
+    } else {
+      const reps = (r.replicas || []).map(function (x) {
+        return (x.address || "?") + " at " + x.offset + ", lag " + fmtBytes(x.lag_bytes) +
+          " / " + x.lag_s.toFixed(3) + " s" + (x.live ? "" : " (not live)");
+      });
+      text += "; " + (reps.length ? reps.join("; ") : "no replicas");
+    }
+    return text + "; resyncs " + r.full_resyncs + " full, " + r.partial_resyncs + " partial";
+  }
+
   function renderServers(snap) {
     const alive = new Set();
     for (const s of snap.servers) {
@@ -265,6 +286,8 @@
       setText(c.requests, fmtRate(s.requests_per_s, 1));
       setText(c.waiting, st.waiting.fetches + " fetches, " + st.waiting.appends + " appends");
       setText(c.persistence, st.persistence ? (st.persistence.writable ? "on, " + st.persistence.fsync : "refusing writes") : "off");
+      setText(c.replication, replicationText(st));
+      c.replication.parentNode.hidden = !st.replication;
       renderMemory(c, s, snap.bins.filter(function (b) { return b.server === s.index; }));
       const h = state.history.get(s.index) || {requests: [], in: [], out: []};
       // The charts span the samples there are (at least a minute, at most SERVER_HISTORY).
