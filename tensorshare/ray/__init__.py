@@ -54,6 +54,17 @@ the same port when it can (it remembers it in ``DATA_DIR/relay-{node id}.json``)
 clients of it reconnect by themselves. A relay's upstream is the shard's address at the
 start: if that shard moves (see above), start the shards' relays again.
 
+Replicas. ``start_shards(n, replicas=1, min_replicas=1, ...)`` makes each shard a primary
+and a replica (each a Ray actor, the replica on another node when there is one), and a
+keeper actor that watches them (:mod:`tensorshare.ray.failover`): when Ray reports the
+primary's actor dead, it promotes the replica (a new term) and starts the dead one again as
+the replica of the new primary. :attr:`Shards.servers` is then ``"a|b,c|d"``: each shard's
+address list, which ``ShardedClient``, ``RLWorker(host=...)`` and ``TENSORSHARE_SERVERS``
+take; their calls go to each shard's primary and follow a promotion, and bins are placed by
+the shard's index, so nothing moves. ``min_replicas=1`` (default 0) acknowledges a write once
+the replica has it: a failover loses nothing acknowledged; with 0 it may lose the last
+moments' writes. Not built yet with replicas: ``relays`` and ``sticky``.
+
 Ray is an optional dependency (``pip install "tensorshare[ray]"``), imported when first
 needed.
 """
@@ -426,86 +437,80 @@ def start_shards(n: int, *, data_dir: str | os.PathLike[str], replicas: int = 0,
                  actor_options: dict[str, Any] | None = None, rebind_timeout: float = 10.0,
                  timeout: float = 120.0, watch_every: float = 0.2,
                  **server_options: Any) -> Shards:
-    """Start ``n`` shard servers as Ray actors spread over the cluster's nodes.
-
-    Connects to Ray first if this process has not (``ray.init()``).
+    """Start ``n`` shard servers as Ray actors spread over the cluster's nodes (after
+    ``ray.init()`` if this process has not connected to Ray).
 
     Args:
         n: how many shards.
         data_dir: shard ``i`` keeps its data in ``data_dir/shard-{i}`` (on the disk of the
             node it runs on: storage that every node sees lets a shard restart anywhere);
             with ``replicas``, member ``j`` of it in ``data_dir/shard-{i}/m{j}``.
-        replicas: each shard's replicas (0: none, the shard restarts in place). With 1 or
-            more, each shard is a primary and its replicas, each a Ray actor placed on
-            another node than the primary when there is one; when the primary's actor dies,
-            a keeper actor promotes a replica (a new term) and starts the dead one again as
-            its replica (:mod:`tensorshare.ray.failover`). :attr:`Shards.servers` is then
-            ``"a|b,c|d"`` (each shard's address list) and clients follow the promotions.
-            Writes are acknowledged by the primary alone unless ``min_replicas=1`` is given
-            (then once a replica has them: no acknowledged write is lost in a failover, and
-            writes are refused with ``NotEnoughReplicas``, nothing applied, while the shard
-            has no replica in sync).
+        replicas: each shard's replicas (default 0: none, the shard restarts in place).
+            With 1 or more, a keeper promotes a replica when its primary's actor dies and
+            starts the dead one again as a replica (see the module's notes); with
+            ``min_replicas=1`` a failover loses no acknowledged write.
         relays: one relay per node for parameter fan-out: ``True`` relays RLTrainer's
-            ``"rl/parameters"``, or give the parameter bins' names (they must live on one
-            shard: pin them with a ``{tag}``). ``shards.client()`` reads them through the
-            relay of its node; workers do with
-            ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
+            ``"rl/parameters"``, or give the parameter bins' names (on one shard: pin them
+            with a ``{tag}``). ``shards.client()`` reads them through its node's relay;
+            workers with ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
         port: 0 (default): each shard takes a free port at its first start and keeps it
-            across restarts; else shard ``i`` listens on ``port + i``.
+            across restarts; else shard ``i`` listens on ``port + i`` (with ``replicas``,
+            its member ``j`` on ``port + i * (1 + replicas) + j``).
         loopback: bind 127.0.0.1 (``True``) or each node's IP (``False``); default: loopback
             when every node of the cluster is this machine.
         sticky: pin shard ``i`` to node ``i mod nodes`` (hard node affinity) instead of
-            ``SPREAD``: Ray restarts it on its own node, where it keeps its address and finds
-            its data directory, but not elsewhere if that node is gone. With ``SPREAD`` (the
-            default) Ray may restart it on any node (see the module's notes).
+            ``SPREAD``: Ray restarts it on its own node (its address, its data directory),
+            never elsewhere (see the module's notes).
         actor_options: passed to ``ActorClass.options`` (defaults: ``num_cpus=1``,
             ``max_restarts=-1``, ``max_task_retries=-1``, ``scheduling_strategy="SPREAD"``).
         rebind_timeout: how long a restarted shard waits for its old port to be free.
-        timeout: seconds to wait for every shard to listen (and, with ``replicas``, every
-            replica to have its full copy).
+        timeout: seconds to wait for every shard to listen (and replica to be in sync).
         watch_every: with ``replicas``: seconds between the keeper's pings of the members.
-        **server_options: :class:`~tensorshare.server.ServerConfig` fields (``token``,
-            ``fsync``, ``max_memory``, ``snapshot_every``, ...). ``token`` defaults to
-            ``TENSORSHARE_TOKEN`` here.
+        **server_options: :class:`~tensorshare.server.ServerConfig` fields (``token``, by
+            default ``TENSORSHARE_TOKEN`` here; ``min_replicas``, ``max_memory``, ...).
 
     Returns:
         The :class:`Shards`, every one of them listening.
 
     Raises:
-        ValueError: ``n < 1``, ``replicas < 0``, ``replicas`` with ``relays`` or ``sticky``
-            (not built), relayed bins on different shards, or servers beyond loopback
-            without a token (and without ``insecure=True``).
+        ValueError: ``n < 1``, ``replicas < 0`` or with ``relays``/``sticky``, relayed bins
+            on two shards, or beyond loopback without a token (or ``insecure=True``).
         TypeError: an unknown server option.
         ImportError: Ray is not installed.
     """
-    relay_bins = (["rl/parameters"] if relays is True else
-                  [relays] if isinstance(relays, str) else list(relays or []))
-    if n < 1:
-        raise ValueError(f"start_shards needs at least one shard, not {n}")
-    if "data_dir" in server_options:
-        raise TypeError("data_dir is start_shards' own argument")
-    _check_replicas(replicas, relay_bins, sticky, server_options)
-    ray = _ray()
-    if not ray.is_initialized():
-        ray.init()
+    relay_bins = _check_arguments(n, replicas, relays, sticky, server_options)
+    ray = _connected()
     options, config, loopback, local_ip = _shard_config(ray, server_options, loopback)
     root = os.path.abspath(os.fspath(data_dir))
     if replicas:
-        spec = {"n": n, "replicas": replicas, "root": root, "port": port,
-                "loopback": loopback, "options": options, "rebind_timeout": rebind_timeout,
-                "local_ip": local_ip, "watch_every": watch_every,
-                "settings": {"num_cpus": 1, "scheduling_strategy": "SPREAD",
-                             **(actor_options or {})},
-                "user_settings": dict(actor_options or {})}
-        return _start_replicated(ray, spec, Shards([], [], config.token, root), timeout)
+        return _start_replicated(ray, Shards([], [], config.token, root), timeout, dict(
+            n=n, replicas=replicas, root=root, port=port, loopback=loopback, options=options,
+            rebind_timeout=rebind_timeout, local_ip=local_ip, watch_every=watch_every,
+            user_settings=dict(actor_options or {})))
     actors = _spawn_shards(ray, n, root, port, loopback, options, rebind_timeout, local_ip,
                            sticky=sticky, actor_options=actor_options)
     return _listening(ray, Shards(actors, [], config.token, root), relay_bins, loopback,
                       options, timeout)
 
 
-def _check_replicas(replicas: int, relay_bins: list[str], sticky: bool,
-                    server_options: dict[str, Any]) -> None:
+def _connected() -> Any:
+    """The ``ray`` module, connected to a cluster (``ray.init()`` if this process was not)."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init()
+    return ray
+
+
+def _check_arguments(n: int, replicas: int, relays: bool | Sequence[str], sticky: bool,
+                     server_options: dict[str, Any]) -> list[str]:
+    """The relayed bins; raise for what :func:`start_shards` refuses, before anything
+    starts."""
+    relay_bins = (["rl/parameters"] if relays is True else
+                  [relays] if isinstance(relays, str) else list(relays or []))
+    if n < 1:
+        raise ValueError(f"start_shards needs at least one shard, not {n}")
+    if "data_dir" in server_options:
+        raise TypeError("data_dir is start_shards' own argument")
     if replicas < 0:
         raise ValueError(f"replicas must be 0 or more, not {replicas}")
     if replicas and (relay_bins or sticky):
@@ -513,15 +518,19 @@ def _check_replicas(replicas: int, relay_bins: list[str], sticky: bool,
                          "a relay follows one address, and a sticky shard one node")
     if replicas and "replica_of" in server_options:
         raise TypeError("replica_of is set by start_shards(replicas=...) itself")
+    return relay_bins
 
 
-def _start_replicated(ray: Any, spec: dict[str, Any], shards: Shards,
-                      timeout: float) -> Shards:
+def _start_replicated(ray: Any, shards: Shards, timeout: float,
+                      spec: dict[str, Any]) -> Shards:
     """The keeper (on this node) starts the members; ``shards`` once every replica is in
     sync (on failure everything is shut down and the error raised)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from .failover import _Keeper
+
+    spec["settings"] = {"num_cpus": 1, "scheduling_strategy": "SPREAD",
+                        **spec["user_settings"]}
 
     here = ray.get_runtime_context().get_node_id()
     shards.keeper = ray.remote(_Keeper).options(
