@@ -4,7 +4,8 @@
 Ray actor (:class:`~tensorshare.ray._Shard`) in its own slot: member ``j`` of shard ``i`` keeps
 its data in ``DATA_DIR/shard-{i}/m{j}``. One member of each shard is the primary; the others
 are its replicas (:attr:`ServerConfig.replica_of <tensorshare.server.ServerConfig.replica_of>`),
-placed on another node than the primary when there is one (Ray's soft node affinity).
+placed on another node than the primary when one has room (Ray's soft node affinity, which
+falls back to any node when that one is full).
 
 Who watches: one :class:`_Keeper` actor (``num_cpus=0``, on the node of the process that
 called ``start_shards``), whose thread pings every member every ``watch_every`` seconds.
@@ -88,7 +89,7 @@ class _Keeper:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             settings["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                nodes[(i + j) % len(nodes)], soft=True)
+                nodes[(i + j) % len(nodes)], soft=True, _spill_on_unavailable=True)
         port = spec["port"] + i * self.size + j if spec["port"] else 0
         directory = os.path.join(spec["root"], f"shard-{i}", MEMBER_DIR.format(j=j))
         self.members[i][j] = ray.remote(_Shard).options(**settings).remote(

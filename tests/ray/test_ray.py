@@ -108,6 +108,105 @@ def test_arguments_checked_before_anything_starts(tmp_path: Any) -> None:
         tsray.start_shards(1, data_dir=tmp_path, replicas=1, relays=True)
 
 
+def _retrying(call: Any, deadline: float = 60.0) -> Any:
+    """``call()``, again while it is refused with ``NotEnoughReplicas`` (nothing applied, or
+    applied once in this session: safe to retry) until ``deadline`` seconds passed."""
+    from tensorshare.errors import NotEnoughReplicas
+
+    until = time.monotonic() + deadline
+    while True:
+        try:
+            return call()
+        except NotEnoughReplicas:
+            if time.monotonic() > until:
+                raise
+            time.sleep(0.05)
+
+
+def _on_shard(client: Any, shard: int, prefix: str) -> str:
+    """A bin name that lives on ``shard``."""
+    return next(f"{prefix}{k}" for k in range(1000) if client.shard_of(f"{prefix}{k}") == shard)
+
+
+def _produce(servers: str, name: str, acked: list[int], errors: list[BaseException],
+             stop: Any) -> None:
+    """Append 0, 1, 2, ... to ``name``; each acknowledged one goes to ``acked``."""
+    from tensorshare import ShardedClient
+
+    try:
+        with ShardedClient(servers, timeout=30) as c:
+            i = 0
+            while not stop.is_set():
+                _retrying(lambda i=i: c.append(name, i))
+                acked.append(i)
+                i += 1
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledged_is_lost(
+        cluster: Any, tmp_path: Any) -> None:
+    # (before the module's shards take a CPU of each node: the replicas find room on the
+    # other node than their primary's)
+    import threading
+
+    with tsray.start_shards(2, data_dir=tmp_path, replicas=1, min_replicas=1,
+                            max_memory=32 * MB, actor_options={"num_cpus": 0}) as two:
+        for shard in two.info():
+            members = shard["members"]
+            assert sorted(m["role"] for m in members) == ["primary", "replica"]
+            assert len({m["node_id"] for m in members}) == 2  # the replica on the other node
+        assert two.servers == ",".join(two.addresses) and two.servers.count("|") == 2
+        policy = torch.nn.Linear(8, 2)
+        with RLTrainer(host=two.servers, timeout=30) as trainer, \
+                RLWorker(host=two.servers, timeout=30) as worker, two.client(timeout=30) as c:
+            v1 = trainer.publish_parameters(policy.state_dict())
+            assert worker.await_new_parameters(timeout=30) is not None and worker.version == v1
+            victim = c.shard_of(PARAMS)
+            queue = _on_shard(c, victim, "{q}")
+            acked: list[int] = []
+            errors: list[BaseException] = []
+            stop = threading.Event()
+            producer = threading.Thread(target=_produce,
+                                        args=(two.servers, queue, acked, errors, stop))
+            producer.start()
+            try:
+                wait_until(lambda: len(acked) >= 50 or bool(errors), 30, "appends under way")
+                old = two.state()["primary"][victim]
+                ray.kill(two.primary_actor(victim), no_restart=True)
+                wait_until(lambda: bool(two.state()["failovers"]), 30, "the promotion")
+                (failover,) = two.state()["failovers"]
+                assert (failover["shard"], failover["from"], failover["term"]) == \
+                    (victim, old, 1) and failover["to"] != old
+                # The worker carries on: new parameters, published on the promoted replica.
+                with torch.no_grad():
+                    policy.weight.fill_(2.0)
+                v2 = _retrying(lambda: trainer.publish_parameters(policy.state_dict()))
+                params = worker.await_new_parameters(timeout=30)
+                assert worker.version == v2 and torch.equal(params["weight"], policy.weight)
+                _retrying(lambda: worker.add_data({"after": torch.ones(2)}))
+                now = len(acked)
+                wait_until(lambda: len(acked) >= now + 50 or bool(errors), 30,
+                           "appends on the promoted replica")
+            finally:
+                stop.set()
+                producer.join(60)
+            assert not producer.is_alive() and not errors, errors
+            items = c.peek(queue, max_items=None)
+            assert len(items) == len(set(items)), "an item is there twice"
+            assert not set(acked) - set(items), "an acknowledged item was lost"
+
+            # The dead member comes back as the replica of the new primary, on its address.
+            def whole() -> bool:
+                members = two.info()[victim]["members"]
+                return all(m is not None for m in members) and sorted(
+                    (m["role"], m["synced"], m["term"]) for m in members) == [
+                    ("primary", True, 1), ("replica", True, 1)]
+
+            wait_until(whole, 60, "the dead member back as a replica")
+            assert two.refresh() == []
+
+
 def test_shards_spread_over_both_nodes_and_serve(cluster: Any, shards: tsray.Shards) -> None:
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     info = shards.info()
@@ -408,100 +507,3 @@ def test_a_killed_relay_comes_back_on_its_port_and_its_readers_carry_on(
         wait_until(counted, timeout=30, what="the relay's info() to count what it served")
         again = seen[-1]
         assert again["versions"] == {PARAMS: v2} and 1 <= again["downloads"] <= 2
-
-
-def _retrying(call: Any, deadline: float = 60.0) -> Any:
-    """``call()``, again while it is refused with ``NotEnoughReplicas`` (nothing applied, or
-    applied once in this session: safe to retry) until ``deadline`` seconds passed."""
-    from tensorshare.errors import NotEnoughReplicas
-
-    until = time.monotonic() + deadline
-    while True:
-        try:
-            return call()
-        except NotEnoughReplicas:
-            if time.monotonic() > until:
-                raise
-            time.sleep(0.05)
-
-
-def _on_shard(client: Any, shard: int, prefix: str) -> str:
-    """A bin name that lives on ``shard``."""
-    return next(f"{prefix}{k}" for k in range(1000) if client.shard_of(f"{prefix}{k}") == shard)
-
-
-def _produce(servers: str, name: str, acked: list[int], errors: list[BaseException],
-             stop: Any) -> None:
-    """Append 0, 1, 2, ... to ``name``; each acknowledged one goes to ``acked``."""
-    from tensorshare import ShardedClient
-
-    try:
-        with ShardedClient(servers, timeout=30) as c:
-            i = 0
-            while not stop.is_set():
-                _retrying(lambda i=i: c.append(name, i))
-                acked.append(i)
-                i += 1
-    except BaseException as exc:  # reported by the test
-        errors.append(exc)
-
-
-def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledged_is_lost(
-        cluster: Any, tmp_path: Any) -> None:
-    import threading
-
-    with tsray.start_shards(2, data_dir=tmp_path, replicas=1, min_replicas=1,
-                            max_memory=32 * MB, actor_options={"num_cpus": 0}) as two:
-        for shard in two.info():
-            members = shard["members"]
-            assert sorted(m["role"] for m in members) == ["primary", "replica"]
-            assert len({m["node_id"] for m in members}) == 2  # the replica on the other node
-        assert two.servers == ",".join(two.addresses) and two.servers.count("|") == 2
-        policy = torch.nn.Linear(8, 2)
-        with RLTrainer(host=two.servers, timeout=30) as trainer, \
-                RLWorker(host=two.servers, timeout=30) as worker, two.client(timeout=30) as c:
-            v1 = trainer.publish_parameters(policy.state_dict())
-            assert worker.await_new_parameters(timeout=30) is not None and worker.version == v1
-            victim = c.shard_of(PARAMS)
-            queue = _on_shard(c, victim, "{q}")
-            acked: list[int] = []
-            errors: list[BaseException] = []
-            stop = threading.Event()
-            producer = threading.Thread(target=_produce,
-                                        args=(two.servers, queue, acked, errors, stop))
-            producer.start()
-            try:
-                wait_until(lambda: len(acked) >= 50 or bool(errors), 30, "appends under way")
-                old = two.state()["primary"][victim]
-                ray.kill(two.primary_actor(victim), no_restart=True)
-                wait_until(lambda: bool(two.state()["failovers"]), 30, "the promotion")
-                (failover,) = two.state()["failovers"]
-                assert (failover["shard"], failover["from"], failover["term"]) == \
-                    (victim, old, 1) and failover["to"] != old
-                # The worker carries on: new parameters, published on the promoted replica.
-                with torch.no_grad():
-                    policy.weight.fill_(2.0)
-                v2 = _retrying(lambda: trainer.publish_parameters(policy.state_dict()))
-                params = worker.await_new_parameters(timeout=30)
-                assert worker.version == v2 and torch.equal(params["weight"], policy.weight)
-                _retrying(lambda: worker.add_data({"after": torch.ones(2)}))
-                now = len(acked)
-                wait_until(lambda: len(acked) >= now + 50 or bool(errors), 30,
-                           "appends on the promoted replica")
-            finally:
-                stop.set()
-                producer.join(60)
-            assert not producer.is_alive() and not errors, errors
-            items = c.peek(queue, max_items=None)
-            assert len(items) == len(set(items)), "an item is there twice"
-            assert not set(acked) - set(items), "an acknowledged item was lost"
-
-            # The dead member comes back as the replica of the new primary, on its address.
-            def whole() -> bool:
-                members = two.info()[victim]["members"]
-                return all(m is not None for m in members) and sorted(
-                    (m["role"], m["synced"], m["term"]) for m in members) == [
-                    ("primary", True, 1), ("replica", True, 1)]
-
-            wait_until(whole, 60, "the dead member back as a replica")
-            assert two.refresh() == []
