@@ -61,6 +61,7 @@ class _Keeper:
         self.primary: list[int | None] = [None] * self.n
         self.failovers: list[dict[str, Any]] = []
         self.stopped = threading.Event()
+        self.started = False  # ready() started the members: the watch fills empty slots
         self.thread = threading.Thread(target=self._watch, daemon=True,
                                        name="tensorshare-ray-keeper")
         self.thread.start()
@@ -142,9 +143,12 @@ class _Keeper:
         while not self.stopped.wait(every):
             try:
                 dead = self._dead()
-                if dead:
-                    with self.lock:
+                with self.lock:
+                    if dead:
                         self._handle(dead)
+                    elif self.started and any(m is None for row in self.members
+                                               for m in row):
+                        self._fill(5.0)  # a slot a round could not fill (its primary slow)
             except Exception:  # keep watching; the next round tries again
                 log.exception("tensorshare.ray: the keeper's round failed")
 
@@ -154,6 +158,8 @@ class _Keeper:
         with self.lock:
             refs = {self.members[i][j].ping.remote(): (i, j) for i in range(self.n)
                     for j in range(self.size) if self.members[i][j] is not None}
+        if not refs:
+            return []
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
         dead = []
         for ref in ready:
@@ -211,10 +217,10 @@ class _Keeper:
         deadline = time.monotonic() + timeout
         with self.lock:
             self._fill(timeout)
+            self.started = True
         while True:
+            infos = self.info(max(deadline - time.monotonic(), 0.1))
             with self.lock:
-                infos = [[self._info(i, j, max(deadline - time.monotonic(), 0.1))
-                          for j in range(self.size)] for i in range(self.n)]
                 if all(info is not None and info.get("synced", True) for row in infos
                        for info in row):
                     return [list(map(str, row)) for row in self.addresses]
@@ -236,10 +242,27 @@ class _Keeper:
             return self.members[i][j]
 
     def info(self, timeout: float) -> list[list[dict[str, Any] | None]]:
-        """Each member's info (``None``: it did not answer within ``timeout``)."""
+        """Each member's info (``None``: it did not answer within ``timeout``, or is being
+        started again). Asked of all at once, without holding up the watch."""
+        ray = _ray()
         with self.lock:
-            return [[self._info(i, j, timeout) for j in range(self.size)]
-                    for i in range(self.n)]
+            refs = [[None if m is None else m.info.remote() for m in row]
+                    for row in self.members]
+        deadline = time.monotonic() + timeout
+        out: list[list[dict[str, Any] | None]] = []
+        for i, row in enumerate(refs):
+            out.append([])
+            for j, ref in enumerate(row):
+                try:
+                    info = None if ref is None else ray.get(
+                        ref, timeout=max(deadline - time.monotonic(), 0.01))
+                except Exception:  # noqa: BLE001 - dead, stuck or starting
+                    info = None
+                if info is not None:
+                    with self.lock:
+                        self.addresses[i][j] = info["address"]
+                out[-1].append(info)
+        return out
 
     def stop(self, timeout: float) -> None:
         """Stop watching; stop every member and kill it for good."""
