@@ -234,6 +234,31 @@ def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledge
             assert c.peek(name) == 7
 
 
+def test_a_replicated_shard_whose_members_all_die_starts_again_from_its_primarys_data(
+        cluster: Any, tmp_path: Any) -> None:
+    with tsray.start_shards(1, data_dir=tmp_path, replicas=1, max_memory=16 * MB,
+                            actor_options={"num_cpus": 0}) as one, \
+            one.client(timeout=30) as c:
+        for i in range(8):
+            c.put(f"v{i}", i)
+        old = one.state()
+        primary = old["primary"][0]
+        before = {m["pid"] for m in one.info()[0]["members"]}
+        for j in (1 - primary, primary):  # no replica left to promote
+            ray.kill(ray.get(one.keeper.member.remote(0, j), timeout=30), no_restart=True)
+
+        def whole() -> bool:
+            members = one.info()[0]["members"]
+            return all(m is not None and m["pid"] not in before for m in members) and \
+                sorted((m["role"], m["synced"]) for m in members) == [
+                    ("primary", True), ("replica", True)]
+
+        wait_until(whole, 60, "both members started again")
+        assert one.state()["primary"] == old["primary"] and one.state()["failovers"] == []
+        assert [c.peek(f"v{i}") for i in range(8)] == list(range(8))  # from its data dir
+        assert one.refresh() == []
+
+
 def test_shards_spread_over_both_nodes_and_serve(cluster: Any, shards: tsray.Shards) -> None:
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     info = shards.info()
