@@ -8,7 +8,12 @@ replica to core 1 where there are two, the client on the last core) and measures
 * the replica's lag under that load (``lag_bytes`` and ``lag_s`` sampled from the primary's
   stats while it runs: p50 and p99);
 * failover: from the primary's ``kill -9`` to the first acknowledged write on the promoted
-  replica (a client with both addresses, ``tensorshare promote`` in between).
+  replica (a client with both addresses, ``tensorshare promote`` in between);
+* failover under Ray (when Ray is installed; a local two-node cluster): ``start_shards(1,
+  replicas=1)``, from ``ray.kill`` of the primary's actor to the first acknowledged write of
+  a client of ``shards.client()`` (the keeper notices, promotes, the client follows), with
+  ``min_replicas`` 0 and 1 (with 1, the write waits until the dead member, started again as
+  the replica, has its full copy). Goal: under 5 s.
 
     python benchmarks/replication.py            # the full run (a few minutes)
     python benchmarks/replication.py --quick    # a smoke run (seconds)
@@ -114,6 +119,56 @@ def failover() -> float:
             p.wait()
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def ray_failover(min_replicas: int) -> float | None:
+    """Seconds from ``ray.kill`` of a replicated shard's primary to the first acknowledged
+    write on the promoted replica (``None``: Ray is not installed)."""
+    import tempfile
+
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        import tensorshare.ray as tsray
+    except ImportError:
+        return None
+    from tensorshare.errors import NotEnoughReplicas
+
+    mb = 1 << 20
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "object_store_memory": 80 * mb, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, object_store_memory=80 * mb)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as d, tsray.start_shards(
+                1, data_dir=d, replicas=1, min_replicas=min_replicas) as shards, \
+                shards.client(timeout=30) as c:
+            c.append("q", 0)
+            primary = shards.primary_actor(0)
+            pid = ray.get(primary.info.remote(), timeout=30)["pid"]
+            start = time.perf_counter()
+            ray.kill(primary, no_restart=True)
+            while process_alive(pid):  # (ray.kill returns at once: a write acknowledged
+                time.sleep(0.001)      # before the kill landed would be the old primary's)
+            while True:
+                try:
+                    c.append("q", 1)
+                    return time.perf_counter() - start
+                except NotEnoughReplicas:  # nothing applied: the new replica is not in sync
+                    time.sleep(0.01)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def quantile(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[int(q * 100) - 1] if len(xs) > 1 else \
         (xs[0] if xs else float("nan"))
@@ -140,6 +195,11 @@ def main() -> None:
               f"seconds p50 {quantile(s, .5):.3f} p99 {quantile(s, .99):.3f}")
     print(f"failover (kill -9 to the first acknowledged write on the promoted replica): "
           f"{failover():.2f} s")
+    for n in (0, 1):
+        took = ray_failover(n)
+        print(f"failover under Ray, min_replicas={n} (ray.kill of the primary's actor to the "
+              f"first acknowledged write): " + ("Ray not installed" if took is None
+                                                else f"{took:.2f} s"))
 
 
 if __name__ == "__main__":

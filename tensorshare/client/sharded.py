@@ -22,6 +22,15 @@ The owner is a function of the address *as written*: every client of a job must 
 same addresses. Stable names (a Kubernetes StatefulSet's pod names behind its headless
 Service, ``shard-0.shards:7000``) keep bins where they are across restarts; addresses that
 change (a pod's IP) move that server's bins.
+
+Replicated shards. A shard may be several addresses, a primary and its replicas
+(``ShardedClient([["a:7000", "b:7000"], ["c:7000", "d:7000"]])``, or as one string
+``"a:7000|b:7000,c:7000|d:7000"``: ``|`` between a shard's addresses, ``,`` between shards):
+each shard's client is a :class:`~.blocking.Client` over that address list, which connects to
+whichever of them says it is the primary and follows a promotion (README: Replication and
+failover). Then a bin's shard is a function of the shard's *index* in the list, not of its
+addresses (which change roles, and may move): every client must list the shards in the same
+order. When every shard is one address, the addresses decide, as before.
 """
 
 from __future__ import annotations
@@ -63,11 +72,17 @@ from .ops import BLOCK_SHARE, BinClient, Command, _version
 from .options import AllOptionFields, ClientOptions, OptionFields
 from .replay import REPLAY_REQUESTS, ShardedReplayOps
 
-__all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers", "owner",
-           "servers_from_env"]
+__all__ = ["SERVERS_ENV", "ShardedClient", "bin_key", "connect", "expand_servers",
+           "expand_shards", "owner", "servers_from_env", "shard_keys"]
 
-#: Comma-separated server addresses when a ShardedClient is given none.
+#: Comma-separated server addresses when a ShardedClient is given none (``|`` between the
+#: addresses of one replicated shard).
 SERVERS_ENV = "TENSORSHARE_SERVERS"
+
+#: What separates the addresses of one shard (a primary and its replicas) in a string.
+REPLICA_SEP = "|"
+
+Shard = str | Sequence[str]
 
 Resolver = Callable[[str, int], Sequence[str]]
 
@@ -94,6 +109,15 @@ def owner(name: str, servers: Sequence[str]) -> int:
     """The index in ``servers`` of the server that holds bin ``name``."""
     key = bin_key(name)
     return max(range(len(servers)), key=lambda i: _weight(servers[i], key))
+
+
+def shard_keys(shards: Sequence[Sequence[str]]) -> list[str]:
+    """What :func:`owner` hashes for each shard (of :func:`expand_shards`): its address when
+    every shard is one server (as written), else its index (``"#0"``, ``"#1"``, ...), so that
+    a shard whose primary moved to another address keeps its bins."""
+    if all(len(urls) == 1 for urls in shards):
+        return [urls[0] for urls in shards]
+    return [f"#{i}" for i in range(len(shards))]
 
 
 def servers_from_env() -> list[str]:
@@ -135,6 +159,46 @@ def expand_servers(servers: Sequence[str] | str,
     return urls
 
 
+def _one_shard(shard: Shard) -> list[str]:
+    """The URLs of one shard: ``"a:7000"``, ``"a:7000|b:7000"`` or ``["a:7000", "b:7000"]``
+    (a scheme written on the first address applies to the others that have none)."""
+    parts = [p.strip() for p in shard.split(REPLICA_SEP)] if isinstance(shard, str) \
+        else [str(p).strip() for p in shard]
+    if not parts or not all(parts):
+        raise ValueError(f"an empty address in the shard {shard!r}")
+    scheme = parts[0].split("://", 1)[0] if "://" in parts[0] else "tensorshare"
+    urls = [p if "://" in p else f"{scheme}://{p}" for p in parts]
+    for url in urls:
+        parse_address(url, 0)  # raises ValueError if malformed
+    return urls
+
+
+def expand_shards(servers: Sequence[Shard] | str,
+                  resolver: Resolver = _dns) -> list[list[str]]:
+    """The shards of a ShardedClient, each a list of ``tensorshare://`` / ``unix://`` URLs
+    (several: a primary and its replicas).
+
+    ``servers`` is a list whose items are an address, a list of addresses, or a string of
+    addresses joined by ``|``; or one string of such shards joined by commas. When every
+    shard is one address this is :func:`expand_servers` (a lone host name may stand for
+    several servers).
+
+    Raises:
+        ValueError: no servers, a malformed address, or the same server twice.
+        OSError: a lone host name that does not resolve.
+    """
+    items: list[Shard] = [s for s in servers.split(",")] if isinstance(servers, str) \
+        else list(servers)
+    items = [s for s in items if not isinstance(s, str) or s.strip()]
+    shards = [_one_shard(s) for s in items]
+    if all(len(urls) == 1 for urls in shards):
+        return [[url] for url in expand_servers([urls[0] for urls in shards], resolver)]
+    every = [url for urls in shards for url in urls]
+    if len(set(every)) != len(every):
+        raise ValueError(f"a server is named twice in {servers!r}")
+    return shards
+
+
 class ShardedClient(ShardedReplayOps, BinClient, Closing):
     """The API of :class:`~.blocking.Client` over several servers, each bin on one of them.
 
@@ -148,6 +212,10 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
     Args:
         servers: addresses (``"host:port"`` or URLs), a comma-separated string of them, or
             one name that resolves to several addresses; default ``TENSORSHARE_SERVERS``.
+            A replicated shard is a list of addresses (its primary and replicas, in any
+            order), or in a string its addresses joined by ``|``
+            (``"a:7000|b:7000,c:7000|d:7000"``): its calls go to whichever says it is the
+            primary, and bins are placed by the shards' order (see the module's notes).
         relay: a relay (``"HOST:PORT"`` or a URL) of the shard that holds ``relay_bins``:
             their reads (peek, ``fetch(remove=False)``, listen) go there; writes, gets,
             stats and the other bins still go to the shards.
@@ -175,12 +243,16 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
         ConnectError: no server could be reached.
     """
 
-    def __init__(self, servers: Sequence[str] | str | None = None, *,
+    def __init__(self, servers: Sequence[Shard] | str | None = None, *,
                  relay: str | None = None, relay_bins: Sequence[str] | str = (),
                  options: ClientOptions | None = None,
                  **overrides: Unpack[AllOptionFields]) -> None:
         opts = self.options = ClientOptions.of(options, **overrides)
-        self.servers = expand_servers(servers if servers is not None else servers_from_env())
+        #: Each shard's URLs (one, or a primary and its replicas), in shard order.
+        self.shards = expand_shards(servers if servers is not None else servers_from_env())
+        #: Each shard as one string: its URL, or its URLs joined by ``|``.
+        self.servers = [REPLICA_SEP.join(urls) for urls in self.shards]
+        self._keys = shard_keys(self.shards)
         self.relay = None if relay is None else \
             relay if "://" in relay else f"tensorshare://{relay}"
         self.relay_bins = [relay_bins] if isinstance(relay_bins, str) else list(relay_bins)
@@ -230,9 +302,9 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
                 raise ConnectionLost("this ShardedClient is closed")
             client = self._clients.get(index)
         if client is None:
-            where = self.relay if index == RELAY else self.servers[index]
+            urls = [self.relay] if index == RELAY and self.relay else self.shards[index]
             try:
-                made = Client(where, options=self.options)
+                made = Client(urls[0] if len(urls) == 1 else urls, options=self.options)
             except ConnectError as exc:
                 raise ConnectionLost(f"{exc} (nothing was sent to it: no connection within "
                                      f"{self.options.timeout:g} s)") from exc
@@ -264,8 +336,13 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
         return ",".join(self._client(i).server_id for i in range(len(self.servers)))
 
     def owner(self, name: str) -> str:
-        """The address of the server that holds bin ``name``."""
-        return self.servers[owner(name, self.servers)]
+        """The address of the server that holds bin ``name`` (a replicated shard's addresses
+        joined by ``|``)."""
+        return self.servers[self.shard_of(name)]
+
+    def shard_of(self, name: str) -> int:
+        """The index of the shard that holds bin ``name``."""
+        return owner(name, self._keys)
 
     def spread(self, name: str) -> list[str]:
         """One bin name per server, each held by that server: ``NAME#J`` with the smallest
@@ -274,7 +351,7 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
         j = 0
         while None in out and j < 1000 * len(self.servers):
             candidate = f"{name}#{j}"
-            home = owner(candidate, self.servers)
+            home = self.shard_of(candidate)
             if out[home] is None:
                 out[home] = candidate
             j += 1
@@ -282,7 +359,7 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
 
     def client_for(self, name: str) -> Client:
         """The client of the server that holds bin ``name``."""
-        return self._client(owner(name, self.servers))
+        return self._client(self.shard_of(name))
 
     def relayed(self, name: str) -> bool:
         """Whether the reads of bin ``name`` go to the relay."""
@@ -303,7 +380,7 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
                 (type(request) is Fetch and not request.spec.remove)
                 or type(request) in (Listen, Unlisten)) and self.relayed(name):
             return RELAY
-        return owner(name, self.servers)
+        return self.shard_of(name)
 
     @property
     def limits(self) -> Limits:
@@ -421,7 +498,8 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
             RuntimeWarning: a new server ignored ``min_version`` (an older server): the
                 bin moved, but its version started again there.
         """
-        leaving = [Client(url, options=self.options) for url in self._drained(drain)]
+        leaving = [Client(urls[0] if len(urls) == 1 else urls, options=self.options)
+                   for urls in self._drained(drain)]
         try:
             plan = [(here, name, kind) for index, here in
                     [(i, self._client(i)) for i in range(len(self.servers))]
@@ -429,7 +507,7 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
                     for name, kind in self._to_move(here, index)]
             moved: dict[str, str] = {}
             for done, (here, name, kind) in enumerate(plan, 1):
-                home = owner(name, self.servers)
+                home = self.shard_of(name)
                 if self._move(here, self._client(home), name, kind):
                     moved[name] = self.servers[home]
                 if progress is not None:
@@ -439,17 +517,19 @@ class ShardedClient(ShardedReplayOps, BinClient, Closing):
             for c in leaving:
                 c.close()
 
-    def _drained(self, drain: Sequence[str] | str) -> list[str]:
-        urls = expand_servers(drain) if drain else []
-        for url in urls:
-            if url in self.servers:
-                raise ValueError(f"{url} is one of this client's servers: it cannot be drained")
-        return urls
+    def _drained(self, drain: Sequence[Shard] | str) -> list[list[str]]:
+        shards = expand_shards(drain) if drain else []
+        mine = {url for urls in self.shards for url in urls}
+        for urls in shards:
+            if mine & set(urls):
+                raise ValueError(f"{REPLICA_SEP.join(urls)} is one of this client's servers: "
+                                 f"it cannot be drained")
+        return shards
 
     def _to_move(self, here: Client, index: int | None) -> list[tuple[str, str]]:
         """The value and list bins on ``here`` (server ``index``) that another server owns."""
         return [(name, b["kind"]) for name, b in here.stats()["bins"].items()
-                if b["kind"] in ("value", "list") and owner(name, self.servers) != index]
+                if b["kind"] in ("value", "list") and self.shard_of(name) != index]
 
     def _move(self, here: Client, there: Client, name: str, kind: str) -> bool:
         """Move bin ``name`` from ``here`` to ``there`` with its version; whether there was
@@ -549,7 +629,7 @@ def connect(host: str | None = None, port: int | None = None,
             timeout: float | None = None, *, options: ClientOptions | None = None,
             **overrides: Unpack[OptionFields]) -> BinClient:
     """The client for ``host``: a :class:`ShardedClient` when ``host`` names several servers
-    (``"h1:7000,h2:7000"``), or when neither host nor ``TENSORSHARE_URL`` is given and
+    (``"h1:7000,h2:7000"``, or replicated shards ``"a:7000|b:7000,c:7000|d:7000"``), or when neither host nor ``TENSORSHARE_URL`` is given and
     ``TENSORSHARE_SERVERS`` is; else a :class:`~.blocking.Client`. What ``RLTrainer``,
     ``RLWorker`` and ``TensorShare`` use, so that each accepts several servers.
 
@@ -563,7 +643,7 @@ def connect(host: str | None = None, port: int | None = None,
     if timeout is not None:
         changes["timeout"] = timeout
     opts = ClientOptions.of(options, **changes)
-    if host is not None and "," in host:
+    if host is not None and ("," in host or REPLICA_SEP in host):
         return ShardedClient(host, options=opts)
     if host is None and not os.environ.get("TENSORSHARE_URL") and servers_from_env():
         return ShardedClient(None, options=opts)

@@ -54,6 +54,17 @@ the same port when it can (it remembers it in ``DATA_DIR/relay-{node id}.json``)
 clients of it reconnect by themselves. A relay's upstream is the shard's address at the
 start: if that shard moves (see above), start the shards' relays again.
 
+Replicas. ``start_shards(n, replicas=1, min_replicas=1, ...)`` makes each shard a primary
+and a replica (each a Ray actor, the replica on another node when there is one), and a
+keeper actor that watches them (:mod:`tensorshare.ray.failover`): when Ray reports the
+primary's actor dead, it promotes the replica (a new term) and starts the dead one again as
+the replica of the new primary. :attr:`Shards.servers` is then ``"a|b,c|d"``: each shard's
+address list, which ``ShardedClient``, ``RLWorker(host=...)`` and ``TENSORSHARE_SERVERS``
+take; their calls go to each shard's primary and follow a promotion, and bins are placed by
+the shard's index, so nothing moves. ``min_replicas=1`` (default 0) acknowledges a write once
+the replica has it: a failover loses nothing acknowledged; with 0 it may lose the last
+moments' writes. Not built yet with replicas: ``relays`` and ``sticky``.
+
 Ray is an optional dependency (``pip install "tensorshare[ray]"``), imported when first
 needed.
 """
@@ -148,9 +159,11 @@ class _Shard:
 
     def __init__(self, index: int, shard_dir: str, port: int, loopback: bool,
                  options: dict[str, Any], rebind_timeout: float,
-                 local_ip: str | None = None) -> None:
+                 local_ip: str | None = None, replicated: bool = False) -> None:
         ray = _ray()
         self.index = index
+        self.token: str | None = options.get("token")
+        self.replicated = replicated  # a member of a replicated shard: info() says its role
         node_ip = ray.util.get_node_ip_address()
         if local_ip is not None and node_ip != local_ip:
             raise RuntimeError(
@@ -165,11 +178,34 @@ class _Shard:
         self.address = f"{host}:{self.server.port}"
 
     def info(self) -> dict[str, Any]:
-        """Where this shard runs: ``address``, ``node_id``, ``node_ip``, ``pid``."""
+        """Where this shard runs: ``address``, ``node_id``, ``node_ip``, ``pid``; with
+        replication (``start_shards(..., replicas=...)``) also its ``role`` and ``term``, and
+        ``synced`` (a replica: whether it has its full copy)."""
         ray = _ray()
-        return {"index": self.index, "address": self.address, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "running": self.server.running}
+        out = {"index": self.index, "address": self.address, "pid": os.getpid(),
+               "node_id": ray.get_runtime_context().get_node_id(),
+               "node_ip": ray.util.get_node_ip_address(), "running": self.server.running}
+        if self.replicated:
+            with self._client() as client:
+                server = client.stats()["server"]
+            out.update(role=server["role"], term=server["term"],
+                       synced=bool(server["replication"].get("synced", True)))
+        return out
+
+    def _client(self) -> Any:
+        from ..client.blocking import Client
+
+        return Client(self.address, token=self.token, timeout=30, reconnect=False)
+
+    def ping(self) -> bool:
+        """Nothing: an answer says the actor lives (the keeper's watch)."""
+        return True
+
+    def promote(self) -> int:
+        """Make this replica the primary (the ``promote`` op, as ``tensorshare promote``):
+        the new term."""
+        with self._client() as client:
+            return int(client.promote())
 
     def stop(self) -> None:
         """Stop the server (final snapshot written, port closed)."""
@@ -248,6 +284,8 @@ class Shards:
         #: With ``relays``: the bins they relay.
         self.relay_bins: list[str] = []
         self.relay_actors: list[Any] = []
+        #: With ``replicas``: the keeper actor (:mod:`tensorshare.ray.failover`).
+        self.keeper: Any = None
 
     def params_via(self) -> str | None:
         """The relay on the node this is called on (in a Ray task or actor), for
@@ -290,9 +328,39 @@ class Shards:
 
     def info(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each shard's ``address``, ``node_id``, ``node_ip`` and ``pid`` (waiting for a
-        shard that Ray is restarting)."""
+        shard that Ray is restarting).
+
+        With ``replicas``: each shard's members (``None``: one being started again, or that
+        did not answer within ``timeout``), each with its ``role``, ``term`` and ``synced``;
+        ``address`` is then the shard's address list, ``|``-joined."""
         ray = _ray()
+        if self.keeper is not None:
+            members = ray.get(self.keeper.info.remote(timeout), timeout=timeout * 3 + 30)
+            return [{"index": i, "address": "|".join(self.members_of(i)), "members": row}
+                    for i, row in enumerate(members)]
         return list(ray.get([a.info.remote() for a in self.actors], timeout=timeout))
+
+    def state(self, timeout: float = 60.0) -> dict[str, Any]:
+        """With ``replicas``: ``addresses`` (each shard's members' ``"host:port"``),
+        ``primary`` (each shard's primary, a member index) and ``failovers`` (each a
+        ``shard``, the member it went ``from`` and ``to``, the new ``term``, and when the
+        keeper saw the death, ``died_at``, and promoted, ``promoted_at``: ``time.time()``)."""
+        if self.keeper is None:
+            raise ValueError("these shards have no replicas (start_shards(..., replicas=1))")
+        state: dict[str, Any] = _ray().get(self.keeper.state.remote(), timeout=timeout)
+        return state
+
+    def members_of(self, shard: int) -> list[str]:
+        """The ``"host:port"`` of shard ``shard``'s members (one without ``replicas``)."""
+        return self.addresses[shard].split("|")
+
+    def primary_actor(self, shard: int, timeout: float = 60.0) -> Any:
+        """The actor of shard ``shard``'s primary now (without replicas: its actor)."""
+        if self.keeper is None:
+            return self.actors[shard]
+        ray = _ray()
+        p = self.state(timeout)["primary"][shard]
+        return ray.get(self.keeper.member.remote(shard, p), timeout=timeout)
 
     def refresh(self, timeout: float = 60.0) -> list[int]:
         """Ask the shards where they listen now; update :attr:`addresses`.
@@ -301,7 +369,8 @@ class Shards:
             The indices of the shards whose address changed (see the module's notes:
             make clients anew and rebalance).
         """
-        now = [i["address"] for i in self.info(timeout)]
+        now = ["|".join(map(str, row)) for row in self.state(timeout)["addresses"]] \
+            if self.keeper is not None else [i["address"] for i in self.info(timeout)]
         moved = [k for k, (a, b) in enumerate(zip(self.addresses, now, strict=True)) if a != b]
         self.addresses = now
         return moved
@@ -310,6 +379,15 @@ class Shards:
         """Stop every shard (each writes its final snapshot and closes its port), kill the
         actors for good, and wait until Ray reports them dead. Idempotent."""
         ray = _ray()
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            try:
+                ray.get(keeper.stop.remote(timeout), timeout=timeout * 2)
+            except Exception as exc:  # its members end with it (Ray's ownership)
+                log.warning("tensorshare.ray: the keeper did not stop cleanly: %s", exc)
+            ray.kill(keeper, no_restart=True)
+            _wait_dead(ray, [keeper, *self.actors], timeout)
+            self.actors = []
         relays, self.relay_actors = self.relay_actors, []
         if relays:
             try:
@@ -327,16 +405,7 @@ class Shards:
             log.warning("tensorshare.ray: a shard did not stop cleanly: %s", exc)
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        deadline = time.monotonic() + timeout
-        for actor in actors:
-            while time.monotonic() < deadline:
-                try:
-                    ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
-                except ray.exceptions.RayActorError:
-                    break  # dead
-                except ray.exceptions.GetTimeoutError:
-                    break
-                time.sleep(0.05)
+        _wait_dead(ray, actors, timeout)
 
     def __enter__(self) -> Shards:
         return self
@@ -348,64 +417,134 @@ class Shards:
         return f"<tensorshare.ray.Shards {self.addresses}>"
 
 
-def start_shards(n: int, *, data_dir: str | os.PathLike[str],
+def _wait_dead(ray: Any, actors: list[Any], timeout: float) -> None:
+    """Wait (up to ``timeout``) until Ray reports each of ``actors`` dead."""
+    deadline = time.monotonic() + timeout
+    for actor in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.ping.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            except ray.exceptions.RayActorError:
+                break  # dead
+            except ray.exceptions.GetTimeoutError:
+                break
+            time.sleep(0.05)
+
+
+def start_shards(n: int, *, data_dir: str | os.PathLike[str], replicas: int = 0,
                  relays: bool | Sequence[str] = False,
                  port: int = 0, loopback: bool | None = None, sticky: bool = False,
                  actor_options: dict[str, Any] | None = None, rebind_timeout: float = 10.0,
-                 timeout: float = 120.0, **server_options: Any) -> Shards:
-    """Start ``n`` shard servers as Ray actors spread over the cluster's nodes.
-
-    Connects to Ray first if this process has not (``ray.init()``).
+                 timeout: float = 120.0, watch_every: float = 0.2,
+                 **server_options: Any) -> Shards:
+    """Start ``n`` shard servers as Ray actors spread over the cluster's nodes (after
+    ``ray.init()`` if this process has not connected to Ray).
 
     Args:
         n: how many shards.
         data_dir: shard ``i`` keeps its data in ``data_dir/shard-{i}`` (on the disk of the
-            node it runs on: storage that every node sees lets a shard restart anywhere).
+            node it runs on: storage that every node sees lets a shard restart anywhere);
+            with ``replicas``, member ``j`` of it in ``data_dir/shard-{i}/m{j}``.
+        replicas: each shard's replicas (default 0: none, the shard restarts in place).
+            With 1 or more, a keeper promotes a replica when its primary's actor dies and
+            starts the dead one again as a replica (see the module's notes); with
+            ``min_replicas=1`` a failover loses no acknowledged write.
         relays: one relay per node for parameter fan-out: ``True`` relays RLTrainer's
-            ``"rl/parameters"``, or give the parameter bins' names (they must live on one
-            shard: pin them with a ``{tag}``). ``shards.client()`` reads them through the
-            relay of its node; workers do with
-            ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
+            ``"rl/parameters"``, or give the parameter bins' names (on one shard: pin them
+            with a ``{tag}``). ``shards.client()`` reads them through its node's relay;
+            workers with ``RLWorker(host=shards.servers, params_via=shards.params_via())``.
         port: 0 (default): each shard takes a free port at its first start and keeps it
-            across restarts; else shard ``i`` listens on ``port + i``.
+            across restarts; else shard ``i`` listens on ``port + i`` (with ``replicas``,
+            its member ``j`` on ``port + i * (1 + replicas) + j``).
         loopback: bind 127.0.0.1 (``True``) or each node's IP (``False``); default: loopback
             when every node of the cluster is this machine.
         sticky: pin shard ``i`` to node ``i mod nodes`` (hard node affinity) instead of
-            ``SPREAD``: Ray restarts it on its own node, where it keeps its address and finds
-            its data directory, but not elsewhere if that node is gone. With ``SPREAD`` (the
-            default) Ray may restart it on any node (see the module's notes).
+            ``SPREAD``: Ray restarts it on its own node (its address, its data directory),
+            never elsewhere (see the module's notes).
         actor_options: passed to ``ActorClass.options`` (defaults: ``num_cpus=1``,
             ``max_restarts=-1``, ``max_task_retries=-1``, ``scheduling_strategy="SPREAD"``).
         rebind_timeout: how long a restarted shard waits for its old port to be free.
-        timeout: seconds to wait for every shard to listen.
-        **server_options: :class:`~tensorshare.server.ServerConfig` fields (``token``,
-            ``fsync``, ``max_memory``, ``snapshot_every``, ...). ``token`` defaults to
-            ``TENSORSHARE_TOKEN`` here.
+        timeout: seconds to wait for every shard to listen (and replica to be in sync).
+        watch_every: with ``replicas``: seconds between the keeper's pings of the members.
+        **server_options: :class:`~tensorshare.server.ServerConfig` fields (``token``, by
+            default ``TENSORSHARE_TOKEN`` here; ``min_replicas``, ``max_memory``, ...).
 
     Returns:
         The :class:`Shards`, every one of them listening.
 
     Raises:
-        ValueError: ``n < 1``, relayed bins on different shards, or servers beyond loopback without a token (and without
-            ``insecure=True``).
+        ValueError: ``n < 1``, ``replicas < 0`` or with ``relays``/``sticky``, relayed bins
+            on two shards, or beyond loopback without a token (or ``insecure=True``).
         TypeError: an unknown server option.
         ImportError: Ray is not installed.
     """
+    relay_bins = _check_arguments(n, replicas, relays, sticky, server_options)
+    ray = _connected()
+    options, config, loopback, local_ip = _shard_config(ray, server_options, loopback)
+    root = os.path.abspath(os.fspath(data_dir))
+    if replicas:
+        return _start_replicated(ray, Shards([], [], config.token, root), timeout, dict(
+            n=n, replicas=replicas, root=root, port=port, loopback=loopback, options=options,
+            rebind_timeout=rebind_timeout, local_ip=local_ip, watch_every=watch_every,
+            user_settings=dict(actor_options or {})))
+    actors = _spawn_shards(ray, n, root, port, loopback, options, rebind_timeout, local_ip,
+                           sticky=sticky, actor_options=actor_options)
+    return _listening(ray, Shards(actors, [], config.token, root), relay_bins, loopback,
+                      options, timeout)
+
+
+def _connected() -> Any:
+    """The ``ray`` module, connected to a cluster (``ray.init()`` if this process was not)."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init()
+    return ray
+
+
+def _check_arguments(n: int, replicas: int, relays: bool | Sequence[str], sticky: bool,
+                     server_options: dict[str, Any]) -> list[str]:
+    """The relayed bins; raise for what :func:`start_shards` refuses, before anything
+    starts."""
     relay_bins = (["rl/parameters"] if relays is True else
                   [relays] if isinstance(relays, str) else list(relays or []))
     if n < 1:
         raise ValueError(f"start_shards needs at least one shard, not {n}")
     if "data_dir" in server_options:
         raise TypeError("data_dir is start_shards' own argument")
-    ray = _ray()
-    if not ray.is_initialized():
-        ray.init()
-    options, config, loopback, local_ip = _shard_config(ray, server_options, loopback)
-    root = os.path.abspath(os.fspath(data_dir))
-    actors = _spawn_shards(ray, n, root, port, loopback, options, rebind_timeout, local_ip,
-                           sticky=sticky, actor_options=actor_options)
-    return _listening(ray, Shards(actors, [], config.token, root), relay_bins, loopback,
-                      options, timeout)
+    if replicas < 0:
+        raise ValueError(f"replicas must be 0 or more, not {replicas}")
+    if replicas and (relay_bins or sticky):
+        raise ValueError("start_shards(replicas=...) with relays or sticky is not built yet: "
+                         "a relay follows one address, and a sticky shard one node")
+    if replicas and "replica_of" in server_options:
+        raise TypeError("replica_of is set by start_shards(replicas=...) itself")
+    return relay_bins
+
+
+def _start_replicated(ray: Any, shards: Shards, timeout: float,
+                      spec: dict[str, Any]) -> Shards:
+    """The keeper (on this node) starts the members; ``shards`` once every replica is in
+    sync (on failure everything is shut down and the error raised)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .failover import _Keeper
+
+    spec["settings"] = {"num_cpus": 1, "scheduling_strategy": "SPREAD",
+                        **spec["user_settings"]}
+
+    here = ray.get_runtime_context().get_node_id()
+    shards.keeper = ray.remote(_Keeper).options(
+        num_cpus=0, max_restarts=0, max_concurrency=4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(spec)
+    try:
+        members = ray.get(shards.keeper.ready.remote(timeout), timeout=timeout * 2 + 30)
+        shards.addresses = ["|".join(row) for row in members]
+        shards.actors = ray.get([shards.keeper.member.remote(i, 0)
+                                 for i in range(spec["n"])], timeout=timeout)
+    except BaseException:
+        shards.shutdown(timeout)
+        raise
+    return shards
 
 
 def _shard_config(ray: Any, server_options: dict[str, Any], loopback: bool | None

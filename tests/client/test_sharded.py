@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from tensorshare import Client, EmbeddedServer
-from tensorshare.client.sharded import ShardedClient, bin_key, expand_servers, owner
+from tensorshare.client.sharded import (
+    ShardedClient,
+    bin_key,
+    expand_servers,
+    expand_shards,
+    owner,
+    shard_keys,
+)
 from tensorshare.errors import (
     BinNotFound,
     ConnectError,
@@ -25,6 +32,7 @@ from tensorshare.errors import (
     WaitTimeout,
 )
 from tests.chaos import HOST, ChaosProxy, Faults, ServerProcess, chaos_seed
+from tests.conftest import wait_until
 
 SERVERS = [f"tensorshare://shard-{i}.tensorshare:7000" for i in range(3)]  # names: no connect
 TIMEOUT = 20.0
@@ -66,6 +74,61 @@ def test_servers_from_a_list_a_string_the_environment_or_one_name_with_many_addr
     from tensorshare.client.sharded import servers_from_env
 
     assert servers_from_env() == ["127.0.0.1:1", "127.0.0.1:2"]
+
+
+def test_replicated_shards_from_lists_or_a_string_are_placed_by_their_index() -> None:
+    listed = expand_shards([["a:1", "b:1"], "c:1|tensorshare://d:1"])
+    assert listed == [["tensorshare://a:1", "tensorshare://b:1"],
+                      ["tensorshare://c:1", "tensorshare://d:1"]]
+    assert expand_shards("a:1|b:1, c:1|d:1") == listed  # TENSORSHARE_SERVERS's form
+    assert expand_shards("tensorshare+tls://a:1|b:1") == [["tensorshare+tls://a:1",
+                                                          "tensorshare+tls://b:1"]]
+    assert shard_keys(listed) == ["#0", "#1"]
+    # The addresses of a shard do not place its bins: its index does (a promotion, or a
+    # member restarted on another port, moves no bin).
+    moved = expand_shards([["a:1", "b:2"], ["c:1", "e:9"]])
+    names = [f"bin{i}" for i in range(200)]
+    assert [owner(n, shard_keys(listed)) for n in names] == \
+        [owner(n, shard_keys(moved)) for n in names]
+    assert {owner(n, shard_keys(listed)) for n in names} == {0, 1}
+    # One address per shard: the addresses, as before.
+    assert shard_keys(expand_shards("a:1,c:1")) == ["tensorshare://a:1", "tensorshare://c:1"]
+    with pytest.raises(ValueError, match="named twice"):
+        expand_shards([["a:1", "b:1"], ["b:1", "c:1"]])
+    with pytest.raises(ValueError, match="empty address"):
+        expand_shards(["a:1|", "c:1"])
+
+
+def test_a_sharded_client_over_replicated_shards_follows_a_promotion(tmp_path: Path) -> None:
+    primaries = [EmbeddedServer(port=0) for _ in range(2)]
+    replicas = [EmbeddedServer(port=0, replica_of=f"tensorshare://127.0.0.1:{p.port}")
+                for p in primaries]
+    try:
+        shards = [[f"127.0.0.1:{r.port}", f"127.0.0.1:{p.port}"]
+                  for p, r in zip(primaries, replicas, strict=True)]
+        with ShardedClient(shards, timeout=TIMEOUT) as c, \
+                Client(shards[0][0], timeout=TIMEOUT) as admin:
+            assert c.servers == ["|".join(f"tensorshare://{a}" for a in s) for s in shards]
+            for i in range(20):
+                c.put(f"v{i}", i)
+            on_first = [f"v{i}" for i in range(20) if c.shard_of(f"v{i}") == 0]
+            assert on_first and c.owner(on_first[0]) == c.servers[0]
+            with Client(shards[0][1], timeout=TIMEOUT) as primary:
+                assert set(primary.list()) == set(on_first)
+
+            def copied() -> bool:
+                return set(admin.list()) == set(on_first)
+
+            wait_until(copied, TIMEOUT, "the replica's copy")
+            primaries[0].stop()
+            assert admin.promote() == 1
+            # The same client: shard 0's calls go to its promoted replica, shard 1's as before.
+            assert [c.peek(f"v{i}") for i in range(20)] == list(range(20))
+            c.put(on_first[0], -1)
+            assert admin.peek(on_first[0]) == -1
+    finally:
+        for s in (*primaries, *replicas):
+            s.stop()
 
 
 @pytest.fixture
