@@ -387,9 +387,11 @@ class ServerFactory(Factory):
     # -- persistence ------------------------------------------------------------------------
     @property
     def holding(self) -> bool:
-        """Whether replies to writes must wait for the data log (records are pending)."""
+        """Whether replies to writes must wait: for the data log (records are pending), or,
+        on a primary with ``--min-replicas``, always (a write's reply, a resent one's
+        remembered reply included, leaves once enough replicas have all written before it)."""
         p = self.persist
-        return p is not None and p.dirty
+        return p is not None and (p.dirty or self.replication.holds_replies)
 
     def hold(self, conn: Conn) -> None:
         """``conn`` holds replies until the data log is written (it keeps them): the next

@@ -16,8 +16,9 @@ cdef class Responder:
     cdef Route _get, _peek
 
     cpdef Route route(self, object msg)
-    @cython.locals(s=object)
     cpdef object handle(self, object conn, object msg, Route route=*)
+    @cython.locals(s=object)
+    cdef object _remembered(self, object conn, object msg, Route route)
 
 
 cpdef object put_effect(object store, object msg, object ctx=*, object owner=*)

@@ -25,6 +25,7 @@ from ..errors import (
     BinFull,
     InvalidRequest,
     LimitExceeded,
+    NotEnoughReplicas,
     PermissionDenied,
     ServerError,
     StorageUnavailable,
@@ -202,6 +203,12 @@ class Responder:
         if self.fence is not None:
             refusal = self.fence(msg, route)
             if refusal is not None:
+                # A write short of --min-replicas that this session's earlier try applied
+                # (its reply is remembered): not "refused, nothing applied" but that reply,
+                # held like any write's until enough replicas have it (or answered
+                # not_enough_replicas, "it may have been applied", after --replica-timeout).
+                if refusal.code == NotEnoughReplicas.code:
+                    return self._remembered(conn, msg, route) or refusal
                 return refusal
         # What it may do (see .users): one check, skipped for a user who may do all without a
         # quota. (A connection has its user and usage from its hello on: none is routed before.)
@@ -211,12 +218,9 @@ class Responder:
             verdict = self._users.admit(conn, route, msg)
             if verdict is not True:  # refused (the reply), or waiting for room (None)
                 return None if verdict is False else verdict
-        s = conn.session
-        if s is not None and route.mutating:
-            old = s.replies.get(msg.id)
-            if old is not None:  # ran before the connection dropped: answer the same again
-                self.server.stats.counters["replayed"] += 1
-                return old.reply
+        old = self._remembered(conn, msg, route)
+        if old is not None:  # ran before the connection dropped: answer the same again
+            return old
         try:
             if route.store:
                 name = msg.bin
@@ -234,6 +238,17 @@ class Responder:
             log.failure("internal error serving {op} from {peer}", op=op_name(msg),
                         peer=conn.peer)
             return ErrorReply(msg.id, ServerError.code, "internal server error; see the server log")
+
+    def _remembered(self, conn: Conn, msg: Any, route: Route) -> AnyReply | None:
+        """The remembered reply of a write this session sent before (counted as replayed)."""
+        s = conn.session
+        if s is None or not route.mutating:
+            return None
+        old = s.replies.get(msg.id)
+        if old is None:
+            return None
+        self.server.stats.counters["replayed"] += 1
+        return old.reply
 
     def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
         """A request of ``op`` was refused before it was parsed (the connection answered it

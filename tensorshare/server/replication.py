@@ -247,6 +247,11 @@ class Replication:
         f.store.journal = p.record
         return p
 
+    @property
+    def holds_replies(self) -> bool:
+        """Every reply to a write waits for ``--min-replicas`` replicas (a primary's rule)."""
+        return self.config.min_replicas > 0 and self.role == "primary"
+
     def _holds(self) -> bool:
         return bool(self.pending) and self.config.min_replicas > 0
 

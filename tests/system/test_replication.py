@@ -8,6 +8,7 @@ a sleep: conditions are polled with deadlines; every process is killed in ``fina
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -600,3 +601,51 @@ def test_replay_inserts_through_a_failover_are_applied_exactly_once(
     assert len(keys) == len(set(keys)), "one key given twice"
     info = admin.replay_info("r")
     assert info.size == info.stats["inserts"] == len(keys), "an insert lost or applied twice"
+
+
+def test_a_resent_write_that_was_applied_is_not_refused_as_unapplied_short_of_replicas(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """A write applied while its reply waited for the replica, resent by its session once no
+    replica is in sync: before, the fence answered ``not_enough_replicas``, "nothing was
+    applied" (a retry then doubled it); now the remembered reply is held like any write's
+    and leaves once a replica has it: one item, one success."""
+    import signal
+
+    primary = procs("--min-replicas", "1", "--replica-timeout", "30")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    admin = clients(primary.port)
+    wait_until(lambda: [x["live"] for x in repl(admin)["replicas"]] == [True], TIMEOUT,
+               "the replica in sync")
+    admin.put("warm", 1)  # acknowledged by the replica: in sync
+    with ChaosProxy((HOST, primary.port)) as proxy:
+        c = Client(HOST, proxy.port, timeout=60.0)
+        try:
+            assert replica.proc is not None
+            os.kill(replica.proc.pid, signal.SIGSTOP)  # applied on the primary, never acked
+            out: dict[str, Any] = {}
+            t = threading.Thread(target=lambda: out.update(r=_attempt(lambda: c.append("q", 7))))
+            t.start()
+            wait_until(lambda: admin.list().get("q") == 1, TIMEOUT, "the append applied")
+            replica.kill()
+            wait_until(lambda: not any(x["live"] for x in repl(admin)["replicas"]), TIMEOUT,
+                       "no replica in sync")
+            replayed = admin.stats()["server"]["counters"].get("replayed", 0)
+            proxy.cut_all()  # the reply never came: the session resends the same request
+            wait_until(lambda: admin.stats()["server"]["counters"].get("replayed", 0) > replayed,
+                       TIMEOUT, "the resent append answered from its remembered reply")
+            assert t.is_alive(), out  # held, not refused: no replica has it yet
+            procs("--replica-of", f"{HOST}:{primary.port}")
+            t.join(TIMEOUT * 2)
+            assert not t.is_alive()
+            assert out["r"] is None, out["r"]  # acknowledged once the new replica had it
+            assert admin.peek("q", max_items=None) == [7]  # applied once
+        finally:
+            c.close()
+
+
+def _attempt(call: Callable[[], Any]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 (the test reports it)
+        return exc
+    return None
