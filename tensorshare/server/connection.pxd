@@ -23,7 +23,7 @@ cdef class Connection:
     cdef public str client_name, peer, role
     cdef public set listening
     cdef public dict started, _waiting, _pass_ops, _folded
-    cdef public bint shm, runs, _closed, _paused, _refusing
+    cdef public bint shm, runs, _closed, _paused, _refusing, keeps_reading
     cdef public Responder _responder
     cdef public SessionTable _sessions
     cdef public ServerStats _stats

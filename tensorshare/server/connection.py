@@ -123,6 +123,7 @@ class Connection:
         # Replies held until the data log is written (--fsync always; see emit, committed).
         self._held: list[tuple[Sequence[BytesLike], list[Any] | None]] | None = None
         self._paused = False  # the transport says our output backs up: see the class doc
+        self.keeps_reading = False  # (a replica's link: see pauseProducing)
         self._folded: dict[str, Changed] = {}  # notifications held back while paused
         self._stall: IDelayedCall | None = None  # watches a large frame that stops arriving
         self._greeting: tuple[Hello, bytes] | None = None  # a hello and our challenge's nonce
@@ -575,7 +576,8 @@ class ServerProtocol(Connection, Protocol):
         if not self._paused and not self._closed:
             self._paused = True
             self.factory.stats.counters["client_paused"] += 1
-            self._socket.pauseProducing()  # stop reading
+            if not self.keeps_reading:  # (a replica's acknowledgements are read on)
+                self._socket.pauseProducing()  # stop reading
 
     def resumeProducing(self) -> None:
         if not self._paused or self._closed:

@@ -103,6 +103,9 @@ class Conn(Protocol):
     #: When bytes last arrived (``time.monotonic()``).
     last_rx: float
     transport: Any
+    #: Whether it keeps reading while its output backs up (a replica's link: its
+    #: acknowledgements are tiny, and what it is sent is bounded by ``--replica-buffer``).
+    keeps_reading: bool
     #: Its sans-I/O side: the frame decoder, the bytes received per op.
     conn: ServerConnection
 

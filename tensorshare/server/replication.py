@@ -385,6 +385,10 @@ class Replication:
         old = self.links.pop(conn, None)
         if old is not None:
             old.live = False
+        # Its output is bounded by --replica-buffer; its input is acknowledgements, which must
+        # be read even while that output backs up (else its lag looks like the whole buffer,
+        # and --min-replicas waits on acknowledgements already sent).
+        conn.keeps_reading = True
         if (msg.replid == self.replid and self.backlog_start <= msg.offset <= self.offset):
             return self._continue(conn, msg)
         return self._full(conn, msg)
