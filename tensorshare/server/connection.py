@@ -252,7 +252,6 @@ class Connection:
         A handler returns its reply (the pass answers it); a request answered later (a
         waiting get, a held append, a take that waits, a write that waited for room) is
         answered here when it is served or times out."""
-        f = self.factory
         if route is None:
             route = self._responder.route(msg)
         cls = type(reply)
@@ -263,13 +262,15 @@ class Connection:
         if s is not None and mutating:
             if cls is Fetched and reply.items and msg.spec.remove:
                 self._sessions.remember(s, msg.id, reply, msg.bin, reply.nbytes)
-            else:
+            else:  # (a put's reply is its frame's bytes: remembered as they are)
                 self._sessions.remember(s, msg.id, reply)
         shared: list[Any] | None = [] if self.shm else None
-        if cls is Fetched and reply.items and not msg.spec.remove:
+        if cls is bytes:  # a reply prepared as its frame
+            chunks: Sequence[BytesLike] = [reply]
+        elif cls is Fetched and reply.items and not msg.spec.remove:
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
-            chunks = f.encode_peek(msg.bin, reply, shared)
+            chunks = self.factory.encode_peek(msg.bin, reply, shared)
         else:
             chunks = encode_reply(reply, shared)
         nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))

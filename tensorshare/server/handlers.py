@@ -50,7 +50,7 @@ from ..wire.messages import (
     StatsReply,
     Unlisten,
 )
-from ..wire.protocol import OPS, item_wire_size, op_name
+from ..wire.protocol import OPS, item_wire_size, op_name, stored_frame
 from ..wire.records import (
     Acked,
     Append,
@@ -62,6 +62,7 @@ from ..wire.records import (
 )
 from .auth import read_ops_text
 from .parts import Route
+from .sessions import Remembered
 from .store import BinConfig, Store, Written
 
 if TYPE_CHECKING:
@@ -77,9 +78,13 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 # -- effects: the changes to the store, shared with the data log's replay --------------------
 def put_effect(store: Store, msg: Put, ctx: Ctx = None, owner: Any = None) -> Stored:
     """Replace a bin's content with the put's item (charged to ``owner``, a user's usage)."""
-    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx,
-                  msg.min_version, owner)
+    w = _put_written(store, msg, ctx, owner)
     return Stored(msg.id, w.version, w.n_items)
+
+
+def _put_written(store: Store, msg: Put, ctx: Ctx, owner: Any) -> Written:
+    item = msg.item
+    return store.put(msg.bin, item, item_wire_size(item), item.tag, ctx, msg.min_version, owner)
 
 
 def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:
@@ -187,7 +192,8 @@ class Responder:
             return self._get if msg.spec.remove else self._peek
         return self._routes[cls]
 
-    def handle(self, conn: Conn, msg: Any, route: Route | None = None) -> AnyReply | None:
+    def handle(self, conn: Conn, msg: Any, route: Route | None = None
+               ) -> AnyReply | bytes | None:
         """Serve one request of ``conn`` (after its handshake): the reply to send, or ``None``
         when it is answered later (a waiting get, a held append, a write waiting for room in
         its user's quota). Never raises: a failure costs this request an error reply, never
@@ -216,7 +222,7 @@ class Responder:
             old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
-                return old.reply
+                return old if type(old) is bytes else old.reply  # (a put's: its frame)
         try:
             if route.store:
                 name = msg.bin
@@ -259,8 +265,10 @@ class Responder:
             f"read-only ({read_ops_text()}); write to that primary"))
 
     # -- writes -----------------------------------------------------------------------------
-    def _put(self, conn: Conn, msg: Put) -> Reply:
-        return put_effect(self.server.store, msg, conn.ctx(msg), conn.usage)
+    def _put(self, conn: Conn, msg: Put) -> bytes:
+        # Answered as its frame, remembered as it is (a put's reply is no object).
+        w = _put_written(self.server.store, msg, conn.ctx(msg), conn.usage)
+        return stored_frame(msg.id, w.version, w.n_items)
 
     def _append(self, conn: Conn, msg: Append) -> Reply | None:
         store = self.server.store
@@ -388,7 +396,7 @@ class Responder:
         # (Other remembered replies stay: a resent put must still not run twice.)
         s = conn.session
         done = s.replies.get(target) if s is not None else None
-        if s is not None and done is not None and done.bin is not None and \
+        if s is not None and type(done) is Remembered and done.bin is not None and \
                 isinstance(done.reply, Fetched):
             if f.persist is not None:
                 f.persist.session_record("forget", s.id, id=target)

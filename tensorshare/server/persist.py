@@ -881,8 +881,7 @@ def _capture(store: Store, sessions: SessionTable, term: int = 0) -> _State:
     return _State(
         list(store.metas()),
         list(store.entries()),
-        [(s.id, [(rid, r.reply, r.bin, r.held) for rid, r in s.replies.items()])
-         for s in sessions],
+        [(s.id, s.remembered()) for s in sessions],
         term=term,
     )
 
