@@ -161,7 +161,7 @@ class Connection:
         """
         if self._closed:
             return
-        if hold and self.factory.holding:
+        if hold and self.factory.persist is not None and self.factory.holding:
             held = self._held
             if held is None:  # the server tells the connections that hold something
                 held = self._held = []
@@ -351,7 +351,8 @@ class Connection:
                     self._write(out, None)
         if error is not None and not self._closed and not self._refusing:
             self.fail(ProtocolError(str(error)))
-        f.commit()
+        if f.persist is not None:  # (else commit has nothing to do)
+            f.commit()
 
     def _count_pass(self) -> None:
         """The requests a pass answered, by op: all read together, all written together."""
@@ -374,11 +375,13 @@ class Connection:
                 self.fail(exc)
                 break
             if through >= 0:
-                if self.session is not None:
-                    self.factory.ack(self.session, through, open_ids)
-                else:
+                if self.session is None:
                     self._ack = (through, open_ids)
-            if isinstance(msg, BadRequest):
+                elif self.factory.persist is None:  # (nothing to log: the table alone)
+                    self._sessions.ack(self.session, through, open_ids)
+                else:
+                    self.factory.ack(self.session, through, open_ids)
+            if type(msg) is BadRequest:
                 if not self._bad(msg):
                     break
                 continue

@@ -3,6 +3,9 @@
 import cython
 
 from tensorshare.server.parts cimport Route
+from tensorshare.server.sessions cimport ServerSession
+from tensorshare.server.store cimport Store, Written
+from tensorshare.wire.records cimport Item, Put
 
 
 @cython.final
@@ -16,8 +19,11 @@ cdef class Responder:
     cdef Route _get, _peek
 
     cpdef Route route(self, object msg)
-    @cython.locals(s=object)
+    @cython.locals(s=ServerSession)
     cpdef object handle(self, object conn, object msg, Route route=*)
 
 
 cpdef object put_effect(object store, object msg, object ctx=*, object owner=*)
+
+@cython.locals(item=Item)
+cdef Written _put_written(Store store, Put msg, object ctx, object owner)

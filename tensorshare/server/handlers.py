@@ -84,7 +84,8 @@ def put_effect(store: Store, msg: Put, ctx: Ctx = None, owner: Any = None) -> St
 
 def _put_written(store: Store, msg: Put, ctx: Ctx, owner: Any) -> Written:
     item = msg.item
-    return store.put(msg.bin, item, item_wire_size(item), item.tag, ctx, msg.min_version, owner)
+    return store.put(msg.bin, item, item_wire_size(item), item.tag, ctx, msg.min_version,
+                     owner)
 
 
 def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:

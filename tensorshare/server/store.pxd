@@ -44,7 +44,7 @@ cdef class Blocked:
 
 
 cdef class Store:
-    cdef public object max_memory, on_change, clock, outside, journal, nbytes
+    cdef public object max_memory, on_change, clock, outside, journal, nbytes, watched
     cdef public dict _bins, _meta, _waiters, _blocked, _unreported_drops
 
     @cython.locals(m=_Meta)

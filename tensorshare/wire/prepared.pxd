@@ -3,7 +3,7 @@
 # reference: this file only declares what Cython may type.
 import cython
 
-from tensorshare.wire.records cimport Buffer, Encoded, Item
+from tensorshare.wire.records cimport Buffer, Encoded, Fetched, Item
 
 cdef object _packb, _FRAME_HEAD, _U16, _U32, _U64, _I8, _I16, _I32, _I64, _F64, _BAD
 cdef bytes _ZEROS, _K_OP, _K_ID, _K_BIN, _K_ITEMS, _K_ACK, _K_OPEN, _REPLY_ID
@@ -12,8 +12,12 @@ cdef bytes _K_VERSION, _K_MESSAGE, _K_UNCHANGED, _NOTIFY_BIN, _K_EVENT, _K_SKIPP
 cdef bytes _ONE_ITEM, _ONE_BUFFER_AT_0, _K_TIMEOUT, _K_MAX_ITEMS, _K_WAIT_TRUE
 cdef bytes _K_MIN_ITEMS, _K_MIN_TAG, _K_NEWER_THAN
 cdef bytes _FETCHED_HEAD, _PUT_ID, _APPEND_ID, _GET_ID, _PEEK_ID, _K_WAIT, _ITEMS_ONE
-cdef Py_ssize_t _RID_AT, _NAMES_MAX, MAX_OPEN_ACKS
-cdef dict _OP_ID, _NAMES
+cdef Py_ssize_t _RID_AT, _NAMES_MAX
+cdef dict _OP_ID, _NAMES, _VALID
+cdef tuple _SMALL
+cdef Py_ssize_t _VALID_MAX, _VALID_MAX_BYTES
+
+cpdef bytes packed_int(object v)
 
 cpdef bytes packed_name(str name)
 
@@ -50,7 +54,7 @@ cdef object _fetched(bytes h, object rid, Py_ssize_t i, object payload)
 cpdef object read_notify(bytes h)
 
 @cython.locals(it=Item, value=Encoded, b=Buffer, descs=bytes, header=bytes)
-cpdef list fetched_chunks(object rid, object reply)
+cpdef list fetched_chunks(object rid, Fetched reply)
 
 cpdef object read_request(bytes h, object payload, object limits)
 
@@ -64,7 +68,7 @@ cdef tuple _timeout_at(bytes h, Py_ssize_t i)
 cdef tuple _ack_at(bytes h, Py_ssize_t i)
 
 @cython.locals(n=Py_ssize_t, k=Py_ssize_t, size=Py_ssize_t, value=bytes,
-               name=str)
+               name=str, seen=tuple)
 cdef object _read_store(bytes h, Py_ssize_t i, bint append, object payload, object limits)
 
 @cython.locals(n=Py_ssize_t, k=Py_ssize_t, b=cython.uchar, name=str, wait=bint)

@@ -46,8 +46,8 @@ from .records import (
     raw_buffer,
 )
 
-__all__ = ["MAX_OPEN_ACKS", "fetch_header", "fetched_chunks", "frame_chunks", "packed_name",
-           "put_header", "read_notify", "read_reply", "read_request"]
+__all__ = ["MAX_OPEN_ACKS", "fetch_header", "fetched_chunks", "frame_chunks", "packed_int",
+           "packed_name", "put_header", "read_notify", "read_reply", "read_request"]
 
 # At most this many request ids below ``ack`` may be listed as still open (see
 # ``protocol.AckInfo``).
@@ -92,6 +92,17 @@ _OP_ID = {op: _K_OP + _packb(op) + _K_ID for op in ("put", "append", "get", "pee
 #: One item of one plain buffer at offset 0: ``[[value, [[0, nbytes]], tag]]`` up to ``value``.
 _ONE_ITEM = b"\x91\x93"
 _ONE_BUFFER_AT_0 = b"\x91\x92\x00"
+
+#: The integers 0-127, packed (a positive fixint is its own byte).
+_SMALL = tuple(bytes((i,)) for i in range(128))
+
+
+def packed_int(v: int) -> bytes:
+    """``v`` packed as a msgpack integer (as the general encoder packs it)."""
+    if 0 <= v < 128:
+        return _SMALL[v]
+    return _packb(v)
+
 
 #: Names packed once (a client sends to a few bins, again and again).
 _NAMES: dict[str, bytes] = {}
@@ -391,16 +402,17 @@ def fetched_chunks(rid: int, reply: Fetched) -> list[BytesLike] | None:
         if b.codec is not None or b.shm is not None:
             return None
         data = b.data
-        descs = _ONE_BUFFER_AT_0 + _packb(len(data))
+        descs = _ONE_BUFFER_AT_0 + packed_int(len(data))
     elif buffers:
         return None
     else:
         descs = b"\x90"
     tag = it.tag
-    header = b"".join((_FETCHED_HEAD, _packb(rid), _OK_KIND, packed_name(reply.kind), _K_VERSION,
-                       _packb(reply.version), _K_N_ITEMS, _packb(reply.n_items), _K_DROPPED,
-                       _packb(reply.dropped), _K_ITEMS, _ONE_ITEM, _packb(value.value), descs,
-                       b"\xc0" if tag is None else _packb(tag)))
+    header = b"".join((_FETCHED_HEAD, packed_int(rid), _OK_KIND, packed_name(reply.kind),
+                       _K_VERSION, packed_int(reply.version), _K_N_ITEMS,
+                       packed_int(reply.n_items), _K_DROPPED, packed_int(reply.dropped),
+                       _K_ITEMS, _ONE_ITEM, _packb(value.value), descs,
+                       b"\xc0" if tag is None else packed_int(tag)))
     return frame_chunks(header, data)
 
 
@@ -412,6 +424,11 @@ _PEEK_ID = _OP_ID["peek"]
 _K_WAIT = _packb("wait")
 _ITEMS_ONE = _K_ITEMS + _ONE_ITEM
 _BAD = (IndexError, ValueError, struct.error, UnicodeDecodeError)
+#: The values a put or an append carried that passed ``codec.validate``, with what they were
+#: checked with: ``(buffer bytes, buffers, max_depth)`` (small ones, a bounded number).
+_VALID: dict[bytes, tuple[int, int, int]] = {}
+_VALID_MAX = 4096
+_VALID_MAX_BYTES = 512
 
 
 def read_request(h: bytes, payload: Any, limits: Any) -> tuple[Any, int, tuple[int, ...],
@@ -525,7 +542,14 @@ def _read_store(h: bytes, i: int, append: bool, payload: Any, limits: Any
         tag, i = _int_at(h, i)
     if i != len(h):
         return None
-    validate(value, len(buffers), max_depth=limits.max_depth, raw_sizes=raw_sizes)
+    depth = limits.max_depth
+    seen = _VALID.get(value)  # (a stream of like tensors sends the same value bytes)
+    if seen is None or seen[0] != nb or seen[1] != len(buffers) or seen[2] != depth:
+        validate(value, len(buffers), max_depth=depth, raw_sizes=raw_sizes)
+        if len(value) <= _VALID_MAX_BYTES:
+            if len(_VALID) >= _VALID_MAX:
+                _VALID.clear()
+            _VALID[value] = (nb, len(buffers), depth)
     item = Item(encoded_of(value, buffers, len(value) + nb), tag)
     if append:
         return Append(rid, name, item, timeout, (), None, False), through, open_ids, "append"

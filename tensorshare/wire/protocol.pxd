@@ -3,7 +3,8 @@
 import cython
 
 from tensorshare.wire.fields cimport Fds, check_bin, read_items
-from tensorshare.wire.prepared cimport fetched_chunks, read_notify, read_reply, read_request
+from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_notify
+from tensorshare.wire.prepared cimport read_reply, read_request
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 

@@ -110,6 +110,7 @@ from .prepared import (
     fetch_header,
     fetched_chunks,
     frame_chunks,
+    packed_int,
     put_header,
     read_notify,
     read_reply,
@@ -714,11 +715,11 @@ def stored_frame(rid: int, version: int, n_items: int, dropped: int = 0) -> byte
     """The frame of a :class:`Stored` reply (what a put or an append answers)."""
     head, mid, n_key, d_key = _STORED_OK
     if dropped:
-        header = b"".join((b"\x86", head, _packb(rid), mid, _packb(version), n_key,
-                           _packb(n_items), d_key, _packb(dropped)))
+        header = b"".join((b"\x86", head, packed_int(rid), mid, packed_int(version), n_key,
+                           packed_int(n_items), d_key, packed_int(dropped)))
     else:
-        header = b"".join((b"\x85", head, _packb(rid), mid, _packb(version), n_key,
-                           _packb(n_items)))
+        header = b"".join((b"\x85", head, packed_int(rid), mid, packed_int(version), n_key,
+                           packed_int(n_items)))
     return _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header
 
 
