@@ -5,7 +5,7 @@ import cython
 from tensorshare.server.parts cimport Route
 from tensorshare.server.sessions cimport ServerSession
 from tensorshare.server.store cimport Store, Written
-from tensorshare.wire.records cimport Item, Put
+from tensorshare.wire.records cimport Fetch, Fetched, Item, Put
 
 
 @cython.final
@@ -27,3 +27,5 @@ cpdef object put_effect(object store, object msg, object ctx=*, object owner=*)
 
 @cython.locals(item=Item)
 cdef Written _put_written(Store store, Put msg, object ctx, object owner)
+
+cdef Fetched _fetched(Fetch msg, Fetched taken)

@@ -317,7 +317,8 @@ class Responder:
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
         if not spec.wait:  # (no closure here: nothing allocated beyond the reply)
-            return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
+            store: Store = f.store
+            return _fetched(msg, store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
         return self._fetch_or_wait(conn, msg, max_bytes)
 
     def _fetch_or_wait(self, conn: Conn, msg: Fetch, max_bytes: int) -> Reply | None:

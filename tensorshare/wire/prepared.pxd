@@ -29,7 +29,7 @@ cpdef object put_header(str op, object rid, str name, Item item, object timeout,
 cpdef bytes fetch_header(bint remove, object rid, str name, object spec, object through,
                          tuple open_ids)
 
-@cython.locals(head_len=Py_ssize_t, pad=Py_ssize_t, n=Py_ssize_t, first=bytes)
+@cython.locals(pad=Py_ssize_t, n=Py_ssize_t)
 cpdef list frame_chunks(bytes header, object data)
 
 @cython.locals(b=cython.uchar)

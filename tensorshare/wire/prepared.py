@@ -196,13 +196,12 @@ def frame_chunks(header: bytes, data: BytesLike | None) -> list[BytesLike]:
     """A frame of ``header`` and at most one buffer (``data``, at offset 0), as chunks."""
     if data is None:
         return [_FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header]
-    head_len = PREFIX + len(header)
-    pad = -head_len & (ALIGN - 1)
     n = len(data)
-    first = _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), n) + header
     if n == 0:
-        return [first]
-    return [first + _ZEROS[:pad], data]
+        return [_FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header]
+    pad = -(PREFIX + len(header)) & (ALIGN - 1)
+    return [b"".join((_FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), n), header,
+                      _ZEROS[:pad])), data]
 
 
 # -- reading what was written so -----------------------------------------------------------------
