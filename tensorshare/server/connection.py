@@ -381,7 +381,7 @@ class Connection:
                     self._sessions.ack(self.session, through, open_ids)
                 else:
                     self.factory.ack(self.session, through, open_ids)
-            if type(msg) is BadRequest:
+            if isinstance(msg, BadRequest):
                 if not self._bad(msg):
                     break
                 continue

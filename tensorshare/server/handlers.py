@@ -223,7 +223,7 @@ class Responder:
             old = s.replies.get(msg.id)
             if old is not None:  # ran before the connection dropped: answer the same again
                 self.server.stats.counters["replayed"] += 1
-                return old if type(old) is bytes else old.reply  # (a put's: its frame)
+                return old if isinstance(old, bytes) else old.reply  # (a put's: its frame)
         try:
             if route.store:
                 name = msg.bin

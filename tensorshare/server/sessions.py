@@ -53,7 +53,7 @@ class Remembered:
         return f"Remembered({self.reply!r}, bin={self.bin!r}, held={self.held})"
 
 
-_STORED = {"put": Stored}
+_STORED: dict[str, type] = {"put": Stored}
 
 
 def _put_op(rid: int) -> str:

@@ -14,9 +14,10 @@ cdef bytes _K_MIN_ITEMS, _K_MIN_TAG, _K_NEWER_THAN
 cdef bytes _FETCHED_HEAD, _PUT_ID, _APPEND_ID, _GET_ID, _PEEK_ID, _K_WAIT, _ITEMS_ONE
 cdef Py_ssize_t _RID_AT, _NAMES_MAX
 cdef dict _OP_ID, _NAMES, _VALID
-cdef tuple _SMALL
+cdef tuple _BYTES, _CC, _CD
 cdef Py_ssize_t _VALID_MAX, _VALID_MAX_BYTES
 
+@cython.locals(n=Py_ssize_t)
 cpdef bytes packed_int(object v)
 
 cpdef bytes packed_name(str name)
@@ -70,6 +71,8 @@ cdef tuple _ack_at(bytes h, Py_ssize_t i)
 @cython.locals(n=Py_ssize_t, k=Py_ssize_t, size=Py_ssize_t, value=bytes,
                name=str, seen=tuple)
 cdef object _read_store(bytes h, Py_ssize_t i, bint append, object payload, object limits)
+
+cdef tuple _field_int(bytes h, Py_ssize_t i, bytes key, object minimum)
 
 @cython.locals(n=Py_ssize_t, k=Py_ssize_t, b=cython.uchar, name=str, wait=bint)
 cdef object _read_fetch(bytes h, Py_ssize_t i, bint remove, object payload, object limits)

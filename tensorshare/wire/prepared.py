@@ -93,14 +93,23 @@ _OP_ID = {op: _K_OP + _packb(op) + _K_ID for op in ("put", "append", "get", "pee
 _ONE_ITEM = b"\x91\x93"
 _ONE_BUFFER_AT_0 = b"\x91\x92\x00"
 
-#: The integers 0-127, packed (a positive fixint is its own byte).
-_SMALL = tuple(bytes((i,)) for i in range(128))
+#: Every byte, and the integers 128-255 and the high byte of 256-65535 packed (``uint 8``,
+#: ``uint 16``); 0-127 pack as their own byte (a positive fixint).
+_BYTES = tuple(bytes((i,)) for i in range(256))
+_CC = tuple(b"\xcc" + b for b in _BYTES)
+_CD = tuple(b"\xcd" + b for b in _BYTES)
 
 
 def packed_int(v: int) -> bytes:
-    """``v`` packed as a msgpack integer (as the general encoder packs it)."""
-    if 0 <= v < 128:
-        return _SMALL[v]
+    """``v`` packed as a msgpack integer (as the general encoder packs it: the shortest
+    form, unsigned for a positive one)."""
+    if 0 <= v < 0x10000:  # (ids and versions: no call into the packer)
+        n = v
+        if n < 0x80:
+            return _BYTES[n]
+        if n < 0x100:
+            return _CC[n]
+        return _CD[n >> 8] + _BYTES[n & 0xFF]
     return _packb(v)
 
 
@@ -555,20 +564,27 @@ def _read_store(h: bytes, i: int, append: bool, payload: Any, limits: Any
     return Put(rid, name, item), through, open_ids, "put"
 
 
+def _field_int(h: bytes, i: int, key: bytes, minimum: int | None
+               ) -> tuple[int | None, int, int]:
+    """An optional integer field ``key`` at ``h[i]`` (at least ``minimum``, if given):
+    ``(value or None, index after, 1 if present else 0)``."""
+    if not h.startswith(key, i):
+        return None, i, 0
+    v, i = _int_at(h, i + len(key))
+    if minimum is not None and v < minimum:
+        raise ValueError("a value the general check refuses")
+    return v, i, 1
+
+
 def _read_fetch(h: bytes, i: int, remove: bool, payload: Any, limits: Any
                 ) -> tuple[Any, int, tuple[int, ...], str] | None:
     rid, name, i = _id_and_bin(h, i, limits)
     if len(payload):
         return None
-    n = 3
-    max_items = min_tag = newer_than = timeout = None
+    max_items, i, n = _field_int(h, i, _K_MAX_ITEMS, 1)
+    n += 3
+    timeout = None
     wait = False
-    min_items = 1
-    if h.startswith(_K_MAX_ITEMS, i):
-        max_items, i = _int_at(h, i + len(_K_MAX_ITEMS))
-        n += 1
-        if max_items < 1:
-            return None
     if h.startswith(_K_WAIT, i):
         b = h[i + len(_K_WAIT)]
         if b != 0xC3 and b != 0xC2:
@@ -578,19 +594,15 @@ def _read_fetch(h: bytes, i: int, remove: bool, payload: Any, limits: Any
     if h.startswith(_K_TIMEOUT, i):
         timeout, i = _timeout_at(h, i + len(_K_TIMEOUT))
         n += 1
-    if h.startswith(_K_MIN_ITEMS, i):
-        min_items, i = _int_at(h, i + len(_K_MIN_ITEMS))
-        n += 1
-        if min_items < 1:
-            return None
-    if h.startswith(_K_MIN_TAG, i):
-        min_tag, i = _int_at(h, i + len(_K_MIN_TAG))
-        n += 1
-    if h.startswith(_K_NEWER_THAN, i):
-        newer_than, i = _int_at(h, i + len(_K_NEWER_THAN))
-        n += 1
+    min_items, i, k = _field_int(h, i, _K_MIN_ITEMS, 1)
+    n += k
+    min_tag, i, k = _field_int(h, i, _K_MIN_TAG, None)
+    n += k
+    newer_than, i, k = _field_int(h, i, _K_NEWER_THAN, None)
+    n += k
     through, open_ids, i, k = _ack_at(h, i)
     if h[0] != 0x80 + n + k or i != len(h):
         return None
-    spec = FetchSpec(remove, max_items, wait, timeout, min_tag, newer_than, min_items)
+    spec = FetchSpec(remove, max_items, wait, timeout, min_tag, newer_than,
+                     1 if min_items is None else min_items)
     return Fetch(rid, name, spec), through, open_ids, "get" if remove else "peek"

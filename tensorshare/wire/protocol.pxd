@@ -29,7 +29,7 @@ cdef class ServerConnection(_Side):
     cpdef tuple frames(self, object data)
     cpdef tuple buffered(self, Py_ssize_t nbytes)
     cpdef tuple parse(self, object frame)
-    @cython.locals(by_op=dict)
+    @cython.locals(by_op=dict, whole=Frame, header=bytes)
     cdef tuple _parse_frame(self, object frame)
     @cython.locals(by_op=dict, h=dict)
     cpdef tuple parse_general(self, object frame)

@@ -1009,13 +1009,15 @@ class ServerConnection(_Side):
 
     def _parse_frame(self, frame: Frame | OversizedFrame
                      ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
-        if type(frame) is Frame and type(frame.header) is bytes:
+        if type(frame) is Frame:
             # The common requests from their fixed layouts (:mod:`.prepared`), without a dict.
-            fast = read_request(frame.header, frame.payload, self.limits)
+            whole = frame
+            header, payload = whole.header, whole.payload
+            fast = read_request(header, payload, self.limits)
             if fast is not None:
                 msg, through, open_ids, name = fast
                 by_op = self.bytes_in
-                by_op[name] = by_op.get(name, 0) + len(frame.header) + len(frame.payload) + 16
+                by_op[name] = by_op.get(name, 0) + len(header) + len(payload) + 16
                 return msg, through, open_ids
         return self.parse_general(frame)
 
