@@ -165,7 +165,7 @@ class Connection:
         """
         if self._closed:
             return
-        if hold and self.factory.holding:
+        if hold and self.factory.persist is not None and self.factory.holding:
             held = self._held
             if held is None:  # the server tells the connections that hold something
                 held = self._held = []
@@ -256,7 +256,6 @@ class Connection:
         A handler returns its reply (the pass answers it); a request answered later (a
         waiting get, a held append, a take that waits, a write that waited for room) is
         answered here when it is served or times out."""
-        f = self.factory
         if route is None:
             route = self._responder.route(msg)
         cls = type(reply)
@@ -267,13 +266,15 @@ class Connection:
         if s is not None and mutating:
             if cls is Fetched and reply.items and msg.spec.remove:
                 self._sessions.remember(s, msg.id, reply, msg.bin, reply.nbytes)
-            else:
+            else:  # (a put's reply is its frame's bytes: remembered as they are)
                 self._sessions.remember(s, msg.id, reply)
         shared: list[Any] | None = [] if self.shm else None
-        if cls is Fetched and reply.items and not msg.spec.remove:
+        if cls is bytes:  # a reply prepared as its frame
+            chunks: Sequence[BytesLike] = [reply]
+        elif cls is Fetched and reply.items and not msg.spec.remove:
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
-            chunks = f.encode_peek(msg.bin, reply, shared, self.runs)
+            chunks = self.factory.encode_peek(msg.bin, reply, shared, self.runs)
         elif cls is Fetched and self.runs and len(reply.items) > 1:  # (runs: wire/runs.py)
             chunks = encode_fetched_with_id(reply.id, *encode_fetched_parts(reply, shared, True))
         else:
@@ -356,7 +357,8 @@ class Connection:
                     self._write(out, None)
         if error is not None and not self._closed and not self._refusing:
             self.fail(ProtocolError(str(error)))
-        f.commit()
+        if f.persist is not None:  # (else commit has nothing to do)
+            f.commit()
 
     def _count_pass(self) -> None:
         """The requests a pass answered, by op: all read together, all written together."""
@@ -379,10 +381,12 @@ class Connection:
                 self.fail(exc)
                 break
             if through >= 0:
-                if self.session is not None:
-                    self.factory.ack(self.session, through, open_ids)
-                else:
+                if self.session is None:
                     self._ack = (through, open_ids)
+                elif self.factory.persist is None:  # (nothing to log: the table alone)
+                    self._sessions.ack(self.session, through, open_ids)
+                else:
+                    self.factory.ack(self.session, through, open_ids)
             if isinstance(msg, BadRequest):
                 if not self._bad(msg):
                     break

@@ -149,6 +149,10 @@ class ServerFactory(Factory):
         self._expiry: IDelayedCall | None = None  # the next detached session's expiry
         self.connections: set[Conn] = set()
         self._listeners: dict[str, set[Conn]] = {}
+        # The bins whose changes the store tells (changed): those with listeners or a
+        # cached peek reply; the store calls nothing for the others.
+        self._watched: set[str] = set()
+        self.store.watched = self._watched
         self.stats = ServerStats()
         self._holders: list[Conn] = []  # connections holding replies for the data log
         # bin -> the last peek reply's encoding (see encode_peek); dropped on any change.
@@ -197,6 +201,7 @@ class ServerFactory(Factory):
     # -- listeners --------------------------------------------------------------------------
     def subscribe(self, name: str, proto: Conn) -> None:
         self._listeners.setdefault(name, set()).add(proto)
+        self._watched.add(name)
 
     def unsubscribe(self, name: str, proto: Conn) -> None:
         subs = self._listeners.get(name)
@@ -204,6 +209,8 @@ class ServerFactory(Factory):
             subs.discard(proto)
             if not subs:
                 del self._listeners[name]
+                if name not in self._peek_cache:
+                    self._watched.discard(name)
 
     def listener_count(self, name: str | None = None) -> int:
         """Listeners of bin ``name``, or of every bin together."""
@@ -227,6 +234,7 @@ class ServerFactory(Factory):
             mine: list[Any] | None = [] if shared is not None else None
             hit = (key, reply.items, mine, *encode_fetched_parts(reply, mine, runs))
             self._peek_cache[name] = hit
+            self._watched.add(name)
             self.stats.counters["reply_encodes"] += 1
         else:
             self.stats.counters["reply_reuses"] += 1
@@ -239,6 +247,7 @@ class ServerFactory(Factory):
         self._peek_cache.pop(name, None)  # a new version: the old encoding is no use
         subs = self._listeners.get(name)
         if not subs:
+            self._watched.discard(name)
             return
         # Encode once, write the same chunks to every listener.
         msg = Changed(name, op, n_items, version, 0, dropped)

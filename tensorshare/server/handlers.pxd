@@ -3,6 +3,9 @@
 import cython
 
 from tensorshare.server.parts cimport Route
+from tensorshare.server.sessions cimport ServerSession
+from tensorshare.server.store cimport Store, Written
+from tensorshare.wire.records cimport Fetch, Fetched, Item, Put
 
 
 @cython.final
@@ -17,8 +20,13 @@ cdef class Responder:
 
     cpdef Route route(self, object msg)
     cpdef object handle(self, object conn, object msg, Route route=*)
-    @cython.locals(s=object)
+    @cython.locals(s=ServerSession)
     cdef object _remembered(self, object conn, object msg, Route route)
 
 
 cpdef object put_effect(object store, object msg, object ctx=*, object owner=*)
+
+@cython.locals(item=Item)
+cdef Written _put_written(Store store, Put msg, object ctx, object owner)
+
+cdef Fetched _fetched(Fetch msg, Fetched taken)

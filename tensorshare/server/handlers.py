@@ -51,7 +51,7 @@ from ..wire.messages import (
     StatsReply,
     Unlisten,
 )
-from ..wire.protocol import OPS, item_wire_size, op_name
+from ..wire.protocol import OPS, item_wire_size, op_name, stored_frame
 from ..wire.records import (
     Acked,
     Append,
@@ -63,6 +63,7 @@ from ..wire.records import (
 )
 from .auth import read_ops_text
 from .parts import Route
+from .sessions import Remembered
 from .store import BinConfig, Store, Written
 
 if TYPE_CHECKING:
@@ -78,9 +79,14 @@ Ctx = Any  # what ties a store effect to its request: (session id, request id) o
 # -- effects: the changes to the store, shared with the data log's replay --------------------
 def put_effect(store: Store, msg: Put, ctx: Ctx = None, owner: Any = None) -> Stored:
     """Replace a bin's content with the put's item (charged to ``owner``, a user's usage)."""
-    w = store.put(msg.bin, msg.item, item_wire_size(msg.item), msg.item.tag, ctx,
-                  msg.min_version, owner)
+    w = _put_written(store, msg, ctx, owner)
     return Stored(msg.id, w.version, w.n_items)
+
+
+def _put_written(store: Store, msg: Put, ctx: Ctx, owner: Any) -> Written:
+    item = msg.item
+    return store.put(msg.bin, item, item_wire_size(item), item.tag, ctx, msg.min_version,
+                     owner)
 
 
 def append_effect(store: Store, msg: Append, ctx: Ctx = None) -> Stored:
@@ -188,7 +194,8 @@ class Responder:
             return self._get if msg.spec.remove else self._peek
         return self._routes[cls]
 
-    def handle(self, conn: Conn, msg: Any, route: Route | None = None) -> AnyReply | None:
+    def handle(self, conn: Conn, msg: Any, route: Route | None = None
+               ) -> AnyReply | bytes | None:
         """Serve one request of ``conn`` (after its handshake): the reply to send, or ``None``
         when it is answered later (a waiting get, a held append, a write waiting for room in
         its user's quota). Never raises: a failure costs this request an error reply, never
@@ -239,7 +246,7 @@ class Responder:
                         peer=conn.peer)
             return ErrorReply(msg.id, ServerError.code, "internal server error; see the server log")
 
-    def _remembered(self, conn: Conn, msg: Any, route: Route) -> AnyReply | None:
+    def _remembered(self, conn: Conn, msg: Any, route: Route) -> AnyReply | bytes | None:
         """The remembered reply of a write this session sent before (counted as replayed)."""
         s = conn.session
         if s is None or not route.mutating:
@@ -248,7 +255,7 @@ class Responder:
         if old is None:
             return None
         self.server.stats.counters["replayed"] += 1
-        return old.reply
+        return old if isinstance(old, bytes) else old.reply  # (a put's: its frame)
 
     def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None:
         """A request of ``op`` was refused before it was parsed (the connection answered it
@@ -274,8 +281,10 @@ class Responder:
             f"read-only ({read_ops_text()}); write to that primary"))
 
     # -- writes -----------------------------------------------------------------------------
-    def _put(self, conn: Conn, msg: Put) -> Reply:
-        return put_effect(self.server.store, msg, conn.ctx(msg), conn.usage)
+    def _put(self, conn: Conn, msg: Put) -> bytes:
+        # Answered as its frame, remembered as it is (a put's reply is no object).
+        w = _put_written(self.server.store, msg, conn.ctx(msg), conn.usage)
+        return stored_frame(msg.id, w.version, w.n_items)
 
     def _append(self, conn: Conn, msg: Append) -> Reply | None:
         store = self.server.store
@@ -323,7 +332,8 @@ class Responder:
                     f"not acknowledged, its max_session_bytes={f.sessions.max_session_bytes}")
             max_bytes = min(max_bytes, room)
         if not spec.wait:  # (no closure here: nothing allocated beyond the reply)
-            return _fetched(msg, f.store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
+            store: Store = f.store
+            return _fetched(msg, store.fetch(msg.bin, spec, max_bytes, conn.ctx(msg)))
         return self._fetch_or_wait(conn, msg, max_bytes)
 
     def _fetch_or_wait(self, conn: Conn, msg: Fetch, max_bytes: int) -> Reply | None:
@@ -403,7 +413,7 @@ class Responder:
         # (Other remembered replies stay: a resent put must still not run twice.)
         s = conn.session
         done = s.replies.get(target) if s is not None else None
-        if s is not None and done is not None and done.bin is not None and \
+        if s is not None and type(done) is Remembered and done.bin is not None and \
                 isinstance(done.reply, Fetched):
             if f.persist is not None:
                 f.persist.session_record("forget", s.id, id=target)

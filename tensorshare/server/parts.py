@@ -52,9 +52,10 @@ class AnyReply(Protocol):
         ...
 
 
-#: What serves one request: returns its reply, or ``None`` when it is answered later
-#: through the connection's :meth:`Conn.answer`.
-Handler = Callable[["Conn", Any], "AnyReply | None"]
+#: What serves one request: returns its reply (or, for the common replies, the bytes of its
+#: frame: a put's), or ``None`` when it is answered later through the connection's
+#: :meth:`Conn.answer`.
+Handler = Callable[["Conn", Any], "AnyReply | bytes | None"]
 
 
 class Route:
@@ -357,7 +358,8 @@ class Responding(Protocol):
 
     def route(self, msg: Any) -> Route: ...
 
-    def handle(self, conn: Conn, msg: Any, route: Route | None = None) -> AnyReply | None: ...
+    def handle(self, conn: Conn, msg: Any, route: Route | None = None
+               ) -> AnyReply | bytes | None: ...
 
     def refused(self, conn: Conn, op: str, header: Mapping[str, Any], why: str) -> None: ...
 

@@ -69,7 +69,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import OPS, encode_message, item_wire_size, items_header, parse_items
 from .handlers import EFFECTS
-from .sessions import ServerSession, SessionTable
+from .sessions import Remembered, ServerSession, SessionTable
 from .store import BinConfig, Store
 
 __all__ = [
@@ -842,7 +842,8 @@ def _ack(r: _Rec) -> None:
 def _forget(r: _Rec) -> None:
     s = r.session()
     gone = r.sessions.forget(s, r.rid) if s is not None else None
-    if gone is not None and gone.bin is not None and isinstance(gone.reply, Fetched):
+    if isinstance(gone, Remembered) and gone.bin is not None and \
+            isinstance(gone.reply, Fetched):  # (a put's, kept as bytes, holds no items)
         _restore(r.store, gone.bin, gone.reply)
 
 
@@ -891,8 +892,7 @@ def _capture(store: Store, sessions: SessionTable, term: int = 0) -> _State:
     return _State(
         list(store.metas()),
         list(store.entries()),
-        [(s.id, [(rid, r.reply, r.bin, r.held) for rid, r in s.replies.items()])
-         for s in sessions],
+        [(s.id, s.remembered()) for s in sessions],
         term=term,
     )
 

@@ -2,6 +2,8 @@
 # tensorshare._ext). The .py stays the reference: this file only declares what Cython may type.
 import cython
 
+cdef dict _STORED
+
 
 @cython.final
 @cython.freelist(256)
@@ -21,6 +23,7 @@ cdef class ServerSession:
     cdef public list order
 
     cpdef object lookup(self, object rid)
+    cpdef list remembered(self)
 
 
 @cython.final
@@ -35,5 +38,5 @@ cdef class SessionTable:
                    object held=*)
     @cython.locals(replies=dict, order=list, gone=list, kept=list)
     cpdef object ack(self, ServerSession s, object through, tuple open_ids=*)
-    @cython.locals(r=Remembered, n=Py_ssize_t)
+    @cython.locals(n=Py_ssize_t)
     cpdef object _drop(self, ServerSession s, list rids)

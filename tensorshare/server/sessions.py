@@ -20,11 +20,14 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
+from ..wire.frames import PREFIX
 from ..wire.messages import Reply
+from ..wire.prepared import read_reply
 from ..wire.records import (
     Fetched,
+    Stored,
 )
 
 __all__ = ["Remembered", "ServerSession", "SessionTable"]
@@ -50,12 +53,32 @@ class Remembered:
         return f"Remembered({self.reply!r}, bin={self.bin!r}, held={self.held})"
 
 
+_STORED: dict[str, type] = {"put": Stored}
+
+
+def _put_op(rid: int) -> str:
+    return "put"
+
+
+def reply_of(r: Remembered | bytes) -> Reply:
+    """The reply a remembered entry holds: a put's is kept as the frame it was sent in
+    (``bytes``, no object per put), read back here when asked (a snapshot, a lookup)."""
+    if type(r) is bytes:
+        reply = read_reply(r[PREFIX:], b"", _put_op, _STORED)
+        if reply is None:  # (only what protocol.stored_frame wrote is remembered so)
+            raise ValueError("a remembered reply frame that is not a put's")
+        return cast(Reply, reply)
+    return cast(Remembered, r).reply
+
+
 class ServerSession:
     """One client session.
 
     Attributes:
         id: the 16-byte session id the client chose.
-        replies: request id -> remembered reply, in the order they were made.
+        replies: request id -> remembered reply, in the order they were made: a
+            :class:`Remembered`, or for a put the bytes of its reply's frame (see
+            :func:`reply_of`).
         held: bytes of get items held for this session.
         attached: the connection currently serving the session (opaque), or ``None``.
         remembered_bytes: rough size of the remembered replies themselves.
@@ -73,7 +96,7 @@ class ServerSession:
 
     def __init__(self, id: bytes) -> None:
         self.id = id
-        self.replies: dict[int, Remembered] = {}
+        self.replies: dict[int, Remembered | bytes] = {}
         self.held = 0
         self.attached: Any = None
         self.remembered_bytes = 0
@@ -87,7 +110,12 @@ class ServerSession:
     def lookup(self, rid: int) -> Reply | None:
         """The remembered reply to request ``rid``, if it ran already."""
         r = self.replies.get(rid)
-        return None if r is None else r.reply
+        return None if r is None else reply_of(r)
+
+    def remembered(self) -> list[tuple[int, Reply, str | None, int]]:
+        """Every remembered reply as ``(id, reply, bin, held)``, in order (a snapshot's)."""
+        return [(rid, r.reply, r.bin, r.held) if type(r) is Remembered else
+                (rid, reply_of(r), None, 0) for rid, r in self.replies.items()]
 
 
 class SessionTable:
@@ -164,18 +192,22 @@ class SessionTable:
         s = self.sessions[sid] = ServerSession(sid)
         return s
 
-    def remember(self, s: ServerSession, rid: int, reply: Reply, bin: str | None = None,
-                 held: int = 0) -> None:
-        """Remember the reply to ``rid`` (a get that returned items names its bin and size);
-        a reply remembered already (a resent request answered again) stays as it was."""
+    def remember(self, s: ServerSession, rid: int, reply: Reply | bytes,
+                 bin: str | None = None, held: int = 0) -> None:
+        """Remember the reply to ``rid`` (a get that returned items names its bin and size;
+        a put's comes as the bytes of its frame, kept as they are); a reply remembered
+        already (a resent request answered again) stays as it was."""
         replies = s.replies
         if rid in replies:
             return
         heapq.heappush(s.order, rid)
-        replies[rid] = Remembered(reply, bin, held)
-        s.held += held
+        if type(reply) is bytes:
+            replies[rid] = reply
+        else:
+            replies[rid] = Remembered(cast(Reply, reply), bin, held)
+            s.held += held
+            self.held += held
         s.remembered_bytes += self.REPLY_COST
-        self.held += held
         self.remembered += self.REPLY_COST
 
     def ack(self, s: ServerSession, through: int, open_ids: tuple[int, ...] = ()) -> int:
@@ -197,7 +229,7 @@ class SessionTable:
             heapq.heappush(order, rid)
         return self._drop(s, gone) if gone else 0
 
-    def forget(self, s: ServerSession, rid: int) -> Remembered | None:
+    def forget(self, s: ServerSession, rid: int) -> Remembered | bytes | None:
         """Drop one remembered reply and return it (cancel: the client gave up on it)."""
         r = s.replies.get(rid)
         if r is not None:
@@ -212,7 +244,8 @@ class SessionTable:
             the order the gets ran: the caller puts them back at the front of their bins.
         """
         restore = [(r.bin, r.reply, r.held) for r in s.replies.values()
-                   if r.bin is not None and isinstance(r.reply, Fetched)]
+                   if type(r) is Remembered and r.bin is not None
+                   and isinstance(r.reply, Fetched)]
         self._drop(s, list(s.replies))
         s.order.clear()
         if s.usage is not None:  # (no longer one of its user's: see users.Usage.sessions)
@@ -227,7 +260,8 @@ class SessionTable:
         for rid in rids:
             r = s.replies.pop(rid, None)
             if r is not None:
-                freed += r.held
+                if type(r) is Remembered:
+                    freed += r.held
                 n += 1
         s.held -= freed
         self.held -= freed

@@ -12,7 +12,8 @@ cdef class ServerStats:
     cdef dict _keys
 
     cpdef count_error(self, str code)
-    @cython.locals(keys=tuple, h=list)
     cpdef observe(self, str op, object bytes_out, double seconds)
-    @cython.locals(keys=tuple, h=list)
+    @cython.locals(keys=tuple, h=list, i=Py_ssize_t, bound=double, c=object)
     cpdef observe_many(self, str op, object n, object bytes_out, double seconds)
+    @cython.locals(keys=tuple, h=list)
+    cdef tuple _op_keys(self, str op)

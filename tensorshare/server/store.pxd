@@ -44,7 +44,7 @@ cdef class Blocked:
 
 
 cdef class Store:
-    cdef public object max_memory, on_change, clock, outside, journal, nbytes
+    cdef public object max_memory, on_change, clock, outside, journal, nbytes, watched
     cdef public dict _bins, _meta, _waiters, _blocked, _unreported_drops
 
     @cython.locals(m=_Meta)
@@ -58,6 +58,7 @@ cdef class Store:
     cpdef tuple _changed(self, str name, str op, _Bin b, object dropped=*,
                          object min_version=*)
     cpdef _check_memory(self, str name, object growth, object nbytes)
+    cpdef object fetch(self, str name, object spec, object max_bytes=*, object ctx=*)
     @cython.locals(b=_Bin, e=_Entry, n=Py_ssize_t, chosen=list)
     cpdef object _try_fetch(self, str name, object spec, object min_items, object max_bytes,
                             bint report_unchanged=*, object ctx=*)

@@ -214,6 +214,9 @@ class Store:
         self.clock = clock
         self.outside = outside
         self.journal: JournalHook | None = None
+        #: If set, the only bins whose changes ``on_change`` hears of (the server's: those
+        #: with listeners or a cached reply): no call per change of a bin nobody watches.
+        self.watched: set[str] | None = None
         self.nbytes = 0
         self._bins: dict[str, _Bin] = {}
         self._meta: dict[str, _Meta] = {}
@@ -685,7 +688,7 @@ class Store:
         if self.clock is not None:
             m.changed_at = self.clock()
         n = len(b.entries) if b else 0
-        if self.on_change is not None:
+        if self.on_change is not None and (self.watched is None or name in self.watched):
             self.on_change(name, op, n, version, dropped)
         if op in ("put", "append", "restore") and name in self._waiters:
             self._serve_waiters(name)

@@ -3,7 +3,8 @@
 import cython
 
 from tensorshare.wire.fields cimport Fds, check_bin, read_items
-from tensorshare.wire.prepared cimport read_notify, read_reply
+from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_notify
+from tensorshare.wire.prepared cimport read_reply, read_request
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 
@@ -28,8 +29,10 @@ cdef class ServerConnection(_Side):
     cpdef tuple frames(self, object data)
     cpdef tuple buffered(self, Py_ssize_t nbytes)
     cpdef tuple parse(self, object frame)
-    @cython.locals(by_op=dict, h=dict)
+    @cython.locals(by_op=dict, whole=Frame, header=bytes)
     cdef tuple _parse_frame(self, object frame)
+    @cython.locals(by_op=dict, h=dict)
+    cpdef tuple parse_general(self, object frame)
 
 
 @cython.final

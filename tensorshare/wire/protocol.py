@@ -105,7 +105,17 @@ from .messages import (
     StatsReply,
     Unlisten,
 )
-from .prepared import fetch_header, frame_chunks, put_header, read_notify, read_reply
+from .prepared import (
+    MAX_OPEN_ACKS,
+    fetch_header,
+    fetched_chunks,
+    frame_chunks,
+    packed_int,
+    put_header,
+    read_notify,
+    read_reply,
+    read_request,
+)
 from .records import (
     Acked,
     Append,
@@ -158,8 +168,6 @@ REPLY_SLACK = 64 * 1024  # see ClientConnection.set_limits
 # has not even said who it is cannot make the server reserve a large buffer.
 PRE_HELLO_MAX_BYTES = 64 * 1024
 SESSION_ID_BYTES = 16
-# At most this many request ids below ``ack`` may be listed as still open (see AckInfo).
-MAX_OPEN_ACKS = 64
 # The largest ``min_version`` a put or append may ask for (a version fits an int64).
 MAX_VERSION = (1 << 63) - 1
 OVERFLOW_POLICIES = ("reject", "drop_oldest", "block")
@@ -713,11 +721,11 @@ def stored_frame(rid: int, version: int, n_items: int, dropped: int = 0) -> byte
     """The frame of a :class:`Stored` reply (what a put or an append answers)."""
     head, mid, n_key, d_key = _STORED_OK
     if dropped:
-        header = b"".join((b"\x86", head, _packb(rid), mid, _packb(version), n_key,
-                           _packb(n_items), d_key, _packb(dropped)))
+        header = b"".join((b"\x86", head, packed_int(rid), mid, packed_int(version), n_key,
+                           packed_int(n_items), d_key, packed_int(dropped)))
     else:
-        header = b"".join((b"\x85", head, _packb(rid), mid, _packb(version), n_key,
-                           _packb(n_items)))
+        header = b"".join((b"\x85", head, packed_int(rid), mid, packed_int(version), n_key,
+                           packed_int(n_items)))
     return _FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header
 
 
@@ -736,6 +744,9 @@ def encode_reply(msg: Reply, shared: list[Any] | None = None) -> list[BytesLike]
     if type(msg) is Acked:
         return [acked_frame(msg.id, msg.flag)]
     if type(msg) is Fetched and shared is None and msg.items:
+        chunks = fetched_chunks(msg.id, msg)  # (one item: the usual get)
+        if chunks is not None:
+            return chunks
         tail, buffers, fields = encode_fetched_parts(msg, None)
         return encode_fetched_with_id(msg.id, tail, buffers, fields)
     return encode_message(msg, None, shared)[0]
@@ -1004,6 +1015,26 @@ class ServerConnection(_Side):
 
     def _parse_frame(self, frame: Frame | OversizedFrame
                      ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
+        if type(frame) is Frame:
+            # The common requests from their fixed layouts (:mod:`.prepared`), without a dict.
+            whole = frame
+            header, payload = whole.header, whole.payload
+            fast = read_request(header, payload, self.limits)
+            if fast is not None:
+                msg, through, open_ids, name = fast
+                by_op = self.bytes_in
+                by_op[name] = by_op.get(name, 0) + len(header) + len(payload) + 16
+                return msg, through, open_ids
+        return self.parse_general(frame)
+
+    def parse_general(self, frame: Frame | OversizedFrame
+                      ) -> tuple[Request | BadRequest, int, tuple[int, ...]]:
+        """:meth:`parse` through the op table's general parse (the header unpacked into a
+        dict), whatever the layout: what the fixed-layout reader must agree with.
+
+        Raises:
+            ProtocolError: the frame breaks the format.
+        """
         h = _header_map(frame)
         rid = h.get("id")
         if type(rid) is not int or rid < 1:  # (an int, never a bool: msgpack keeps them apart)

@@ -57,11 +57,10 @@ def state(f: ServerFactory) -> dict[str, Any]:
     sessions = {}
     for s in f.sessions:
         replies = {}
-        for rid, r in s.replies.items():
-            reply = r.reply
+        for rid, reply, held_bin, held in s.remembered():
             if isinstance(reply, Fetched):
                 replies[rid] = ("fetched", reply.kind, [codec.decode(i.value) for i in reply.items],
-                                reply.version, reply.n_items, r.bin, r.held)
+                                reply.version, reply.n_items, held_bin, held)
             else:
                 replies[rid] = (type(reply).__name__, reply)
         sessions[s.id] = replies

@@ -121,3 +121,32 @@ def test_sessions_are_counted_as_they_are_held(clock: MemoryReactorClock) -> Non
     assert stats["sessions"] == 10 and stats["sessions_detached"] == 10
     assert stats["memory"]["sessions"] == 10 * SessionTable.SESSION_COST
     assert f.held_bytes() >= 10 * SessionTable.SESSION_COST
+
+
+def test_a_puts_reply_is_remembered_as_its_frame_and_read_back_when_asked(
+        clock: MemoryReactorClock) -> None:
+    """A put's reply is kept as the bytes it was sent in (no object per put): the same bytes
+    answer the put resent, and a lookup or a snapshot reads the Stored back from them."""
+    from tensorshare.wire import codec
+    from tensorshare.wire.protocol import stored_frame
+    from tensorshare.wire.records import Fetched, Item, Put, Stored
+
+    f = _factory(clock)
+    sid = os.urandom(16)
+    p = Peer(f, session=sid)
+    put = Put(p.rid(), "v", Item(codec.encode(7)))
+    first = p.request(put)
+    assert type(first) is Stored
+    s = f.sessions.get(sid)
+    assert s is not None and s.replies[put.id] == stored_frame(put.id, first.version,
+                                                                first.n_items)
+    assert p.request(put) == first  # resent: the remembered frame, not a second put
+    assert f.store.version("v") == first.version
+    assert s.lookup(put.id) == first
+    got = p.request(Get(p.rid(), "v"))
+    assert type(got) is Fetched
+    assert [(rid, type(reply)) for rid, reply, _, _ in s.remembered()] == \
+        [(put.id, Stored), (got.id, Fetched)]
+    assert f.sessions.remembered == 2 * SessionTable.REPLY_COST
+    f.sessions.ack(s, got.id)
+    assert s.replies == {} and f.sessions.remembered == 0 and f.sessions.held == 0
