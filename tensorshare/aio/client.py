@@ -33,7 +33,7 @@ from typing import Any, Unpack
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
 from ..client.facts import SessionEvents, SessionFacts
-from ..client.failover import PrimaryChoice, resolve_list
+from ..client.failover import PrimaryChoice, located
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
 from ..client.pipeline import Pipeline
@@ -108,10 +108,8 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         #: An address list's servers (``None``: one server): each connection goes to the
         #: one that says it is the primary (README: Replication and failover).
         self.primary_choice: PrimaryChoice | None
-        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
-        where = self.endpoint.address
-        self.host, self.port, self.path = where.host, where.port, where.path
-        self.address = str(self.endpoint)
+        (self.endpoint, self.primary_choice, self.host, self.port, self.path,
+         self.address) = located(host, port, opts)
         self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
         self.shm_min_bytes = opts.shm_min_bytes
         self._session = opts.new_session(self.endpoint, "tensorshare-asyncio", True)

@@ -32,7 +32,7 @@ from ..wire.protocol import PROTOCOL_VERSIONS, encode_message
 from ..wire.replication import Psync
 from .endpoint import Endpoint
 
-__all__ = ["PROBE_ERRORS", "PrimaryChoice", "PrimaryFinder", "Probe", "addresses",
+__all__ = ["PROBE_ERRORS", "PrimaryChoice", "PrimaryFinder", "Probe", "addresses", "located",
            "resolve_list"]
 
 _PROBE = "tensorshare-probe"
@@ -125,6 +125,16 @@ def resolve_list(host: Any, port: int | None, endpoint: Callable[[Any, int | Non
         return endpoint(host, port), None
     choice = PrimaryChoice([endpoint(h, port) for h in hosts], timeout)
     return choice.endpoints[0], choice
+
+
+def located(host: Any, port: int | None, opts: Any
+            ) -> tuple[Endpoint, PrimaryChoice | None, str | None, int | None, str | None, str]:
+    """Where the asyncio and Twisted faces connect (``opts``: their ``ClientOptions``): the
+    endpoint, the address list's :class:`PrimaryChoice` (``None``: one server), then the
+    endpoint's host, port and path, and the address it is named by."""
+    ep, choice = resolve_list(host, port, opts.endpoint, opts.timeout)
+    where = ep.address
+    return ep, choice, where.host, where.port, where.path, str(ep)
 
 
 def _header(frame: Any) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from ..wire.frames import BytesLike
 from ..wire.messages import ErrorReply
 from .endpoint import Endpoint
 from .facts import SessionEvents, SessionFacts
-from .failover import PROBE_ERRORS, PrimaryChoice, Probe, resolve_list
+from .failover import PROBE_ERRORS, PrimaryChoice, Probe, located
 from .ops import (
     NOWAIT,
     Command,
@@ -163,10 +163,8 @@ class TxClient(SessionFacts, SessionEvents, Ops):
         #: An address list's servers (``None``: one server): each connection goes to the
         #: one that says it is the primary (README: Replication and failover).
         self.primary_choice: PrimaryChoice | None
-        self.endpoint, self.primary_choice = resolve_list(host, port, opts.endpoint, opts.timeout)
-        where = self.endpoint.address
-        self.host, self.port, self.path = where.host, where.port, where.path
-        self.address = str(self.endpoint)
+        (self.endpoint, self.primary_choice, self.host, self.port, self.path,
+         self.address) = located(host, port, opts)
         self.timeout, self.reconnect = opts.timeout, opts.reconnect
         self.compress, self.compress_min_bytes = opts.compress, opts.compress_min_bytes
         self.session = opts.new_session(self.endpoint, "tensorshare-twisted", connector is None)

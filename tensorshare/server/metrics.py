@@ -364,71 +364,68 @@ def _stream_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     yield from (head, lag, stalled, stall, missed)
 
 
-def _bin_metrics(kind: str, specs: tuple[tuple[str, str, str, str], ...]
-                 ) -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
-    """One family per ``(key, metric, "gauge" or "counter", doc)``, labelled by bin:
-    ``tensorshare_<kind>_<metric>``, by the key of the bin's summary it reads."""
-    return {key: (GaugeMetricFamily if how == "gauge" else CounterMetricFamily)(
+def _per_bin(bins: dict[str, dict[str, Any]], kind: str,
+             specs: tuple[tuple[str, str, str, str], ...], seconds: str = ""
+             ) -> tuple[dict[str, Any], list[GaugeMetricFamily | CounterMetricFamily]]:
+    """The bins of ``kind`` (name -> its summary) and one family per ``(key, metric, "gauge"
+    or "counter", doc)``, ``tensorshare_<kind>_<metric>`` labelled by bin, filled with each
+    bin's value of ``key`` (``seconds``: the key whose milliseconds are given as seconds)."""
+    summaries = {n: b[kind] for n, b in bins.items() if b.get("kind") == kind}
+    families = {key: (GaugeMetricFamily if how == "gauge" else CounterMetricFamily)(
         f"tensorshare_{kind}_{metric}", doc, labels=["bin"])
-        for key, metric, how, doc in specs}
+        for key, metric, how, doc in specs} if summaries else {}
+    for name, summary in summaries.items():
+        for key, fam in families.items():
+            value = summary[key]
+            fam.add_metric([name], value / 1e3 if key == seconds else value)
+    return summaries, list(families.values())
 
 
 def _service_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """Per service bin: its queue, hosts, calls answered, failed and timed out, mean batch
     rows and latency."""
-    services = {n: b["service"] for n, b in bins.items() if b.get("kind") == "service"}
-    if not services:
-        return
-    families = _bin_metrics("service", (
-            ("queue", "queue", "gauge", "calls queued, waiting for a host"),
-            ("with_hosts", "leased", "gauge", "calls a host has taken and not yet answered"),
-            ("hosts", "hosts", "gauge", "hosts serving the service"),
-            ("answered", "calls_answered", "counter", "calls answered by a host"),
-            ("failed", "calls_failed", "counter", "calls the host failed (service_failed)"),
-            ("timed_out", "calls_timed_out", "counter", "calls that got no answer in time"),
-            ("requeued", "calls_requeued", "counter",
-             "calls given back by a host that left or ran out of lease"),
-            ("batches", "batches", "counter", "batches answered"),
-            ("mean_batch", "mean_batch_rows", "gauge", "rows per batch, on average"),
-            ("latency_mean_ms", "latency_mean_seconds", "gauge",
-             "from queued to answered, on average")))
-    for name, sv in services.items():
-        for key, fam in families.items():
-            value = sv[key]
-            fam.add_metric([name], value / 1e3 if key == "latency_mean_ms" else value)
-    yield from families.values()
+    yield from _per_bin(bins, "service", (
+        ("queue", "queue", "gauge", "calls queued, waiting for a host"),
+        ("with_hosts", "leased", "gauge", "calls a host has taken and not yet answered"),
+        ("hosts", "hosts", "gauge", "hosts serving the service"),
+        ("answered", "calls_answered", "counter", "calls answered by a host"),
+        ("failed", "calls_failed", "counter", "calls the host failed (service_failed)"),
+        ("timed_out", "calls_timed_out", "counter", "calls that got no answer in time"),
+        ("requeued", "calls_requeued", "counter",
+         "calls given back by a host that left or ran out of lease"),
+        ("batches", "batches", "counter", "batches answered"),
+        ("mean_batch", "mean_batch_rows", "gauge", "rows per batch, on average"),
+        ("latency_mean_ms", "latency_mean_seconds", "gauge",
+         "from queued to answered, on average")), seconds="latency_mean_ms")[1]
 
 
 def _replay_families(bins: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     """Per replay bin: its size, inserts and samples (and their rates), evictions, what
     waits, the rate limiter's diff, and the priority histogram (items per bucket)."""
-    replays = {n: b["replay"] for n, b in bins.items() if b.get("kind") == "replay"}
+    replays, families = _per_bin(bins, "replay", (
+        ("size", "size", "gauge", "items in the replay bin"),
+        ("inserts", "inserts", "counter", "items inserted"),
+        ("samples", "samples", "counter", "items drawn by samples"),
+        ("evicted", "evicted", "counter", "items the remover took out (max_size)"),
+        ("expired", "expired", "counter", "items their max_times_sampled took out"),
+        ("inserts_per_s", "inserts_per_second", "gauge", "inserts over the last 10 s"),
+        ("samples_per_s", "samples_per_second", "gauge", "draws over the last 10 s"),
+        ("waiting_inserts", "waiting_inserts", "gauge", "inserts the rate limiter holds"),
+        ("waiting_samples", "waiting_samples", "gauge", "samples waiting for items")))
     if not replays:
         return
-    families = _bin_metrics("replay", (
-            ("size", "size", "gauge", "items in the replay bin"),
-            ("inserts", "inserts", "counter", "items inserted"),
-            ("samples", "samples", "counter", "items drawn by samples"),
-            ("evicted", "evicted", "counter", "items the remover took out (max_size)"),
-            ("expired", "expired", "counter", "items their max_times_sampled took out"),
-            ("inserts_per_s", "inserts_per_second", "gauge", "inserts over the last 10 s"),
-            ("samples_per_s", "samples_per_second", "gauge", "draws over the last 10 s"),
-            ("waiting_inserts", "waiting_inserts", "gauge", "inserts the rate limiter holds"),
-            ("waiting_samples", "waiting_samples", "gauge", "samples waiting for items")))
     diff = GaugeMetricFamily("tensorshare_replay_limiter_diff", "the rate limiter's "
                              "inserts * samples_per_insert - samples", labels=["bin"])
     hist = GaugeMetricFamily("tensorshare_replay_priority_items", "items whose priority is "
                              "at least the bucket's lower edge (and below the next)",
                              labels=["bin", "ge"])
     for name, rp in replays.items():
-        for key, fam in families.items():
-            fam.add_metric([name], rp[key])
         if rp["limiter"]["diff"] is not None:
             diff.add_metric([name], rp["limiter"]["diff"])
         h = rp["priority_histogram"]
         for edge, count in zip(h["edges"], h["counts"], strict=True):
             hist.add_metric([name, f"{edge:g}"], count)
-    yield from families.values()
+    yield from families
     yield diff
     yield hist
 
