@@ -51,19 +51,22 @@ cdef class Connection:
     cdef dict __dict__
     cdef object __weakref__
 
-    @cython.locals(call=Call, slot=_Slot)
+    @cython.locals(call=Call, slot=_Slot, session=ClientSession, reader=_Reader, lone=bint,
+                   now=double)
     cpdef object _execute(self, object cmd)
     @cython.locals(slot=_Slot, call=Call)
     cpdef tuple _call(self, object cmd)
     @cython.locals(session=ClientSession)
-    cpdef _flush(self)
+    cpdef _flush(self, double now=*)
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)
     @cython.locals(ev=object)
     cpdef _process(self, object events)
     @cython.locals(session=ClientSession, reader=_Reader)
-    cpdef object _read_once(self, _Reader reader)
+    cpdef object _read_once(self, _Reader reader, double now)
+    cpdef _lone(self, _Reader reader, Call call, _Slot slot)
     cpdef _lead(self, Call call, _Slot slot)
+    @cython.locals(now=double)
     cpdef object _lead_read(self, _Reader reader, Call call, _Slot slot)
     cpdef bint _handle(self, list events)

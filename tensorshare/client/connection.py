@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -68,13 +69,18 @@ _READ_CHUNK = 256 * 1024
 PIPELINE_FLUSH_ITEMS = 10_000
 
 class _Slot:
-    """Where the reading thread leaves one reply for the thread waiting on it."""
+    """Where the reading thread leaves one reply for the thread waiting on it.
+
+    Its lock is made by the first thread that waits on it (most calls never do: a lone caller
+    reads its own reply). ``done`` is set before the lock is looked at and the lock is made
+    before ``done`` is looked at again, so a waiter either sees ``done`` or has its lock
+    released; should two first waiters race, the loser finds it at its next check (every
+    wait is a bounded one, see ``Connection._wait_slot``)."""
 
     __slots__ = ("_lock", "reply", "error", "done")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock: threading.Lock | None = None
         self.reply: Any = None
         self.error: BaseException | None = None
         self.done = False
@@ -83,17 +89,28 @@ class _Slot:
         """Called exactly once (the session finishes each call once)."""
         self.reply, self.error = reply, error
         self.done = True
-        self._lock.release()
+        lock = self._lock
+        if lock is not None:
+            lock.release()
 
     def wait(self, timeout: float | None) -> bool:
         """Wait until resolved; any number of threads may wait, any number of times."""
+        if self.done:
+            return True
+        lock = self._lock
+        if lock is None:
+            lock = threading.Lock()
+            lock.acquire()
+            self._lock = lock
+            if self.done:
+                return True
         if timeout is None or timeout >= threading.TIMEOUT_MAX:  # "forever", in lock terms
-            ok = self._lock.acquire()
+            ok = lock.acquire()
         else:
-            ok = self._lock.acquire(timeout=max(timeout, 0.0))
+            ok = lock.acquire(timeout=max(timeout, 0.0))
         if ok:
-            self._lock.release()  # stay "resolved" for every later wait
-        return ok
+            lock.release()  # stay "resolved" for every later wait
+        return ok or self.done
 
 
 class _FutureSlot(_Slot):
@@ -299,10 +316,20 @@ class Connection:
         # (a call: _submit and PendingCall.result written out, the path of every request)
         if self._forks != _FORKS:
             raise ConnectionLost(f"the client for {self.address} was made in another process")
+        slot = _Slot()
+        session = self._session
         with self._lock:
-            call, slot = self._call(cmd)
-        self._flush()
-        if not slot.done:
+            now = monotonic()
+            call = session.call(cmd.request, cmd.what, now, slot, cmd.convert, None,
+                                cmd.listener)
+            # Nobody else waits or reads: this thread sends, then reads its own reply.
+            reader = self._reader
+            lone = reader is not None and self._election.lone_lead(now, session.connected)
+        self._flush(now)
+        if lone:
+            assert reader is not None
+            self._lone(reader, call, slot)
+        elif not slot.done:
             self._await(call, slot)
         if slot.error is None and type(slot.reply) is not ErrorReply:
             return call.convert(slot.reply) if call.convert is not None else slot.reply
@@ -442,13 +469,14 @@ class Connection:
         self._flush()
         return calls
 
-    def _flush(self) -> None:
-        """Write every request not yet sent on the current connection, in id order."""
+    def _flush(self, now: float = -1.0) -> None:
+        """Write every request not yet sent on the current connection, in id order (``now``:
+        the time, when the caller just read the clock)."""
         session = self._session
         with self._send_lock:
             with self._lock:
                 sock = self._sock
-                chunks = session.pop_sendable(time.monotonic()) if sock else []
+                chunks = session.pop_sendable(monotonic() if now < 0 else now) if sock else []
                 shared = session.take_shared() if session.has_shared else None
                 failed = session.take_finished() if session.has_finished else None
             if failed:
@@ -735,15 +763,17 @@ class Connection:
             if any(fd == self._wake_r for fd, _ in ready):
                 _drain(self._wake_r)
             if any(fd != self._wake_r for fd, _ in ready):
-                reason = self._read_once(reader)
+                reason = self._read_once(reader, monotonic())
         finally:
             with self._lock:
                 self._election.reader_done()  # a caller that asked us to step aside leads next
                 self._cv.notify_all()
         return reason
 
-    def _read_once(self, reader: _Reader) -> str | None:
-        """One ``recv`` from the current socket and everything it completes, handled.
+    def _read_once(self, reader: _Reader, now: float) -> str | None:
+        """One ``recv`` from the current socket and everything it completes, handled: the
+        whole frames of the common replies read, matched to their calls and resolved in one
+        pass, under one taking of the lock (``now``: the time, read after poll returned).
 
         Called by whoever leads (see :mod:`.election`). Returns why the connection must end, or
         ``None``.
@@ -771,7 +801,6 @@ class Connection:
                 os.close(fd)
             return "the server closed the connection"
         with self._lock:
-            now = time.monotonic()
             if fds:
                 if session.conn is not None and session.conn.shm:
                     session.conn.add_fds(fds)
@@ -783,7 +812,7 @@ class Connection:
                 with gc_paused(len(direct) if n == len(direct) else 0):
                     events = session.buffer_updated(n, now)
             else:
-                events = session.receive_data(reader.view[:n], now)
+                events = session.receive_read(reader.scratch, reader.view, n, now)
             nxt = session.next_deadline()
             ticked = nxt is not None and nxt <= now
             if ticked:
@@ -795,8 +824,22 @@ class Connection:
             self._flush_soon()
         sock = reader.sock
         if isinstance(sock, ssl.SSLSocket) and sock.pending():  # bytes poll() cannot see
-            return self._read_once(reader)
+            return self._read_once(reader, monotonic())
         return None
+
+    def _lone(self, reader: _Reader, call: Call, slot: _Slot) -> None:
+        """Lead as the lone caller (see ``ReadElection.lone_lead``): read until ``slot`` is
+        resolved or the call's deadline passes, give the lead back, and wait the usual way
+        if the reply is not in (the connection dropped: it comes after the reconnect)."""
+        reason: str | None = None
+        try:
+            reason = self._lead_read(reader, call, slot)
+        finally:
+            with self._lock:
+                if self._election.lone_done(monotonic(), reason):
+                    self._cv.notify_all()
+        if not slot.done:
+            self._await(call, slot)
 
     def _lead(self, call: Call, slot: _Slot) -> None:
         """Read the socket in this (calling) thread until ``slot`` is resolved or the call's
@@ -816,18 +859,20 @@ class Connection:
         """Leading: read until ``slot`` is resolved or the call's deadline passes. Returns
         why the connection must end, or ``None``."""
         poll = reader.poll
+        now = monotonic()
         while not slot.done:
             deadline = call.deadline
-            now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._expire(call)
                 if slot.done:
                     return None
                 deadline = call.deadline
             wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
-            if not poll.poll(wait * 1000.0):
+            ready = poll.poll(wait * 1000.0)
+            now = monotonic()
+            if not ready:
                 continue
-            reason = self._read_once(reader)
+            reason = self._read_once(reader, now)
             if reason is not None:
                 return reason
         return None

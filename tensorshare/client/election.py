@@ -97,9 +97,11 @@ class ReadElection:
     the current connection).
 
     Callers: :meth:`caller_waits`, then :meth:`caller_turn` until the reply is in
-    (:meth:`lead_ended` after each lead), then :meth:`caller_done`. The reader thread:
-    :meth:`connection_made`; :meth:`reader_turn` (after ``READ``: :meth:`poll_returned`, then
-    :meth:`reader_done`) until ``STOP`` or the connection ends; :meth:`end_connection`.
+    (:meth:`lead_ended` after each lead), then :meth:`caller_done`; or, for a caller that
+    finds nobody else waiting, :meth:`lone_lead` then :meth:`lone_done` around its lead.
+    The reader thread: :meth:`connection_made`; :meth:`reader_turn` (after ``READ``:
+    :meth:`poll_returned`, then :meth:`reader_done`) until ``STOP`` or the connection ends;
+    :meth:`end_connection`.
     """
 
     __slots__ = ("linger", "reading", "link", "waiting", "asked_by", "last_exit", "lead_start",
@@ -144,6 +146,29 @@ class ReadElection:
                 self.asked_by = me
                 return Caller.WAIT
         return Caller.WAIT_SLOT
+
+    def lone_lead(self, now: float, ready: bool) -> bool:
+        """A caller about to send asks to lead at once: when nobody waits or reads and the
+        connection is up and ready, it counts as waiting and leads (what
+        :meth:`caller_waits` then :meth:`caller_turn`'s ``LEAD`` do, in one step) and says
+        True; it then reads and ends with :meth:`lone_done`. Otherwise False, and nothing
+        changed: it waits the usual way."""
+        if self.waiting or self.reading is not Reading.NOBODY or not ready or \
+                self.link is not Link.UP:
+            return False
+        self.waiting = 1
+        self.reading = Reading.CALLER
+        self.asked_by = None
+        self.lead_start = now
+        return True
+
+    def lone_done(self, now: float, broken: str | None = None) -> bool:
+        """The lone lead of :meth:`lone_lead` ends (:meth:`lead_ended`, then
+        :meth:`caller_done`: nobody asked the reader to step aside meanwhile, since this
+        caller was waiting). Returns whether to wake the reader thread."""
+        wake = self.lead_ended(now, broken)
+        self.waiting -= 1
+        return wake
 
     def lead_ended(self, now: float, broken: str | None = None) -> bool:
         """The leading caller stops reading (its reply is in, its deadline passed, or it saw

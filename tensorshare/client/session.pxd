@@ -4,6 +4,7 @@
 import cython
 
 from tensorshare.wire.protocol cimport ClientConnection
+from tensorshare.client.replies cimport ReplyReader
 
 
 @cython.final
@@ -59,6 +60,7 @@ cdef class ClientSession:
     cdef public dict calls, listeners, held
     cdef public list _deadlines, _queue, _out_shared, _finished_now
     cdef public double _last_tx, _last_rx, _held_at
+    cdef public ReplyReader _replies
 
     cpdef object op_of(self, object rid)
     @cython.locals(c=Call)
@@ -68,6 +70,11 @@ cdef class ClientSession:
     cpdef list pop_sendable(self, double now)
     cpdef object _ack(self)
     cpdef list receive_data(self, object data, double now)
+    @cython.locals(msgs=list, i=Py_ssize_t, conn=ClientConnection)
+    cpdef list receive_read(self, bytearray data, object view, Py_ssize_t n, double now)
+    @cython.locals(reader=ReplyReader, i=Py_ssize_t, end=Py_ssize_t, start=Py_ssize_t)
+    cdef Py_ssize_t _whole_replies(self, bytearray data, Py_ssize_t n, Py_ssize_t max_header,
+                                   Py_ssize_t max_frame, list out) except -1
     cpdef list buffer_updated(self, Py_ssize_t nbytes, double now)
     @cython.locals(out=list)
     cpdef list _events(self, list msgs, double now)

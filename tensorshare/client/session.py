@@ -66,6 +66,7 @@ from ..wire.protocol import (
     MAX_OPEN_ACKS,
     OPS,
     PROTOCOL_VERSIONS,
+    REPLY_EXPECTS,
     SESSION_ID_BYTES,
     AckInfo,
     ClientConnection,
@@ -81,6 +82,7 @@ from ..wire.records import (
     Fetched,
     Put,
 )
+from .replies import ReplyReader
 
 __all__ = [
     "Call",
@@ -336,6 +338,7 @@ class ClientSession:
         # Replies the shell got and has not handed to their caller yet (see hold): kept
         # open in the acknowledgements, so that a get's items can still be given back.
         self.held: dict[int, Call] = {}
+        self._replies = ReplyReader()
 
     # -- ids and the table ------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -659,6 +662,48 @@ class ClientSession:
         assert self.conn is not None
         self._last_rx = now
         return self._events(self.conn.receive_data(data, self.op_of), now)
+
+    def receive_read(self, data: bytearray, view: memoryview, n: int, now: float
+                     ) -> list[Event]:
+        """Feed the ``n`` bytes just received into ``data`` (a reused buffer; ``view``: a
+        view of it), in one pass: every whole frame of the common replies read from its fixed
+        layout (see :mod:`.replies`), the rest fed to the connection's general decoder."""
+        conn = self.conn
+        assert conn is not None
+        self._last_rx = now
+        msgs: list[Any] = []
+        i = 0
+        if not conn.fds.queue:
+            decoder = conn.decoder
+            if not decoder.in_frame:
+                i = self._whole_replies(data, n, decoder.max_header_bytes,
+                                        decoder.max_frame_bytes, msgs)
+        if i < n:
+            msgs.extend(conn.receive_data(view[i:n], self.op_of))
+        return self._events(msgs, now)
+
+    def _whole_replies(self, data: bytearray, n: int, max_header: int, max_frame: int,
+                       out: list[Any]) -> int:
+        """Read the whole frames at the start of ``data[:n]`` that :mod:`.replies` reads,
+        into ``out``; return where the first one it does not read starts."""
+        reader = self._replies
+        i = 0
+        while True:
+            end = reader.frame_at(data, i, n, max_header, max_frame)
+            if not end:
+                return i
+            start = reader.start
+            rid = reader.reply_id(reader.h)
+            if rid is None:
+                msg = reader.notify(reader.h) if start == end else None
+            else:
+                op = self.op_of(rid)
+                msg = None if op is None else \
+                    reader.reply(rid, REPLY_EXPECTS.get(op), data[start:end])
+            if msg is None:
+                return i
+            out.append(msg)
+            i = end
 
     def buffer_updated(self, nbytes: int, now: float) -> list[Event]:
         """Account for bytes received into :meth:`get_buffer`'s view."""
