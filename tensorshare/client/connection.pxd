@@ -7,6 +7,13 @@ from tensorshare.client.election cimport ReadElection
 from tensorshare.client.session cimport Call, ClientSession
 
 
+cdef object _PLAIN
+
+
+@cython.locals(sent=Py_ssize_t, total=Py_ssize_t, i=Py_ssize_t)
+cpdef _sendall(object sock, object chunks, object fds=*, object timeout=*)
+
+
 cdef class _Slot:
     cdef public object _lock
     cdef public object reply, error
@@ -52,12 +59,14 @@ cdef class Connection:
     cdef object __weakref__
 
     @cython.locals(call=Call, slot=_Slot, session=ClientSession, reader=_Reader, lone=bint,
-                   now=double)
+                   now=double, taken=tuple)
     cpdef object _execute(self, object cmd)
     @cython.locals(slot=_Slot, call=Call)
     cpdef tuple _call(self, object cmd)
+    cpdef _flush(self)
     @cython.locals(session=ClientSession)
-    cpdef _flush(self, double now=*)
+    cpdef tuple _take_sendable(self, double now)
+    cpdef _write(self, tuple taken)
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)

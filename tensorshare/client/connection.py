@@ -64,6 +64,7 @@ __all__ = ["Connection", "PendingCall", "outcomes_of"]
 log = logging.getLogger("tensorshare.client")
 
 _MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
+_PLAIN = socket.socket  # (neither TLS nor a test's wrapper: the one-call send is for it)
 _READ_CHUNK = 256 * 1024
 # A pipeline's requests go out in writes of at least this many items (see _run_pipeline).
 PIPELINE_FLUSH_ITEMS = 10_000
@@ -318,14 +319,16 @@ class Connection:
             raise ConnectionLost(f"the client for {self.address} was made in another process")
         slot = _Slot()
         session = self._session
-        with self._lock:
-            now = monotonic()
-            call = session.call(cmd.request, cmd.what, now, slot, cmd.convert, None,
-                                cmd.listener)
-            # Nobody else waits or reads: this thread sends, then reads its own reply.
-            reader = self._reader
-            lone = reader is not None and self._election.lone_lead(now, session.connected)
-        self._flush(now)
+        with self._send_lock:  # (the call made and sent under one taking of each lock)
+            with self._lock:
+                now = monotonic()
+                call = session.call(cmd.request, cmd.what, now, slot, cmd.convert, None,
+                                    cmd.listener)
+                # Nobody else waits or reads: this thread sends, then reads its own reply.
+                reader = self._reader
+                lone = reader is not None and self._election.lone_lead(now, session.connected)
+                taken = self._take_sendable(now)
+            self._write(taken)
         if lone:
             assert reader is not None
             self._lone(reader, call, slot)
@@ -469,28 +472,37 @@ class Connection:
         self._flush()
         return calls
 
-    def _flush(self, now: float = -1.0) -> None:
-        """Write every request not yet sent on the current connection, in id order (``now``:
-        the time, when the caller just read the clock)."""
-        session = self._session
+    def _flush(self) -> None:
+        """Write every request not yet sent on the current connection, in id order."""
         with self._send_lock:
             with self._lock:
-                sock = self._sock
-                chunks = session.pop_sendable(monotonic() if now < 0 else now) if sock else []
-                shared = session.take_shared() if session.has_shared else None
-                failed = session.take_finished() if session.has_finished else None
-            if failed:
-                self._process(failed)
-            if not chunks or sock is None:
-                return
-            try:
-                _sendall(sock, chunks, [m.fd for m in shared] if shared else None,
-                         self.timeout)
-            except OSError as exc:
-                # A partly written frame leaves the stream unusable: drop the connection; the
-                # reader reconnects and the session resends what had no reply.
-                log.debug("send to %s failed: %s", self.address, exc)
-                _shutdown(sock)
+                taken = self._take_sendable(monotonic())
+            self._write(taken)
+
+    def _take_sendable(self, now: float) -> tuple[Any, Any, Any, Any]:
+        """Holding both locks: the socket, the frames to write on it, the shared memory that
+        goes with them, and the calls that failed before they could be sent."""
+        session = self._session
+        sock = self._sock
+        chunks = session.pop_sendable(now) if sock is not None else None
+        shared = session.take_shared() if session._out_shared else None
+        failed = session.take_finished() if session._finished_now else None
+        return sock, chunks, shared, failed
+
+    def _write(self, taken: tuple[Any, Any, Any, Any]) -> None:
+        """Holding the send lock (only): write what :meth:`_take_sendable` took."""
+        sock, chunks, shared, failed = taken
+        if failed:
+            self._process(failed)
+        if not chunks or sock is None:
+            return
+        try:
+            _sendall(sock, chunks, [m.fd for m in shared] if shared else None, self.timeout)
+        except OSError as exc:
+            # A partly written frame leaves the stream unusable: drop the connection; the
+            # reader reconnects and the session resends what had no reply.
+            log.debug("send to %s failed: %s", self.address, exc)
+            _shutdown(sock)
 
     def _flush_soon(self) -> None:
         """Flush from another thread: the reader must never block on a send."""
@@ -822,8 +834,8 @@ class Connection:
             return self._drop_reason(events)
         if ticked:
             self._flush_soon()
-        sock = reader.sock
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # bytes poll() cannot see
+        sock = reader.sock  # (TLS may hold bytes it decrypted, which poll() cannot see)
+        if reader.tls and isinstance(sock, ssl.SSLSocket) and sock.pending():
             return self._read_once(reader, monotonic())
         return None
 
@@ -1010,13 +1022,16 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
         OSError: the send failed.
     """
     sent = 0
-    if not fds and type(sock) is socket.socket and len(chunks) <= _MAX_IOV:
+    if not fds and type(sock) is _PLAIN and len(chunks) <= _MAX_IOV:
         # The usual case: the socket takes the whole frame in one call (no views, no loop).
         try:
             sent = sock.sendmsg(chunks)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        if sent == sum(map(len, chunks)):
+        total = 0
+        for c in chunks:
+            total += len(c)
+        if sent == total:
             return
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
     i = skip_sent(views, 0, sent)

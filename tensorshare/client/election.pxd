@@ -2,6 +2,8 @@
 # tensorshare._ext), and what other twins cimport of it.
 import cython
 
+cdef object _NOBODY, _POLLS, _READS, _CALLER, _DOWN, _UP, _BROKEN
+
 
 @cython.final
 cdef class ReadElection:

@@ -50,6 +50,11 @@ cdef class _Listen:
     cdef public object version
 
 
+cdef object _new_ack, _set_field
+
+cpdef object _ack_info(object through, tuple open_ids)
+
+
 cdef class ClientSession:
     cdef public str address, name, last_loss
     cdef public object token, user, _nonce, _server_nonce, timeout, reconnect, session_id

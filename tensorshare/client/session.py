@@ -268,6 +268,20 @@ def _with_id(request: Request, rid: int) -> Request:
     # (the other requests are dataclasses; mypy cannot tell them from the records above)
     return replace(request, id=rid)  # type: ignore[type-var]  # a dataclass: see above
 
+def _ack_info(through: int, open_ids: tuple[int, ...]) -> AckInfo:
+    """``AckInfo(through, open_ids)``, made as ``copy`` makes one: without the frozen
+    dataclass's ``__init__`` (a Python frame and two ``object.__setattr__`` calls, on every
+    request sent)."""
+    ack = _new_ack(AckInfo)
+    _set_field(ack, "through", through)
+    _set_field(ack, "open", open_ids)
+    return ack
+
+
+_new_ack = AckInfo.__new__
+_set_field = object.__setattr__
+
+
 class ClientSession:
     """The state of one client, across any number of connections. Not thread-safe.
 
@@ -480,7 +494,7 @@ class ClientSession:
         last = self._last_ack
         if last is not None and through == last.through and tuple(open_ids) == last.open:
             return None  # (compared before making a new one: asked for every request sent)
-        ack = AckInfo(through, tuple(open_ids))
+        ack = _ack_info(through, tuple(open_ids))
         self._last_ack = ack
         return ack
 
