@@ -331,7 +331,7 @@ class Connection:
             self._write(taken)
         if lone:
             assert reader is not None
-            self._lone(reader, call, slot)
+            self._lone(reader, call, slot, now)
         elif not slot.done:
             self._await(call, slot)
         if slot.error is None and type(slot.reply) is not ErrorReply:
@@ -839,13 +839,13 @@ class Connection:
             return self._read_once(reader, monotonic())
         return None
 
-    def _lone(self, reader: _Reader, call: Call, slot: _Slot) -> None:
+    def _lone(self, reader: _Reader, call: Call, slot: _Slot, now: float) -> None:
         """Lead as the lone caller (see ``ReadElection.lone_lead``): read until ``slot`` is
         resolved or the call's deadline passes, give the lead back, and wait the usual way
         if the reply is not in (the connection dropped: it comes after the reconnect)."""
         reason: str | None = None
         try:
-            reason = self._lead_read(reader, call, slot)
+            reason = self._lead_read(reader, call, slot, now)
         finally:
             with self._lock:
                 if self._election.lone_done(monotonic(), reason):
@@ -861,17 +861,16 @@ class Connection:
         try:
             reader = self._reader
             if reader is not None:
-                reason = self._lead_read(reader, call, slot)
+                reason = self._lead_read(reader, call, slot, monotonic())
         finally:
             with self._lock:
                 if self._election.lead_ended(time.monotonic(), reason):
                     self._cv.notify_all()
 
-    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot) -> str | None:
-        """Leading: read until ``slot`` is resolved or the call's deadline passes. Returns
-        why the connection must end, or ``None``."""
+    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot, now: float) -> str | None:
+        """Leading: read until ``slot`` is resolved or the call's deadline passes (``now``:
+        the time, just read). Returns why the connection must end, or ``None``."""
         poll = reader.poll
-        now = monotonic()
         while not slot.done:
             deadline = call.deadline
             if deadline is not None and now >= deadline:

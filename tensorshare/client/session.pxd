@@ -3,6 +3,7 @@
 # what Cython may type.
 import cython
 
+from tensorshare.wire.frames cimport FrameDecoder
 from tensorshare.wire.protocol cimport ClientConnection
 from tensorshare.client.replies cimport ReplyReader
 
@@ -68,14 +69,16 @@ cdef class ClientSession:
     cdef public ReplyReader _replies
 
     cpdef object op_of(self, object rid)
-    @cython.locals(c=Call)
+    @cython.locals(c=Call, cls=type)
     cpdef Call call(self, object request, str what, double now, object token=*,
                     object convert=*, object timeout=*, object extra=*)
     @cython.locals(out=list, c=Call, queue=list)
     cpdef list pop_sendable(self, double now)
     cpdef object _ack(self)
     cpdef list receive_data(self, object data, double now)
-    @cython.locals(msgs=list, i=Py_ssize_t, conn=ClientConnection)
+    @cython.locals(conn=ClientConnection)
+    cpdef object get_buffer(self)
+    @cython.locals(msgs=list, i=Py_ssize_t, conn=ClientConnection, decoder=FrameDecoder)
     cpdef list receive_read(self, bytearray data, object view, Py_ssize_t n, double now)
     @cython.locals(reader=ReplyReader, i=Py_ssize_t, end=Py_ssize_t, start=Py_ssize_t)
     cdef Py_ssize_t _whole_replies(self, bytearray data, Py_ssize_t n, Py_ssize_t max_header,

@@ -394,7 +394,8 @@ class ClientSession:
             raise type(self.closed)(f"cannot send {what}: {self.closed}")
         rid = self._new_id()
         request = _with_id(request, rid)
-        op = op_name(request)
+        cls = type(request)
+        op = "put" if cls is Put else op_name(request)
         answer = self.timeout if timeout is None else timeout
         waiting, wait = False, None
         if type(request) is Fetch and request.spec.wait:
@@ -669,7 +670,10 @@ class ClientSession:
 
     def get_buffer(self) -> memoryview | None:
         """Where to ``recv_into`` next, when a large message part is expected."""
-        return self.conn.get_buffer() if self.conn is not None else None
+        conn = self.conn
+        if conn is None or not conn._decoder._state:  # (no frame begun: no large part)
+            return None
+        return conn.get_buffer()
 
     def receive_data(self, data: BytesLike, now: float) -> list[Event]:
         """Feed received bytes; return what the shell must do."""
@@ -687,11 +691,10 @@ class ClientSession:
         self._last_rx = now
         msgs: list[Any] = []
         i = 0
-        if not conn.fds.queue:
-            decoder = conn.decoder
-            if not decoder.in_frame:
-                i = self._whole_replies(data, n, decoder.max_header_bytes,
-                                        decoder.max_frame_bytes, msgs)
+        decoder = conn._decoder
+        if not conn.fds.queue and not decoder._state and not decoder._prefix:
+            i = self._whole_replies(data, n, decoder.max_header_bytes, decoder.max_frame_bytes,
+                                    msgs)
         if i < n:
             msgs.extend(conn.receive_data(view[i:n], self.op_of))
         return self._events(msgs, now)
