@@ -4,7 +4,7 @@
 import cython
 
 from tensorshare.client.election cimport ReadElection
-from tensorshare.client.session cimport Call, ClientSession
+from tensorshare.client.session cimport Call, ClientSession, Done
 
 
 cdef object _PLAIN
@@ -70,7 +70,7 @@ cdef class Connection:
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)
-    @cython.locals(ev=object)
+    @cython.locals(ev=object, done=Done, slot=_Slot)
     cpdef _process(self, object events)
     @cython.locals(session=ClientSession, reader=_Reader)
     cpdef object _read_once(self, _Reader reader, double now)

@@ -569,11 +569,16 @@ class Connection:
         for ev in events:
             cls = type(ev)
             if cls is Done:
-                if ev.call.token is not None:
-                    try:
-                        ev.call.token.resolve(ev.reply, ev.error)
-                    except Exception:  # a bug: it must not keep the other calls waiting
-                        log.exception("resolving %s failed", ev.call.what)
+                done = ev
+                token = done.call.token
+                try:
+                    if type(token) is _Slot:  # (a blocking call's: resolved at C level)
+                        slot = token
+                        slot.resolve(done.reply, done.error)
+                    elif token is not None:
+                        token.resolve(done.reply, done.error)
+                except Exception:  # a bug: it must not keep the other calls waiting
+                    log.exception("resolving %s failed", done.call.what)
             elif cls is Notify:
                 self._notify(ev)
 

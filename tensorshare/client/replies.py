@@ -46,6 +46,8 @@ _DROPPED = b"\xa7dropped"
 _VERSION = b"\xa7version"
 _MESSAGE = b"\xa7message"
 _EVENT = b"\xa5event"
+_VALUE = b"\xa5value"  # the two kinds of a Fetched, read without decoding them
+_LIST = b"\xa4list"
 _ITEMS_ONE = b"\xa5items\x91\x93"  # items: [[value, buffers, tag]]
 _ONE_BUFFER_AT_0 = b"\x91\x92\x00"  # buffers: [[0, nbytes]]
 # The frame's constants, typed in the compiled twin.
@@ -179,7 +181,7 @@ class ReplyReader:
         """A get/peek reply of one item in one plain buffer (or none), else ``None``."""
         if self.h[0] != 0x88:
             return None
-        kind = self._str()
+        kind = "value" if self._at(_VALUE) else "list" if self._at(_LIST) else self._str()
         if not self._at(_VERSION):
             return None
         version = self._int()

@@ -495,7 +495,7 @@ class ClientSession:
         last = self._last_ack
         if last is not None and through == last.through and tuple(open_ids) == last.open:
             return None  # (compared before making a new one: asked for every request sent)
-        ack = _ack_info(through, tuple(open_ids))
+        ack = _ack_info(through, tuple(open_ids) if open_ids else ())
         self._last_ack = ack
         return ack
 
@@ -715,8 +715,8 @@ class ClientSession:
                 msg = reader.notify(reader.h) if start == end else None
             else:
                 op = self.op_of(rid)
-                msg = None if op is None else \
-                    reader.reply(rid, REPLY_EXPECTS.get(op), data[start:end])
+                msg = None if op is None else reader.reply(
+                    rid, REPLY_EXPECTS.get(op), data[start:end] if start != end else b"")
             if msg is None:
                 return i
             out.append(msg)
