@@ -18,6 +18,8 @@ cdef class ReplyReader:
     cdef object _int(self)
     @cython.locals(h=bytes, i=Py_ssize_t, b=Py_ssize_t, n=Py_ssize_t)
     cdef Py_ssize_t _len(self, Py_ssize_t short, Py_ssize_t one) except -1
+    cdef object _after(self, bytes key)
+    cdef str _str_after(self, bytes key)
     @cython.locals(n=Py_ssize_t)
     cdef str _str(self)
     @cython.locals(n=Py_ssize_t)

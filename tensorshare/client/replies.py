@@ -21,16 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..wire.frames import ALIGN, FORMAT_VERSION, PREFIX
-from ..wire.records import (
-    Acked,
-    Changed,
-    ErrorReply,
-    Fetched,
-    Item,
-    Stored,
-    encoded_of,
-    raw_buffer,
-)
+from ..wire.records import Acked, Changed, ErrorReply, Fetched, Item, Stored, encoded_of, raw_buffer
 
 __all__ = ["ReplyReader"]
 
@@ -118,6 +109,18 @@ class ReplyReader:
         self.i = i + n
         return n
 
+    def _after(self, key: bytes) -> Any:
+        """The integer after ``key``, which must come next (ValueError: it does not)."""
+        if not self._at(key):
+            raise ValueError("another key")
+        return self._int()
+
+    def _str_after(self, key: bytes) -> str:
+        """The str after ``key``, which must come next (ValueError: it does not)."""
+        if not self._at(key):
+            raise ValueError("another key")
+        return self._str()
+
     def _str(self) -> str:
         n = self._len(0xA0, 0xD9)
         return self.h[self.i - n:self.i].decode("utf-8")
@@ -148,9 +151,7 @@ class ReplyReader:
                 if kind is not Stored or self.h[0] != 0x85 or len(payload):
                     return None
                 version = self._int()
-                if not self._at(_N_ITEMS):
-                    return None
-                n_items = self._int()
+                n_items = self._after(_N_ITEMS)
                 if self.i != len(self.h) or version < 0 or n_items < 0:
                     return None
                 return Stored(rid, version, n_items, 0)
@@ -172,9 +173,7 @@ class ReplyReader:
         if self.h[0] != 0x85 or len(payload):
             return None
         code = self._str()
-        if not self._at(_MESSAGE):
-            return None
-        message = self._str()
+        message = self._str_after(_MESSAGE)
         return ErrorReply(rid, code, message) if self.i == len(self.h) else None
 
     def _fetched(self, rid: Any, payload: Any) -> Any:
@@ -182,15 +181,9 @@ class ReplyReader:
         if self.h[0] != 0x88:
             return None
         kind = "value" if self._at(_VALUE) else "list" if self._at(_LIST) else self._str()
-        if not self._at(_VERSION):
-            return None
-        version = self._int()
-        if not self._at(_N_ITEMS):
-            return None
-        n_items = self._int()
-        if not self._at(_DROPPED):
-            return None
-        dropped = self._int()
+        version = self._after(_VERSION)
+        n_items = self._after(_N_ITEMS)
+        dropped = self._after(_DROPPED)
         if version < 0 or n_items < 0 or dropped < 0 or not self._at(_ITEMS_ONE):
             return None
         value = self._bin()
@@ -219,15 +212,9 @@ class ReplyReader:
             return None
         try:
             name = self._str()
-            if not self._at(_EVENT):
-                return None
-            event = self._str()
-            if not self._at(_N_ITEMS):
-                return None
-            n_items = self._int()
-            if not self._at(_VERSION):
-                return None
-            version = self._int()
+            event = self._str_after(_EVENT)
+            n_items = self._after(_N_ITEMS)
+            version = self._after(_VERSION)
         except (IndexError, ValueError, UnicodeDecodeError):
             return None
         if self.i != len(h):
