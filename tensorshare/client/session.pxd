@@ -52,6 +52,7 @@ cdef class _Listen:
 
 
 cdef object _new_ack, _set_field
+cdef dict _EXPECTS
 
 cpdef object _ack_info(object through, tuple open_ids)
 

@@ -279,6 +279,7 @@ def _ack_info(through: int, open_ids: tuple[int, ...]) -> AckInfo:
 
 
 _new_ack = AckInfo.__new__
+_EXPECTS = REPLY_EXPECTS  # (typed a dict in the compiled twin)
 _set_field = object.__setattr__
 
 
@@ -405,7 +406,7 @@ class ClientSession:
         else:
             deadline = now + answer + (wait or 0.0)
         c = Call(rid, request, op, what, token, convert, answer, wait, waiting, now, deadline,
-                 extra=extra)
+                 QUEUED, 0, extra)  # (positional: the fast call)
         self.calls[rid] = c
         self._queue.append(c)
         if deadline is not None:
@@ -716,7 +717,7 @@ class ClientSession:
             else:
                 op = self.op_of(rid)
                 msg = None if op is None else reader.reply(
-                    rid, REPLY_EXPECTS.get(op), data[start:end] if start != end else b"")
+                    rid, _EXPECTS.get(op), data[start:end] if start != end else b"")
             if msg is None:
                 return i
             out.append(msg)
@@ -795,7 +796,7 @@ class ClientSession:
                 self.remove_listener(cast(Listen, c.request).bin, c.extra)
             elif type(msg) is Listening:
                 self._listening(cast(Listen, c.request).bin, msg, None, out)
-            out.append(Done(c, reply=msg))
+            out.append(Done(c, msg))  # (positional: the fast call)
             return
         self._internal_done(c, msg, out)
 
