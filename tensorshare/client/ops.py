@@ -186,8 +186,8 @@ class _Decode:
 
     def __call__(self, reply: Fetched) -> Any:
         if self.value_only and self.device is None and not reply.unchanged and \
-                len(reply.items) == 1:
-            # (the common get: one lone tensor, its value only, on the CPU)
+                len(reply.items) == 1 and type(reply.items[0]) is Item:
+            # (the common get: one item, a lone tensor, its value only, on the CPU)
             value = decode_tensor(reply.items[0].value, _MAX_RAW_BYTES)
             if value is not None:
                 return value if reply.kind == "value" else [value]
