@@ -63,6 +63,7 @@ TWINS = (
     "tensorshare.server.parts",
     "tensorshare.server.handlers",
     "tensorshare.server.connection",
+    "tensorshare.client.replies",
     "tensorshare.client.session",
     "tensorshare.client.election",
     "tensorshare.client.ops",

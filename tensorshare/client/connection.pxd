@@ -4,7 +4,14 @@
 import cython
 
 from tensorshare.client.election cimport ReadElection
-from tensorshare.client.session cimport Call, ClientSession
+from tensorshare.client.session cimport Call, ClientSession, Done
+
+
+cdef object _PLAIN
+
+
+@cython.locals(sent=Py_ssize_t, total=Py_ssize_t, i=Py_ssize_t)
+cpdef _sendall(object sock, object chunks, object fds=*, object timeout=*)
 
 
 cdef class _Slot:
@@ -51,19 +58,23 @@ cdef class Connection:
     cdef dict __dict__
     cdef object __weakref__
 
-    @cython.locals(call=Call, slot=_Slot)
+    @cython.locals(call=Call, slot=_Slot, session=ClientSession, reader=_Reader, lone=bint,
+                   now=double, taken=tuple)
     cpdef object _execute(self, object cmd)
     @cython.locals(slot=_Slot, call=Call)
     cpdef tuple _call(self, object cmd)
-    @cython.locals(session=ClientSession)
     cpdef _flush(self)
+    @cython.locals(session=ClientSession)
+    cpdef tuple _take_sendable(self, double now)
+    cpdef _write(self, tuple taken)
     @cython.locals(session=ClientSession, election=ReadElection)
     cpdef _await(self, Call call, _Slot slot)
     cpdef _wait_slot(self, Call call, _Slot slot)
-    @cython.locals(ev=object)
+    @cython.locals(ev=object, done=Done, slot=_Slot)
     cpdef _process(self, object events)
     @cython.locals(session=ClientSession, reader=_Reader)
-    cpdef object _read_once(self, _Reader reader)
+    cpdef object _read_once(self, _Reader reader, double now)
+    cpdef _lone(self, _Reader reader, Call call, _Slot slot, double now)
     cpdef _lead(self, Call call, _Slot slot)
-    cpdef object _lead_read(self, _Reader reader, Call call, _Slot slot)
+    cpdef object _lead_read(self, _Reader reader, Call call, _Slot slot, double now)
     cpdef bint _handle(self, list events)

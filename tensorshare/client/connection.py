@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -63,18 +64,24 @@ __all__ = ["Connection", "PendingCall", "outcomes_of"]
 log = logging.getLogger("tensorshare.client")
 
 _MAX_IOV = 512  # buffers per sendmsg call; well below IOV_MAX (1024 on Linux)
+_PLAIN = socket.socket  # (neither TLS nor a test's wrapper: the one-call send is for it)
 _READ_CHUNK = 256 * 1024
 # A pipeline's requests go out in writes of at least this many items (see _run_pipeline).
 PIPELINE_FLUSH_ITEMS = 10_000
 
 class _Slot:
-    """Where the reading thread leaves one reply for the thread waiting on it."""
+    """Where the reading thread leaves one reply for the thread waiting on it.
+
+    Its lock is made by the first thread that waits on it (most calls never do: a lone caller
+    reads its own reply). ``done`` is set before the lock is looked at and the lock is made
+    before ``done`` is looked at again, so a waiter either sees ``done`` or has its lock
+    released; should two first waiters race, the loser finds it at its next check (every
+    wait is a bounded one, see ``Connection._wait_slot``)."""
 
     __slots__ = ("_lock", "reply", "error", "done")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock: threading.Lock | None = None
         self.reply: Any = None
         self.error: BaseException | None = None
         self.done = False
@@ -83,17 +90,28 @@ class _Slot:
         """Called exactly once (the session finishes each call once)."""
         self.reply, self.error = reply, error
         self.done = True
-        self._lock.release()
+        lock = self._lock
+        if lock is not None:
+            lock.release()
 
     def wait(self, timeout: float | None) -> bool:
         """Wait until resolved; any number of threads may wait, any number of times."""
+        if self.done:
+            return True
+        lock = self._lock
+        if lock is None:
+            lock = threading.Lock()
+            lock.acquire()
+            self._lock = lock
+            if self.done:
+                return True
         if timeout is None or timeout >= threading.TIMEOUT_MAX:  # "forever", in lock terms
-            ok = self._lock.acquire()
+            ok = lock.acquire()
         else:
-            ok = self._lock.acquire(timeout=max(timeout, 0.0))
+            ok = lock.acquire(timeout=max(timeout, 0.0))
         if ok:
-            self._lock.release()  # stay "resolved" for every later wait
-        return ok
+            lock.release()  # stay "resolved" for every later wait
+        return ok or self.done
 
 
 class _FutureSlot(_Slot):
@@ -299,10 +317,22 @@ class Connection:
         # (a call: _submit and PendingCall.result written out, the path of every request)
         if self._forks != _FORKS:
             raise ConnectionLost(f"the client for {self.address} was made in another process")
-        with self._lock:
-            call, slot = self._call(cmd)
-        self._flush()
-        if not slot.done:
+        slot = _Slot()
+        session = self._session
+        with self._send_lock:  # (the call made and sent under one taking of each lock)
+            with self._lock:
+                now = monotonic()
+                call = session.call(cmd.request, cmd.what, now, slot, cmd.convert, None,
+                                    cmd.listener)
+                # Nobody else waits or reads: this thread sends, then reads its own reply.
+                reader = self._reader
+                lone = reader is not None and self._election.lone_lead(now, session.connected)
+                taken = self._take_sendable(now)
+            self._write(taken)
+        if lone:
+            assert reader is not None
+            self._lone(reader, call, slot, now)
+        elif not slot.done:
             self._await(call, slot)
         if slot.error is None and type(slot.reply) is not ErrorReply:
             return call.convert(slot.reply) if call.convert is not None else slot.reply
@@ -444,25 +474,35 @@ class Connection:
 
     def _flush(self) -> None:
         """Write every request not yet sent on the current connection, in id order."""
-        session = self._session
         with self._send_lock:
             with self._lock:
-                sock = self._sock
-                chunks = session.pop_sendable(time.monotonic()) if sock else []
-                shared = session.take_shared() if session.has_shared else None
-                failed = session.take_finished() if session.has_finished else None
-            if failed:
-                self._process(failed)
-            if not chunks or sock is None:
-                return
-            try:
-                _sendall(sock, chunks, [m.fd for m in shared] if shared else None,
-                         self.timeout)
-            except OSError as exc:
-                # A partly written frame leaves the stream unusable: drop the connection; the
-                # reader reconnects and the session resends what had no reply.
-                log.debug("send to %s failed: %s", self.address, exc)
-                _shutdown(sock)
+                taken = self._take_sendable(monotonic())
+            self._write(taken)
+
+    def _take_sendable(self, now: float) -> tuple[Any, Any, Any, Any]:
+        """Holding both locks: the socket, the frames to write on it, the shared memory that
+        goes with them, and the calls that failed before they could be sent."""
+        session = self._session
+        sock = self._sock
+        chunks = session.pop_sendable(now) if sock is not None else None
+        shared = session.take_shared() if session._out_shared else None
+        failed = session.take_finished() if session._finished_now else None
+        return sock, chunks, shared, failed
+
+    def _write(self, taken: tuple[Any, Any, Any, Any]) -> None:
+        """Holding the send lock (only): write what :meth:`_take_sendable` took."""
+        sock, chunks, shared, failed = taken
+        if failed:
+            self._process(failed)
+        if not chunks or sock is None:
+            return
+        try:
+            _sendall(sock, chunks, [m.fd for m in shared] if shared else None, self.timeout)
+        except OSError as exc:
+            # A partly written frame leaves the stream unusable: drop the connection; the
+            # reader reconnects and the session resends what had no reply.
+            log.debug("send to %s failed: %s", self.address, exc)
+            _shutdown(sock)
 
     def _flush_soon(self) -> None:
         """Flush from another thread: the reader must never block on a send."""
@@ -529,11 +569,16 @@ class Connection:
         for ev in events:
             cls = type(ev)
             if cls is Done:
-                if ev.call.token is not None:
-                    try:
-                        ev.call.token.resolve(ev.reply, ev.error)
-                    except Exception:  # a bug: it must not keep the other calls waiting
-                        log.exception("resolving %s failed", ev.call.what)
+                done = ev
+                token = done.call.token
+                try:
+                    if type(token) is _Slot:  # (a blocking call's: resolved at C level)
+                        slot = token
+                        slot.resolve(done.reply, done.error)
+                    elif token is not None:
+                        token.resolve(done.reply, done.error)
+                except Exception:  # a bug: it must not keep the other calls waiting
+                    log.exception("resolving %s failed", done.call.what)
             elif cls is Notify:
                 self._notify(ev)
 
@@ -735,15 +780,17 @@ class Connection:
             if any(fd == self._wake_r for fd, _ in ready):
                 _drain(self._wake_r)
             if any(fd != self._wake_r for fd, _ in ready):
-                reason = self._read_once(reader)
+                reason = self._read_once(reader, monotonic())
         finally:
             with self._lock:
                 self._election.reader_done()  # a caller that asked us to step aside leads next
                 self._cv.notify_all()
         return reason
 
-    def _read_once(self, reader: _Reader) -> str | None:
-        """One ``recv`` from the current socket and everything it completes, handled.
+    def _read_once(self, reader: _Reader, now: float) -> str | None:
+        """One ``recv`` from the current socket and everything it completes, handled: the
+        whole frames of the common replies read, matched to their calls and resolved in one
+        pass, under one taking of the lock (``now``: the time, read after poll returned).
 
         Called by whoever leads (see :mod:`.election`). Returns why the connection must end, or
         ``None``.
@@ -771,7 +818,6 @@ class Connection:
                 os.close(fd)
             return "the server closed the connection"
         with self._lock:
-            now = time.monotonic()
             if fds:
                 if session.conn is not None and session.conn.shm:
                     session.conn.add_fds(fds)
@@ -783,7 +829,7 @@ class Connection:
                 with gc_paused(len(direct) if n == len(direct) else 0):
                     events = session.buffer_updated(n, now)
             else:
-                events = session.receive_data(reader.view[:n], now)
+                events = session.receive_read(reader.scratch, reader.view, n, now)
             nxt = session.next_deadline()
             ticked = nxt is not None and nxt <= now
             if ticked:
@@ -793,10 +839,24 @@ class Connection:
             return self._drop_reason(events)
         if ticked:
             self._flush_soon()
-        sock = reader.sock
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():  # bytes poll() cannot see
-            return self._read_once(reader)
+        sock = reader.sock  # (TLS may hold bytes it decrypted, which poll() cannot see)
+        if reader.tls and isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return self._read_once(reader, monotonic())
         return None
+
+    def _lone(self, reader: _Reader, call: Call, slot: _Slot, now: float) -> None:
+        """Lead as the lone caller (see ``ReadElection.lone_lead``): read until ``slot`` is
+        resolved or the call's deadline passes, give the lead back, and wait the usual way
+        if the reply is not in (the connection dropped: it comes after the reconnect)."""
+        reason: str | None = None
+        try:
+            reason = self._lead_read(reader, call, slot, now)
+        finally:
+            with self._lock:
+                if self._election.lone_done(monotonic(), reason):
+                    self._cv.notify_all()
+        if not slot.done:
+            self._await(call, slot)
 
     def _lead(self, call: Call, slot: _Slot) -> None:
         """Read the socket in this (calling) thread until ``slot`` is resolved or the call's
@@ -806,28 +866,29 @@ class Connection:
         try:
             reader = self._reader
             if reader is not None:
-                reason = self._lead_read(reader, call, slot)
+                reason = self._lead_read(reader, call, slot, monotonic())
         finally:
             with self._lock:
                 if self._election.lead_ended(time.monotonic(), reason):
                     self._cv.notify_all()
 
-    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot) -> str | None:
-        """Leading: read until ``slot`` is resolved or the call's deadline passes. Returns
-        why the connection must end, or ``None``."""
+    def _lead_read(self, reader: _Reader, call: Call, slot: _Slot, now: float) -> str | None:
+        """Leading: read until ``slot`` is resolved or the call's deadline passes (``now``:
+        the time, just read). Returns why the connection must end, or ``None``."""
         poll = reader.poll
         while not slot.done:
             deadline = call.deadline
-            now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._expire(call)
                 if slot.done:
                     return None
                 deadline = call.deadline
             wait = 60.0 if deadline is None else min(max(deadline - now, 0.0) + 0.001, 60.0)
-            if not poll.poll(wait * 1000.0):
+            ready = poll.poll(wait * 1000.0)
+            now = monotonic()
+            if not ready:
                 continue
-            reason = self._read_once(reader)
+            reason = self._read_once(reader, now)
             if reason is not None:
                 return reason
         return None
@@ -965,13 +1026,16 @@ def _sendall(sock: socket.socket, chunks: Sequence[BytesLike], fds: list[int] | 
         OSError: the send failed.
     """
     sent = 0
-    if not fds and type(sock) is socket.socket and len(chunks) <= _MAX_IOV:
+    if not fds and type(sock) is _PLAIN and len(chunks) <= _MAX_IOV:
         # The usual case: the socket takes the whole frame in one call (no views, no loop).
         try:
             sent = sock.sendmsg(chunks)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        if sent == sum(map(len, chunks)):
+        total = 0
+        for c in chunks:
+            total += len(c)
+        if sent == total:
             return
     views = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
     i = skip_sent(views, 0, sent)

@@ -87,6 +87,15 @@ class ReaderTurn(NamedTuple):
     reason: str = ""  # STOP: why the connection ended
 
 
+# The states, as module constants (an enum member read from its class is an attribute
+# lookup through the enum's metaclass, on every call).
+_NOBODY = Reading.NOBODY
+_POLLS = Reading.READER_POLLS
+_READS = Reading.READER_READS
+_CALLER = Reading.CALLER
+_DOWN = Link.DOWN
+_UP = Link.UP
+_BROKEN = Link.BROKEN
 READ = ReaderTurn(ReaderDo.READ)
 SLEEP_UNTIL_WOKEN = ReaderTurn(ReaderDo.SLEEP)
 
@@ -97,9 +106,11 @@ class ReadElection:
     the current connection).
 
     Callers: :meth:`caller_waits`, then :meth:`caller_turn` until the reply is in
-    (:meth:`lead_ended` after each lead), then :meth:`caller_done`. The reader thread:
-    :meth:`connection_made`; :meth:`reader_turn` (after ``READ``: :meth:`poll_returned`, then
-    :meth:`reader_done`) until ``STOP`` or the connection ends; :meth:`end_connection`.
+    (:meth:`lead_ended` after each lead), then :meth:`caller_done`; or, for a caller that
+    finds nobody else waiting, :meth:`lone_lead` then :meth:`lone_done` around its lead.
+    The reader thread: :meth:`connection_made`; :meth:`reader_turn` (after ``READ``:
+    :meth:`poll_returned`, then :meth:`reader_done`) until ``STOP`` or the connection ends;
+    :meth:`end_connection`.
     """
 
     __slots__ = ("linger", "reading", "link", "waiting", "asked_by", "last_exit", "lead_start",
@@ -107,13 +118,13 @@ class ReadElection:
 
     def __init__(self, linger: float = LINGER) -> None:
         self.linger = linger
-        self.reading = Reading.NOBODY
-        self.link = Link.DOWN
+        self.reading = _NOBODY
+        self.link = _DOWN
         self.waiting = 0  # callers waiting for a reply
         self.asked_by: Hashable | None = None  # the lone caller that asked the reader to step aside
         self.last_exit = float("-inf")  # when a caller last stopped leading
         self.lead_start = 0.0  # when the current (or last) lead began
-        self.broken = ""  # Link.BROKEN: why
+        self.broken = ""  # _BROKEN: why
 
     def __repr__(self) -> str:
         return (f"<ReadElection {self.reading.name} {self.link.name} waiting={self.waiting} "
@@ -130,31 +141,54 @@ class ReadElection:
         A lone caller on a connection that is up and ready leads when nobody reads, and asks
         the reader thread to step aside when it reads. Otherwise it waits on its slot.
         """
-        if self.waiting == 1 and ready and self.link is Link.UP:
+        if self.waiting == 1 and ready and self.link is _UP:
             reading = self.reading
-            if reading is Reading.NOBODY:
-                self.reading = Reading.CALLER
+            if reading is _NOBODY:
+                self.reading = _CALLER
                 self.asked_by = None
                 self.lead_start = now
                 return Caller.LEAD
-            if reading is Reading.READER_POLLS:
+            if reading is _POLLS:
                 self.asked_by = me  # until this caller leads, is done, or the connection ends
                 return Caller.WAKE_AND_WAIT
-            if reading is Reading.READER_READS:
+            if reading is _READS:
                 self.asked_by = me
                 return Caller.WAIT
         return Caller.WAIT_SLOT
+
+    def lone_lead(self, now: float, ready: bool) -> bool:
+        """A caller about to send asks to lead at once: when nobody waits or reads and the
+        connection is up and ready, it counts as waiting and leads (what
+        :meth:`caller_waits` then :meth:`caller_turn`'s ``LEAD`` do, in one step) and says
+        True; it then reads and ends with :meth:`lone_done`. Otherwise False, and nothing
+        changed: it waits the usual way."""
+        if self.waiting or self.reading is not _NOBODY or not ready or \
+                self.link is not _UP:
+            return False
+        self.waiting = 1
+        self.reading = _CALLER
+        self.asked_by = None
+        self.lead_start = now
+        return True
+
+    def lone_done(self, now: float, broken: str | None = None) -> bool:
+        """The lone lead of :meth:`lone_lead` ends (:meth:`lead_ended`, then
+        :meth:`caller_done`: nobody asked the reader to step aside meanwhile, since this
+        caller was waiting). Returns whether to wake the reader thread."""
+        wake = self.lead_ended(now, broken)
+        self.waiting -= 1
+        return wake
 
     def lead_ended(self, now: float, broken: str | None = None) -> bool:
         """The leading caller stops reading (its reply is in, its deadline passed, or it saw
         the connection end: ``broken`` says why). Returns whether to wake the reader thread:
         when the connection broke, when other callers wait, or after a long lead (the reader
         sleeps through those). After a short lead it looks again by itself within LINGER."""
-        assert self.reading is Reading.CALLER, self
-        self.reading = Reading.NOBODY
+        assert self.reading is _CALLER, self
+        self.reading = _NOBODY
         self.last_exit = now
-        if broken is not None and self.link is Link.UP:
-            self.link = Link.BROKEN
+        if broken is not None and self.link is _UP:
+            self.link = _BROKEN
             self.broken = broken
         return broken is not None or self.waiting > 1 or now - self.lead_start > self.linger
 
@@ -171,23 +205,23 @@ class ReadElection:
     # -- the reader thread --------------------------------------------------------------------
     def connection_made(self) -> None:
         """The reader thread has a new connection (its handshake not done yet)."""
-        assert self.link is Link.DOWN and self.reading is Reading.NOBODY, self
-        self.link = Link.UP
+        assert self.link is _DOWN and self.reading is _NOBODY, self
+        self.link = _UP
 
     def reader_turn(self, now: float, ready: bool) -> ReaderTurn:
         """The reader thread asks what to do: read now, sleep (until a time, or until woken),
         or stop because a leading caller saw the connection end."""
-        assert self.reading is Reading.NOBODY or self.reading is Reading.CALLER, self
-        if self.link is Link.BROKEN:
+        assert self.reading is _NOBODY or self.reading is _CALLER, self
+        if self.link is _BROKEN:
             return ReaderTurn(ReaderDo.STOP, reason=self.broken)
-        ready = ready and self.link is Link.UP
-        if self.reading is Reading.NOBODY:
+        ready = ready and self.link is _UP
+        if self.reading is _NOBODY:
             if self.asked_by is not None and self.waiting == 1 and ready:
                 # The lone caller that asked us to step aside leads next: leave it the turn.
                 return ReaderTurn(ReaderDo.SLEEP, now + self.linger)
             resume = self.last_exit + self.linger
             if self.waiting > 1 or now >= resume or not ready:
-                self.reading = Reading.READER_POLLS
+                self.reading = _POLLS
                 return READ
             return ReaderTurn(ReaderDo.SLEEP, resume)  # a lone caller may lead again by then
         if now - self.lead_start > self.linger:
@@ -197,23 +231,23 @@ class ReadElection:
 
     def poll_returned(self) -> None:
         """The reader thread's poll() returned: it reads what came (no wake-up needed now)."""
-        assert self.reading is Reading.READER_POLLS, self
-        self.reading = Reading.READER_READS
+        assert self.reading is _POLLS, self
+        self.reading = _READS
 
     def reader_done(self) -> None:
         """The reader thread stops reading for now (the client then wakes the waiting
         callers: one that asked it to step aside leads next)."""
-        assert self.reading is Reading.READER_READS, self
-        self.reading = Reading.NOBODY
+        assert self.reading is _READS, self
+        self.reading = _NOBODY
 
     def end_connection(self) -> bool:
         """The reader thread is done with the connection. Returns False while a caller still
         reads it (wait until its lead ends, then call again); True once it is over: a request
         to step aside and a broken mark are about one connection and are forgotten."""
-        if self.reading is Reading.CALLER:
+        if self.reading is _CALLER:
             return False
-        self.reading = Reading.NOBODY
-        self.link = Link.DOWN
+        self.reading = _NOBODY
+        self.link = _DOWN
         self.asked_by = None
         self.broken = ""
         return True

@@ -12,4 +12,7 @@ cdef class _Decode:
     cdef public bint value_only, non_blocking
 
 
+cdef object _TENSOR
+
+
 cpdef object decode_fetched(object reply, object max_depth, object cuda_ipc=*)

@@ -168,6 +168,7 @@ def _limits(reply: Configured) -> BinLimits:
 
 #: The largest item a reply's buffer may decompress to (as ``wire/codec.decode_many``).
 _MAX_RAW_BYTES = 1 << 40
+_TENSOR: Any = None  # torch.Tensor, once torch is imported
 
 
 class _Decode:
@@ -191,6 +192,12 @@ class _Decode:
         return reader(fields)
 
     def __call__(self, reply: Fetched) -> Any:
+        if self.value_only and self.device is None and not reply.unchanged and \
+                len(reply.items) == 1 and type(reply.items[0]) is Item:
+            # (the common get: one item, a lone tensor, its value only, on the CPU)
+            value = decode_tensor(reply.items[0].value, _MAX_RAW_BYTES)
+            if value is not None:
+                return value if reply.kind == "value" else [value]
         res = decode_fetched(reply, self.max_depth, self._ipc)
         if moves(self.device) and not res.unchanged:
             items = to_device(res.items, self.device, non_blocking=self.non_blocking,
@@ -222,20 +229,23 @@ class Ops(StreamOps, ServiceOps, ReplayOps):
     _execute: Callable[[Command], Any]
 
     def _item(self, name: str, value: Any, tag: int | None) -> Item:
-        share = self._share_min_bytes()
-        torch = sys.modules.get("torch")
-        if (torch is not None and type(value) is torch.Tensor and tag is None
+        global _TENSOR
+        if _TENSOR is None:  # (torch is imported by whoever made a tensor, not by us)
+            torch = sys.modules.get("torch")
+            _TENSOR = torch.Tensor if torch is not None else None
+        if (type(value) is _TENSOR and tag is None
                 and (self.compress is None or value.nbytes < self.compress_min_bytes)):
             # A lone CPU tensor (the common value): encoded by wire/tensors, checked as
             # make_item checks it; anything else (or shared memory's size) goes that way.
             limits = self.limits
             enc = encode_tensor(value)
-            if (enc is not None and enc.nbytes + _FRAME_SLACK <= limits.max_frame_bytes
-                    and (share is None or enc.nbytes < share)):
-                check_bin_name(name, limits.max_name_bytes)
-                return Item(enc, None)
+            if enc is not None and enc.nbytes + _FRAME_SLACK <= limits.max_frame_bytes:
+                share = self._share_min_bytes()
+                if share is None or enc.nbytes < share:
+                    check_bin_name(name, limits.max_name_bytes)
+                    return Item(enc, None)
         return make_item(name, value, tag, self.limits, self.compress, self.compress_min_bytes,
-                         share)
+                         self._share_min_bytes())
 
     def _items(self, name: str, values: list[Any], tags: list[int | None]) -> list[Item]:
         """:meth:`_item` for a batch of appends to one bin (see :func:`make_items`)."""

@@ -3,7 +3,9 @@
 # what Cython may type.
 import cython
 
+from tensorshare.wire.frames cimport FrameDecoder
 from tensorshare.wire.protocol cimport ClientConnection
+from tensorshare.client.replies cimport ReplyReader
 
 
 @cython.final
@@ -49,6 +51,12 @@ cdef class _Listen:
     cdef public object version
 
 
+cdef object _new_ack, _set_field
+cdef dict _EXPECTS
+
+cpdef object _ack_info(object through, tuple open_ids)
+
+
 cdef class ClientSession:
     cdef public str address, name, last_loss
     cdef public object token, user, _nonce, _server_nonce, timeout, reconnect, session_id
@@ -59,15 +67,23 @@ cdef class ClientSession:
     cdef public dict calls, listeners, held
     cdef public list _deadlines, _queue, _out_shared, _finished_now
     cdef public double _last_tx, _last_rx, _held_at
+    cdef public ReplyReader _replies
 
     cpdef object op_of(self, object rid)
-    @cython.locals(c=Call)
+    @cython.locals(c=Call, cls=type)
     cpdef Call call(self, object request, str what, double now, object token=*,
                     object convert=*, object timeout=*, object extra=*)
     @cython.locals(out=list, c=Call, queue=list)
     cpdef list pop_sendable(self, double now)
     cpdef object _ack(self)
     cpdef list receive_data(self, object data, double now)
+    @cython.locals(conn=ClientConnection)
+    cpdef object get_buffer(self)
+    @cython.locals(msgs=list, i=Py_ssize_t, conn=ClientConnection, decoder=FrameDecoder)
+    cpdef list receive_read(self, bytearray data, object view, Py_ssize_t n, double now)
+    @cython.locals(reader=ReplyReader, i=Py_ssize_t, end=Py_ssize_t, start=Py_ssize_t)
+    cdef Py_ssize_t _whole_replies(self, bytearray data, Py_ssize_t n, Py_ssize_t max_header,
+                                   Py_ssize_t max_frame, list out) except -1
     cpdef list buffer_updated(self, Py_ssize_t nbytes, double now)
     @cython.locals(out=list)
     cpdef list _events(self, list msgs, double now)

@@ -66,6 +66,7 @@ from ..wire.protocol import (
     MAX_OPEN_ACKS,
     OPS,
     PROTOCOL_VERSIONS,
+    REPLY_EXPECTS,
     SESSION_ID_BYTES,
     AckInfo,
     ClientConnection,
@@ -81,6 +82,7 @@ from ..wire.records import (
     Fetched,
     Put,
 )
+from .replies import ReplyReader
 
 __all__ = [
     "Call",
@@ -266,6 +268,21 @@ def _with_id(request: Request, rid: int) -> Request:
     # (the other requests are dataclasses; mypy cannot tell them from the records above)
     return replace(request, id=rid)  # type: ignore[type-var]  # a dataclass: see above
 
+def _ack_info(through: int, open_ids: tuple[int, ...]) -> AckInfo:
+    """``AckInfo(through, open_ids)``, made as ``copy`` makes one: without the frozen
+    dataclass's ``__init__`` (a Python frame and two ``object.__setattr__`` calls, on every
+    request sent)."""
+    ack = _new_ack(AckInfo)
+    _set_field(ack, "through", through)
+    _set_field(ack, "open", open_ids)
+    return ack
+
+
+_new_ack = AckInfo.__new__
+_EXPECTS = REPLY_EXPECTS  # (typed a dict in the compiled twin)
+_set_field = object.__setattr__
+
+
 class ClientSession:
     """The state of one client, across any number of connections. Not thread-safe.
 
@@ -336,6 +353,7 @@ class ClientSession:
         # Replies the shell got and has not handed to their caller yet (see hold): kept
         # open in the acknowledgements, so that a get's items can still be given back.
         self.held: dict[int, Call] = {}
+        self._replies = ReplyReader()
 
     # -- ids and the table ------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -377,7 +395,8 @@ class ClientSession:
             raise type(self.closed)(f"cannot send {what}: {self.closed}")
         rid = self._new_id()
         request = _with_id(request, rid)
-        op = op_name(request)
+        cls = type(request)
+        op = "put" if cls is Put else op_name(request)
         answer = self.timeout if timeout is None else timeout
         waiting, wait = False, None
         if type(request) is Fetch and request.spec.wait:
@@ -387,7 +406,7 @@ class ClientSession:
         else:
             deadline = now + answer + (wait or 0.0)
         c = Call(rid, request, op, what, token, convert, answer, wait, waiting, now, deadline,
-                 extra=extra)
+                 QUEUED, 0, extra)  # (positional: the fast call)
         self.calls[rid] = c
         self._queue.append(c)
         if deadline is not None:
@@ -477,7 +496,7 @@ class ClientSession:
         last = self._last_ack
         if last is not None and through == last.through and tuple(open_ids) == last.open:
             return None  # (compared before making a new one: asked for every request sent)
-        ack = AckInfo(through, tuple(open_ids))
+        ack = _ack_info(through, tuple(open_ids) if open_ids else ())
         self._last_ack = ack
         return ack
 
@@ -652,13 +671,57 @@ class ClientSession:
 
     def get_buffer(self) -> memoryview | None:
         """Where to ``recv_into`` next, when a large message part is expected."""
-        return self.conn.get_buffer() if self.conn is not None else None
+        conn = self.conn
+        if conn is None or not conn._decoder._state:  # (no frame begun: no large part)
+            return None
+        return conn.get_buffer()
 
     def receive_data(self, data: BytesLike, now: float) -> list[Event]:
         """Feed received bytes; return what the shell must do."""
         assert self.conn is not None
         self._last_rx = now
         return self._events(self.conn.receive_data(data, self.op_of), now)
+
+    def receive_read(self, data: bytearray, view: memoryview, n: int, now: float
+                     ) -> list[Event]:
+        """Feed the ``n`` bytes just received into ``data`` (a reused buffer; ``view``: a
+        view of it), in one pass: every whole frame of the common replies read from its fixed
+        layout (see :mod:`.replies`), the rest fed to the connection's general decoder."""
+        conn = self.conn
+        assert conn is not None
+        self._last_rx = now
+        msgs: list[Any] = []
+        i = 0
+        decoder = conn._decoder
+        if not conn.fds.queue and not decoder._state and not decoder._prefix:
+            i = self._whole_replies(data, n, decoder.max_header_bytes, decoder.max_frame_bytes,
+                                    msgs)
+        if i < n:
+            msgs.extend(conn.receive_data(view[i:n], self.op_of))
+        return self._events(msgs, now)
+
+    def _whole_replies(self, data: bytearray, n: int, max_header: int, max_frame: int,
+                       out: list[Any]) -> int:
+        """Read the whole frames at the start of ``data[:n]`` that :mod:`.replies` reads,
+        into ``out``; return where the first one it does not read starts."""
+        reader = self._replies
+        i = 0
+        while True:
+            end = reader.frame_at(data, i, n, max_header, max_frame)
+            if not end:
+                return i
+            start = reader.start
+            rid = reader.reply_id(reader.h)
+            if rid is None:
+                msg = reader.notify(reader.h) if start == end else None
+            else:
+                op = self.op_of(rid)
+                msg = None if op is None else reader.reply(
+                    rid, _EXPECTS.get(op), data[start:end] if start != end else b"")
+            if msg is None:
+                return i
+            out.append(msg)
+            i = end
 
     def buffer_updated(self, nbytes: int, now: float) -> list[Event]:
         """Account for bytes received into :meth:`get_buffer`'s view."""
@@ -733,7 +796,7 @@ class ClientSession:
                 self.remove_listener(cast(Listen, c.request).bin, c.extra)
             elif type(msg) is Listening:
                 self._listening(cast(Listen, c.request).bin, msg, None, out)
-            out.append(Done(c, reply=msg))
+            out.append(Done(c, msg))  # (positional: the fast call)
             return
         self._internal_done(c, msg, out)
 

@@ -69,3 +69,24 @@ def test_a_client_holds_its_connection_and_calls_it_directly(server: EmbeddedSer
             p.append("z", 2)
         assert p.results == [1, 1] and c.peek("z") == [1, 2]  # one request, one version
     assert c.closed and conn._session.closed is not None  # the with block closed both
+
+
+def test_a_slot_makes_its_lock_only_for_a_thread_that_waits_and_wakes_it() -> None:
+    import threading
+
+    from tensorshare.client.connection import _Slot
+
+    resolved = _Slot()
+    resolved.resolve(7)
+    assert resolved.wait(0.0) and resolved.wait(None) and resolved.reply == 7  # no lock made
+    slot = _Slot()
+    assert slot.wait(0.01) is False  # nothing yet (its lock made now)
+    seen: list[bool] = []
+    waiters = [threading.Thread(target=lambda: seen.append(slot.wait(30.0))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    slot.resolve(None, ValueError("no"))
+    for t in waiters:
+        t.join(30.0)
+    assert seen == [True, True, True] and isinstance(slot.error, ValueError)
+    assert slot.wait(0.0)  # stays resolved

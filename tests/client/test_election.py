@@ -108,6 +108,43 @@ def test_while_a_caller_leads_a_second_caller_waits_on_its_slot() -> None:
     assert e.caller_turn(B, T0 + 0.001, ready=True) is Caller.LEAD  # or B, alone now
 
 
+def test_a_caller_that_finds_nobody_waiting_or_reading_leads_in_one_step() -> None:
+    e = connected()
+    assert e.lone_lead(T0, ready=True) is True
+    assert (e.reading, e.waiting) == (Reading.CALLER, 1)
+    e.caller_waits()  # another caller meanwhile: it waits on its slot (A reads its reply)
+    assert e.caller_turn(B, T0, ready=True) is Caller.WAIT_SLOT
+    assert e.lone_lead(T0, ready=True) is False  # nor can a third lead
+    assert e.lone_done(T0 + 0.0001) is True  # B still waits: wake the reader
+    assert (e.reading, e.waiting) == (Reading.NOBODY, 1)
+    assert e.caller_turn(B, T0 + 0.0001, ready=True) is Caller.LEAD  # alone now
+    assert e.lead_ended(T0 + 0.0002) is False and e.caller_done(B) is False
+    assert e.lone_lead(T0 + 0.0003, ready=True) is True
+    assert e.lone_done(T0 + 0.0004) is False  # a short lone lead: the reader is not woken
+    assert e.lone_lead(T0 + 1.0, ready=True) is True
+    assert e.lone_done(T0 + 1.1) is True  # a long one: it is
+    assert (e.reading, e.waiting) == (Reading.NOBODY, 0)
+
+
+def test_a_lone_lead_is_refused_unless_nobody_waits_or_reads_on_a_ready_connection() -> None:
+    e = ReadElection()
+    assert e.lone_lead(T0, ready=True) is False  # no connection yet
+    e.connection_made()
+    assert e.lone_lead(T0, ready=False) is False  # handshake under way
+    assert e.reader_turn(T0, ready=False) == READ  # the reader reads the handshake
+    read_once(e)
+    e.caller_waits()
+    assert e.lone_lead(T0, ready=True) is False  # someone waits already
+    e.caller_done(A)
+    assert e.reader_turn(T0 + 1.0, ready=True) == READ  # the reader polls
+    assert e.lone_lead(T0 + 1.0, ready=True) is False
+    read_once(e)
+    assert e.lone_lead(T0 + 1.0, ready=True) is True
+    assert e.lone_done(T0 + 1.0, "reset by peer") is True  # it saw the connection end
+    assert e.link is Link.BROKEN and e.waiting == 0
+    assert e.lone_lead(T0 + 1.0, ready=True) is False
+
+
 # -- the reader thread parks while a caller leads -----------------------------------------------
 def test_the_reader_looks_again_within_linger_during_a_short_lead() -> None:
     e = connected()
