@@ -11,6 +11,7 @@ A service bin is a queue of calls that hosts answer in batches. The ops, each wr
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,10 +84,13 @@ class _Decoder:
 class _DecodeAnswer(_Decoder):
     __slots__ = ()
 
-    def __call__(self, reply: Any) -> ServiceAnswerResult:
+    def value(self, reply: Any) -> Any:
+        """The answer's value, decoded (``None``: the reply carries no item)."""
         items = reply.items
-        value = decode(items[0].value, max_depth=self.max_depth) if items else None
-        return ServiceAnswerResult(value, reply.version)
+        return decode(items[0].value, max_depth=self.max_depth) if items else None
+
+    def __call__(self, reply: Any) -> ServiceAnswerResult:
+        return ServiceAnswerResult(self.value(reply), reply.version)
 
 
 class _DecodeBatch(_Decoder):
@@ -133,7 +137,12 @@ class ServiceOps(FaceNeeds):
         included), or with compression ``compress`` (see :data:`COMPRESS_CHOICES`); a
         connection that passes shared memory compresses nothing (no bytes to save)."""
         host: Any = self._host or self  # a pipeline encodes as its client
-        if check_compress(compress) == CLIENT_COMPRESS:
+        torch = sys.modules.get("torch")
+        if check_compress(compress) == CLIENT_COMPRESS or (
+                torch is not None and type(value) is torch.Tensor
+                and value.nbytes < host.compress_min_bytes):
+            # (a tensor too small for any compression: encoded as the client encodes it,
+            # whatever compress says: a lone tensor then takes the client's own fast path)
             item = self._item(name, value, None)
             if type(item) is not Item:  # a pipeline defers encoding: encode now
                 item = host._item(name, value, None)
