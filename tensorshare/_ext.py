@@ -61,6 +61,7 @@ TWINS = (
     "tensorshare.server.replay",
     "tensorshare.server.parts",
     "tensorshare.server.handlers",
+    "tensorshare.server.services",
     "tensorshare.server.connection",
     "tensorshare.client.session",
     "tensorshare.client.election",
