@@ -131,9 +131,10 @@ class InferenceCaller:
                 p.results[False, False].decode, batched, return_version,
                 self.device if moves(self.device) else None)
         rows = x.shape[0] if type(x) is torch.Tensor and x.dim() else _rows(x)
-        return Command(ServiceCall(0, self.name, shard._service_item(self.name, x, self.compress),
+        request: Any = ServiceCall(0, self.name, shard._service_item(self.name, x, self.compress),
                                    p.wait, self.wait_room if wait_room is None
-                                   else bool(wait_room), rows), p.what, result)
+                                   else bool(wait_room), rows)
+        return Command(request, p.what, result)
 
     def _prepare(self, x: Any) -> _Prepared:
         """What the calls share, checked as :meth:`ServiceOps.service_call_command` checks a
