@@ -53,6 +53,7 @@ TWINS = (
     "tensorshare.wire.tensors",
     "tensorshare.wire.frames",
     "tensorshare.wire.fields",
+    "tensorshare.wire.services",
     "tensorshare.wire.prepared",
     "tensorshare.wire.protocol",
     "tensorshare.server.store",
