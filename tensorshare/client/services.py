@@ -11,11 +11,12 @@ A service bin is a queue of calls that hosts answer in batches. The ops, each wr
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.codec import decode
+from ..wire.codec import decode, decode_many
 from ..wire.messages import Item
 from ..wire.protocol import check_bin_name
 from ..wire.services import (
@@ -83,10 +84,13 @@ class _Decoder:
 class _DecodeAnswer(_Decoder):
     __slots__ = ()
 
-    def __call__(self, reply: Any) -> ServiceAnswerResult:
+    def value(self, reply: Any) -> Any:
+        """The answer's value, decoded (``None``: the reply carries no item)."""
         items = reply.items
-        value = decode(items[0].value, max_depth=self.max_depth) if items else None
-        return ServiceAnswerResult(value, reply.version)
+        return decode(items[0].value, max_depth=self.max_depth) if items else None
+
+    def __call__(self, reply: Any) -> ServiceAnswerResult:
+        return ServiceAnswerResult(self.value(reply), reply.version)
 
 
 class _DecodeBatch(_Decoder):
@@ -96,7 +100,7 @@ class _DecodeBatch(_Decoder):
 
         items = reply.items
         with gc_paused(len(items)):
-            values = [decode(it.value, max_depth=self.max_depth) for it in items]
+            values = decode_many([it.value for it in items], max_depth=self.max_depth)
         return ServiceBatchResult(reply.batch, values, reply.rows)
 
 
@@ -133,7 +137,12 @@ class ServiceOps(FaceNeeds):
         included), or with compression ``compress`` (see :data:`COMPRESS_CHOICES`); a
         connection that passes shared memory compresses nothing (no bytes to save)."""
         host: Any = self._host or self  # a pipeline encodes as its client
-        if check_compress(compress) == CLIENT_COMPRESS:
+        torch = sys.modules.get("torch")
+        if check_compress(compress) == CLIENT_COMPRESS or (
+                torch is not None and type(value) is torch.Tensor
+                and value.nbytes < host.compress_min_bytes):
+            # (a tensor too small for any compression: encoded as the client encodes it,
+            # whatever compress says: a lone tensor then takes the client's own fast path)
             item = self._item(name, value, None)
             if type(item) is not Item:  # a pipeline defers encoding: encode now
                 item = host._item(name, value, None)
@@ -142,6 +151,19 @@ class ServiceOps(FaceNeeds):
         share = host.shm_min_bytes if getattr(host, "shared_memory", False) else None
         return make_item(name, value, None, host.limits, None if share else compress,
                          host.compress_min_bytes, share)
+
+    def _service_items(self, name: str, values: Sequence[Any], compress: str | None
+                       ) -> list[Item]:
+        """:meth:`_service_item` of each of ``values`` (a host's answers): tensors too small
+        for any compression are encoded together when they are alike (the same bytes)."""
+        host: Any = self._host or self
+        torch = sys.modules.get("torch")
+        small = host.compress_min_bytes
+        if torch is not None and len(values) > 1 and all(
+                type(v) is torch.Tensor and v.nbytes < small for v in values):
+            check_compress(compress)
+            return host._items(name, list(values), [None] * len(values))
+        return [self._service_item(name, v, compress) for v in values]
 
     def _server_wait(self, timeout: float | None) -> float:
         """How long the server may keep a request waiting: ``timeout``, at most 80% of the
@@ -256,7 +278,7 @@ class ServiceOps(FaceNeeds):
             request = ServiceReply(0, name, int(batch), None, (), version, str(error))
         else:
             assert values is not None
-            items = [self._service_item(name, v, compress) for v in values]
+            items = self._service_items(name, values, compress)
             if not items:
                 raise ValueError("service_reply needs one value per call of the batch")
             bad = tuple(sorted((int(i), str(why)) for i, why in (failed or {}).items()))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Unpack
+from typing import Any, NamedTuple, Unpack
 
 import torch
 
@@ -14,6 +13,7 @@ from ..client.options import ClientOptions, TransportFields
 from ..client.services import check_compress
 from ..client.sharded import connect
 from ..memory.device import check_device, moves, to_device, want_pinned
+from ..wire.services import ServiceCall
 
 __all__ = ["InferenceCaller", "InferenceClient"]
 
@@ -51,22 +51,34 @@ def _rows(x: Any) -> int:
 
 
 class _Result:
-    """Turns a call's reply into what predict returns (on the client's device): the service
-    call's own conversion (``decode``), then the row (or rows) asked for."""
+    """Turns a call's reply into what predict returns (on the client's device): the value the
+    service call's own conversion decodes (``decode.value``), then the row (or rows) asked
+    for."""
 
     __slots__ = ("decode", "batched", "with_version", "device")
 
-    def __init__(self, decode: Callable[[Any], Any], batched: bool, with_version: bool,
+    def __init__(self, decode: Any, batched: bool, with_version: bool,
                  device: Any = None) -> None:
         self.decode = decode
         self.batched, self.with_version, self.device = batched, with_version, device
 
     def __call__(self, reply: Any) -> Any:
-        res = self.decode(reply)
-        out = res.value if self.batched else _drop_batch_dim(res.value)
+        value = self.decode.value(reply)
+        out = value if self.batched else _drop_batch_dim(value)
         if self.device is not None:
             out = to_device(out, self.device)
-        return (out, res.version) if self.with_version else out
+        return (out, reply.version) if self.with_version else out
+
+
+class _Prepared(NamedTuple):
+    """What every call of one caller shares, checked once (see
+    :meth:`InferenceCaller._command`): the server's wait, for the client's ``timeout``, and
+    how the request is named; each ``(batched, return_version)``'s conversion."""
+
+    client_timeout: float
+    wait: float
+    what: str
+    results: dict[tuple[bool, bool], _Result]
 
 
 class InferenceCaller:
@@ -91,6 +103,7 @@ class InferenceCaller:
         self.wait_room = bool(wait_room)
         self.compress = check_compress(compress)
         self._own = own
+        self._prepared: _Prepared | None = None
 
     @property
     def client_timeout(self) -> float:
@@ -108,12 +121,31 @@ class InferenceCaller:
                 rows.
         """
         x = inputs if batched else _add_batch_dim(inputs)
-        cmd = self._shard.service_call_command(
-            self.name, x, rows=_rows(x), timeout=self.timeout,
-            wait_room=self.wait_room if wait_room is None else bool(wait_room),
-            compress=self.compress)
-        return Command(cmd.request, cmd.what, _Result(
-            cmd.convert, batched, return_version, self.device if moves(self.device) else None))
+        shard = self._shard
+        p = self._prepared
+        if p is None or p.client_timeout != shard.timeout:
+            p = self._prepare(x)
+        result = p.results.get((batched, return_version))
+        if result is None:
+            result = p.results[batched, return_version] = _Result(
+                p.results[False, False].decode, batched, return_version,
+                self.device if moves(self.device) else None)
+        rows = x.shape[0] if type(x) is torch.Tensor and x.dim() else _rows(x)
+        request: Any = ServiceCall(0, self.name, shard._service_item(self.name, x, self.compress),
+                                   p.wait, self.wait_room if wait_room is None
+                                   else bool(wait_room), rows)
+        return Command(request, p.what, result)
+
+    def _prepare(self, x: Any) -> _Prepared:
+        """What the calls share, checked as :meth:`ServiceOps.service_call_command` checks a
+        call (the name, the timeout), for the client's timeout now."""
+        shard = self._shard
+        cmd = shard.service_call_command(self.name, x, rows=_rows(x), timeout=self.timeout,
+                                         compress=self.compress)
+        p = self._prepared = _Prepared(shard.timeout, cmd.request.timeout, cmd.what, {
+            (False, False): _Result(cmd.convert, False, False,
+                                    self.device if moves(self.device) else None)})
+        return p
 
 
 class InferenceClient(InferenceCaller, Closing):

@@ -78,6 +78,28 @@ def _input_problem(value: Any, rows: int) -> str | None:
     return None
 
 
+def _groups(values: list[Any], rows: list[int], failed: dict[int, str]) -> list[list[int]]:
+    """The calls of a batch in groups that stack (one signature each), in order; a call
+    whose input cannot be stacked goes to ``failed`` with why."""
+    first = values[0] if values else None
+    if type(first) is torch.Tensor and first.dim():  # the common batch: alike tensors
+        dtype, shape = first.dtype, first.shape
+        n = shape[0]
+        if all(type(v) is torch.Tensor and v.dtype is dtype and v.shape == shape
+               for v in values) and all(r == n for r in rows):
+            return [list(range(len(values)))]
+    groups: dict[Any, list[int]] = {}
+    for i, v in enumerate(values):
+        sig = _signature(v)
+        problem = _input_problem(v, rows[i]) if sig is not None else \
+            f"{_EXPECTED} (rows={rows[i]}), not {_describe(v)}"
+        if problem is not None:
+            failed[i] = problem
+            continue
+        groups.setdefault(sig, []).append(i)
+    return list(groups.values())
+
+
 def stack_inputs(values: list[Any], device: torch.device | None = None) -> Any:
     """One batch from inputs of one signature: tensors concatenated along the batch
     dimension (per key of a dict), on ``device``. For a CUDA device, the parts are
@@ -348,16 +370,7 @@ class InferenceHost:
             values, rows = batch.values, list(batch.rows)
             outs: list[Any] = [None] * len(values)
             failed: dict[int, str] = {}
-            groups: dict[Any, list[int]] = {}
-            for i, v in enumerate(values):
-                sig = _signature(v)
-                problem = _input_problem(v, rows[i]) if sig is not None else \
-                    f"{_EXPECTED} (rows={rows[i]}), not {_describe(v)}"
-                if problem is not None:
-                    failed[i] = problem
-                    continue
-                groups.setdefault(sig, []).append(i)
-            for idx in groups.values():
+            for idx in _groups(values, rows, failed):
                 self._run_isolating(values, rows, idx, outs, failed)
             with self._count_lock:
                 self._counts[0] += 1

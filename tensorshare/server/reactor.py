@@ -27,6 +27,7 @@ import errno
 import functools
 import socket
 import sys
+from collections.abc import Callable
 from select import EPOLLIN
 from typing import Any
 
@@ -50,6 +51,22 @@ class LeanEPollReactor(EPollReactor):
     """An epoll reactor whose plain read events on tensorshare's transports skip Twisted's
     per-event log context (see the module docstring)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_poll = False  # handling the events of one poll (see after_poll)
+        self._after: list[Callable[[], None]] = []
+
+    def after_poll(self, work: Callable[[], None]) -> bool:
+        """Run ``work`` once every event of the poll being handled now is handled, before
+        the reactor polls again (no timer, no other turn of the reactor in between): a
+        service's calls read from many connections in one poll go to its host as one
+        batch. Returns ``False``, keeping nothing, outside the handling of a poll's events
+        (the caller then does its work at once)."""
+        if not self._in_poll:
+            return False
+        self._after.append(work)
+        return True
+
     def doPoll(self, timeout: float | None) -> None:  # noqa: N802 (Twisted's name)
         if timeout is None:
             timeout = -1  # wait indefinitely
@@ -60,14 +77,29 @@ class LeanEPollReactor(EPollReactor):
                 return
             raise
         selectables = self._selectables
-        for fd, event in events:
-            selectable = selectables.get(fd)
-            if selectable is None:
-                continue
-            if event == EPOLLIN and type(selectable) in _LEAN_TYPES:
-                self._lean_read(selectable)
-            else:
-                log.callWithLogger(selectable, self._doReadOrWrite, selectable, fd, event)
+        self._in_poll = True
+        try:
+            for fd, event in events:
+                selectable = selectables.get(fd)
+                if selectable is None:
+                    continue
+                if event == EPOLLIN and type(selectable) in _LEAN_TYPES:
+                    self._lean_read(selectable)
+                else:
+                    log.callWithLogger(selectable, self._doReadOrWrite, selectable, fd, event)
+        finally:
+            self._in_poll = False
+            if self._after:
+                self._run_after()
+
+    def _run_after(self) -> None:
+        """The work :meth:`after_poll` kept, in order (a failure is logged, the rest runs)."""
+        after, self._after = self._after, []
+        for work in after:
+            try:
+                work()
+            except Exception:  # application code: logged, the reactor goes on
+                log.err()
 
     doIteration = doPoll
 

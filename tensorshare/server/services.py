@@ -230,6 +230,7 @@ class ServiceKind:
         self._cost = 0
         self._batch_ids = itertools.count(1)
         self._idle: dict[str, None] = {}  # idle services, the longest idle first
+        self._pending: dict[str, Service] = {}  # services pumped at the poll's end
 
     def handlers(self) -> dict[type, Handler]:
         return {ServiceCall: self._call, ServiceTake: self._take, ServiceReply: self._reply}
@@ -318,7 +319,29 @@ class ServiceKind:
         self._owned.setdefault(owner, {})[msg.id] = c
         svc.calls += 1
         (svc.room if full else svc.queue).append(c)
-        self._pump(svc)
+        if not (svc.takes and self._after_poll(svc)):
+            self._pump(svc)
+
+    def _after_poll(self, svc: Service) -> bool:
+        """A call came while a host's take waits: it goes to the host once every event of
+        the reactor's poll being handled is handled, with every call read in that poll
+        (from any connection), as one batch; ``False`` where the reactor keeps no work for
+        the end of its poll (the call goes at once, as alone)."""
+        self._recount(svc)
+        pending = self._pending
+        if not pending:
+            after = getattr(self.server.reactor, "after_poll", None)
+            if after is None or not after(self._pump_pending):
+                return False
+        pending[svc.name] = svc
+        return True
+
+    def _pump_pending(self) -> None:
+        """The end of a poll: the services whose calls waited for it give their batches."""
+        pending, self._pending = self._pending, {}
+        for svc in pending.values():
+            if self.services.get(svc.name) is svc:
+                self._pump(svc)
 
     def _attach(self, c: _Call, conn: Conn, msg: ServiceCall) -> None:
         """Make ``conn`` the connection that gets the call's answer."""

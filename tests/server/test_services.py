@@ -439,6 +439,36 @@ def test_a_call_that_finds_a_take_waiting_goes_to_its_host_in_the_pass_that_read
     assert clock.seconds() == 0.0
 
 
+def test_calls_read_in_one_poll_go_to_a_waiting_host_as_one_batch(server: EmbeddedServer) -> None:
+    # Three callers' calls wait in their sockets while the reactor is busy; the poll that
+    # reads them all hands them to the host's waiting take together (without the end of
+    # the poll to wait for, the first call read would go alone).
+    with Client("127.0.0.1", server.port, timeout=DEADLINE) as host:
+        callers = [Client("127.0.0.1", server.port, timeout=DEADLINE) for _ in range(3)]
+        try:
+            take = host._submit_future(host.service_take_command("svc", max_batch=8,
+                                                                 max_wait_ms=0))
+            wait_until(lambda: _service(host, "svc").get("waiters") == 1, DEADLINE)
+            gate, busy = threading.Event(), threading.Event()
+
+            def hold() -> None:  # (in the reactor's thread: nothing is read meanwhile)
+                busy.set()
+                gate.wait(DEADLINE)
+
+            server.reactor.callFromThread(hold)
+            assert busy.wait(DEADLINE)
+            calls = [_calls(c, "svc", [torch.tensor([float(i)])])[0]
+                     for i, c in enumerate(callers)]  # each sent before it returns
+            gate.set()
+            batch = take.result(DEADLINE)
+            assert sorted(v.item() for v in batch.values) == [0.0, 1.0, 2.0]
+            assert host.service_reply("svc", batch.batch, [v * 2 for v in batch.values])
+            assert sorted(f.result(DEADLINE).value.item() for f in calls) == [0.0, 2.0, 4.0]
+        finally:
+            for c in callers:
+                c.close()
+
+
 @pytest.mark.parametrize("max_wait_ms", [0.0, 2.0])
 def test_a_host_back_from_a_batch_takes_what_queued_meanwhile_in_the_write_of_its_ack(
         max_wait_ms: float) -> None:
