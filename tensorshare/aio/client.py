@@ -32,7 +32,7 @@ from typing import Any, Unpack
 
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
-from ..client.facts import SessionEvents, SessionFacts
+from ..client.facts import SessionEvents, SessionFacts, connect_failed, dropped, reconnected
 from ..client.failover import PrimaryChoice, located
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
@@ -358,13 +358,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(self)
         else:
-            away = self._loop_now().time() - self._lost_at if self._lost_at is not None \
-                else 0.0
-            self._lost_at = None
-            how = "session resumed" if ev.resumed else \
-                "new session: the server did not know ours"
-            log.warning("reconnected to tensorshare server at %s after %.1f s (%s)",
-                        self.address, away, how)
+            reconnected(self, ev, self._loop_now().time(), log)
         self._flush_soon()
         self._reschedule()
 
@@ -528,15 +522,8 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
                 reason = await asyncio.shield(proto.done)
                 if self._closing or session.closed is not None:
                     break
-                if session.server is None and loop.time() - start >= self.timeout:
-                    self._end(ConnectError(
-                        f"cannot connect to tensorshare server at {self.address}: no "
-                        f"handshake within {self.timeout:g} s (last: {reason})"))
+                if not dropped(self, session, loop.time() - start, loop.time(), reason, log):
                     break
-                if self._lost_at is None:
-                    self._lost_at = loop.time()
-                    log.warning("lost connection to tensorshare server at %s (%s); "
-                                "reconnecting", self.address, reason)
                 await self._backoff()
         except Exception:  # never leave callers waiting
             log.exception("the connection task of the tensorshare client for %s failed",
@@ -606,24 +593,8 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         raise error
 
     def _connect_failed(self, exc: OSError, start: float) -> bool:
-        """An attempt failed: whether to try again (else the session is closed)."""
-        session, now = self._session, self._loop_now().time()
-        if session.server is None:  # never connected yet
-            if not self.reconnect or now - start >= self.timeout:
-                self._end(ConnectError(
-                    f"cannot connect to tensorshare server at {self.address}: "
-                    f"{exc or type(exc).__name__}"))
-                return False
-        elif session.give_up_due(now):
-            since = session.disconnected_since or now
-            self._end(ConnectionLost(
-                f"the tensorshare server at {self.address} has been unreachable for "
-                f"{now - since:.1f} s ({session.last_loss}); gave up (reconnect="
-                f"{self.reconnect:g})"))
-            log.warning("gave up reconnecting to tensorshare server at %s", self.address)
-            return False
-        session.last_loss = f"cannot connect: {exc or type(exc).__name__}"
-        return True
+        """An attempt failed: whether to try again (see :func:`.facts.connect_failed`)."""
+        return connect_failed(self, self._session, exc, start, self._loop_now().time(), log)
 
     def _connection_made(self, proto: AioProtocol) -> None:
         if self._closing or self._session.closed is not None:

@@ -52,6 +52,7 @@ from ..wire.records import ErrorReply
 from .command import Command, gc_paused
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
 from .endpoint import Endpoint
+from .facts import connect_failed, dropped, reconnected
 from .options import ClientOptions
 from .session import Call, Done, Drop, Notify, Ready, Send
 
@@ -610,16 +611,9 @@ class Connection:
                 self._connection_ended(sock, reason)
                 if self._closing or self._leaving or session.closed is not None:
                     break
-                if session.server is None and time.monotonic() - start >= self.timeout:
-                    # The first connection kept dropping mid-handshake until the timeout.
-                    self._end(ConnectError(
-                        f"cannot connect to tensorshare server at {self.address}: no "
-                        f"handshake within {self.timeout:g} s (last: {reason})"))
+                now = time.monotonic()
+                if not dropped(self, session, now - start, now, reason, log):
                     break
-                if self._lost_at is None:
-                    self._lost_at = time.monotonic()
-                    log.warning("lost connection to tensorshare server at %s (%s); "
-                                "reconnecting", self.address, reason)
                 self._sleep(session.backoff(self._attempt))
                 self._attempt += 1
         except BaseException:  # never leave callers waiting
@@ -638,19 +632,10 @@ class Connection:
 
     def _connect_failed(self, exc: OSError, start: float) -> bool:
         """A connection attempt failed: wait before the next one and say True, or end the
-        session (never connected within the timeout, or the give-up time passed) and say
-        False."""
-        session, now = self._session, time.monotonic()
-        if session.server is None:  # never connected yet
-            if not self.reconnect or now - start >= self.timeout:
-                self._end(ConnectError(
-                    f"cannot connect to tensorshare server at {self.address}: {exc}"))
-                return False
-        elif session.give_up_due(now):
-            self._give_up(now)
+        session (see :func:`.facts.connect_failed`) and say False."""
+        if not connect_failed(self, self._session, exc, start, time.monotonic(), log):
             return False
-        session.last_loss = f"cannot connect: {exc}"
-        self._sleep(session.backoff(self._attempt))
+        self._sleep(self._session.backoff(self._attempt))
         self._attempt += 1
         return True
 
@@ -663,17 +648,6 @@ class Connection:
             events = self._session.connection_lost(reason, time.monotonic())
         _close_socket(sock)
         self._process(events)
-
-    def _give_up(self, now: float) -> None:
-        session = self._session
-        since = session.disconnected_since or now
-        with self._lock:
-            events = session.close(ConnectionLost(
-                f"the tensorshare server at {self.address} has been unreachable for "
-                f"{now - since:.1f} s ({session.last_loss}); gave up (reconnect="
-                f"{self.reconnect:g})"))
-        self._process(events)
-        log.warning("gave up reconnecting to tensorshare server at %s", self.address)
 
     def _sleep(self, seconds: float) -> None:
         """Wait before the next connection attempt, expiring calls meanwhile."""
@@ -922,12 +896,7 @@ class Connection:
         if ev.first:
             self._ready.set()
         else:
-            away = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
-            self._lost_at = None
-            how = "session resumed" if ev.resumed else \
-                "new session: the server did not know ours"
-            log.warning("reconnected to tensorshare server at %s after %.1f s (%s)",
-                        self.address, away, how)
+            reconnected(self, ev, time.monotonic(), log)
         self._flush_soon()
 
     def _start_dispatcher(self) -> None:

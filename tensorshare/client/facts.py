@@ -4,16 +4,79 @@ handshake and whether the client is connected or closed, read from its sans-I/O
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import ConnectError, ConnectionLost, TensorShareError
 from .session import Done, Drop, Notify, Ready, Send
 
 if TYPE_CHECKING:
     from ..wire.messages import Limits
     from .session import ClientSession
 
-__all__ = ["SessionEvents", "SessionFacts"]
+__all__ = ["SessionEvents", "SessionFacts", "connect_failed", "dropped", "reconnected"]
+
+
+class _Reconnecting(Protocol):
+    """What :func:`dropped` reads and sets of a face's connection."""
+
+    address: str
+    timeout: float
+    reconnect: bool | float
+    _lost_at: float | None
+
+    def _end(self, error: TensorShareError) -> None: ...
+
+
+def connect_failed(face: _Reconnecting, session: ClientSession, exc: OSError, start: float,
+                   now: float, log: logging.Logger) -> bool:
+    """A face's connection attempt failed (``start``: its first try): ``False`` when it gives
+    up (never connected within its timeout: ``ConnectError``; unreachable past its
+    ``reconnect`` time: ``ConnectionLost``; the session is ended with it), else ``True`` (it
+    waits, then tries again)."""
+    what = exc or type(exc).__name__
+    if session.server is None:  # never connected yet
+        if not face.reconnect or now - start >= face.timeout:
+            face._end(ConnectError(f"cannot connect to tensorshare server at {face.address}: "
+                                   f"{what}"))
+            return False
+    elif session.give_up_due(now):
+        since = session.disconnected_since or now
+        face._end(ConnectionLost(
+            f"the tensorshare server at {face.address} has been unreachable for "
+            f"{now - since:.1f} s ({session.last_loss}); gave up (reconnect={face.reconnect:g})"))
+        log.warning("gave up reconnecting to tensorshare server at %s", face.address)
+        return False
+    session.last_loss = f"cannot connect: {what}"
+    return True
+
+
+def dropped(face: _Reconnecting, session: ClientSession, elapsed: float, now: float,
+            reason: object, log: logging.Logger) -> bool:
+    """A face's connection ended (``elapsed`` seconds after its first try): ``False`` when
+    it gives up (its first connection kept dropping mid-handshake until its timeout: it
+    ends with ``ConnectError``), else ``True`` (it reconnects; the outage's start is noted
+    and logged once)."""
+    if session.server is None and elapsed >= face.timeout:
+        face._end(ConnectError(
+            f"cannot connect to tensorshare server at {face.address}: no handshake within "
+            f"{face.timeout:g} s (last: {reason})"))
+        return False
+    if face._lost_at is None:
+        face._lost_at = now
+        log.warning("lost connection to tensorshare server at %s (%s); reconnecting",
+                    face.address, reason)
+    return True
+
+
+def reconnected(face: _Reconnecting, ev: Ready, now: float, log: logging.Logger) -> None:
+    """A face connected again (``ev``: not its first handshake): the outage ends, logged."""
+    away = now - face._lost_at if face._lost_at is not None else 0.0
+    face._lost_at = None
+    how = "session resumed" if ev.resumed else "new session: the server did not know ours"
+    log.warning("reconnected to tensorshare server at %s after %.1f s (%s)", face.address,
+                away, how)
 
 
 class SessionFacts:
