@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -371,13 +372,29 @@ def _ape_x_seconds(actors: int) -> float:
     return float(m.group(1))
 
 
+CORES = len(os.sched_getaffinity(0))
+
+
 @needs_gymnasium
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_ape_x_with_two_actors_learns_to_the_target() -> None:
+    # (On any machine: the learner reaches the target return from what two actors insert;
+    # how much sooner than one actor is the scaling check below, where there are cores.)
+    assert _ape_x_seconds(2) <= 400
+
+
+@needs_gymnasium
+@pytest.mark.skipif(CORES < 4, reason=(
+    f"scaling needs a core for each of the learner, the two actors and the server; this "
+    f"machine has {CORES}, where one actor and the learner already fill them (1 and 2 actors "
+    f"insert at the same rate, and the time to the target is luck)"))
 @pytest.mark.long
 @pytest.mark.alone  # (wall time: nothing else running beside it)
 @pytest.mark.timeout(1800)
 def test_ape_x_with_two_actors_reaches_the_target_sooner_than_with_one() -> None:
-    # The better of two runs each (interleaved): one run's wall time on a small machine
-    # swings with how the processes happen to share its cores.
-    runs = [(_ape_x_seconds(1), _ape_x_seconds(2)) for _ in range(2)]
-    one, two = min(r[0] for r in runs), min(r[1] for r in runs)
+    # The median of three runs each (interleaved): one run's time to the target swings by
+    # 2x with how an early network happens to do and how the processes share the cores.
+    runs = [(_ape_x_seconds(1), _ape_x_seconds(2)) for _ in range(3)]
+    one, two = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
     assert two < one, runs
