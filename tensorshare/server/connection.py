@@ -293,7 +293,8 @@ class Connection:
             started = self.started.pop(rid, None)
             if started is not None:
                 self._stats.observe(route.op, nbytes, time.perf_counter() - started)
-        self.emit(chunks, shared, hold=mutating)
+        # (a refusal changed nothing: it waits for neither the data log nor the replicas)
+        self.emit(chunks, shared, hold=mutating and cls is not ErrorReply)
 
     def then(self, work: Callable[[], None]) -> None:
         """Run ``work`` once the request being handled now is answered (or, its handler

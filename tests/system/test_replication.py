@@ -649,3 +649,23 @@ def _attempt(call: Callable[[], Any]) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001 (the test reports it)
         return exc
     return None
+
+
+def test_a_write_short_of_replicas_is_refused_at_once_after_a_replica_left(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """Once a replica has been and gone, the primary has an in-memory log and holds its
+    write replies for the replicas; a refusal (nothing applied) is not held with them: it
+    comes at once, long before --replica-timeout, with the refusal's own words."""
+    primary = procs("--min-replicas", "1", "--replica-timeout", "60")
+    replica = procs("--replica-of", f"{HOST}:{primary.port}")
+    c = clients(primary.port, timeout=10.0)
+    wait_until(lambda: [x["live"] for x in repl(c)["replicas"]] == [True], TIMEOUT,
+               "the replica in sync")
+    c.put("kept", 1)
+    replica.kill()
+    wait_until(lambda: not any(x["live"] for x in repl(c)["replicas"]), TIMEOUT,
+               "no replica in sync")
+    with pytest.raises(NotEnoughReplicas, match="nothing was applied"):
+        c.put("refused", 2)  # (held, it would time out in the client first: ReplyTimeout)
+    assert "refused" not in c.list()
+    assert c.peek("kept") == 1
