@@ -6,11 +6,12 @@ A kind (:class:`~.parts.Kind`) brings its own requests (their handlers join the 
 table, each returning its reply), keeps its own bookkeeping keyed by connection and session,
 owns the names of its bins (a name is of one kind at a time), and describes its bins for the
 stats. :func:`claim_name` and :func:`check_memory` are the checks every kind makes before it
-takes a new bin or more memory.
+takes a new bin or more memory; :class:`Rates` counts a bin's ops for the rates its stats show.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest, MemoryLimitExceeded
@@ -18,7 +19,41 @@ from ..errors import InvalidRequest, MemoryLimitExceeded
 if TYPE_CHECKING:
     from .parts import Kind, Server
 
-__all__ = ["check_memory", "claim_name"]
+__all__ = ["RATE_WINDOW", "Rates", "check_memory", "claim_name"]
+
+#: Seconds over which a kind's rates (``inserts_per_s``, ``calls_per_s``, ...) are measured.
+RATE_WINDOW = 10.0
+
+
+class Rates:
+    """Counts of a bin's ops (several kinds of op side by side) per second over the last
+    :data:`RATE_WINDOW` seconds: one entry per second, so it holds at most
+    ``RATE_WINDOW + 1`` entries however fast the ops come."""
+
+    __slots__ = ("_recent", "_width")
+
+    def __init__(self, width: int) -> None:
+        self._recent: deque[list[float]] = deque()  # [second, count, count, ...]
+        self._width = width
+
+    def count(self, now: float, *counts: int) -> None:
+        """Count ops that happened at ``now`` (one count per kind of op)."""
+        second = float(int(now))
+        recent = self._recent
+        if recent and recent[-1][0] == second:
+            row = recent[-1]
+            for i, n in enumerate(counts, 1):
+                row[i] += n
+        else:
+            recent.append([second, *counts])
+        while recent and recent[0][0] < now - RATE_WINDOW:
+            recent.popleft()
+
+    def per_second(self, now: float) -> list[float]:
+        """Each kind of op's rate over the last :data:`RATE_WINDOW` seconds, per second."""
+        self.count(now, *([0] * self._width))
+        return [round(sum(r[i] for r in self._recent) / RATE_WINDOW, 1)
+                for i in range(1, self._width + 1)]
 
 
 def claim_name(kind: Kind, server: Server, name: str) -> None:
