@@ -3,8 +3,8 @@
 import cython
 
 from tensorshare.wire.fields cimport Fds, check_bin, read_items
-from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_notify
-from tensorshare.wire.prepared cimport read_reply, read_request
+from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_request
+from tensorshare.wire.replies cimport ReplyReader
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 
@@ -39,10 +39,11 @@ cdef class ServerConnection(_Side):
 cdef class ClientConnection(_Side):
     cdef public object limits
     cdef public bint shm
+    cdef ReplyReader _replies
 
     @cython.locals(out=list, frame=object)
     cdef list _parse(self, list frames, object error, object op_of)
-    @cython.locals(h=dict)
+    @cython.locals(h=dict, header=bytes, reader=ReplyReader, op=object)
     cdef object _parse_frame(self, object frame, object op_of)
 
 
