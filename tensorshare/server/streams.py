@@ -25,7 +25,13 @@ everything before it) and gets the items of one epoch from there, never across a
 :class:`Stream` is the bookkeeping of one stream, a pure data structure (the time is passed
 in; no connections, no timers) tested on its own; :class:`StreamKind` is the server's kind of
 bin over it: handlers, waiting requests, the one timer for leases and stalls, statistics.
-Streams live in memory only (they are not in the data log).
+
+With a data directory, or while a replica follows this server, every change of a stream is a
+record of the data log and every stream is in the snapshots and full copies
+(:mod:`.streamlog`): a restarted server has its streams back, and a replica holds its
+primary's (it refuses their ops, ``read_only_replica``, until it is promoted; then the
+members' leases run from the promotion, and a client that resumes its session carries on).
+Without either, nothing of the kind is built: no record costs an append anything.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from ..errors import (
 )
 from ..wire import codec
 from ..wire.messages import Acked, ErrorReply
-from ..wire.protocol import item_wire_size
+from ..wire.protocol import item_wire_size, items_header
 from ..wire.streams import (
     ProducerGone,
     StreamAppend,
@@ -827,6 +833,10 @@ class _Gone:
         return f"<gone client at {self.peer}>"
 
 
+#: ``_try_read``'s ``at`` for a read that was waiting (it acknowledged nothing now).
+_NO_ACK = object()
+
+
 @dataclass(eq=False, slots=True)
 class _Waiting:
     """A stream request waiting on the server (a held append or end, a waiting read).
@@ -895,6 +905,93 @@ class StreamKind:
     def nbytes(self) -> int:
         """What every stream costs (asked on every write: kept, never summed)."""
         return self._cost
+
+    # -- the data log (see .streamlog) ------------------------------------------------------
+    def persisted(self, p: Any) -> None:
+        """The server keeps a data log ``p`` (a data directory, or a replica's record stream):
+        streams are in it (called before it loads)."""
+        from .streamlog import StreamLog
+
+        StreamLog(self, self.server.config.limits.max_depth).register(p)
+
+    @property
+    def _following(self) -> bool:
+        repl = getattr(self.server, "replication", None)  # (a test's bare server has none)
+        return repl is not None and repl.role == "replica"
+
+    def _logs(self) -> Any:
+        """The data log to write a change to: ``None`` without one (no record is built), and
+        on a replica (its records are its primary's)."""
+        p = self.server.persist
+        return None if p is None or self._following else p
+
+    def _log(self, header: dict[str, Any], conn: Conn | None = None, msg: Any = None,
+             buffers: list[Any] | None = None) -> None:
+        p = self._logs()
+        if p is None:
+            return
+        if conn is not None:
+            ctx = conn.ctx(msg)
+            if ctx is not None:
+                header["s"], header["id"] = ctx
+        p.add(header, buffers)
+
+    def _log_state(self, st: Stream, conn: Conn | None = None, msg: Any = None,
+                   reply: Any = None) -> None:
+        """A change of ``st`` other than an append or a read: its whole bookkeeping (with the
+        reply of the request that made it, remembered again where it is replayed)."""
+        if self._logs() is None:
+            return
+        from .streamlog import REPLY_OPS, reply_fields, state_of
+
+        h: dict[str, Any] = {"op": "stream_state", "bin": st.name, "state": state_of(st)}
+        if reply is not None and conn is not None and conn.session is not None:
+            h["req_op"], h["reply"] = REPLY_OPS[type(reply)], reply_fields(reply)
+        self._log(h, conn, msg)
+
+    def _log_read(self, st: Stream, w: _Waiting, at: Any, res: StreamItems | None) -> None:
+        if self._logs() is None:
+            return
+        msg: StreamRead = w.msg
+        h: dict[str, Any] = {"op": "stream_read", "bin": st.name, "consumer": msg.consumer,
+                             "at": at}
+        if res is not None:
+            h.update(read=True, pos=w.pos, max_items=msg.max_items,
+                     max_bytes=self.server.max_reply_bytes, next=res.next)
+        self._log(h, w.conn, msg)
+
+    def adopt(self, st: Stream) -> Stream:
+        """Take a stream read back from the data log (or a replica's full copy)."""
+        st.version = max(st.version, self._versions.pop(st.name, 0))
+        self.streams[st.name] = st
+        return st
+
+    def followed(self, st: Stream, op: str | None) -> None:
+        """A record of the data log changed ``st`` (a restart's replay, or a replica following
+        its primary): its cost and owners kept, its listeners told."""
+        self._recount(st)
+        for m in st.members():
+            if isinstance(m.owner, bytes):
+                self._by_owner.setdefault(m.owner, set()).add(st.name)
+        if op is not None:
+            st.version += 1
+        self.server.changed(st.name, op or "put", st.n_items, st.version, 0)
+
+    def took_over(self) -> None:
+        """This server serves the streams it read back (a restart, or a promotion): every
+        member's lease runs from now (a client that resumes its session carries on), and
+        the streams' timers start."""
+        if self._following:
+            return
+        now = self._now()
+        for st in list(self.streams.values()):
+            for m in st.members():
+                if m.state == "live":
+                    m.state = "away"
+                if m.state == "away":
+                    m.seen = now
+            st.due = None
+            self._after(st, [])
 
     # -- helpers ----------------------------------------------------------------------------
     def _now(self) -> float:
@@ -976,6 +1073,7 @@ class StreamKind:
             st.consumers = {n: c for n, c in st.consumers.items()
                             if c.acked is None or c.acked < st.head}
             self._kept[st.name] = None
+            self._log_state(st)
             while len(self._kept) > MAX_FINISHED_STREAMS:
                 old = self.streams.get(self._kept.popitem(last=False)[0])
                 if old is not None and old is not st:
@@ -987,7 +1085,9 @@ class StreamKind:
         st.changed_at = self._now()
         self.server.changed(st.name, op, st.n_items, st.version, n)
 
-    def _remove(self, st: Stream) -> None:
+    def _remove(self, st: Stream, logged: bool = True) -> None:
+        if logged:
+            self._log({"op": "stream_remove", "bin": st.name})
         del self.streams[st.name]
         self._kept.pop(st.name, None)
         self._cost -= st.counted
@@ -1039,8 +1139,10 @@ class StreamKind:
             self._after(st, [])
             raise
         self._then_after(conn, st, events)
-        return StreamOpened(msg.id, reply.epoch, reply.head, reply.sent, reply.consumers,
-                            reply.broken, reply.aborted)
+        opened = StreamOpened(msg.id, reply.epoch, reply.head, reply.sent, reply.consumers,
+                              reply.broken, reply.aborted)
+        self._log_state(st, conn, msg, opened)
+        return opened
 
     def _append(self, conn: Conn, msg: StreamAppend) -> StreamAppended | None:
         st = self._stream(msg.bin, False)
@@ -1074,6 +1176,12 @@ class StreamKind:
             usage.check_room(nbytes, f"an append of {nbytes} bytes to stream {st.name!r}")
         check_memory(self.server, nbytes, f"an append to stream {st.name!r}", "stored")
         pos = st.append(msg.producer, w.entries, self._now())
+        if self._logs() is not None:
+            buffers: list[Any] = []
+            self._log({"op": "stream_append", "bin": st.name, "producer": msg.producer,
+                       "position": pos, "samples": [n for _, _, n in w.entries],
+                       "items": items_header([e[0] for e in w.entries], buffers)},
+                      w.conn, msg, buffers)
         self._recount(st)
         if usage is not None:
             st.charge(pos, len(w.entries), usage)
@@ -1108,7 +1216,9 @@ class StreamKind:
             return None
         reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now)
         self._then_after(conn, st, events)
-        return StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
+        ended = StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
+        self._log_state(st, conn, msg, ended)
+        return ended
 
     # -- consumers --------------------------------------------------------------------------
     def _join(self, conn: Conn, msg: StreamJoin) -> StreamJoined:
@@ -1131,8 +1241,10 @@ class StreamKind:
             self._after(st, [])
             raise
         self._then_after(conn, st, events)
-        return StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
-                            reply.epoch_samples, reply.head, reply.resumed, reply.finished)
+        joined = StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
+                              reply.epoch_samples, reply.head, reply.resumed, reply.finished)
+        self._log_state(st, conn, msg, joined)
+        return joined
 
     def _read(self, conn: Conn, msg: StreamRead) -> AnyReply | None:
         st = self._stream(msg.bin, False)
@@ -1150,7 +1262,7 @@ class StreamKind:
                 # and resent): the new one takes over.
                 self._error(other, InvalidRequest(f"a newer read of consumer "
                                                   f"{msg.consumer!r} took over"))
-        got = self._try_read(st, w)
+        got = self._try_read(st, w, msg.at)
         reply: AnyReply | None = None
         after: list[Event] = []
         if got is not None:
@@ -1166,17 +1278,24 @@ class StreamKind:
         self._then_after(conn, st, after)
         return reply
 
-    def _try_read(self, st: Stream, w: _Waiting) -> tuple[AnyReply, int] | None:
+    def _try_read(self, st: Stream, w: _Waiting, at: Any = _NO_ACK
+                  ) -> tuple[AnyReply, int] | None:
         """What a read gets now (its items, or an error), with the items it missed (freed
-        before it came: notified as ``lag``); ``None``: nothing to read yet."""
+        before it came: notified as ``lag``); ``None``: nothing to read yet. Logged (with
+        the position ``at`` it acknowledged first, given by a request just received)."""
         msg: StreamRead = w.msg
         try:
             res = st.read(msg.consumer, w.pos, msg.max_items, self.server.max_reply_bytes,
                           self._now())
         except ServerError as exc:
-            return ErrorReply(msg.id, code_for(exc), str(exc)), 0
-        if res is None:
-            return None
+            res = None
+            got: tuple[AnyReply, int] | None = (ErrorReply(msg.id, code_for(exc), str(exc)), 0)
+        else:
+            got = None
+        if res is not None or at is not _NO_ACK:
+            self._log_read(st, w, None if at is _NO_ACK else at, res)
+        if got is not None or res is None:
+            return got
         return StreamItems(msg.id, res.items, res.first, res.next, res.epoch, res.offset,
                            res.epoch_samples, res.end, res.aborted, res.missed,
                            res.finished), res.missed
@@ -1195,6 +1314,8 @@ class StreamKind:
             for w in self._reads.get(st.name, ()):
                 if w.active and w.msg.consumer == msg.consumer:
                     self._error(w, InvalidRequest(f"consumer {msg.consumer!r} left"))
+            if was:
+                self._log_state(st)
             self._then_after(conn, st, [("leave", 0)] if was else [])
         return Acked(msg.id, was)
 
@@ -1248,8 +1369,9 @@ class StreamKind:
                     return False
                 reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last,
                                        self._now())
-                self._answer(w, StreamEnded(msg.id, reply.epoch, reply.complete,
-                                            reply.finished))
+                ended = StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
+                self._log_state(st, w.conn, msg, ended)
+                self._answer(w, ended)
                 for op, n in events:
                     self._notify(st, op, n)
                 return True
@@ -1318,10 +1440,15 @@ class StreamKind:
                 due.append(entry[2])
         for st in due:
             if self.streams.get(st.name) is st:
-                self._after(st, st.check(now, self._heard))
+                events = st.check(now, self._heard)
+                if events:
+                    self._log_state(st)
+                self._after(st, events)
         self._arm()
 
     def connection_lost(self, conn: Conn) -> None:
+        if self._following:  # (a replica's streams change by its primary's records only)
+            return
         now = self._now()
         owner = self._owner(conn)
         names = self._by_owner.get(owner, set())
@@ -1340,12 +1467,15 @@ class StreamKind:
                 self._track(st)
 
     def session_ended(self, sid: bytes) -> None:
+        if self._following:
+            return
         now = self._now()
         for name in self._by_owner.pop(sid, ()):
             st = self.streams.get(name)
             if st is not None:
                 events = st.ended(sid, now)
                 if events:
+                    self._log_state(st)
                     self._after(st, events)
 
     # -- statistics -------------------------------------------------------------------------
