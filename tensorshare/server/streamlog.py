@@ -321,7 +321,7 @@ class StreamLog:
                                  f"{None if res is None else res.next}, not the logged "
                                  f"{h['next']!r}")
             reply = _with_id(res, h.get("id", 0))
-        self.kind.followed(st, "read" if reply is not None else None)
+        self.kind.followed(st, "lag" if reply is not None and reply.missed else None)
         return reply
 
     def _remove(self, h: dict[str, Any], payload: bytearray) -> None:

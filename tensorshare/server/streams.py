@@ -936,15 +936,18 @@ class StreamKind:
                 header["s"], header["id"] = ctx
         p.add(header, buffers)
 
-    def _log_state(self, st: Stream, conn: Conn | None = None, msg: Any = None,
-                   reply: Any = None) -> None:
+    def _log_state(self, st: Stream, events: list[Event], conn: Conn | None = None,
+                   msg: Any = None, reply: Any = None) -> None:
         """A change of ``st`` other than an append or a read: its whole bookkeeping (with the
-        reply of the request that made it, remembered again where it is replayed)."""
+        reply of the request that made it, remembered again where it is replayed), and its
+        version once the ``events`` it makes are told (each counts one)."""
         if self._logs() is None:
             return
         from .streamlog import REPLY_OPS, reply_fields, state_of
 
-        h: dict[str, Any] = {"op": "stream_state", "bin": st.name, "state": state_of(st)}
+        state = state_of(st)
+        state["version"] += len(events)
+        h: dict[str, Any] = {"op": "stream_state", "bin": st.name, "state": state}
         if reply is not None and conn is not None and conn.session is not None:
             h["req_op"], h["reply"] = REPLY_OPS[type(reply)], reply_fields(reply)
         self._log(h, conn, msg)
@@ -1073,7 +1076,7 @@ class StreamKind:
             st.consumers = {n: c for n, c in st.consumers.items()
                             if c.acked is None or c.acked < st.head}
             self._kept[st.name] = None
-            self._log_state(st)
+            self._log_state(st, [])
             while len(self._kept) > MAX_FINISHED_STREAMS:
                 old = self.streams.get(self._kept.popitem(last=False)[0])
                 if old is not None and old is not st:
@@ -1141,7 +1144,7 @@ class StreamKind:
         self._then_after(conn, st, events)
         opened = StreamOpened(msg.id, reply.epoch, reply.head, reply.sent, reply.consumers,
                               reply.broken, reply.aborted)
-        self._log_state(st, conn, msg, opened)
+        self._log_state(st, events, conn, msg, opened)
         return opened
 
     def _append(self, conn: Conn, msg: StreamAppend) -> StreamAppended | None:
@@ -1217,7 +1220,7 @@ class StreamKind:
         reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last, now)
         self._then_after(conn, st, events)
         ended = StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
-        self._log_state(st, conn, msg, ended)
+        self._log_state(st, events, conn, msg, ended)
         return ended
 
     # -- consumers --------------------------------------------------------------------------
@@ -1243,7 +1246,7 @@ class StreamKind:
         self._then_after(conn, st, events)
         joined = StreamJoined(msg.id, reply.position, reply.epoch, reply.offset,
                               reply.epoch_samples, reply.head, reply.resumed, reply.finished)
-        self._log_state(st, conn, msg, joined)
+        self._log_state(st, events, conn, msg, joined)
         return joined
 
     def _read(self, conn: Conn, msg: StreamRead) -> AnyReply | None:
@@ -1315,7 +1318,7 @@ class StreamKind:
                 if w.active and w.msg.consumer == msg.consumer:
                     self._error(w, InvalidRequest(f"consumer {msg.consumer!r} left"))
             if was:
-                self._log_state(st)
+                self._log_state(st, [("leave", 0)])
             self._then_after(conn, st, [("leave", 0)] if was else [])
         return Acked(msg.id, was)
 
@@ -1370,7 +1373,7 @@ class StreamKind:
                 reply, events = st.end(msg.producer, owner, msg.epoch, msg.samples, msg.last,
                                        self._now())
                 ended = StreamEnded(msg.id, reply.epoch, reply.complete, reply.finished)
-                self._log_state(st, w.conn, msg, ended)
+                self._log_state(st, events, w.conn, msg, ended)
                 self._answer(w, ended)
                 for op, n in events:
                     self._notify(st, op, n)
@@ -1442,7 +1445,7 @@ class StreamKind:
             if self.streams.get(st.name) is st:
                 events = st.check(now, self._heard)
                 if events:
-                    self._log_state(st)
+                    self._log_state(st, events)
                 self._after(st, events)
         self._arm()
 
@@ -1475,7 +1478,7 @@ class StreamKind:
             if st is not None:
                 events = st.ended(sid, now)
                 if events:
-                    self._log_state(st)
+                    self._log_state(st, events)
                     self._after(st, events)
 
     # -- statistics -------------------------------------------------------------------------
