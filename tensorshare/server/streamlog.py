@@ -52,7 +52,7 @@ from ..wire.streams import (
     StreamJoined,
     StreamOpened,
 )
-from .streams import (
+from .streambook import (
     EPOCHS_KEPT,
     MAX_CONSUMERS,
     Consumer,
