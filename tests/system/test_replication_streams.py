@@ -233,3 +233,93 @@ def _fail_over(both: str, primary: ServerProcess, admin: Client) -> None:
     assert not errors, errors
     # Item by item: every acknowledged item delivered, once, in order; nothing else.
     assert got == acked == list(range(len(acked)))
+
+
+_ODD = (None, -1, 2**70, 1.5, "x", b"\0" * 16, [], {}, [[1, 2]], True)
+
+
+def _logged(srv: EmbeddedServer, d: Path) -> list[tuple[dict[str, Any], bytearray]]:
+    """Every record of the data log in ``d``, then of the snapshot ``srv`` writes as it
+    stops."""
+    from tensorshare.server.persist import LOG_MAGIC, SNAP_MAGIC, _records
+
+    out = []
+    for stop, prefix, magic in ((False, "log-", LOG_MAGIC), (True, "snapshot-", SNAP_MAGIC)):
+        if stop:
+            srv.stop()
+        for name in sorted(os.listdir(d)):
+            if name.startswith(prefix):
+                out += [(h, p) for _, h, p in _records(str(d / name), magic, 1 << 30)]
+    return out
+
+
+def test_every_stream_record_mangled_is_refused_as_malformed_never_anything_else(
+        servers: Callable[..., EmbeddedServer], tmp_path: Path) -> None:
+    import random
+
+    from tensorshare.server.persist import SnapshotLoader
+
+    d = tmp_path / "d"
+    srv = servers(config=ServerConfig(data_dir=str(d), fsync="always"))
+    c = Client(HOST, srv.port, timeout=TIMEOUT, reconnect=False)
+    o = c.stream_open("s", window=8, replay="epoch")
+    c.stream_join("s", "c", start="epoch_start")
+    c.stream_append("s", [1, 2], epoch=o.epoch)
+    b = c.stream_read("s", "c")
+    c.stream_end("s", epoch=o.epoch, samples=2)
+    c.stream_read("s", "c", at=b.next)
+    records = [(h, p) for h, p in _logged(srv, d) if h["op"].startswith("stream_")]
+    c.close()
+    assert {h["op"] for h, _ in records} == {"stream_state", "stream_append", "stream_read",
+                                          "stream_bin", "stream_items"}
+    rng = random.Random(39)
+    target = servers(config=ServerConfig(data_dir=str(tmp_path / "t")))
+    f = target.factory
+    refused = 0
+    for _ in range(400):
+        h, payload = rng.choice(records)
+        bad = dict(h)
+        key = rng.choice(sorted(bad))
+        if key != "op":
+            if rng.random() < 0.3:
+                del bad[key]
+            else:
+                bad[key] = rng.choice(_ODD)
+        if isinstance(bad.get("state"), dict) and bad["state"] and rng.random() < 0.7:
+            state = bad["state"] = dict(bad["state"])
+            state[rng.choice(sorted(state))] = rng.choice(_ODD)
+
+        def apply(bad: dict[str, Any] = bad, payload: bytearray = payload) -> None:
+            if bad["op"] in ("stream_bin", "stream_items"):
+                loader = SnapshotLoader(f.persist, f.store, f.sessions)
+                loader.feed(bad, payload)
+                loader.finish()
+            else:
+                f.persist._apply(bad, payload, f.store, f.sessions)
+
+        try:
+            target.call(apply)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            refused += 1
+    assert refused > 100
+    assert Client(HOST, target.port, timeout=TIMEOUT).ping() is None
+
+
+def test_kill_9_of_a_server_with_a_data_directory_a_producer_and_consumer_carry_on(
+        tmp_path: Path) -> None:
+    with ServerProcess(0, "--data-dir", str(tmp_path / "d")) as srv, \
+            Client(HOST, srv.port, timeout=TIMEOUT) as p, \
+            Client(HOST, srv.port, timeout=TIMEOUT) as g:
+        epoch = p.stream_open("s", window=64, lease=30).epoch
+        at = g.stream_join("s", "c", lease=30).position
+        p.stream_append("s", [0, 1, 2], epoch=epoch)
+        b = g.stream_read("s", "c", at=at, max_items=2)
+        assert b.items == [0, 1]
+        srv.restart()  # SIGKILL, and the server again on its data directory
+        # Both resume their sessions: the producer in its epoch, the consumer at its cursor.
+        assert p.stream_append("s", [3], epoch=epoch).position == 3
+        b = g.stream_read("s", "c", at=b.next)
+        assert b.items == [2, 3]
+        assert p.stream_end("s", epoch=epoch, samples=4, last=True).finished
+        b = g.stream_read("s", "c", at=b.next)
+        assert (b.items, b.end, b.finished) == ([], 4, True)
