@@ -273,7 +273,7 @@ class StreamLog:
             raise ValueError(f"stream {name!r} is at {st.head}, its state at {head}")
         _free(st, base)
         load_state(st, d, kind._now(), self.orphan)
-        kind.followed(st, None)
+        kind.followed(st, None, True)
         req_op = h.get("req_op")
         if req_op is None or "reply" not in h:
             return None
@@ -305,7 +305,8 @@ class StreamLog:
         now = self.kind._now()
         at = _int(h.get("at"), "at", 0, st.head, none=True)
         c.state = "live"
-        if isinstance(h.get("s"), bytes):
+        moved = isinstance(h.get("s"), bytes) and c.owner != h["s"]
+        if moved:
             c.owner = h["s"]
         st.ack(c, at, now)
         reply = None
@@ -321,7 +322,7 @@ class StreamLog:
                                  f"{None if res is None else res.next}, not the logged "
                                  f"{h['next']!r}")
             reply = _with_id(res, h.get("id", 0))
-        self.kind.followed(st, "lag" if reply is not None and reply.missed else None)
+        self.kind.followed(st, "lag" if reply is not None and reply.missed else None, moved)
         return reply
 
     def _remove(self, h: dict[str, Any], payload: bytearray) -> None:
@@ -371,7 +372,7 @@ class StreamLog:
                 st.version = max(st.version, old.version)
                 kind._remove(old, logged=False)
             kind.adopt(st)
-            kind.followed(st, None)
+            kind.followed(st, None, True)
 
 
 def _build(name: str, state: Any, rows: list[Any], items: list[Any], now: float,

@@ -169,6 +169,9 @@ class StreamKind:
         # The last version of each name whose stream was removed, so that a listener never
         # sees a version go backwards when a stream of that name comes back.
         self._versions: dict[str, int] = {}
+        # The sessions each stream read back from the data log has as members (a replica's
+        # streams change by records only: what left one is found here, not by a scan).
+        self._followed: dict[str, set[bytes]] = {}
 
     def handlers(self) -> dict[type, Handler]:
         return {StreamOpen: self._open, StreamAppend: self._append, StreamEnd: self._end,
@@ -245,13 +248,20 @@ class StreamKind:
         self.streams[st.name] = st
         return st
 
-    def followed(self, st: Stream, op: str | None) -> None:
+    def followed(self, st: Stream, op: str | None, members: bool = False) -> None:
         """A record of the data log changed ``st`` (a restart's replay, or a replica following
-        its primary): its cost and owners kept, its listeners told."""
+        its primary): its cost kept, its members' owners too if they may have changed
+        (``members``: a session that is no longer in it no longer names it), its listeners
+        told."""
         self._recount(st)
-        for m in st.members():
-            if isinstance(m.owner, bytes):
-                self._by_owner.setdefault(m.owner, set()).add(st.name)
+        if members:
+            owners = {m.owner for m in st.members() if isinstance(m.owner, bytes)}
+            was = self._followed.get(st.name, set())
+            for owner in was - owners:
+                self._not_in(owner, st.name)
+            for owner in owners - was:
+                self._by_owner.setdefault(owner, set()).add(st.name)
+            self._followed[st.name] = owners
         if op is not None:
             st.version += 1
         self.server.changed(st.name, op or "put", st.n_items, st.version, 0)
@@ -371,12 +381,9 @@ class StreamKind:
         self._kept.pop(st.name, None)
         self._cost -= st.counted
         st.counted, st.due = 0, None
+        self._followed.pop(st.name, None)
         for m in st.members():
-            names = self._by_owner.get(m.owner)
-            if names is not None:
-                names.discard(st.name)
-                if not names:
-                    del self._by_owner[m.owner]
+            self._not_in(m.owner, st.name)
         for e in st.entries:  # (what it still kept no longer counts for its producers)
             if e.owner is not None:
                 e.owner.stored -= e.nbytes
@@ -388,6 +395,13 @@ class StreamKind:
             if w.active:
                 self._answer(w, ErrorReply(w.msg.id, BinNotFound.code,
                                            f"stream {st.name!r} was removed: nobody is in it"))
+
+    def _not_in(self, owner: Any, name: str) -> None:
+        names = self._by_owner.get(owner)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self._by_owner[owner]
 
     @staticmethod
     def _answer(w: _Waiting, reply: Any) -> None:
