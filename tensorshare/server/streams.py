@@ -24,8 +24,8 @@ everything before it) and gets the items of one epoch from there, never across a
 
 :class:`Stream` (:mod:`.streambook`) is the bookkeeping of one stream, a pure data structure
 (the time is passed in; no connections, no timers) tested on its own; :class:`StreamKind` is
-the server's kind of
-bin over it: handlers, waiting requests, the one timer for leases and stalls, statistics.
+the server's kind of bin over it: handlers, waiting requests, the one timer for leases and
+stalls, statistics.
 
 With a data directory, or while a replica follows this server, every change of a stream is a
 record of the data log and every stream is in the snapshots and full copies
