@@ -19,7 +19,7 @@ failover):
 Snapshot records (a snapshot file, or a replica's full copy): ``stream_bin`` (``bin``,
 ``state``) then ``stream_items`` (``bin``, ``rows``: ``[epoch, offset, samples, mark]`` per
 entry kept, from ``state.base`` on, and ``items``: the items of the rows whose ``mark`` is
-0), at most :data:`SNAP_ENTRIES` rows a record. A snapshot holds every stream: loading one
+0), at most :data:`SNAP_ENTRIES` rows and about :data:`SNAP_BYTES` of items a record. A snapshot holds every stream: loading one
 replaces them all.
 
 A ``state`` is a map: ``settings`` (nil, or ``producers``, ``window``, ``on_lag``,
@@ -63,10 +63,12 @@ from .streambook import (
     _Epoch,
 )
 
-__all__ = ["SNAP_ENTRIES", "StreamLog", "load_state", "state_of"]
+__all__ = ["SNAP_BYTES", "SNAP_ENTRIES", "StreamLog", "load_state", "state_of"]
 
-#: Entries of one stream per snapshot record.
+#: Entries of one stream per snapshot record, at most; and the items' bytes in one (a
+#: DataLoader's batches are large: a record stays far below the largest frame).
 SNAP_ENTRIES = 256
+SNAP_BYTES = 64 << 20
 _PRODUCER_STATES = ("live", "away", "gone", "done")
 _CONSUMER_STATES = ("live", "away", "dropped")
 #: The replies a stream op remembers, by the op whose reply parser reads them back.
@@ -336,10 +338,9 @@ class StreamLog:
         writing thread (the items are immutable: only references are kept)."""
         bins = []
         for name, st in sorted(self.kind.streams.items()):
-            rows = [[e.epoch, e.offset, e.n, 0 if e.item is not None else 2 if e.aborted
-                     else 1] for e in st.entries]
-            items = [e.item for e in st.entries if e.item is not None]
-            bins.append((name, state_of(st), rows, items))
+            entries = [([e.epoch, e.offset, e.n, 0 if e.item is not None else 2 if e.aborted
+                         else 1], e.item, e.nbytes) for e in st.entries]
+            bins.append((name, state_of(st), entries))
         return _records(bins)
 
     def _bin(self, h: dict[str, Any], payload: bytearray) -> None:
@@ -417,17 +418,29 @@ def reply_fields(reply: Any) -> dict[str, Any]:
     return REPLY_HEADERS[type(reply)](reply)
 
 
-def _records(bins: list[tuple[str, dict[str, Any], list[Any], list[Any]]]
+def _records(bins: list[tuple[str, dict[str, Any], list[tuple[list[int], Any, int]]]]
              ) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-    for name, state, rows, items in bins:
+    for name, state, entries in bins:
         yield {"op": "stream_bin", "bin": name, "state": state}, []
-        k = 0
-        for i in range(0, len(rows), SNAP_ENTRIES):
-            group = rows[i:i + SNAP_ENTRIES]
-            n = sum(1 for r in group if r[3] == 0)
-            buffers: list[Any] = []
-            h: dict[str, Any] = {"op": "stream_items", "bin": name, "rows": group}
-            if n:
-                h["items"] = items_header(items[k:k + n], buffers)
-            k += n
-            yield h, buffers
+        rows: list[list[int]] = []
+        items: list[Any] = []
+        size = 0
+        for row, item, nbytes in entries:
+            rows.append(row)
+            if item is not None:
+                items.append(item)
+            size += nbytes
+            if len(rows) >= SNAP_ENTRIES or size >= SNAP_BYTES:
+                yield _items_record(name, rows, items)
+                rows, items, size = [], [], 0
+        if rows:
+            yield _items_record(name, rows, items)
+
+
+def _items_record(name: str, rows: list[list[int]], items: list[Any]
+                  ) -> tuple[dict[str, Any], list[Any]]:
+    buffers: list[Any] = []
+    h: dict[str, Any] = {"op": "stream_items", "bin": name, "rows": rows}
+    if items:
+        h["items"] = items_header(items, buffers)
+    return h, buffers

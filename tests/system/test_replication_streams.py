@@ -323,3 +323,17 @@ def test_kill_9_of_a_server_with_a_data_directory_a_producer_and_consumer_carry_
         assert p.stream_end("s", epoch=epoch, samples=4, last=True).finished
         b = g.stream_read("s", "c", at=b.next)
         assert (b.items, b.end, b.finished) == ([], 4, True)
+
+
+def test_a_snapshots_stream_records_hold_at_most_256_entries_or_about_64_mib() -> None:
+    from tensorshare.server.streamlog import _records
+    from tensorshare.wire.messages import Item
+
+    item = Item(codec.encode(1))
+    big = [([0, i, 1, 0], item, 40 << 20) for i in range(3)]  # (as if 40 MiB each)
+    small = [([0, i, 1, 0], item, 8) for i in range(600)] + [([0, 600, 0, 1], None, 0)]
+    for entries, want in ((big, [2, 1]), (small, [256, 256, 89])):
+        records = list(_records([("s", {}, entries)]))
+        assert records[0][0]["op"] == "stream_bin"
+        rows = [len(h["rows"]) for h, _ in records[1:]]
+        assert rows == want and sum(rows) == len(entries)
