@@ -92,7 +92,8 @@ _SNAP_RE = re.compile(r"^snapshot-(\d{12})\.tss$")
 _SNAP_ITEMS = 256
 _SNAP_BYTES = 64 << 20
 _packb = msgpack.Packer(use_bin_type=True).pack
-# Reply class -> the op whose reply parser reads it back from a snapshot.
+# Reply class -> the op whose reply parser reads it back from a snapshot (the other kinds'
+# replies: Persistence.kind_replies).
 _REPLY_OP = {Stored: "put", Fetched: "get", Deleted: "delete", Configured: "configure"}
 
 
@@ -279,6 +280,9 @@ class Persistence:
         #: What each does when a snapshot starts loading (a replica's full copy may start
         #: again after a cut one: what the cut one left is dropped).
         self.kind_begin: list[Callable[[], None]] = []
+        #: What each does once :meth:`open` loaded the directory (streams: their members'
+        #: leases run from then).
+        self.kind_opened: list[Callable[[], None]] = []
         #: The newest term (replication's epoch) recorded in this data set (``term`` records).
         self.term = 0
         #: Called with each record's chunks and size as it is added (replication's tap).
@@ -296,10 +300,13 @@ class Persistence:
         os.makedirs(self.dir, exist_ok=True)
         self._lock()
         try:
-            return self._open(store, sessions)
+            loaded = self._open(store, sessions)
         except BaseException:
             self._unlock()
             raise
+        for opened in self.kind_opened:
+            opened()
+        return loaded
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -983,7 +990,7 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
         yield _frame({"op": "session", "s": sid})
         for _rid, reply, bin_name, held in replies:
             if type(reply) is not ErrorReply and type(reply) not in ops:
-                continue  # a reply of a bin kind that lives in memory only (streams, services)
+                continue  # a reply of a bin kind that lives in memory only (services)
             extra: dict[str, Any] = {"rec": "reply", "s": sid, "held": held}
             if type(reply) is not ErrorReply:
                 extra["req_op"] = ops[type(reply)]
