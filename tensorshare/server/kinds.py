@@ -12,14 +12,15 @@ takes a new bin or more memory; :class:`Rates` counts a bin's ops for the rates 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequest, MemoryLimitExceeded
 
 if TYPE_CHECKING:
     from .parts import Kind, Server
 
-__all__ = ["RATE_WINDOW", "Rates", "check_memory", "claim_name"]
+__all__ = ["RATE_WINDOW", "KindLog", "Rates", "check_memory", "claim_name"]
 
 #: Seconds over which a kind's rates (``inserts_per_s``, ``calls_per_s``, ...) are measured.
 RATE_WINDOW = 10.0
@@ -85,3 +86,35 @@ def check_memory(server: Server, nbytes: int, what: str, undone: str) -> None:
         raise MemoryLimitExceeded(f"{what} of {nbytes} bytes would take the server to "
                                   f"{total} bytes, over its max_memory={limit}; nothing "
                                   f"was {undone}")
+
+
+class KindLog:
+    """What a kind of bins keeps in the data log (replay bins: :mod:`.replaylog`, streams:
+    :mod:`.streamlog`), joined to a data log by :meth:`register`: the readers of its records
+    (:meth:`readers`, op -> reader), its part of a snapshot (:meth:`capture`), the ops its
+    remembered replies are logged as (``replies``), what runs once a log is loaded
+    (:meth:`loaded`) and what is forgotten before (``_loading``, the snapshot being read)."""
+
+    replies: dict[type, str] = {}
+    _loading: dict[str, Any]
+    readers: Callable[[], dict[str, Callable[[dict[str, Any], bytearray], Any]]]
+    capture: Callable[[], Any]
+    loaded: Callable[[], None]
+
+    @staticmethod
+    def named(bins: dict[str, Any], h: dict[str, Any], what: str) -> Any:
+        """The bin a record names (``h["bin"]``) of ``bins``; ``ValueError`` (a malformed
+        log) saying ``what`` when there is none."""
+        b = bins.get(h["bin"])
+        if b is None:
+            raise ValueError(f"{h['bin']!r}: {what}")
+        return b
+
+    def register(self, p: Any) -> None:
+        """Make the data log ``p`` (a :class:`~.persist.Persistence`) read and write this
+        kind's records."""
+        p.kind_records.update(self.readers())
+        p.kind_parts.append(self.capture)
+        p.kind_replies.update(self.replies)
+        p.kind_loaded.append(self.loaded)
+        p.kind_begin.append(self._loading.clear)

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..wire.protocol import item_wire_size, items_header, parse_items
 from ..wire.replay import ReplayInserted, ReplaySampled, ReplayUpdated
+from .kinds import KindLog
 from .replay import ReplayConfig, ReplayTable
 
 __all__ = ["SNAP_ITEMS", "Entry", "ReplayLog"]
@@ -48,7 +49,7 @@ class Entry:
         self.usage = usage
 
 
-class ReplayLog:
+class ReplayLog(KindLog):
     """Reads the replay records back into ``kind`` (a :class:`~.replaykind.ReplayKind`), and
     captures its bins for a snapshot."""
 
@@ -58,24 +59,18 @@ class ReplayLog:
         # Bins of the snapshot being loaded: name -> (state, rows, payloads by key, version).
         self._loading: dict[str, tuple[dict[str, Any], list[Any], dict[int, Any], int]] = {}
 
-    def register(self, p: Any) -> None:
-        """Make the data log ``p`` read and write replay records."""
-        p.kind_records.update({
-            "replay_open": self._open, "replay_insert": self._insert,
-            "replay_sample": self._sample, "replay_update": self._update,
-            "replay_bin": self._bin, "replay_items": self._items})
-        p.kind_parts.append(self.capture)
-        p.kind_replies.update({ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
-                               ReplayUpdated: "replay_update"})
-        p.kind_loaded.append(self._loaded)
-        p.kind_begin.append(self._loading.clear)
+    replies = {ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
+               ReplayUpdated: "replay_update"}
+
+    def readers(self) -> dict[str, Any]:
+        """The replay records' readers (see :meth:`.kinds.KindLog.register`)."""
+        return {"replay_open": self._open, "replay_insert": self._insert,
+                "replay_sample": self._sample, "replay_update": self._update,
+                "replay_bin": self._bin, "replay_items": self._items}
 
     # -- the log --------------------------------------------------------------------------
     def _table(self, h: dict[str, Any]) -> Any:
-        b = self.kind.bins.get(h["bin"])
-        if b is None:
-            raise ValueError(f"replay bin {h['bin']!r} was never opened")
-        return b
+        return self.named(self.kind.bins, h, "a replay bin that was never opened")
 
     def _open(self, h: dict[str, Any], payload: bytearray) -> None:
         if h["bin"] not in self.kind.bins:
@@ -138,7 +133,7 @@ class ReplayLog:
             rows.append(row)
             payloads[row[0]] = Entry(it, item_wire_size(it), None)
 
-    def _loaded(self) -> None:
+    def loaded(self) -> None:
         """The snapshot is read: its tables replace every replay bin (the log replayed after
         it changes them)."""
         loading = dict(self._loading)

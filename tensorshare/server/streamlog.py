@@ -52,6 +52,7 @@ from ..wire.streams import (
     StreamJoined,
     StreamOpened,
 )
+from .kinds import KindLog
 from .streambook import (
     EPOCHS_KEPT,
     MAX_CONSUMERS,
@@ -223,7 +224,7 @@ def _marks(d: Any) -> dict[int, _Entry]:
     return out
 
 
-class StreamLog:
+class StreamLog(KindLog):
     """Reads the stream records back into ``kind`` (a :class:`~.streams.StreamKind`), and
     captures its streams for a snapshot."""
 
@@ -234,24 +235,25 @@ class StreamLog:
         # Streams of the snapshot being loaded: name -> (state, rows, items).
         self._loading: dict[str, tuple[Any, list[Any], list[Any]]] = {}
 
+    replies = REPLY_OPS
+
+    def readers(self) -> dict[str, Any]:
+        """The stream records' readers (see :meth:`.kinds.KindLog.register`)."""
+        return {"stream_state": self._state, "stream_append": self._append,
+                "stream_read": self._read, "stream_remove": self._remove,
+                "stream_bin": self._bin, "stream_items": self._items}
+
     def register(self, p: Any) -> None:
-        """Make the data log ``p`` read and write stream records."""
-        p.kind_records.update({
-            "stream_state": self._state, "stream_append": self._append,
-            "stream_read": self._read, "stream_remove": self._remove,
-            "stream_bin": self._bin, "stream_items": self._items})
-        p.kind_parts.append(self.capture)
-        p.kind_replies.update(REPLY_OPS)
-        p.kind_loaded.append(self._loaded)
-        p.kind_begin.append(self._loading.clear)
+        """Make the data log ``p`` read and write stream records; a promotion or a loaded
+        log hands the streams over (``took_over``)."""
+        super().register(p)
         p.kind_opened.append(self.kind.took_over)
         self.limits = p.limits
 
     # -- the log --------------------------------------------------------------------------
     def _stream(self, h: dict[str, Any]) -> Stream:
-        st = self.kind.streams.get(h["bin"])
-        if st is None:
-            raise ValueError(f"stream {h['bin']!r} was never described (no stream_state)")
+        st: Stream = self.named(self.kind.streams, h,
+                                "a stream never described (no stream_state)")
         return st
 
     def _state(self, h: dict[str, Any], payload: bytearray) -> Any:
@@ -357,7 +359,7 @@ class StreamLog:
         rows.extend(new)
         items.extend(got)
 
-    def _loaded(self) -> None:
+    def loaded(self) -> None:
         """The snapshot is read: its streams replace every stream (the log replayed after it
         changes them)."""
         loading = dict(self._loading)
