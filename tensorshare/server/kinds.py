@@ -12,15 +12,16 @@ takes a new bin or more memory; :class:`Rates` counts a bin's ops for the rates 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidRequest, MemoryLimitExceeded
 
 if TYPE_CHECKING:
     from .parts import Kind, Server
 
-__all__ = ["RATE_WINDOW", "KindLog", "Rates", "check_memory", "claim_name"]
+__all__ = ["RATE_WINDOW", "SNAP_BYTES", "SNAP_ITEMS", "KindLog", "Rates", "check_memory",
+           "claim_name", "snapshot_groups"]
 
 #: Seconds over which a kind's rates (``inserts_per_s``, ``calls_per_s``, ...) are measured.
 RATE_WINDOW = 10.0
@@ -118,3 +119,26 @@ class KindLog:
         p.kind_replies.update(self.replies)
         p.kind_loaded.append(self.loaded)
         p.kind_begin.append(self._loading.clear)
+
+
+
+#: A snapshot record's items (a bin's, a replay bin's, a stream's), at most: this many, and
+#: about this many bytes (large items: a record stays far below the largest frame).
+SNAP_ITEMS = 256
+SNAP_BYTES = 64 << 20
+_E = TypeVar("_E")
+
+
+def snapshot_groups(entries: Iterable[_E], nbytes: Callable[[_E], int]) -> Iterator[list[_E]]:
+    """``entries`` in groups of one snapshot record each: at most :data:`SNAP_ITEMS`, and
+    closed once their bytes (``nbytes`` of each) reach :data:`SNAP_BYTES`."""
+    group: list[_E] = []
+    size = 0
+    for e in entries:
+        group.append(e)
+        size += nbytes(e)
+        if len(group) >= SNAP_ITEMS or size >= SNAP_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group

@@ -48,6 +48,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -69,6 +70,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import OPS, encode_message, item_wire_size, items_header, parse_items
 from .handlers import EFFECTS
+from .kinds import snapshot_groups
 from .sessions import Remembered, ServerSession, SessionTable
 from .store import BinConfig, Store
 
@@ -88,9 +90,6 @@ _REC = struct.Struct("<II")
 _PREFIX = struct.Struct("<2sBBIQ")
 _LOG_RE = re.compile(r"^log-(\d{12})\.tsl$")
 _SNAP_RE = re.compile(r"^snapshot-(\d{12})\.tss$")
-# Items of one bin per snapshot record: bounded in count and bytes so records stay small.
-_SNAP_ITEMS = 256
-_SNAP_BYTES = 64 << 20
 _packb = msgpack.Packer(use_bin_type=True).pack
 # Reply class -> the op whose reply parser reads it back from a snapshot (the other kinds'
 # replies: Persistence.kind_replies).
@@ -968,20 +967,10 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
                       "config": [cfg.max_items, cfg.max_bytes, cfg.overflow], "drops": drops})
     for name, kind, _, entries in state.bins:
         yield _frame({"op": "bin", "bin": name, "kind": kind})
-        group: list[Item] = []
-        size = 0
-        for item, nbytes, _ in entries:
-            group.append(item)
-            size += nbytes
-            if len(group) >= _SNAP_ITEMS or size >= _SNAP_BYTES:
-                buffers: list[BytesLike] = []
-                yield _frame({"op": "items", "bin": name, "items": items_header(group, buffers)},
-                             buffers)
-                group, size = [], 0
-        if group:
-            buffers = []
-            yield _frame({"op": "items", "bin": name, "items": items_header(group, buffers)},
-                         buffers)
+        for group in snapshot_groups(entries, itemgetter(1)):  # (item, nbytes, tag)
+            buffers: list[BytesLike] = []
+            yield _frame({"op": "items", "bin": name,
+                          "items": items_header([e[0] for e in group], buffers)}, buffers)
     for part in state.parts:
         for header, buffers in part:
             yield _frame(header, buffers)

@@ -19,7 +19,7 @@ failover):
 Snapshot records (a snapshot file, or a replica's full copy): ``stream_bin`` (``bin``,
 ``state``) then ``stream_items`` (``bin``, ``rows``: ``[epoch, offset, samples, mark]`` per
 entry kept, from ``state.base`` on, and ``items``: the items of the rows whose ``mark`` is
-0), at most :data:`SNAP_ENTRIES` rows and about :data:`SNAP_BYTES` of items a record. A snapshot holds every stream: loading one
+0), at most :data:`~.kinds.SNAP_ITEMS` rows and about :data:`~.kinds.SNAP_BYTES` of items a record. A snapshot holds every stream: loading one
 replaces them all.
 
 A ``state`` is a map: ``settings`` (nil, or ``producers``, ``window``, ``on_lag``,
@@ -36,6 +36,7 @@ against the limits the streams already have.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from operator import itemgetter
 from typing import Any
 
 from ..errors import ServerError
@@ -52,7 +53,7 @@ from ..wire.streams import (
     StreamJoined,
     StreamOpened,
 )
-from .kinds import KindLog
+from .kinds import SNAP_ITEMS, KindLog, snapshot_groups
 from .streambook import (
     EPOCHS_KEPT,
     MAX_CONSUMERS,
@@ -64,12 +65,8 @@ from .streambook import (
     _Epoch,
 )
 
-__all__ = ["SNAP_BYTES", "SNAP_ENTRIES", "StreamLog", "load_state", "state_of"]
+__all__ = ["StreamLog", "load_state", "state_of"]
 
-#: Entries of one stream per snapshot record, at most; and the items' bytes in one (a
-#: DataLoader's batches are large: a record stays far below the largest frame).
-SNAP_ENTRIES = 256
-SNAP_BYTES = 64 << 20
 _PRODUCER_STATES = ("live", "away", "gone", "done")
 _CONSUMER_STATES = ("live", "away", "dropped")
 #: The replies a stream op remembers, by the op whose reply parser reads them back.
@@ -353,7 +350,7 @@ class StreamLog(KindLog):
     def _items(self, h: dict[str, Any], payload: bytearray) -> None:
         _, rows, items = self._loading[h["bin"]]
         got = parse_items(h, payload, self.max_depth) if h.get("items") is not None else []
-        new = _rows(h["rows"], "rows", 4, SNAP_ENTRIES)
+        new = _rows(h["rows"], "rows", 4, SNAP_ITEMS)
         if sum(1 for r in new if r[3] == 0) != len(got):
             raise ValueError("a stream_items record needs one item per item row")
         rows.extend(new)
@@ -424,19 +421,9 @@ def _records(bins: list[tuple[str, dict[str, Any], list[tuple[list[int], Any, in
              ) -> Iterator[tuple[dict[str, Any], list[Any]]]:
     for name, state, entries in bins:
         yield {"op": "stream_bin", "bin": name, "state": state}, []
-        rows: list[list[int]] = []
-        items: list[Any] = []
-        size = 0
-        for row, item, nbytes in entries:
-            rows.append(row)
-            if item is not None:
-                items.append(item)
-            size += nbytes
-            if len(rows) >= SNAP_ENTRIES or size >= SNAP_BYTES:
-                yield _items_record(name, rows, items)
-                rows, items, size = [], [], 0
-        if rows:
-            yield _items_record(name, rows, items)
+        for group in snapshot_groups(entries, itemgetter(2)):  # (row, item or None, nbytes)
+            yield _items_record(name, [e[0] for e in group],
+                                [e[1] for e in group if e[1] is not None])
 
 
 def _items_record(name: str, rows: list[list[int]], items: list[Any]
