@@ -321,22 +321,30 @@ class Replication:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
+        links = list(self.links.values())
+        outs: list[list[BytesLike]] = [[] for _ in links]
         for rec, nbytes in pending:
             self.offset += nbytes
             entry = (self.offset, rec, nbytes)
             self.backlog.append(entry)
             self.backlog_bytes += nbytes
-            for link in list(self.links.values()):
-                self._send(link, entry)
+            for link, out in zip(links, outs, strict=True):
+                self._send(link, entry, out)
+        for link, out in zip(links, outs, strict=True):  # one write per replica and pass
+            if out and self.links.get(link.conn) is link:
+                link.write(out)
         limit = self.config.replica_backlog
         while self.backlog_bytes > limit and len(self.backlog) > 1:
             end, _, nbytes = self.backlog.popleft()
             self.backlog_bytes -= nbytes
             self.backlog_start = end
 
-    def _send(self, link: Link, entry: tuple[int, list[BytesLike], int]) -> None:
+    def _send(self, link: Link, entry: tuple[int, list[BytesLike], int],
+              out: list[BytesLike]) -> None:
+        """Queue ``entry`` for ``link``: its frame's chunks (the record's own buffers, not
+        copied) join ``out``, which the caller writes in one go."""
         end, rec, nbytes = entry
-        if end <= link.sent:
+        if end <= link.sent or self.links.get(link.conn) is not link:  # (or dropped)
             return
         if not link.live:  # its full copy is on its way: the record waits behind it
             link.queue.append(entry)
@@ -347,7 +355,7 @@ class Replication:
         if link.conn.queued_bytes > self.config.replica_buffer:
             self._drop(link, f"{link.conn.queued_bytes} bytes queued for it are unread")
             return
-        link.write(pushed_frame({"op": "repl", "term": self.term, "offset": end}, rec, nbytes))
+        out += pushed_frame({"op": "repl", "term": self.term, "offset": end}, rec, nbytes)
         link.sent = end
 
     def _drop(self, link: Link, why: str) -> None:
@@ -429,8 +437,11 @@ class Replication:
                 link.snap = None
                 link.live = True
                 queue, link.queue, link.queued = link.queue, [], 0
+                out: list[BytesLike] = []
                 for entry in queue:
-                    self._send(link, entry)
+                    self._send(link, entry, out)
+                if out and self.links.get(link.conn) is link:
+                    link.write(out)
                 log.info("replica {addr} follows the log from offset {off}", addr=link.address,
                          off=link.sent)
                 return
