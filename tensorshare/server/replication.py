@@ -77,6 +77,7 @@ _ALLOWED_ON_REPLICA = frozenset({"reload"})
 _DATA_READS = frozenset({"peek", "list", "listen", "replay_info"})
 _PUMP_BYTES = 8 << 20  # a full copy queues at most about this much before it waits
 _PING_EVERY = 1.0
+_FRAME_ONLY = -1  # a tapped frame that is not a record yet (MemoryLog: nothing on disk)
 
 
 class MemoryLog(Persistence):
@@ -90,10 +91,9 @@ class MemoryLog(Persistence):
         self._hold = hold
 
     def _add(self, frame: list[BytesLike]) -> None:
-        rec = _record(frame)
         self.records += 1
-        if self.tap is not None:
-            self.tap(rec, sum(len(c) for c in rec))
+        if self.tap is not None:  # (its length and crc32 are made at the push: see _tap)
+            self.tap(frame, _FRAME_ONLY)
 
     def add_record(self, rec: list[BytesLike], nbytes: int) -> None:
         self.records += 1
@@ -267,6 +267,10 @@ class Replication:
             self._ping = self.server.reactor.callLater(_PING_EVERY, self._pinger)
 
     def _tap(self, rec: list[BytesLike], nbytes: int) -> None:
+        """A record (or, from a :class:`MemoryLog`, a bare frame: ``nbytes`` is
+        ``_FRAME_ONLY``) for the next push. A bare frame's crc32 is computed at the push,
+        which the server's commit runs after the pass's replies left: an asynchronous
+        replica's checksum of a large put is not on the writer's path."""
         self.pending.append((rec, nbytes))
 
     # -- the fence: what this server refuses ----------------------------------------------
@@ -324,6 +328,9 @@ class Replication:
         links = list(self.links.values())
         outs: list[list[BytesLike]] = [[] for _ in links]
         for rec, nbytes in pending:
+            if nbytes == _FRAME_ONLY:
+                rec = _record(rec)
+                nbytes = sum(len(c) for c in rec)
             self.offset += nbytes
             entry = (self.offset, rec, nbytes)
             self.backlog.append(entry)
