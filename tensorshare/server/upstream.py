@@ -43,7 +43,7 @@ _REC = struct.Struct("<II")  # a record's length and crc32 (persist.py, docs/PRO
 _FRAME = struct.Struct("<2sBBIQ")
 
 
-def _parse_pushed(buf: bytearray) -> tuple[dict[str, Any], memoryview | bytearray]:
+def _parse_pushed(buf: bytearray | memoryview) -> tuple[dict[str, Any], memoryview | bytearray]:
     """One pushed record (``u32 len | u32 crc32 | frame``), checked as
     :func:`.persist.parse_record` checks it, but without copying it: the payload is a view
     of ``buf`` (the frame's own buffer, a few header bytes more than the record's items
@@ -61,7 +61,7 @@ def _parse_pushed(buf: bytearray) -> tuple[dict[str, Any], memoryview | bytearra
                                 strict_map_key=True)
             if isinstance(h, dict) and isinstance(h.get("op"), str):
                 return h, view[start:] if payload_len else bytearray()
-    return parse_record(buf)
+    return parse_record(buf if isinstance(buf, bytearray) else bytearray(buf))
 
 
 class _Stop(Exception):
@@ -218,7 +218,11 @@ class _UpstreamProtocol(Protocol):
     def __init__(self, up: Upstream) -> None:
         self.up = up
         limits = up.server.config.limits
-        self.decoder = FrameDecoder(limits.max_frame_bytes + (1 << 20), limits.max_header_bytes)
+        # Large records land in the server's receive pool, as a client's put does: memory
+        # used before, not fresh pages to fault in and zero (a 64 MiB record's items are
+        # views of it, and it goes back to the pool when they go).
+        self.decoder = FrameDecoder(limits.max_frame_bytes + (1 << 20), limits.max_header_bytes,
+                                    allocate=up.server.pool.take)
         self.rid = 0
         self.hello: Hello | None = None
         self.nonce = b""
