@@ -213,7 +213,8 @@ class Connection:
         st = self._st
         queued = 0 if st is None else st.queued_bytes
         limit = f.config.max_client_buffer
-        if queued > limit:
+        # (a replica's link is bounded by --replica-buffer instead: replication drops it)
+        if queued > limit and not self.keeps_reading:
             # Beyond the reply it is taking, a client may leave at most this much unread.
             f.stats.counters["client_buffer_closes"] += 1
             log.warn("closing connection from {peer} ({client!r}): {queued} bytes queued "

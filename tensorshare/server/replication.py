@@ -78,6 +78,7 @@ _ALLOWED_ON_REPLICA = frozenset({"reload"})
 _DATA_READS = frozenset({"peek", "list", "listen", "replay_info"})
 _PUMP_BYTES = 8 << 20  # a full copy queues at most about this much before it waits
 _PING_EVERY = 1.0
+_FRAME_ONLY = -1  # a tapped frame that is not a record yet (MemoryLog: nothing on disk)
 
 
 class MemoryLog(Persistence):
@@ -91,10 +92,9 @@ class MemoryLog(Persistence):
         self._hold = hold
 
     def _add(self, frame: list[BytesLike]) -> None:
-        rec = _record(frame)
         self.records += 1
-        if self.tap is not None:
-            self.tap(rec, sum(len(c) for c in rec))
+        if self.tap is not None:  # (its length and crc32 are made at the push: see _tap)
+            self.tap(frame, _FRAME_ONLY)
 
     def add_record(self, rec: list[BytesLike], nbytes: int) -> None:
         self.records += 1
@@ -268,6 +268,10 @@ class Replication:
             self._ping = self.server.reactor.callLater(_PING_EVERY, self._pinger)
 
     def _tap(self, rec: list[BytesLike], nbytes: int) -> None:
+        """A record (or, from a :class:`MemoryLog`, a bare frame: ``nbytes`` is
+        ``_FRAME_ONLY``) for the next push. A bare frame's crc32 is computed at the push,
+        which the server's commit runs after the pass's replies left: an asynchronous
+        replica's checksum of a large put is not on the writer's path."""
         self.pending.append((rec, nbytes))
 
     # -- the fence: what this server refuses ----------------------------------------------
@@ -322,22 +326,33 @@ class Replication:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
+        links = list(self.links.values())
+        outs: list[list[BytesLike]] = [[] for _ in links]
         for rec, nbytes in pending:
+            if nbytes == _FRAME_ONLY:
+                rec = _record(rec)
+                nbytes = sum(len(c) for c in rec)
             self.offset += nbytes
             entry = (self.offset, rec, nbytes)
             self.backlog.append(entry)
             self.backlog_bytes += nbytes
-            for link in list(self.links.values()):
-                self._send(link, entry)
+            for link, out in zip(links, outs, strict=True):
+                self._send(link, entry, out)
+        for link, out in zip(links, outs, strict=True):  # one write per replica and pass
+            if out and self.links.get(link.conn) is link:
+                link.write(out)
         limit = self.config.replica_backlog
         while self.backlog_bytes > limit and len(self.backlog) > 1:
             end, _, nbytes = self.backlog.popleft()
             self.backlog_bytes -= nbytes
             self.backlog_start = end
 
-    def _send(self, link: Link, entry: tuple[int, list[BytesLike], int]) -> None:
+    def _send(self, link: Link, entry: tuple[int, list[BytesLike], int],
+              out: list[BytesLike]) -> None:
+        """Queue ``entry`` for ``link``: its frame's chunks (the record's own buffers, not
+        copied) join ``out``, which the caller writes in one go."""
         end, rec, nbytes = entry
-        if end <= link.sent:
+        if end <= link.sent or self.links.get(link.conn) is not link:  # (or dropped)
             return
         if not link.live:  # its full copy is on its way: the record waits behind it
             link.queue.append(entry)
@@ -348,7 +363,7 @@ class Replication:
         if link.conn.queued_bytes > self.config.replica_buffer:
             self._drop(link, f"{link.conn.queued_bytes} bytes queued for it are unread")
             return
-        link.write(pushed_frame({"op": "repl", "term": self.term, "offset": end}, rec, nbytes))
+        out += pushed_frame({"op": "repl", "term": self.term, "offset": end}, rec, nbytes)
         link.sent = end
 
     def _drop(self, link: Link, why: str) -> None:
@@ -430,8 +445,11 @@ class Replication:
                 link.snap = None
                 link.live = True
                 queue, link.queue, link.queued = link.queue, [], 0
+                out: list[BytesLike] = []
                 for entry in queue:
-                    self._send(link, entry)
+                    self._send(link, entry, out)
+                if out and self.links.get(link.conn) is link:
+                    link.write(out)
                 log.info("replica {addr} follows the log from offset {off}", addr=link.address,
                          off=link.sent)
                 return

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import time
+import zlib
 from typing import Any
 
 import msgpack
+from twisted.internet import tcp
+from twisted.internet.posixbase import PosixReactorBase
 from twisted.internet.protocol import ClientFactory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -22,18 +26,42 @@ from twisted.python.failure import Failure
 from ..errors import ProtocolError
 from ..wire.address import parse_address
 from ..wire.auth import client_proof, new_nonce, server_proof, tokens_of, verify
-from ..wire.frames import FrameDecoder, OversizedFrame
+from ..wire.frames import PREFIX, FrameDecoder, OversizedFrame, aligned
 from ..wire.messages import Auth, Hello
 from ..wire.protocol import PROTOCOL_VERSIONS, encode_message
 from ..wire.replication import Psync, ReplAck
 from .config import env_token
 from .persist import SnapshotLoader, parse_record
+from .transports import _ZeroCopy
 
 __all__ = ["Upstream"]
 
 log = Logger(namespace="tensorshare.server")
 
 _MAX_DELAY = 2.0
+_REC = struct.Struct("<II")  # a record's length and crc32 (persist.py, docs/PROTOCOL.md §12)
+_FRAME = struct.Struct("<2sBBIQ")
+
+
+def _parse_pushed(buf: bytearray | memoryview) -> tuple[dict[str, Any], memoryview | bytearray]:
+    """One pushed record (``u32 len | u32 crc32 | frame``), checked as
+    :func:`.persist.parse_record` checks it, but without copying it: the payload is a view
+    of ``buf`` (the frame's own buffer, a few header bytes more than the record's items
+    need). Anything unusual goes to ``parse_record``, which says what is wrong."""
+    view = memoryview(buf)
+    if len(view) >= _REC.size + PREFIX:
+        n, crc = _REC.unpack_from(view)
+        magic, version, flags, header_len, payload_len = _FRAME.unpack_from(view, _REC.size)
+        head_end = _REC.size + PREFIX + header_len
+        start = _REC.size + aligned(PREFIX + header_len) if payload_len else head_end
+        if (n == len(view) - _REC.size and magic == b"TS" and version == 1 and not flags
+                and start + payload_len == len(view)
+                and zlib.crc32(view[_REC.size:]) == crc):
+            h = msgpack.unpackb(view[_REC.size + PREFIX:head_end], raw=False,
+                                strict_map_key=True)
+            if isinstance(h, dict) and isinstance(h.get("op"), str):
+                return h, view[start:] if payload_len else bytearray()
+    return parse_record(buf if isinstance(buf, bytearray) else bytearray(buf))
 
 
 class _Stop(Exception):
@@ -97,6 +125,8 @@ class Upstream:
             # reactor, never the global one, which a private server's thread does not run)
             tls = TLSMemoryBIOFactory(self._tls(), True, factory, clock=reactor)
             reactor.connectTCP(a.host, a.port, tls, timeout=5)
+        elif isinstance(reactor, PosixReactorBase):  # records read straight into place
+            _Connector(a.host, a.port, factory, 5, None, reactor).connect()
         else:
             reactor.connectTCP(a.host, a.port, factory, timeout=5)
 
@@ -171,7 +201,7 @@ class Upstream:
         if self.loader is not None:
             raise _Stop("a log record in the middle of a full copy")
         f = self.server
-        h, body = parse_record(payload)
+        h, body = _parse_pushed(payload)
         store, p = f.store, f.persist
         journal, store.journal = store.journal, None
         limit, store.max_memory = store.max_memory, None  # what the primary stored, fits
@@ -188,7 +218,11 @@ class _UpstreamProtocol(Protocol):
     def __init__(self, up: Upstream) -> None:
         self.up = up
         limits = up.server.config.limits
-        self.decoder = FrameDecoder(limits.max_frame_bytes + (1 << 20), limits.max_header_bytes)
+        # Large records land in the server's receive pool, as a client's put does: memory
+        # used before, not fresh pages to fault in and zero (a 64 MiB record's items are
+        # views of it, and it goes back to the pool when they go).
+        self.decoder = FrameDecoder(limits.max_frame_bytes + (1 << 20), limits.max_header_bytes,
+                                    allocate=up.server.pool.take)
         self.rid = 0
         self.hello: Hello | None = None
         self.nonce = b""
@@ -210,6 +244,9 @@ class _UpstreamProtocol(Protocol):
 
     def connectionMade(self) -> None:
         up = self.up
+        t: Any = self.transport
+        if getattr(t, "setTcpNoDelay", None) is not None:  # (acks are small: no Nagle wait)
+            t.setTcpNoDelay(True)
         up.proto = self
         self.hello = Hello(self._next_id(), tuple(PROTOCOL_VERSIONS), "tensorshare-replica",
                            new_nonce() if up.key is not None else None, None, False, False,
@@ -219,11 +256,41 @@ class _UpstreamProtocol(Protocol):
     def connectionLost(self, reason: Failure | None = None) -> None:
         self.up.lost(reason.getErrorMessage() if reason is not None else "closed")
 
+    # (the zero-copy read hooks of .transports.BufferedProtocol: a record's payload is read
+    # straight into its buffer, not 64 KiB at a time through dataReceived)
+    def get_read_buffer(self) -> memoryview | None:
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            frames = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
+        if frames:
+            self._frames(frames)
+
     def dataReceived(self, data: bytes) -> None:
+        try:
+            frames = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
+        self._frames(frames)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("replica: {why}; resyncing from the primary {addr}", why=exc,
+                  addr=str(self.up.address))
+        self.up.replid = ""  # what it has is not to be trusted: a full copy next time
+        self.abort()
+
+    def _frames(self, frames: list[Any]) -> None:
+        """Apply what one read completed, write it to the data log, then acknowledge it
+        (once per read, however many records it held)."""
         up = self.up
         try:
             applied = False
-            for frame in self.decoder.feed(data):
+            for frame in frames:
                 if isinstance(frame, OversizedFrame):
                     raise _Stop("a frame over the replica's limits")
                 header = msgpack.unpackb(frame.header, raw=False)
@@ -232,10 +299,7 @@ class _UpstreamProtocol(Protocol):
                 applied = self._message(header, frame.payload) or applied
         except (_Stop, ProtocolError, ValueError, KeyError, TypeError, OverflowError,
                 msgpack.UnpackException) as exc:
-            log.error("replica: {why}; resyncing from the primary {addr}", why=exc,
-                      addr=str(up.address))
-            up.replid = ""  # what it has is not to be trusted: a full copy next time
-            self.abort()
+            self._fail(exc)
             return
         up.server.commit()  # (its own data log first: what it acknowledges is written)
         if applied and up.offset != self.acked:
@@ -305,6 +369,20 @@ class _UpstreamProtocol(Protocol):
         self.psync_id = self._next_id()
         self._send(Psync(self.psync_id, up.replid, up.offset if up.replid else 0,
                          up.repl.term, ""))
+
+
+class _FastClient(_ZeroCopy, tcp.Client):  # type: ignore[misc]  # (_ZeroCopy: tcp.Server)
+    """The replica's TCP transport: reads go straight into the protocol's buffers (the
+    server's own zero-copy transport, :mod:`.transports`, on the connecting side)."""
+
+    def __init__(self, *args: Any) -> None:
+        self._init_queues()
+        tcp.Client.__init__(self, *args)
+
+
+class _Connector(tcp.Connector):
+    def _makeTransport(self) -> tcp.Client:
+        return _FastClient(self.host, self.port, self.bindAddress, self, self.reactor)
 
 
 class _Factory(ClientFactory):

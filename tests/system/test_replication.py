@@ -462,6 +462,46 @@ def test_a_replica_that_stops_reading_costs_the_primary_at_most_its_replica_buff
     assert c.peek("b0") == blob
 
 
+def test_a_replica_further_behind_than_max_client_buffer_is_not_disconnected_by_its_acks(
+        procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
+    """A replica's link is bounded by --replica-buffer, not --max-client-buffer: the reply
+    to an acknowledgement that arrives while more than --max-client-buffer bytes of records
+    wait for the replica keeps the link (it used to close it, and the replica took a full
+    copy again: long runs of large writes resynced over and over)."""
+    import socket
+
+    import msgpack
+
+    from tensorshare.wire.frames import FrameDecoder
+    from tensorshare.wire.messages import Hello
+    from tensorshare.wire.protocol import encode_message
+    from tensorshare.wire.replication import Psync, ReplAck
+
+    primary = procs("--max-client-buffer", "1M", "--replica-buffer", "64M")
+    c = clients(primary.port)
+    with socket.create_connection((HOST, primary.port), timeout=TIMEOUT) as s:
+        s.sendall(b"".join(bytes(x) for x in encode_message(Hello(1, (1,), "slow"))[0]))
+        s.sendall(b"".join(bytes(x) for x in encode_message(Psync(2))[0]))
+        wait_until(lambda: any(r["live"] for r in repl(c)["replicas"]), TIMEOUT,
+                   "the replica follows the log")
+        blob = bytes(1 << 20)
+        for i in range(24):  # 24 MiB of records wait for it (the socket buffers take a
+            # few): far over --max-client-buffer
+            c.put(f"b{i % 4}", blob)
+        end = repl(c)["offset"]
+        s.sendall(b"".join(bytes(x) for x in encode_message(ReplAck(3, end))[0]))
+        wait_until(lambda: [r["offset"] for r in repl(c)["replicas"]] == [end], TIMEOUT,
+                   "its acknowledgement counted")
+        assert repl(c)["replicas_dropped"] == 0
+        decoder, ops = FrameDecoder(64 << 20, 1 << 16), []
+        while "reply" not in ops[2:]:  # (the hello's and psync's replies come first)
+            data = s.recv(1 << 20)
+            assert data, "the primary closed the replica's link"
+            ops += [msgpack.unpackb(f.header)["op"] for f in decoder.feed(data)]
+        assert ops.count("repl") == 24
+    assert repl(c)["full_resyncs"] == 1 and c.peek("b0") == blob
+
+
 def test_a_replica_follows_a_primary_over_tls_with_a_token(
         procs: Callable[..., ServerProcess], tmp_path: Path, tls_files: Any) -> None:
     token = tmp_path / "token"
