@@ -262,21 +262,21 @@ class _UpstreamProtocol(Protocol):
         return self.decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._decode(self.decoder.buffer_updated, nbytes)
+
+    def dataReceived(self, data: bytes) -> None:
+        self._decode(self.decoder.feed, data)
+
+    def _decode(self, read: Any, what: Any) -> None:
+        """The frames the decoder completes with ``read(what)``, applied (a bad frame drops
+        the link: see :meth:`_fail`)."""
         try:
-            frames = self.decoder.buffer_updated(nbytes)
+            frames = read(what)
         except ProtocolError as exc:
             self._fail(exc)
             return
         if frames:
             self._frames(frames)
-
-    def dataReceived(self, data: bytes) -> None:
-        try:
-            frames = self.decoder.feed(data)
-        except ProtocolError as exc:
-            self._fail(exc)
-            return
-        self._frames(frames)
 
     def _fail(self, exc: BaseException) -> None:
         log.error("replica: {why}; resyncing from the primary {addr}", why=exc,
