@@ -53,14 +53,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``condition`` until it is true; fail the test after ``timeout`` seconds."""
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
+               interval: float = 0.005) -> None:
+    """Poll ``condition`` every ``interval`` seconds until it is true; fail the test after
+    ``timeout`` seconds. (A condition that costs much, such as one that asks a Ray actor
+    which asks others, takes a longer ``interval``: each poll takes CPU from what the test
+    waits for.)"""
     deadline = time.monotonic() + timeout
     tick = threading.Event()  # never set: wait() is the poll interval
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        tick.wait(0.005)
+        tick.wait(interval)
 
 
 @dataclass(frozen=True)

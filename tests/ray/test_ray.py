@@ -25,6 +25,10 @@ from tests.conftest import wait_until  # noqa: E402
 pytestmark = [pytest.mark.long, pytest.mark.timeout(240), pytest.mark.xdist_group("ray")]
 
 MB = 1 << 20
+# How often a wait asks the cluster (Shards.info() and state() are calls to the keeper actor,
+# which asks every member): every 5 ms, the polls took the CPU that the restarting members
+# wait for.
+RAY_POLL = 0.1
 
 
 def _descendants(pid: int) -> set[int]:
@@ -181,7 +185,7 @@ def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledge
                 wait_until(lambda: len(acked) >= 50 or bool(errors), 30, "appends under way")
                 old = two.state()["primary"][victim]
                 ray.kill(two.primary_actor(victim), no_restart=True)
-                wait_until(lambda: bool(two.state()["failovers"]), 30, "the promotion")
+                wait_until(lambda: bool(two.state()["failovers"]), 30, "the promotion", RAY_POLL)
                 (failover,) = two.state()["failovers"]
                 assert (failover["shard"], failover["from"], failover["term"]) == \
                     (victim, old, 1) and failover["to"] != old
@@ -214,7 +218,7 @@ def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledge
                     (m["role"], m["synced"], m["term"]) for m in members) == [
                     ("primary", True, 1), ("replica", True, 1)]
 
-            wait_until(whole, 60, "the dead member back as a replica")
+            wait_until(whole, 60, "the dead member back as a replica", RAY_POLL)
             assert two.refresh() == []
             # A replica that dies comes back as a replica: no promotion, writes go on.
             other = 1 - victim
@@ -226,7 +230,7 @@ def test_replicated_shards_fail_over_when_a_primary_dies_and_nothing_acknowledge
             wait_until(lambda: two.info()[other]["members"][replica] is not None and
                        two.info()[other]["members"][replica]["pid"] != members[replica]["pid"]
                        and two.info()[other]["members"][replica]["synced"], 60,
-                       "the replica back")
+                       "the replica back", RAY_POLL)
             assert two.state()["primary"] == state["primary"]
             assert len(two.state()["failovers"]) == 1 and two.refresh() == []
             name = _on_shard(c, other, "after")
@@ -253,7 +257,7 @@ def test_a_replicated_shard_whose_members_all_die_starts_again_from_its_primarys
                 sorted((m["role"], m["synced"]) for m in members) == [
                     ("primary", True), ("replica", True)]
 
-        wait_until(whole, 60, "both members started again")
+        wait_until(whole, 60, "both members started again", RAY_POLL)
         assert one.state()["primary"] == old["primary"] and one.state()["failovers"] == []
         assert [c.peek(f"v{i}") for i in range(8)] == list(range(8))  # from its data dir
         assert one.refresh() == []
@@ -556,6 +560,7 @@ def test_a_killed_relay_comes_back_on_its_port_and_its_readers_carry_on(
             return bool(seen[-1]["versions"] == {PARAMS: v2} and seen[-1]["downloads"] >= 1)
 
         seen: list[dict[str, Any]] = []
-        wait_until(counted, timeout=30, what="the relay's info() to count what it served")
+        wait_until(counted, timeout=30, what="the relay's info() to count what it served",
+                   interval=RAY_POLL)
         again = seen[-1]
         assert again["versions"] == {PARAMS: v2} and 1 <= again["downloads"] <= 2
