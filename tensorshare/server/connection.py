@@ -44,6 +44,7 @@ from ..wire.messages import (
     Reply,
     Request,
 )
+from ..wire.prepared import notify_chunks
 from ..wire.protocol import (
     PROTOCOL_VERSIONS,
     BadRequest,
@@ -590,7 +591,7 @@ class ServerProtocol(Connection, Protocol):
         self._paused = False
         folded, self._folded = self._folded, {}
         for msg in folded.values():
-            self.emit(encode_message(msg)[0])
+            self.emit(notify_chunks(msg))
         if not self._paused:
             self._socket.resumeProducing()
 
