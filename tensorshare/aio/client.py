@@ -32,7 +32,15 @@ from typing import Any, Unpack
 
 from ..client.command import gc_paused
 from ..client.endpoint import Endpoint
-from ..client.facts import SessionEvents, SessionFacts, connect_failed, dropped, reconnected
+from ..client.facts import (
+    Refused,
+    SessionEvents,
+    SessionFacts,
+    connect_failed,
+    dropped,
+    reconnected,
+    try_again,
+)
 from ..client.failover import PrimaryChoice, located
 from ..client.ops import NOWAIT, Command, FetchResult, Ops
 from ..client.options import UNSET, ClientOptions, OptionFields, Unset
@@ -53,14 +61,6 @@ Listener = Callable[[dict[str, Any]], Any]
 
 #: The token of a call nobody awaits (an iterator's unlisten after its loop was left).
 _NOBODY = object()
-
-
-class _Refused(Exception):
-    """A connection attempt that retrying would not fix (TLS refused it)."""
-
-    def __init__(self, error: TensorShareError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 class AsyncClient(SessionFacts, SessionEvents, Ops):
@@ -511,11 +511,8 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
             while not self._closing and session.closed is None:
                 try:
                     proto = await self._open()
-                except _Refused as refused:  # TLS says no: retrying would not help
-                    self._end(refused.error)
-                    break
-                except OSError as exc:
-                    if not self._connect_failed(exc, start):
+                except (Refused, OSError) as exc:
+                    if not try_again(self, exc, start):
                         break
                     await self._backoff()
                     continue
@@ -541,7 +538,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         """One connection attempt, within ``timeout``.
 
         Raises:
-            _Refused: TLS failed for good. OSError: the attempt failed (retried).
+            Refused: TLS failed for good. OSError: the attempt failed (retried).
         """
         loop = self._loop_now()
         async with asyncio.timeout(self.timeout):
@@ -554,7 +551,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
                         lambda: AioProtocol(self), where.host, where.port,
                         ssl=_tls_context(ep), server_hostname=where.host)
                 except ssl.SSLError as exc:
-                    raise _Refused(_tls_error(exc, ep, str(ep))) from None
+                    raise Refused(_tls_error(exc, ep, str(ep))) from None
                 return made
             sock = await self._socket(loop, ep)
             proto = AioProtocol(self)

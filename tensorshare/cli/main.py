@@ -100,21 +100,30 @@ def _disk_options() -> argparse.ArgumentParser:
     return d
 
 
+def _credentials(g: Any, whose: str, prefix: str = "", tls: bool = True,
+                 user_default: str = "TENSORSHARE_USER") -> None:
+    """The options that say how to prove who we are to ``whose`` (\"the primary's\", ...):
+    ``--{prefix}token-file``, ``--{prefix}user`` and, with ``tls``, ``--{prefix}tls-ca``."""
+    g.add_argument(f"--{prefix}token-file", default=None, metavar="PATH",
+                   help=f"{whose} token (default: TENSORSHARE_TOKEN or the file "
+                        "TENSORSHARE_TOKEN_FILE names)")
+    g.add_argument(f"--{prefix}user", default=None, metavar="NAME",
+                   help=f"the user of {whose} token, on a server with a users file "
+                        f"(default: {user_default})")
+    if tls:
+        g.add_argument(f"--{prefix}tls-ca", default=None, metavar="PEM",
+                       help=f"the CA that signed {whose} certificate (default: "
+                            "TENSORSHARE_TLS_CA, else the system's)")
+
+
 def _replication_options(d: argparse.ArgumentParser) -> None:
     """``serve``'s replication options (README: Replication and failover)."""
     g = d.add_argument_group("replication (see the README's Replication and failover)")
     g.add_argument("--replica-of", default=None, metavar="URL",
                    help="follow this primary as a replica: serve reads, refuse writes until "
                         "`tensorshare promote`")
-    g.add_argument("--upstream-token-file", default=None, metavar="PATH",
-                   help="the primary's token (default: TENSORSHARE_TOKEN or the file "
-                        "TENSORSHARE_TOKEN_FILE names)")
-    g.add_argument("--upstream-user", default=None, metavar="NAME",
-                   help="the primary's user to replicate as (it needs replicate = true; "
-                        "default: TENSORSHARE_USER, else 'default')")
-    g.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
-                   help="the CA of a tensorshare+tls:// primary's certificate (default: "
-                        "TENSORSHARE_TLS_CA, else the system's)")
+    _credentials(g, "the primary's", "upstream-",
+                 user_default="TENSORSHARE_USER, else 'default'; it needs replicate = true")
     g.add_argument("--replica-backlog", type=_size, default=64 << 20, metavar="BYTES",
                    help="recent records kept for replicas that reconnect (default 64M); one "
                         "that missed more takes a full copy")
@@ -239,15 +248,7 @@ def _add_serve_and_relay(sub: _Commands) -> None:
     r.add_argument("--poll", type=_seconds, default=1.0, metavar="SECONDS",
                    help="how often to look for new bins upstream (default 1); new versions "
                         "of known bins come at once")
-    r.add_argument("--upstream-token-file", default=None, metavar="PATH",
-                   help="the upstream's token (default: TENSORSHARE_TOKEN or the file "
-                        "TENSORSHARE_TOKEN_FILE names)")
-    r.add_argument("--upstream-tls-ca", default=None, metavar="PEM",
-                   help="the CA of the upstream's certificate (default: TENSORSHARE_TLS_CA)")
-    r.add_argument("--upstream-user", default=None, metavar="NAME",
-                   help="the user of the upstream token, on an upstream with a users file "
-                        "(default: TENSORSHARE_USER)")
-
+    _credentials(r, "the upstream's", "upstream-")
 
 def _connection_options() -> argparse.ArgumentParser:
     """The connection options every client command takes, as the clients do."""
@@ -262,15 +263,7 @@ def _connection_options() -> argparse.ArgumentParser:
                       help="seconds the server has to answer (default 5)")
     conn.add_argument("--tls", action="store_true", default=None,
                       help="connect with TLS (as a tensorshare+tls:// URL does)")
-    conn.add_argument("--tls-ca", default=None, metavar="PEM",
-                      help="the CA that signed the server's certificate (default: "
-                           "TENSORSHARE_TLS_CA, else the system's)")
-    conn.add_argument("--token-file", default=None, metavar="PATH",
-                      help="the server's token (default: TENSORSHARE_TOKEN or the file "
-                           "TENSORSHARE_TOKEN_FILE names)")
-    conn.add_argument("--user", default=None, metavar="NAME",
-                      help="the user the token is for, on a server with a users file "
-                           "(default: TENSORSHARE_USER, else 'default')")
+    _credentials(conn, "the server's", user_default="TENSORSHARE_USER, else 'default'")
     return conn
 
 
@@ -356,12 +349,7 @@ def _add_rebalance(sub: _Commands) -> None:
                     help="a server that leaves the set: its bins move too (repeat for more)")
     rb.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                     help="seconds each server has to answer (default 30)")
-    rb.add_argument("--token-file", default=None, metavar="PATH",
-                    help="the servers' token (default: TENSORSHARE_TOKEN or the file "
-                         "TENSORSHARE_TOKEN_FILE names)")
-    rb.add_argument("--user", default=None, metavar="NAME",
-                    help="the user the token is for (default: TENSORSHARE_USER)")
-
+    _credentials(rb, "the servers'", tls=False)
 
 def _add_admin(sub: _Commands, conn: argparse.ArgumentParser) -> None:
     """``reload`` and ``health``: one request each to one server."""

@@ -52,7 +52,7 @@ from ..wire.records import ErrorReply
 from .command import Command, gc_paused
 from .election import CHECK_BACK, Caller, ReadElection, ReaderDo
 from .endpoint import Endpoint
-from .facts import connect_failed, dropped, reconnected
+from .facts import Refused, connect_failed, dropped, reconnected, try_again
 from .options import ClientOptions
 from .session import Call, Done, Drop, Notify, Ready, Send
 
@@ -600,11 +600,8 @@ class Connection:
             while not self._closing and session.closed is None:
                 try:
                     sock = self._connect()
-                except _Refused as refused:  # TLS says no: retrying would not help
-                    self._end(refused.error)
-                    break
-                except OSError as exc:
-                    if not self._connect_failed(exc, start):
+                except (Refused, OSError) as exc:
+                    if not try_again(self, exc, start):
                         break
                     continue
                 reason = self._serve(sock)
@@ -1058,14 +1055,6 @@ def _tls_recv_into(sock: socket.socket, target: memoryview | bytearray) -> int:
     return n
 
 
-class _Refused(Exception):
-    """A connection attempt that retrying would not fix (TLS refused it)."""
-
-    def __init__(self, error: TensorShareError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def open_socket(endpoint: Endpoint, timeout: float) -> socket.socket:
     """A socket connected to ``endpoint`` (TCP, TLS over TCP, or a Unix socket), in blocking
     mode with ``timeout``."""
@@ -1091,7 +1080,7 @@ def _tls(sock: socket.socket, endpoint: Endpoint, address: str) -> socket.socket
     the server's certificate against the endpoint's CA and its host name.
 
     Raises:
-        _Refused: the certificate check failed, or the server does not speak TLS.
+        Refused: the certificate check failed, or the server does not speak TLS.
         OSError: the connection dropped or timed out (a blip: retried).
     """
     ctx = ssl.create_default_context(cafile=endpoint.tls_ca)
@@ -1100,14 +1089,14 @@ def _tls(sock: socket.socket, endpoint: Endpoint, address: str) -> socket.socket
     except ssl.SSLCertVerificationError as exc:
         sock.close()
         ca = endpoint.tls_ca or "the system's"
-        raise _Refused(ConnectError(
+        raise Refused(ConnectError(
             f"TLS with tensorshare server at {address} failed: its certificate does not "
             f"check out ({exc.verify_message}; CA: {ca}): give the CA that signed it with "
             f"tls_ca= or TENSORSHARE_TLS_CA, and connect by a name the certificate holds")) \
             from None
     except ssl.SSLError as exc:
         sock.close()
-        raise _Refused(ConnectError(
+        raise Refused(ConnectError(
             f"TLS with tensorshare server at {address} failed ({exc.reason or exc}): is the "
             f"server started with --tls-cert? (a plain server: connect with "
             f"tensorshare://)")) from None

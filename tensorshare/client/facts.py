@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from ..wire.messages import Limits
     from .session import ClientSession
 
-__all__ = ["SessionEvents", "SessionFacts", "connect_failed", "dropped", "reconnected"]
+__all__ = ["Refused", "SessionEvents", "SessionFacts", "connect_failed", "dropped", "reconnected",
+           "try_again"]
 
 
 class _Reconnecting(Protocol):
@@ -27,6 +28,27 @@ class _Reconnecting(Protocol):
     _lost_at: float | None
 
     def _end(self, error: TensorShareError) -> None: ...
+
+    def _connect_failed(self, exc: OSError, start: float) -> bool: ...
+
+
+class Refused(Exception):
+    """A connection attempt that retrying would not fix (TLS refused it): ``error`` ends the
+    session."""
+
+    def __init__(self, error: TensorShareError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def try_again(face: _Reconnecting, exc: OSError | Refused, start: float) -> bool:
+    """A face's connection attempt raised ``exc``: ``True`` when it tries again (its
+    ``_connect_failed`` says so), ``False`` when the session ended (TLS refused, or the face
+    gave up)."""
+    if isinstance(exc, Refused):
+        face._end(exc.error)
+        return False
+    return face._connect_failed(exc, start)
 
 
 def connect_failed(face: _Reconnecting, session: ClientSession, exc: OSError, start: float,

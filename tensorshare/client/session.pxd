@@ -5,7 +5,7 @@ import cython
 
 from tensorshare.wire.frames cimport FrameDecoder
 from tensorshare.wire.protocol cimport ClientConnection
-from tensorshare.client.replies cimport ReplyReader
+from tensorshare.wire.replies cimport ReplyReader
 
 
 @cython.final

@@ -81,7 +81,7 @@ from ..wire.records import (
     Fetched,
     Put,
 )
-from .replies import ReplyReader
+from ..wire.replies import ReplyReader
 
 __all__ = [
     "Call",
@@ -686,7 +686,7 @@ class ClientSession:
                      ) -> list[Event]:
         """Feed the ``n`` bytes just received into ``data`` (a reused buffer; ``view``: a
         view of it), in one pass: every whole frame of the common replies read from its fixed
-        layout (see :mod:`.replies`), the rest fed to the connection's general decoder."""
+        layout (see :mod:`~tensorshare.wire.replies`), the rest fed to the connection's general decoder."""
         conn = self.conn
         assert conn is not None
         self._last_rx = now
@@ -702,7 +702,7 @@ class ClientSession:
 
     def _whole_replies(self, data: bytearray, n: int, max_header: int, max_frame: int,
                        out: list[Any]) -> int:
-        """Read the whole frames at the start of ``data[:n]`` that :mod:`.replies` reads,
+        """Read the whole frames at the start of ``data[:n]`` that :mod:`~tensorshare.wire.replies` reads,
         into ``out``; return where the first one it does not read starts."""
         reader = self._replies
         i = 0

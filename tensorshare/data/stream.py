@@ -91,7 +91,8 @@ def _server_of(client: Any, name: str) -> Any:
 
 def _server_id(client: Any, name: str) -> str:
     """The id of the server that holds bin ``name``: it changes when that server restarted
-    without its data (streams are in memory only: they are gone then)."""
+    without its data (without a data directory streams are in memory only: they are gone
+    then; with one, or after a failover to a replica, the id stays and so do the streams)."""
     return str(_server_of(client, name).server_id)
 
 
@@ -174,8 +175,9 @@ class StreamProducer:
 
     def _gone(self, exc: Exception) -> ProducerGone | None:
         """The ``ProducerGone`` an error of an append or end means, if it means one: the
-        server lost this client's session, forgot the stream, or restarted (streams live in
-        memory only): this producer's epoch is lost on the server either way."""
+        server lost this client's session, forgot the stream, or restarted without a data
+        directory (its streams were in memory only): this producer's epoch is lost on the
+        server either way."""
         restarted = _server_id(self.client, self.name) != self._server_id
         if isinstance(exc, (SessionLost, BinNotFound)) or (
                 isinstance(exc, InvalidRequest) and restarted):
@@ -292,8 +294,8 @@ class StreamProducer:
         Raises:
             ProducerGone: that epoch cannot complete (another producer died in it), or was
                 aborted after all (a producer took the dead one's place), or the server
-                restarted (streams live in memory only): :meth:`reopen`, then send the
-                epoch again.
+                restarted without a data directory (its streams were in memory only):
+                :meth:`reopen`, then send the epoch again.
             WaitTimeout: not finished within ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -301,8 +303,9 @@ class StreamProducer:
         while True:
             bins = _server_of(self.client, self.name).stats(_glob_of(self.name))["bins"]
             if _server_id(self.client, self.name) != self._server_id:
-                raise ProducerGone(f"the server of stream {self.name!r} restarted (streams "
-                                   f"live in memory only): its last epoch is lost")
+                raise ProducerGone(f"the server of stream {self.name!r} restarted without a "
+                                   f"data directory (its streams were in memory only): its "
+                                   f"last epoch is lost")
             info = bins.get(self.name)
             if info is None or info.get("kind") != "stream":
                 return  # it finished and everyone left: the stream was removed
@@ -464,7 +467,8 @@ class StreamConsumer:
             Lagged: items were freed before this consumer read them (``missed``: how many);
                 the next read returns what comes after them.
             ProducerGone: the epoch can never complete (a producer died, or the server
-                restarted: streams live in memory only): :meth:`rejoin`.
+                restarted without a data directory: its streams were in memory only):
+                :meth:`rejoin`.
         """
         if self._pid != os.getpid():
             # A forked process (a DataLoader worker): it goes on from what the stream knows
@@ -509,12 +513,14 @@ class StreamConsumer:
             return None  # the read's outcome is unknown; reading from our position is safe
         except BinNotFound:
             if _server_id(self.client, self.name) != self._server_id:
-                # The server restarted: streams live in memory only, so the epoch this
-                # consumer was in is cut short, as when a producer dies.
+                # The server restarted without a data directory: its streams were in
+                # memory only, so the epoch this consumer was in is cut short, as when a
+                # producer dies.
                 self._stash = None
-                raise ProducerGone(f"the server of stream {self.name!r} restarted (streams "
-                                   f"live in memory only): the epoch in progress is lost; "
-                                   f"rejoin at 'next_epoch'") from None
+                raise ProducerGone(f"the server of stream {self.name!r} restarted without a "
+                                   f"data directory (its streams were in memory only): the "
+                                   f"epoch in progress is lost; rejoin at 'next_epoch'"
+                                   ) from None
             # The stream forgot this consumer (dropped and removed while it was away):
             # join again; a position it still keeps goes on.
             at = self.position

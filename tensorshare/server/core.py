@@ -547,7 +547,7 @@ class ServerFactory(Factory):
                 open_in[op] = open_in.get(op, 0) + n
         queued, receiving = self.queued_bytes(), self.budget.receiving
         report = self.stats.report()
-        # The bins of every kind: the store's, and the streams' and services' (memory only).
+        # The bins of every kind: the store's, and the streams', services' and replay bins'.
         stored = store.nbytes + sum(kind.nbytes for kind in self.kinds)
         n_bins = len(store.list()) + sum(len(kind.describe(None)) for kind in self.kinds)
         return {

@@ -48,6 +48,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -69,6 +70,7 @@ from ..wire.messages import (
 )
 from ..wire.protocol import OPS, encode_message, item_wire_size, items_header, parse_items
 from .handlers import EFFECTS
+from .kinds import snapshot_groups
 from .sessions import Remembered, ServerSession, SessionTable
 from .store import BinConfig, Store
 
@@ -88,11 +90,9 @@ _REC = struct.Struct("<II")
 _PREFIX = struct.Struct("<2sBBIQ")
 _LOG_RE = re.compile(r"^log-(\d{12})\.tsl$")
 _SNAP_RE = re.compile(r"^snapshot-(\d{12})\.tss$")
-# Items of one bin per snapshot record: bounded in count and bytes so records stay small.
-_SNAP_ITEMS = 256
-_SNAP_BYTES = 64 << 20
 _packb = msgpack.Packer(use_bin_type=True).pack
-# Reply class -> the op whose reply parser reads it back from a snapshot.
+# Reply class -> the op whose reply parser reads it back from a snapshot (the other kinds'
+# replies: Persistence.kind_replies).
 _REPLY_OP = {Stored: "put", Fetched: "get", Deleted: "delete", Configured: "configure"}
 
 
@@ -279,6 +279,9 @@ class Persistence:
         #: What each does when a snapshot starts loading (a replica's full copy may start
         #: again after a cut one: what the cut one left is dropped).
         self.kind_begin: list[Callable[[], None]] = []
+        #: What each does once :meth:`open` loaded the directory (streams: their members'
+        #: leases run from then).
+        self.kind_opened: list[Callable[[], None]] = []
         #: The newest term (replication's epoch) recorded in this data set (``term`` records).
         self.term = 0
         #: Called with each record's chunks and size as it is added (replication's tap).
@@ -296,10 +299,13 @@ class Persistence:
         os.makedirs(self.dir, exist_ok=True)
         self._lock()
         try:
-            return self._open(store, sessions)
+            loaded = self._open(store, sessions)
         except BaseException:
             self._unlock()
             raise
+        for opened in self.kind_opened:
+            opened()
+        return loaded
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -961,20 +967,10 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
                       "config": [cfg.max_items, cfg.max_bytes, cfg.overflow], "drops": drops})
     for name, kind, _, entries in state.bins:
         yield _frame({"op": "bin", "bin": name, "kind": kind})
-        group: list[Item] = []
-        size = 0
-        for item, nbytes, _ in entries:
-            group.append(item)
-            size += nbytes
-            if len(group) >= _SNAP_ITEMS or size >= _SNAP_BYTES:
-                buffers: list[BytesLike] = []
-                yield _frame({"op": "items", "bin": name, "items": items_header(group, buffers)},
-                             buffers)
-                group, size = [], 0
-        if group:
-            buffers = []
-            yield _frame({"op": "items", "bin": name, "items": items_header(group, buffers)},
-                         buffers)
+        for group in snapshot_groups(entries, itemgetter(1)):  # (item, nbytes, tag)
+            buffers: list[BytesLike] = []
+            yield _frame({"op": "items", "bin": name,
+                          "items": items_header([e[0] for e in group], buffers)}, buffers)
     for part in state.parts:
         for header, buffers in part:
             yield _frame(header, buffers)
@@ -983,7 +979,7 @@ def _snapshot_frames(state: _State) -> Iterator[list[BytesLike]]:
         yield _frame({"op": "session", "s": sid})
         for _rid, reply, bin_name, held in replies:
             if type(reply) is not ErrorReply and type(reply) not in ops:
-                continue  # a reply of a bin kind that lives in memory only (streams, services)
+                continue  # a reply of a bin kind that lives in memory only (services)
             extra: dict[str, Any] = {"rec": "reply", "s": sid, "held": held}
             if type(reply) is not ErrorReply:
                 extra["req_op"] = ops[type(reply)]

@@ -56,7 +56,7 @@ from ..wire.replay import (
     ReplayUpdate,
     ReplayUpdated,
 )
-from .kinds import check_memory, claim_name
+from .kinds import Rates, check_memory, claim_name
 from .replay import ReplayConfig, ReplayTable
 from .replaylog import Entry, ReplayLog
 
@@ -69,8 +69,6 @@ __all__ = ["BIN_COST", "ITEM_COST", "ReplayBin", "ReplayKind"]
 BIN_COST = 16384
 #: What one item's record is counted as, besides its bytes.
 ITEM_COST = 160
-#: Seconds over which ``inserts_per_s`` and ``samples_per_s`` are measured.
-RATE_WINDOW = 10.0
 
 
 @dataclass(eq=False, slots=True)
@@ -88,7 +86,7 @@ class _Waiting:
 class ReplayBin:
     """One replay bin: its table, what waits on it, its counters for the stats."""
 
-    __slots__ = ("changed_at", "counted", "inserts", "max_item", "name", "recent", "samples",
+    __slots__ = ("changed_at", "counted", "inserts", "max_item", "name", "rates", "samples",
                  "table", "version")
 
     def __init__(self, name: str, table: ReplayTable) -> None:
@@ -101,24 +99,12 @@ class ReplayBin:
         self.changed_at = time.time()
         self.counted = 0  # its cost as the kind last counted it
         self.max_item = 0  # the largest item's bytes ever inserted (a sample's reply bound)
-        self.recent: deque[list[float]] = deque()  # [second, inserts, samples]
+        self.rates = Rates(2)  # inserts, samples
 
     @property
     def cost(self) -> int:
         """Bytes counted against ``max_memory``."""
         return BIN_COST + self.table.nbytes + ITEM_COST * len(self.table)
-
-    def count(self, now: float, inserts: int, samples: int) -> None:
-        """Count an op for the rates (one entry per second)."""
-        second = float(int(now))
-        recent = self.recent
-        if recent and recent[-1][0] == second:
-            recent[-1][1] += inserts
-            recent[-1][2] += samples
-        else:
-            recent.append([second, inserts, samples])
-        while recent and recent[0][0] < now - RATE_WINDOW:
-            recent.popleft()
 
     def smallest_sample(self) -> int:
         """The smallest batch a waiting sample asks for (0: none waits)."""
@@ -127,11 +113,9 @@ class ReplayBin:
 
     def describe(self, now: float, listeners: int) -> dict[str, Any]:
         """A summary for the stats (see :meth:`ReplayKind.describe`)."""
-        self.count(now, 0, 0)
         table = self.table
         stats = table.stats()
-        stats["inserts_per_s"] = round(sum(r[1] for r in self.recent) / RATE_WINDOW, 1)
-        stats["samples_per_s"] = round(sum(r[2] for r in self.recent) / RATE_WINDOW, 1)
+        stats["inserts_per_s"], stats["samples_per_s"] = self.rates.per_second(now)
         stats["total_weight"] = table.total_weight()
         stats["waiting_inserts"] = sum(1 for w in self.inserts if w.active)
         stats["waiting_samples"] = sum(1 for w in self.samples if w.active)
@@ -343,7 +327,7 @@ class ReplayKind:
         b.max_item = max(b.max_item, *w.nbytes)
         self._log(w.conn, msg, {"op": "replay_insert", "bin": b.name, "keys": keys,
                                 "priorities": list(msg.priorities)}, msg.items)
-        b.count(self._now(), k, 0)
+        b.rates.count(self._now(), k, 0)
         self._release(b)
         self._changed(b, "replay_insert")
         return ReplayInserted(msg.id, tuple(keys), len(table))
@@ -374,7 +358,7 @@ class ReplayKind:
         drawn = table.sample(msg.batch_size)
         self._log(w.conn, msg, {"op": "replay_sample", "bin": b.name,
                                 "batch_size": msg.batch_size, "keys": drawn.keys})
-        b.count(self._now(), 0, msg.batch_size)
+        b.rates.count(self._now(), 0, msg.batch_size)
         self._release(b)
         self._changed(b, "replay_sample")
         items = tuple(e.item for e in drawn.payloads)

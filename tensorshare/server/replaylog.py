@@ -14,7 +14,7 @@ that the replies are remembered again; see ``docs/PROTOCOL.md`` §12 and §15.3)
 Snapshot records: ``replay_bin`` (``bin``, ``state``: the table's
 :meth:`~.replay.ReplayTable.state` but its items, and ``version``: the bin's version) and
 ``replay_items`` (``bin``, ``rows``: the state's item rows, in slot order, and ``items``: their
-payloads), at most :data:`SNAP_ITEMS` a record. A snapshot (a file, or a replica's full copy:
+payloads), at most :data:`~.kinds.SNAP_ITEMS` and about :data:`~.kinds.SNAP_BYTES` of items a record. A snapshot (a file, or a replica's full copy:
 :mod:`.replication`) holds every replay bin: loading one replaces them all. The same rows
 apply a replica's records as they arrive, so a replica's bins follow its primary's (their
 versions too: each insert, sample and update counts one, as on the primary). Nothing read
@@ -29,12 +29,10 @@ from typing import Any
 
 from ..wire.protocol import item_wire_size, items_header, parse_items
 from ..wire.replay import ReplayInserted, ReplaySampled, ReplayUpdated
+from .kinds import KindLog, snapshot_groups
 from .replay import ReplayConfig, ReplayTable
 
-__all__ = ["SNAP_ITEMS", "Entry", "ReplayLog"]
-
-#: Items of one replay bin per snapshot record.
-SNAP_ITEMS = 256
+__all__ = ["Entry", "ReplayLog"]
 
 
 class Entry:
@@ -48,7 +46,7 @@ class Entry:
         self.usage = usage
 
 
-class ReplayLog:
+class ReplayLog(KindLog):
     """Reads the replay records back into ``kind`` (a :class:`~.replaykind.ReplayKind`), and
     captures its bins for a snapshot."""
 
@@ -58,24 +56,18 @@ class ReplayLog:
         # Bins of the snapshot being loaded: name -> (state, rows, payloads by key, version).
         self._loading: dict[str, tuple[dict[str, Any], list[Any], dict[int, Any], int]] = {}
 
-    def register(self, p: Any) -> None:
-        """Make the data log ``p`` read and write replay records."""
-        p.kind_records.update({
-            "replay_open": self._open, "replay_insert": self._insert,
-            "replay_sample": self._sample, "replay_update": self._update,
-            "replay_bin": self._bin, "replay_items": self._items})
-        p.kind_parts.append(self.capture)
-        p.kind_replies.update({ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
-                               ReplayUpdated: "replay_update"})
-        p.kind_loaded.append(self._loaded)
-        p.kind_begin.append(self._loading.clear)
+    replies = {ReplayInserted: "replay_insert", ReplaySampled: "replay_sample",
+               ReplayUpdated: "replay_update"}
+
+    def readers(self) -> dict[str, Any]:
+        """The replay records' readers (see :meth:`.kinds.KindLog.register`)."""
+        return {"replay_open": self._open, "replay_insert": self._insert,
+                "replay_sample": self._sample, "replay_update": self._update,
+                "replay_bin": self._bin, "replay_items": self._items}
 
     # -- the log --------------------------------------------------------------------------
     def _table(self, h: dict[str, Any]) -> Any:
-        b = self.kind.bins.get(h["bin"])
-        if b is None:
-            raise ValueError(f"replay bin {h['bin']!r} was never opened")
-        return b
+        return self.named(self.kind.bins, h, "a replay bin that was never opened")
 
     def _open(self, h: dict[str, Any], payload: bytearray) -> None:
         if h["bin"] not in self.kind.bins:
@@ -117,8 +109,8 @@ class ReplayLog:
         for name, b in sorted(self.kind.bins.items()):
             state = b.table.state()
             rows = state.pop("items")
-            items = [b.table.get(r[0]).payload.item for r in rows]
-            bins.append((name, b.version, state, rows, items))
+            entries = [(r, b.table.get(r[0]).payload) for r in rows]
+            bins.append((name, b.version, state, entries))
         return _records(bins)
 
     def _bin(self, h: dict[str, Any], payload: bytearray) -> None:
@@ -138,7 +130,7 @@ class ReplayLog:
             rows.append(row)
             payloads[row[0]] = Entry(it, item_wire_size(it), None)
 
-    def _loaded(self) -> None:
+    def loaded(self) -> None:
         """The snapshot is read: its tables replace every replay bin (the log replayed after
         it changes them)."""
         loading = dict(self._loading)
@@ -153,12 +145,16 @@ class ReplayLog:
             b.max_item = max((e.nbytes for e in payloads.values()), default=0)
 
 
-def _records(bins: list[tuple[str, int, dict[str, Any], list[Any], list[Any]]]
+def _records(bins: list[tuple[str, int, dict[str, Any], list[tuple[Any, Entry]]]]
              ) -> Iterator[tuple[dict[str, Any], list[Any]]]:
-    for name, version, state, rows, items in bins:
+    for name, version, state, entries in bins:
         yield {"op": "replay_bin", "bin": name, "state": state, "version": version}, []
-        for i in range(0, len(rows), SNAP_ITEMS):
+        for group in snapshot_groups(entries, _nbytes):  # (row, its Entry)
             buffers: list[Any] = []
-            header = items_header(items[i:i + SNAP_ITEMS], buffers)
-            yield {"op": "replay_items", "bin": name, "rows": rows[i:i + SNAP_ITEMS],
+            header = items_header([e.item for _, e in group], buffers)
+            yield {"op": "replay_items", "bin": name, "rows": [r for r, _ in group],
                    "items": header}, buffers
+
+
+def _nbytes(entry: tuple[Any, Entry]) -> int:
+    return int(entry[1].nbytes)

@@ -67,7 +67,8 @@ __all__ = ["MemoryLog", "Replication"]
 log = Logger(namespace="tensorshare.server")
 
 _REPL_OPS = frozenset({"psync", "repl_ack", "promote", "wait_replicas"})
-# The other kinds' ops: their state is not in the data log, so they live on the primary only.
+# The other kinds' ops live on the primary only (a replica keeps the streams' state, from the
+# data log, to take over once promoted; services live in memory only).
 _KIND_OPS = frozenset(op.name for op in (*wire_streams.ROWS, *wire_services.ROWS))
 # Ops no read-only token may send but that change nothing: a replica serves them (replay
 # bins are replicated; a sample moves their random state and counts, so it is a write).
@@ -556,6 +557,8 @@ class Replication:
             if s.attached is None:
                 f.sessions.detach(s, expires)
         f._schedule_expiry()
+        for kind in f.kinds:  # (streams: their members' leases run from now)
+            getattr(kind, "took_over", lambda: None)()
         self._install_fence()
         f.commit()
         log.warn("promoted to primary under term {term}", term=self.term)

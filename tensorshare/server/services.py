@@ -54,7 +54,7 @@ from ..wire.services import (
     ServiceReply,
     ServiceTake,
 )
-from .kinds import check_memory, claim_name
+from .kinds import Rates, check_memory, claim_name
 
 if TYPE_CHECKING:
     from .parts import AnyReply, Conn, Handler, Server
@@ -68,8 +68,6 @@ CALL_COST = 256
 #: Idle services (no call, no host) kept listed with their statistics; beyond, the longest
 #: idle are forgotten.
 MAX_IDLE_SERVICES = 1024
-#: Seconds over which ``calls_per_s`` is measured.
-RATE_WINDOW = 10.0
 
 
 @dataclass(eq=False, slots=True)
@@ -148,7 +146,7 @@ class Service:
     batch_rows: int = 0
     latency_sum: float = 0.0
     latency_max: float = 0.0
-    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, calls answered)
+    rates: Rates = field(default_factory=lambda: Rates(1))  # calls answered
     counted: int = 0  # its cost as the kind last counted it
     # What its calls cost until they are done (bytes and CALL_COST each), kept as calls come
     # and finish: the cost is asked on every change, never summed over the queue.
@@ -181,8 +179,6 @@ class Service:
 
     def describe(self, now: float, listeners: int) -> dict[str, Any]:
         """A summary for the stats (see :meth:`ServiceKind.describe`)."""
-        while self.recent and self.recent[0][0] < now - RATE_WINDOW:
-            self.recent.popleft()
         leased = sum(len(b.calls) for b in self.batches.values())
         return {
             "kind": "service", "n_items": len(self.queue), "nbytes": self.nbytes,
@@ -199,7 +195,7 @@ class Service:
                 "timed_out": self.timed_out, "requeued": self.requeued,
                 "batches": self.version,
                 "mean_batch": round(self.batch_rows / self.version, 2) if self.version else 0.0,
-                "calls_per_s": round(sum(n for _, n in self.recent) / RATE_WINDOW, 1),
+                "calls_per_s": self.rates.per_second(now)[0],
                 "latency_mean_ms": round(1e3 * self.latency_sum / self.answered, 3)
                 if self.answered else 0.0,
                 "latency_max_ms": round(1e3 * self.latency_max, 3),
@@ -492,7 +488,7 @@ class ServiceKind:
                 answered += 1
             self._deliver(c, ServiceAnswer(c.rid, (it,), msg.version))
         svc.answered += answered
-        svc.recent.append((now, answered))
+        svc.rates.count(now, answered)
 
     @staticmethod
     def _gather(calls: list[_Call]) -> list[Conn]:

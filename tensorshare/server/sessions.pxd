@@ -2,7 +2,9 @@
 # tensorshare._ext). The .py stays the reference: this file only declares what Cython may type.
 import cython
 
-cdef dict _STORED
+from tensorshare.wire.replies cimport ReplyReader
+
+cdef ReplyReader _READER
 
 
 @cython.final

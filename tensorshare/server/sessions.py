@@ -24,11 +24,11 @@ from typing import Any, cast
 
 from ..wire.frames import PREFIX
 from ..wire.messages import Reply
-from ..wire.prepared import read_reply
 from ..wire.records import (
     Fetched,
     Stored,
 )
+from ..wire.replies import ReplyReader
 
 __all__ = ["Remembered", "ServerSession", "SessionTable"]
 
@@ -53,18 +53,16 @@ class Remembered:
         return f"Remembered({self.reply!r}, bin={self.bin!r}, held={self.held})"
 
 
-_STORED: dict[str, type] = {"put": Stored}
-
-
-def _put_op(rid: int) -> str:
-    return "put"
+#: Reads remembered put replies back (the reactor's thread only, as every session).
+_READER = ReplyReader()
 
 
 def reply_of(r: Remembered | bytes) -> Reply:
     """The reply a remembered entry holds: a put's is kept as the frame it was sent in
     (``bytes``, no object per put), read back here when asked (a snapshot, a lookup)."""
     if type(r) is bytes:
-        reply = read_reply(r[PREFIX:], b"", _put_op, _STORED)
+        rid = _READER.reply_id(r[PREFIX:])
+        reply = _READER.reply(rid, Stored, b"") if rid is not None else None
         if reply is None:  # (only what protocol.stored_frame wrote is remembered so)
             raise ValueError("a remembered reply frame that is not a put's")
         return cast(Reply, reply)

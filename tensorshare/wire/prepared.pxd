@@ -7,12 +7,12 @@ from tensorshare.wire.records cimport Buffer, Changed, Encoded, Fetched, Item
 
 cdef object _packb, _FRAME_HEAD, _U16, _U32, _U64, _I8, _I16, _I32, _I64, _F64, _BAD
 cdef bytes _ZEROS, _K_OP, _K_ID, _K_BIN, _K_ITEMS, _K_ACK, _K_OPEN, _REPLY_ID
-cdef bytes _OK_VERSION, _OK_FLAG, _OK_FALSE_CODE, _OK_KIND, _K_N_ITEMS, _K_DROPPED
-cdef bytes _K_VERSION, _K_MESSAGE, _K_UNCHANGED, _NOTIFY_BIN, _K_EVENT, _K_SKIPPED
+cdef bytes _OK_KIND, _K_N_ITEMS, _K_DROPPED
+cdef bytes _K_VERSION, _K_UNCHANGED, _NOTIFY_BIN, _K_EVENT, _K_SKIPPED
 cdef bytes _ONE_ITEM, _ONE_BUFFER_AT_0, _K_TIMEOUT, _K_MAX_ITEMS, _K_WAIT_TRUE
 cdef bytes _K_MIN_ITEMS, _K_MIN_TAG, _K_NEWER_THAN
 cdef bytes _FETCHED_HEAD, _PUT_ID, _APPEND_ID, _GET_ID, _PEEK_ID, _K_WAIT, _ITEMS_ONE
-cdef Py_ssize_t _RID_AT, _NAMES_MAX
+cdef Py_ssize_t _NAMES_MAX
 cdef dict _OP_ID, _NAMES, _VALID
 cdef tuple _BYTES, _CC, _CD
 cdef Py_ssize_t _VALID_MAX, _VALID_MAX_BYTES
@@ -41,18 +41,6 @@ cdef tuple _str_at(bytes h, Py_ssize_t i)
 
 @cython.locals(b=cython.uchar, n=Py_ssize_t, end=Py_ssize_t)
 cdef tuple _bin_at(bytes h, Py_ssize_t i)
-
-@cython.locals(i=Py_ssize_t, b=cython.uchar)
-cpdef object read_reply(bytes h, object payload, object op_of, dict expects)
-
-@cython.locals(i=Py_ssize_t)
-cdef object _error(bytes h, object rid, Py_ssize_t i)
-
-@cython.locals(i=Py_ssize_t, n=Py_ssize_t, size=Py_ssize_t, b=cython.uchar)
-cdef object _fetched(bytes h, object rid, Py_ssize_t i, object payload)
-
-@cython.locals(i=Py_ssize_t)
-cpdef object read_notify(bytes h)
 
 @cython.locals(it=Item, value=Encoded, b=Buffer, descs=bytes, header=bytes)
 cpdef list fetched_chunks(object rid, Fetched reply)

@@ -10,12 +10,12 @@ reading the values between them, without a dict:
 
 * requests (the client): ``put``, ``append`` of one item, ``get``/``peek`` and a fetch of the
   common shapes (:func:`put_header`, :func:`fetch_header`), with the acknowledgement fields;
-* replies (the client reads): ``Stored``, ``Acked``, an ``ErrorReply``, a ``Fetched`` of at
-  most one item in one plain buffer, and the ``notify`` of a change
-  (:func:`read_reply`, :func:`read_notify`);
+* requests (the server reads): those requests read back from their layouts
+  (:func:`read_request`);
 * replies and notifications (the server writes): a ``Fetched`` of one item in one plain buffer
   (:func:`fetched_chunks`) and the ``notify`` of a change (:func:`notify_chunks`: encoded once
-  and written to every listener).
+  and written to every listener). The client reads the common replies from their layouts in
+  :mod:`.replies`.
 
 Every prepared header is the same bytes the general encoder writes for the same message
 (``tests/wire/test_prepared.py`` checks that byte for byte over many values), and what the
@@ -36,22 +36,19 @@ import msgpack
 from .codec import validate
 from .frames import ALIGN, FORMAT_VERSION, MAGIC, PREFIX, BytesLike
 from .records import (
-    Acked,
     Append,
     Changed,
-    ErrorReply,
     Fetch,
     Fetched,
     FetchSpec,
     Item,
     Put,
-    Stored,
     encoded_of,
     raw_buffer,
 )
 
 __all__ = ["MAX_OPEN_ACKS", "fetch_header", "fetched_chunks", "frame_chunks", "packed_int",
-           "notify_chunks", "packed_name", "put_header", "read_notify", "read_reply", "read_request"]
+           "notify_chunks", "packed_name", "put_header", "read_request"]
 
 # At most this many request ids below ``ack`` may be listed as still open (see
 # ``protocol.AckInfo``).
@@ -77,16 +74,11 @@ _K_ITEMS = _packb("items")
 _K_ACK = _packb("ack")
 _K_OPEN = _packb("open")
 _REPLY_ID = _K_OP + _packb("reply") + _K_ID
-_RID_AT = 1 + len(_REPLY_ID)  # where a reply's id starts, after its map byte
-#: After a reply's id: ``ok: true`` and the key that follows it, per reply.
-_OK_VERSION = _packb("ok") + b"\xc3" + _packb("version")
-_OK_FLAG = _packb("ok") + b"\xc3" + _packb("flag")
-_OK_FALSE_CODE = _packb("ok") + b"\xc2" + _packb("code")
+#: After a reply's id, a fetch's ``ok: true`` and the key that follows it.
 _OK_KIND = _packb("ok") + b"\xc3" + _packb("kind")
 _K_N_ITEMS = _packb("n_items")
 _K_DROPPED = _packb("dropped")
 _K_VERSION = _packb("version")
-_K_MESSAGE = _packb("message")
 _K_UNCHANGED = _packb("unchanged")
 _NOTIFY_BIN = _K_OP + _packb("notify") + _K_BIN
 _K_EVENT = _packb("event")
@@ -279,120 +271,6 @@ def _bin_at(h: bytes, i: int) -> tuple[bytes, int]:
     if end > len(h):
         raise ValueError("a bin past the end")
     return h[i:end], end
-
-
-def read_reply(h: bytes, payload: Any, op_of: Any, expects: dict[str, type]) -> Any:
-    """The reply in header ``h`` (and ``payload``) when it has one of the fixed layouts and
-    the op of its request (``op_of(id)``) expects that reply (``expects``: op -> Stored,
-    Acked or Fetched); else ``None`` (the general parser reads it then). A reply whose
-    request nobody waits for is left to it too."""
-    if len(h) < _RID_AT + 1 or not h.startswith(_REPLY_ID, 1):
-        return None
-    try:
-        rid, i = _int_at(h, _RID_AT)
-        op = op_of(rid)
-        if op is None:
-            return None
-        kind = expects.get(op)
-        if h.startswith(_OK_VERSION, i):
-            if kind is not Stored or h[0] != 0x85:
-                return None
-            version, i = _int_at(h, i + len(_OK_VERSION))
-            if not h.startswith(_K_N_ITEMS, i):
-                return None
-            n_items, i = _int_at(h, i + len(_K_N_ITEMS))
-            if i != len(h) or version < 0 or n_items < 0:
-                return None
-            return Stored(rid, version, n_items, 0)
-        if h.startswith(_OK_FLAG, i):
-            b = h[i + len(_OK_FLAG)] if i + len(_OK_FLAG) < len(h) else 0
-            if kind is not Acked or h[0] != 0x84 or i + len(_OK_FLAG) + 1 != len(h) or \
-                    (b != 0xC3 and b != 0xC2):
-                return None
-            return Acked(rid, b == 0xC3)
-        if h.startswith(_OK_FALSE_CODE, i):
-            return _error(h, rid, i + len(_OK_FALSE_CODE))
-        if h.startswith(_OK_KIND, i) and kind is Fetched:
-            return _fetched(h, rid, i + len(_OK_KIND), payload)
-    except (IndexError, ValueError, struct.error, UnicodeDecodeError):
-        return None
-    return None
-
-
-def _error(h: bytes, rid: int, i: int) -> ErrorReply | None:
-    if h[0] != 0x85:
-        return None
-    code, i = _str_at(h, i)
-    if not h.startswith(_K_MESSAGE, i):
-        return None
-    message, i = _str_at(h, i + len(_K_MESSAGE))
-    return ErrorReply(rid, code, message) if i == len(h) else None
-
-
-def _fetched(h: bytes, rid: int, i: int, payload: Any) -> Fetched | None:
-    """A get/peek reply of at most one item in one plain buffer (the layout of
-    ``protocol.encode_fetched_parts``); ``None`` for any other."""
-    if h[0] != 0x88:
-        return None
-    kind, i = _str_at(h, i)
-    if not h.startswith(_K_VERSION, i):
-        return None
-    version, i = _int_at(h, i + len(_K_VERSION))
-    if not h.startswith(_K_N_ITEMS, i):
-        return None
-    n_items, i = _int_at(h, i + len(_K_N_ITEMS))
-    if not h.startswith(_K_DROPPED, i):
-        return None
-    dropped, i = _int_at(h, i + len(_K_DROPPED))
-    if not h.startswith(_K_ITEMS, i) or version < 0 or n_items < 0 or dropped < 0:
-        return None
-    i += len(_K_ITEMS)
-    if not h.startswith(_ONE_ITEM, i):
-        return None
-    value, i = _bin_at(h, i + 2)
-    size = len(payload)
-    if h.startswith(_ONE_BUFFER_AT_0, i):
-        n, i = _int_at(h, i + 3)
-        if n < 0 or n != size:
-            return None
-        buffers: tuple[Any, ...] = (raw_buffer(memoryview(payload), n),) if n else \
-            (raw_buffer(b"", 0),)
-    elif h[i] == 0x90 and size == 0:
-        n, i, buffers = 0, i + 1, ()
-    else:
-        return None
-    b = h[i]
-    if b == 0xC0:
-        tag, i = None, i + 1
-    else:
-        tag, i = _int_at(h, i)
-    if i != len(h):
-        return None
-    item = Item(encoded_of(value, buffers, len(value) + n), tag)
-    return Fetched(rid, kind, (item,), version, n_items, dropped, False)
-
-
-def read_notify(h: bytes) -> tuple[str, str, int, int] | None:
-    """``(bin, event, n_items, version)`` of a change notification without ``skipped`` or
-    ``dropped`` (the usual one), else ``None``."""
-    if len(h) < _RID_AT or h[0] != 0x85 or not h.startswith(_NOTIFY_BIN, 1):
-        return None
-    try:
-        name, i = _str_at(h, 1 + len(_NOTIFY_BIN))
-        if not h.startswith(_K_EVENT, i):
-            return None
-        event, i = _str_at(h, i + len(_K_EVENT))
-        if not h.startswith(_K_N_ITEMS, i):
-            return None
-        n_items, i = _int_at(h, i + len(_K_N_ITEMS))
-        if not h.startswith(_K_VERSION, i):
-            return None
-        version, i = _int_at(h, i + len(_K_VERSION))
-    except (IndexError, ValueError, struct.error, UnicodeDecodeError):
-        return None
-    if i != len(h):
-        return None
-    return name, event, n_items, version
 
 
 # -- replies the server writes from prepared pieces ---------------------------------------------

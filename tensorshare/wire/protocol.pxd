@@ -3,8 +3,8 @@
 import cython
 
 from tensorshare.wire.fields cimport Fds, check_bin, read_items
-from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_notify
-from tensorshare.wire.prepared cimport read_reply, read_request
+from tensorshare.wire.prepared cimport fetched_chunks, packed_int, read_request
+from tensorshare.wire.replies cimport ReplyReader
 from tensorshare.wire.frames cimport Frame, FrameDecoder, OversizedFrame
 from tensorshare.wire.records cimport Item
 
@@ -39,13 +39,14 @@ cdef class ServerConnection(_Side):
 cdef class ClientConnection(_Side):
     cdef public object limits
     cdef public bint shm
+    cdef ReplyReader _replies
 
     @cython.locals(header=bytes, chunks=list, limits=object, size=Py_ssize_t, c=object)
     cpdef list send_acked(self, object msg, Py_ssize_t through, tuple open_ids,
                           object shared=*)
     @cython.locals(out=list, frame=object)
     cdef list _parse(self, list frames, object error, object op_of)
-    @cython.locals(h=dict)
+    @cython.locals(h=dict, header=bytes, reader=ReplyReader, op=object)
     cdef object _parse_frame(self, object frame, object op_of)
 
 

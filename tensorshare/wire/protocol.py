@@ -112,8 +112,6 @@ from .prepared import (
     frame_chunks,
     packed_int,
     put_header,
-    read_notify,
-    read_reply,
     read_request,
 )
 from .records import (
@@ -128,6 +126,7 @@ from .records import (
     Put,
     Stored,
 )
+from .replies import ReplyReader
 from .runs import items_header as runs_header
 
 __all__ = [
@@ -1141,6 +1140,7 @@ class ClientConnection(_Side):
                          self.limits.max_frame_bytes + REPLY_SLACK, allocate=allocate)
         self.fds = Fds(writable=True)  # received tensors are the caller's to change
         self.shm = False  # the handshake allowed memfd buffers, both ways
+        self._replies = ReplyReader()  # the common replies, read from their fixed layouts
 
     def set_limits(self, limits: Limits) -> None:
         """Adopt the server's limits (from the handshake).
@@ -1239,14 +1239,18 @@ class ClientConnection(_Side):
 
     def _parse_frame(self, frame: Frame, op_of: Callable[[int], str | None]) -> ClientEvent:
         header = frame.header
+        reader = self._replies
         if header[0] != 0x85 or not header.startswith(_NOTIFY_OP, 1):
-            msg = read_reply(header, frame.payload, op_of, REPLY_EXPECTS)
-            if msg is not None:
-                return msg
+            rid = reader.reply_id(header)
+            op = op_of(rid) if rid is not None else None
+            if op is not None:
+                msg = reader.reply(rid, REPLY_EXPECTS.get(op), frame.payload)
+                if msg is not None:
+                    return msg
         else:
-            change = read_notify(header)
+            change = reader.notify(header)
             if change is not None:
-                return Changed(change[0], change[1], change[2], change[3], 0, 0)
+                return change
         h = _header_map(frame)
         op = h.get("op")
         try:

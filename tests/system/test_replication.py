@@ -356,6 +356,15 @@ def _fake_primary_messages(rng: Any) -> list[bytes]:
                                                   "rows": [[1, 1.0, 0, 8, 0]]}, (1,))),
         push({"op": "repl_snap", "term": 0}, rec({"op": "replay_bin", "bin": "r",
                                                   "state": {}, "version": -1})),
+        # streams: a state that is none, entries of a stream never described, an append to
+        # a stream the replica does not have
+        push({"op": "repl_snap", "term": 0}, rec({"op": "stream_bin", "bin": "s",
+                                                  "state": {"head": -1}}))
+        + push({"op": "repl_snap", "term": 0}, rec({"op": "end"})),
+        push({"op": "repl_snap", "term": 0}, rec({"op": "stream_items", "bin": "s",
+                                                  "rows": [[0, 0, 1, 0]]}, (1,))),
+        push({"op": "repl", "term": 0, "offset": 5}, rec({"op": "stream_append", "bin": "s",
+                                                          "producer": 0, "position": 0}, (1,))),
         b"".join(bytes(c) for c in pushed_frame({"op": "repl_ping", "term": 0}))[:-1]
         + b"\xc1",
         bytes(16) + rng.randbytes(64),
@@ -503,14 +512,12 @@ def test_a_client_that_sees_a_newer_term_fences_the_former_primary(
     assert cb.peek("v") == 2 and ca.peek("v") == 1
 
 
-def test_a_failover_ends_streams_with_a_typed_error_and_services_carry_on(
+def test_a_failover_keeps_streams_and_services_carry_on(
         procs: Callable[..., ServerProcess], clients: Callable[..., Client]) -> None:
-    """Streams and services live in memory on the primary. When it dies and a replica is
-    promoted, a stream's consumer waiting in a read and its producer get ``BinNotFound`` at
-    once (never a hang), a consumer that joins again is told it did not resume, and a
-    service's callers and hosts (with address lists) carry on on the promoted replica."""
-    from tensorshare.errors import BinNotFound
-
+    """Streams are replicated, services live in memory on the primary. When it dies and a
+    replica is promoted, a stream's consumer waiting in a read and its producer (with
+    address lists) carry on where they were on the promoted replica (the read resent there
+    gets the next append), and a service's callers and hosts carry on too."""
     primary = procs()
     replica = procs("--replica-of", f"{HOST}:{primary.port}")
     both = f"tensorshare://{HOST}:{primary.port},{HOST}:{replica.port}"
@@ -548,17 +555,16 @@ def test_a_failover_ends_streams_with_a_typed_error_and_services_carry_on(
         threads[1].start()
         wait_until(lambda: watch.stats("s")["bins"]["s"]["waiters"] == 1, TIMEOUT,
                    "the consumer's read waiting on the primary")
+        wait_until(lambda: admin.stats("s")["bins"]["s"]["stream"]["consumers"]["c"]["cursor"]
+                   == 2, TIMEOUT, "the replica has the consumer's cursor")
         primary.kill()
         assert admin.promote() == 1
+        assert producer.stream_append("s", [3], epoch=opened.epoch).position == 2
         threads[1].join(TIMEOUT)
         assert not threads[1].is_alive(), "the waiting read hangs after the failover"
-        assert isinstance(read[0], BinNotFound), read
-        with pytest.raises(BinNotFound):
-            producer.stream_append("s", [3], epoch=opened.epoch)
-        joined = consumer.stream_join("s", "c")  # a new, empty stream: it says so
-        assert (joined.resumed, joined.head) == (False, 0)
-        producer.stream_append("s", [3], epoch=producer.stream_open("s").epoch)
-        assert consumer.stream_read("s", "c").items == [3]
+        assert read[0].items == [3], read  # (resent on the promoted replica)
+        joined = consumer.stream_join("s", "c", resume=True)
+        assert (joined.resumed, joined.head) == (True, 3)
         assert caller.service_call("svc", 5).value == 10  # its host follows the primary
     finally:
         stop.set()

@@ -945,7 +945,7 @@ def test_after_a_server_restart_producer_and_consumer_get_producer_gone_then_go_
         p.append(torch.tensor([0]))
         p.append(torch.tensor([1]))
         assert [int(x[0]) for x in c.read().items] == [0, 1]
-        srv.restart()  # SIGKILL and a new server on the port: streams live in memory only
+        srv.restart()  # SIGKILL and a new server on the port (no --data-dir: streams are lost)
         with pytest.raises(ProducerGone):  # (the new server has no such stream)
             p.append(torch.tensor([2]))
         with pytest.raises(ProducerGone, match="restarted"):

@@ -38,6 +38,7 @@ from tensorshare.wire.records import (
     Put,
     Stored,
 )
+from tensorshare.wire.replies import ReplyReader
 
 ids = st.integers(1, (1 << 63) - 1)
 uints = st.integers(0, (1 << 64) - 1)
@@ -142,12 +143,22 @@ def _general_reply(frame: Any, op: str) -> Any:
     from tensorshare.wire import protocol
 
     saved = dict(protocol.REPLY_EXPECTS)
-    protocol.REPLY_EXPECTS.clear()  # (read_reply then leaves every reply to the parser)
+    protocol.REPLY_EXPECTS.clear()  # (the fixed layouts then leave every reply to the parser)
     try:
         (msg,) = ClientConnection().receive_data(frame.raw, lambda rid: op)
     finally:
         protocol.REPLY_EXPECTS.update(saved)
     return msg
+
+
+def _read(header: Any, payload: Any, op: str | None) -> Any:
+    """What ClientConnection (the Twisted and asyncio faces) reads from a reply's fixed layout
+    (``wire/replies``) when its request was ``op``, else ``None``."""
+    reader = ReplyReader()
+    rid = reader.reply_id(bytes(header))
+    if rid is None or op is None:
+        return None
+    return reader.reply(rid, EXPECTS.get(op), payload)
 
 
 def _same(a: Any, b: Any) -> None:
@@ -174,12 +185,12 @@ def test_the_common_replies_read_from_their_layout_are_what_the_parser_reads(
     for op, reply in (("put", Stored(rid, version, n)), ("append", Stored(rid, version, n)),
                       ("ping", Acked(rid, flag)), ("get", ErrorReply(rid, code, message))):
         frame = _frame(encode_reply(reply))
-        got = prepared.read_reply(frame.header, frame.payload, lambda r, op=op: op, EXPECTS)
+        got = _read(frame.header, frame.payload, op)
         assert got is not None, reply
         _same(got, _general_reply(frame, op))
     # dropped items: another layout, left to the general parser
     frame = _frame(encode_reply(Stored(rid, version, n, dropped or 1)))
-    assert prepared.read_reply(frame.header, frame.payload, lambda r: "put", EXPECTS) is None
+    assert _read(frame.header, frame.payload, "put") is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -190,7 +201,7 @@ def test_a_fetched_item_read_from_its_layout_is_what_the_parser_reads(
         op: str) -> None:
     reply = Fetched(rid, kind, (Item(encode(value), tag),), version, n, dropped)
     frame = _frame(encode_reply(reply))
-    got = prepared.read_reply(frame.header, frame.payload, lambda r, op=op: op, EXPECTS)
+    got = _read(frame.header, frame.payload, op)
     if len(reply.items[0].value.buffers) > 1:
         assert got is None
     else:
@@ -200,18 +211,17 @@ def test_a_fetched_item_read_from_its_layout_is_what_the_parser_reads(
 
 def test_a_reply_for_another_op_or_nobody_is_left_to_the_general_parser() -> None:
     stored = _frame(encode_reply(Stored(5, 2, 1)))
-    assert prepared.read_reply(stored.header, stored.payload, lambda r: "get", EXPECTS) is None
-    assert prepared.read_reply(stored.header, stored.payload, lambda r: None, EXPECTS) is None
+    assert _read(stored.header, stored.payload, "get") is None
+    assert _read(stored.header, stored.payload, None) is None
     two = _frame(encode_reply(Fetched(5, "list", (Item(encode(1)), Item(encode(2))), 3, 0)))
-    assert prepared.read_reply(two.header, two.payload, lambda r: "get", EXPECTS) is None
+    assert _read(two.header, two.payload, "get") is None
 
 
 @pytest.mark.parametrize("cut", [1, 3, 8])
 def test_a_header_cut_or_padded_is_left_to_the_general_parser(cut: int) -> None:
     frame = _frame(encode_reply(Stored(5, 2, 1)))
-    assert prepared.read_reply(frame.header[:-cut], b"", lambda r: "put", EXPECTS) is None
-    assert prepared.read_reply(frame.header + b"\x00" * cut, b"", lambda r: "put",
-                               EXPECTS) is None
+    assert _read(frame.header[:-cut], b"", "put") is None
+    assert _read(frame.header + b"\x00" * cut, b"", "put") is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -220,9 +230,9 @@ def test_a_header_cut_or_padded_is_left_to_the_general_parser(cut: int) -> None:
 def test_a_notification_read_from_its_layout(name: str, event: str, n: int,
                                             version: int) -> None:
     frame = _frame(encode_message(Changed(name, event, n, version))[0])
-    assert prepared.read_notify(frame.header) == (name, event, n, version)
+    assert ReplyReader().notify(bytes(frame.header)) == Changed(name, event, n, version)
     frame = _frame(encode_message(Changed(name, event, n, version, 3))[0])
-    assert prepared.read_notify(frame.header) is None
+    assert ReplyReader().notify(bytes(frame.header)) is None
 
 
 def test_the_ops_the_readers_expect_are_those_of_the_op_table() -> None:
@@ -260,8 +270,8 @@ def test_a_notification_from_pieces_is_the_general_encoders_bytes(
     chunks = prepared.notify_chunks(msg)
     assert _joined(chunks) == _joined(encode_message(msg)[0])
     # and the client reads the usual one (neither skipped nor dropped) from its layout
-    expected = (name, event, n, version) if not (skipped or dropped) else None
-    assert prepared.read_notify(_frame(chunks).header) == expected
+    expected = Changed(name, event, n, version) if not (skipped or dropped) else None
+    assert ReplyReader().notify(bytes(_frame(chunks).header)) == expected
 
 
 def _server_frame(raw: bytes) -> Any:

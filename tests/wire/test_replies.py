@@ -1,4 +1,4 @@
-"""The client's one-pass read (tensorshare.client.replies) against the general decoder.
+"""The common replies read from their layouts (tensorshare.wire.replies) against the general decoder.
 
 Every reply and notification read from its fixed layout must be what the general decoder (the
 frame decoder, msgpack's unpacker and the op table's parsers) makes of the same bytes, and
@@ -18,7 +18,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorshare.client.replies import ReplyReader
 from tensorshare.client.session import ClientSession, Done, Notify
 from tensorshare.wire.codec import encode
 from tensorshare.wire.frames import FrameDecoder
@@ -30,6 +29,7 @@ from tensorshare.wire.protocol import (
     encode_reply,
 )
 from tensorshare.wire.records import Acked, ErrorReply, Fetch, Fetched, FetchSpec, Item, Put, Stored
+from tensorshare.wire.replies import ReplyReader
 
 BIG = 1 << 30
 rids = st.integers(1, (1 << 63) - 1)

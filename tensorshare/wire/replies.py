@@ -1,5 +1,7 @@
-"""The blocking client's replies read in one pass: whole frames out of the receive buffer, and
-the common replies read from their fixed layouts.
+"""The common replies read from their fixed layouts, and (for the blocking client's one-pass
+read) whole frames out of a receive buffer. Every face reads replies here: the blocking
+client's session per read, the Twisted and asyncio faces' :class:`~.protocol.ClientConnection`
+per frame, and the server its remembered put replies (``server/sessions.reply_of``).
 
 Most reads of a busy client bring whole small frames: a ``Stored``, an ``Acked``, an
 ``ErrorReply``, a ``Fetched`` of one item in one plain buffer, or the ``notify`` of a change.
@@ -10,7 +12,7 @@ order, the values between them), with no frame object, no ``msgpack`` map and no
 first frame it does not read so (another reply, another layout, a frame not whole, anything a
 check would refuse) it stops, and the connection's general decoder takes the rest of the
 bytes, which checks everything and says what is wrong: what is read here is exactly what the
-general parser reads (``tests/client/test_replies.py`` checks that over many values, and
+general parser reads (``tests/wire/test_replies.py`` checks that over many values, and
 that what it must decline is declined).
 
 It is a compiled twin (see :mod:`tensorshare._ext`), typed by ``replies.pxd``.
@@ -20,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..wire.frames import ALIGN, FORMAT_VERSION, PREFIX
-from ..wire.records import Acked, Changed, ErrorReply, Fetched, Item, Stored, encoded_of, raw_buffer
+from .frames import ALIGN, FORMAT_VERSION, PREFIX
+from .records import Acked, Changed, ErrorReply, Fetched, Item, Stored, encoded_of, raw_buffer
 
 __all__ = ["ReplyReader"]
 

@@ -1,4 +1,4 @@
-# Types for the compiled twin of replies.py (tensorshare.client.replies_c; see
+# Types for the compiled twin of replies.py (tensorshare.wire.replies_c; see
 # tensorshare._ext), and what other twins cimport of it. The .py stays the reference: this
 # file only declares what Cython may type.
 import cython
