@@ -51,20 +51,20 @@ cdef class _Listen:
     cdef public object version
 
 
-cdef object _new_ack, _set_field
 cdef dict _EXPECTS
-
-cpdef object _ack_info(object through, tuple open_ids)
+cdef tuple _NO_ACK
 
 
 cdef class ClientSession:
     cdef public str address, name, last_loss
     cdef public object token, user, _nonce, _server_nonce, timeout, reconnect, session_id
     cdef public object heartbeat, rng, limits, server, generation, closed, disconnected_since
-    cdef public object server_said, _next_id, _through, _last_ack, _ping, _hello, allocate
+    cdef public object server_said, _next_id, _through, _ping, _hello, allocate
     cdef public ClientConnection conn
     cdef public bint connected, shm
     cdef public dict calls, listeners, held
+    cdef public Py_ssize_t _last_through
+    cdef public tuple _last_open
     cdef public list _deadlines, _queue, _out_shared, _finished_now
     cdef public double _last_tx, _last_rx, _held_at
     cdef public ReplyReader _replies
@@ -75,7 +75,8 @@ cdef class ClientSession:
                     object convert=*, object timeout=*, object extra=*)
     @cython.locals(out=list, c=Call, queue=list)
     cpdef list pop_sendable(self, double now)
-    cpdef object _ack(self)
+    @cython.locals(through=Py_ssize_t, open_ids=list, opened=tuple)
+    cpdef tuple _ack(self)
     cpdef list receive_data(self, object data, double now)
     @cython.locals(conn=ClientConnection)
     cpdef object get_buffer(self)

@@ -68,7 +68,6 @@ from ..wire.protocol import (
     PROTOCOL_VERSIONS,
     REPLY_EXPECTS,
     SESSION_ID_BYTES,
-    AckInfo,
     ClientConnection,
     Orphan,
     ProtocolViolation,
@@ -268,17 +267,7 @@ def _with_id(request: Request, rid: int) -> Request:
     # (the other requests are dataclasses; mypy cannot tell them from the records above)
     return replace(request, id=rid)  # type: ignore[type-var]  # a dataclass: see above
 
-def _ack_info(through: int, open_ids: tuple[int, ...]) -> AckInfo:
-    """``AckInfo(through, open_ids)``, made as ``copy`` makes one: without the frozen
-    dataclass's ``__init__`` (a Python frame and two ``object.__setattr__`` calls, on every
-    request sent)."""
-    ack = _new_ack(AckInfo)
-    _set_field(ack, "through", through)
-    _set_field(ack, "open", open_ids)
-    return ack
-
-
-_new_ack = AckInfo.__new__
+_NO_ACK: tuple[int, tuple[int, ...]] = (-1, ())  # (ClientSession._ack: nothing new to say)
 _EXPECTS = REPLY_EXPECTS  # (typed a dict in the compiled twin)
 _set_field = object.__setattr__
 
@@ -335,7 +324,9 @@ class ClientSession:
         self._next_id = 0
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, id); stale entries
         self._through = 0  # highest id whose reply arrived
-        self._last_ack: AckInfo | None = None
+        # The acknowledgement the last request carried (``_last_through`` -1: none yet).
+        self._last_through = -1
+        self._last_open: tuple[int, ...] = ()
         self._last_tx = 0.0
         self._last_rx = 0.0
         # When a get's reply arrived that no request sent since acknowledged (0.0: none).
@@ -436,7 +427,8 @@ class ClientSession:
                     assert type(request) is Fetch
                     request = Fetch(request.id, request.bin, request.spec.with_timeout(left))
             try:
-                out.extend(self.conn.send(request, self._ack(), shared))
+                through, opened = self._ack()
+                out.extend(self.conn.send_acked(request, through, opened, shared))
             except TensorShareError as exc:
                 # Over the server's limits (learned since the call was made): fail it alone.
                 c.state = FINISHED
@@ -475,9 +467,12 @@ class ClientSession:
         done, self._finished_now = self._finished_now, []
         return done
 
-    def _ack(self) -> AckInfo | None:
+    def _ack(self) -> tuple[int, tuple[int, ...]]:
+        """The acknowledgement for the request sent now as ``(through, open_ids)``, or
+        :data:`_NO_ACK` (through -1) when it would say what the last one said: two fields,
+        not an :class:`AckInfo` (asked for every request sent)."""
         if self.session_id is None:
-            return None
+            return _NO_ACK
         through = self._through
         open_ids: list[int] = []
         for rid in self.calls:  # id order: stop at the first id at or above ``through``
@@ -493,12 +488,16 @@ class ClientSession:
             #                       the held ones: their release arms it again)
         if self.held or through in self.calls:
             through, open_ids = self._held_ack(through, open_ids)
-        last = self._last_ack
-        if last is not None and through == last.through and tuple(open_ids) == last.open:
-            return None  # (compared before making a new one: asked for every request sent)
-        ack = _ack_info(through, tuple(open_ids) if open_ids else ())
-        self._last_ack = ack
-        return ack
+        if not open_ids:
+            if through == self._last_through and not self._last_open:
+                return _NO_ACK  # (compared before making anything: asked per request sent)
+            self._last_through, self._last_open = through, ()
+            return through, ()
+        opened = tuple(open_ids)
+        if through == self._last_through and opened == self._last_open:
+            return _NO_ACK
+        self._last_through, self._last_open = through, opened
+        return through, opened
 
     def _held_ack(self, through: int, open_ids: list[int]) -> tuple[int, list[int]]:
         """The acknowledgement ``(through, open_ids)`` with the held ids left open: an ack
@@ -582,7 +581,7 @@ class ClientSession:
         self.generation += 1
         self.connected = False
         self.server_said = None
-        self._last_ack = AckInfo(0)  # nothing to acknowledge is not worth a field
+        self._last_through, self._last_open = 0, ()  # nothing to acknowledge: no field
         self._last_rx = self._last_tx = now
         for c in self.calls.values():
             if c.state == SENT:
@@ -597,7 +596,8 @@ class ClientSession:
                  now, now + self.timeout, state=SENT, sent_on=self.generation)
         self._hello = c
         heapq.heappush(self._deadlines, (now + self.timeout, hello.id))
-        chunks = self.conn.send(hello, self._ack())
+        through, opened = self._ack()
+        chunks = self.conn.send_acked(hello, through, opened)
         return chunks
 
     def connection_lost(self, reason: str, now: float) -> list[Event]:

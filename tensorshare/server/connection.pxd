@@ -30,7 +30,7 @@ cdef class Connection:
 
     cpdef emit(self, object chunks, object shared=*, bint hold=*)
     cpdef _write(self, object chunks, object shared)
-    @cython.locals(route=Route)
+    @cython.locals(route=Route, fetched=Fetched, taken=bint, peeked=bint)
     cpdef answer(self, object msg, object reply, Route route=*)
     cpdef _pass(self, list frames, object error)
     @cython.locals(n=Py_ssize_t, conn=ServerConnection, responder=Responder, route=Route)

@@ -14,8 +14,8 @@ and it sees the server as a :class:`~.parts.Server`.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
+from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.interfaces import IDelayedCall
@@ -44,6 +44,7 @@ from ..wire.messages import (
     Reply,
     Request,
 )
+from ..wire.prepared import notify_chunks
 from ..wire.protocol import (
     PROTOCOL_VERSIONS,
     BadRequest,
@@ -97,7 +98,7 @@ class Connection:
                                      allocate=factory.pool.take, budget=factory.budget)
         self._decoder = self.conn.decoder
         self._st: Any = None  # the socket's transport, once connected (see connectionMade)
-        self.last_rx = time.monotonic()  # when bytes last arrived (see frame_timeout)
+        self.last_rx = monotonic()  # when bytes last arrived (see frame_timeout)
         self.version: int | None = None  # protocol version agreed in the handshake
         self.client_name = ""
         self.peer = "?"
@@ -138,7 +139,7 @@ class Connection:
 
     def dataReceived(self, data: bytes) -> None:
         if not self._closed:
-            self.last_rx = time.monotonic()
+            self.last_rx = monotonic()
             self._pass(*self.conn.frames(data))
             if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
@@ -148,7 +149,7 @@ class Connection:
 
     def buffer_updated(self, nbytes: int) -> None:
         if not self._closed:
-            self.last_rx = time.monotonic()
+            self.last_rx = monotonic()
             self._pass(*self.conn.buffered(nbytes))
             if self._decoder.reserved and self._stall is None:
                 self._watch_stall()
@@ -264,24 +265,33 @@ class Connection:
             self._stats.count_error(reply.code)
         mutating = route.mutating
         s = self.session
+        rid = msg.id
+        # (a get or peek's reply with items: what it is remembered and encoded as depends on
+        # whether it took them; ``fetched`` is the reply as its class, read without lookups)
+        taken = peeked = False
+        if cls is Fetched:
+            fetched: Fetched = reply
+            if fetched.items:
+                taken = msg.spec.remove
+                peeked = not taken
         if s is not None and mutating:
-            if cls is Fetched and reply.items and msg.spec.remove:
-                self._sessions.remember(s, msg.id, reply, msg.bin, reply.nbytes)
+            if taken:
+                self._sessions.remember(s, rid, reply, msg.bin, fetched.nbytes)
             else:  # (a put's reply is its frame's bytes: remembered as they are)
-                self._sessions.remember(s, msg.id, reply)
+                self._sessions.remember(s, rid, reply)
         shared: list[Any] | None = [] if self.shm else None
         if cls is bytes:  # a reply prepared as its frame
             chunks: Sequence[BytesLike] = [reply]
-        elif cls is Fetched and reply.items and not msg.spec.remove:
+        elif peeked:
             # Many readers of one version (parameters fanned out to every worker): the
             # reply is encoded once per bin version, then only the request id differs.
             chunks = self.factory.encode_peek(msg.bin, reply, shared, self.runs)
-        elif cls is Fetched and self.runs and len(reply.items) > 1:  # (runs: wire/runs.py)
-            chunks = encode_fetched_with_id(reply.id, *encode_fetched_parts(reply, shared, True))
+        elif cls is Fetched and self.runs and len(fetched.items) > 1:  # (runs: wire/runs.py)
+            chunks = encode_fetched_with_id(fetched.id,
+                                            *encode_fetched_parts(reply, shared, True))
         else:
             chunks = encode_reply(reply, shared)
         nbytes = len(chunks[0]) if len(chunks) == 1 else sum(map(len, chunks))
-        rid = msg.id
         if rid == self._serving and self._out is not None:  # counted with its pass
             self._answered = rid
             entry = self._pass_ops.get(route.op)
@@ -293,7 +303,7 @@ class Connection:
         else:
             started = self.started.pop(rid, None)
             if started is not None:
-                self._stats.observe(route.op, nbytes, time.perf_counter() - started)
+                self._stats.observe(route.op, nbytes, perf_counter() - started)
         # (a refusal changed nothing: it waits for neither the data log nor the replicas)
         self.emit(chunks, shared, hold=mutating and cls is not ErrorReply)
 
@@ -346,7 +356,7 @@ class Connection:
         f = self.factory
         if frames:
             self._out = []
-            self._pass_start = time.perf_counter()
+            self._pass_start = perf_counter()
             try:
                 n = self._serve(frames)
             finally:
@@ -364,7 +374,7 @@ class Connection:
 
     def _count_pass(self) -> None:
         """The requests a pass answered, by op: all read together, all written together."""
-        seconds = time.perf_counter() - self._pass_start
+        seconds = perf_counter() - self._pass_start
         stats = self._stats
         for op, (n, nbytes) in self._pass_ops.items():
             stats.observe_many(op, n, nbytes, seconds)
@@ -558,7 +568,7 @@ class ServerProtocol(Connection, Protocol):
         if self._closed or not self.conn.reserved:
             return
         limit = self.factory.config.frame_timeout
-        idle = time.monotonic() - self.last_rx
+        idle = monotonic() - self.last_rx
         if idle >= limit:
             self.factory.stats.counters["stalled_frames"] += 1
             self.fail(ProtocolError(f"no bytes of a {self.conn.reserved}-byte frame part for "
@@ -591,7 +601,7 @@ class ServerProtocol(Connection, Protocol):
         self._paused = False
         folded, self._folded = self._folded, {}
         for msg in folded.values():
-            self.emit(encode_message(msg)[0])
+            self.emit(notify_chunks(msg))
         if not self._paused:
             self._socket.resumeProducing()
 

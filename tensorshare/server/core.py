@@ -26,10 +26,10 @@ from ..memory.pool import BufferPool
 from ..wire import codec
 from ..wire.frames import BytesLike
 from ..wire.messages import Changed, Fetched, Item, Limits
+from ..wire.prepared import notify_chunks
 from ..wire.protocol import (
     encode_fetched_parts,
     encode_fetched_with_id,
-    encode_message,
     item_wire_size,
 )
 from .auth import FailedAttempts
@@ -249,9 +249,9 @@ class ServerFactory(Factory):
         if not subs:
             self._watched.discard(name)
             return
-        # Encode once, write the same chunks to every listener.
+        # Encode once (from prepared pieces), write the same chunks to every listener.
         msg = Changed(name, op, n_items, version, 0, dropped)
-        chunks = encode_message(msg)[0]
+        chunks = notify_chunks(msg)
         self.stats.counters["notifications"] += len(subs)
         for proto in list(subs):
             proto.notify(chunks, msg)

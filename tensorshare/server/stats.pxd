@@ -2,6 +2,8 @@
 # The .py stays the reference: this file only declares what Cython may type.
 import cython
 
+cdef object _getitem
+
 
 
 
@@ -13,7 +15,7 @@ cdef class ServerStats:
 
     cpdef count_error(self, str code)
     cpdef observe(self, str op, object bytes_out, double seconds)
-    @cython.locals(keys=tuple, h=list, i=Py_ssize_t, bound=double, c=object)
+    @cython.locals(keys=tuple, h=list, i=Py_ssize_t, bound=double, c=object, k=str)
     cpdef observe_many(self, str op, object n, object bytes_out, double seconds)
     @cython.locals(keys=tuple, h=list)
     cdef tuple _op_keys(self, str op)

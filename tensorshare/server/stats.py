@@ -18,6 +18,9 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 
 
+_getitem = dict.__getitem__
+
+
 class Counters(dict[str, int]):
     """Named counters that start at 0."""
 
@@ -55,8 +58,12 @@ class ServerStats:
         if keys is None:
             keys = self._op_keys(op)
         c = self.counters
-        c[keys[0]] += n
-        c[keys[1]] += bytes_out
+        # (``dict.__getitem__`` itself, not ``c[k]``: a dict subclass's subscript is looked up
+        # as a Python-level ``__getitem__`` on every use; ``__missing__`` still answers 0)
+        k = keys[0]
+        c[k] = _getitem(c, k) + n
+        k = keys[1]
+        c[k] = _getitem(c, k) + bytes_out
         h = keys[2]
         i = 0
         for bound in LATENCY_BUCKETS:  # (bisect_left over 17 bounds, without a call)

@@ -3,7 +3,7 @@
 # reference: this file only declares what Cython may type.
 import cython
 
-from tensorshare.wire.records cimport Buffer, Encoded, Fetched, Item
+from tensorshare.wire.records cimport Buffer, Changed, Encoded, Fetched, Item
 
 cdef object _packb, _FRAME_HEAD, _U16, _U32, _U64, _I8, _I16, _I32, _I64, _F64, _BAD
 cdef bytes _ZEROS, _K_OP, _K_ID, _K_BIN, _K_ITEMS, _K_ACK, _K_OPEN, _REPLY_ID
@@ -44,6 +44,9 @@ cdef tuple _bin_at(bytes h, Py_ssize_t i)
 
 @cython.locals(it=Item, value=Encoded, b=Buffer, descs=bytes, header=bytes)
 cpdef list fetched_chunks(object rid, Fetched reply)
+
+@cython.locals(n=Py_ssize_t, parts=list, header=bytes)
+cpdef list notify_chunks(Changed msg)
 
 cpdef object read_request(bytes h, object payload, object limits)
 

@@ -12,8 +12,9 @@ reading the values between them, without a dict:
   common shapes (:func:`put_header`, :func:`fetch_header`), with the acknowledgement fields;
 * requests (the server reads): those requests read back from their layouts
   (:func:`read_request`);
-* replies (the server writes): a ``Fetched`` of one item in one plain buffer
-  (:func:`fetched_chunks`). The client reads the common replies from their layouts in
+* replies and notifications (the server writes): a ``Fetched`` of one item in one plain buffer
+  (:func:`fetched_chunks`) and the ``notify`` of a change (:func:`notify_chunks`: encoded once
+  and written to every listener). The client reads the common replies from their layouts in
   :mod:`.replies`.
 
 Every prepared header is the same bytes the general encoder writes for the same message
@@ -36,6 +37,7 @@ from .codec import validate
 from .frames import ALIGN, FORMAT_VERSION, MAGIC, PREFIX, BytesLike
 from .records import (
     Append,
+    Changed,
     Fetch,
     Fetched,
     FetchSpec,
@@ -46,7 +48,7 @@ from .records import (
 )
 
 __all__ = ["MAX_OPEN_ACKS", "fetch_header", "fetched_chunks", "frame_chunks", "packed_int",
-           "packed_name", "put_header", "read_request"]
+           "notify_chunks", "packed_name", "put_header", "read_request"]
 
 # At most this many request ids below ``ack`` may be listed as still open (see
 # ``protocol.AckInfo``).
@@ -302,6 +304,26 @@ def fetched_chunks(rid: int, reply: Fetched) -> list[BytesLike] | None:
                        _K_ITEMS, _ONE_ITEM, _packb(value.value), descs,
                        b"\xc0" if tag is None else packed_int(tag)))
     return frame_chunks(header, data)
+
+
+def notify_chunks(msg: Changed) -> list[BytesLike]:
+    """The frame of change notification ``msg``, as the general encoder writes it
+    (``protocol._header_of``'s ``Changed`` row: ``skipped`` and ``dropped`` only when not 0),
+    from prepared pieces: built once per change and written to every listener."""
+    n = 0x85
+    parts = [b"", _NOTIFY_BIN, packed_name(msg.bin), _K_EVENT, packed_name(msg.op),
+             _K_N_ITEMS, packed_int(msg.n_items), _K_VERSION, packed_int(msg.version)]
+    if msg.skipped:
+        n += 1
+        parts.append(_K_SKIPPED)
+        parts.append(packed_int(msg.skipped))
+    if msg.dropped:
+        n += 1
+        parts.append(_K_DROPPED)
+        parts.append(packed_int(msg.dropped))
+    parts[0] = _BYTES[n]
+    header = b"".join(parts)
+    return [_FRAME_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(header), 0) + header]
 
 
 # -- requests the server reads from their fixed layouts ---------------------------------------

@@ -41,6 +41,9 @@ cdef class ClientConnection(_Side):
     cdef public bint shm
     cdef ReplyReader _replies
 
+    @cython.locals(header=bytes, chunks=list, limits=object, size=Py_ssize_t, c=object)
+    cpdef list send_acked(self, object msg, Py_ssize_t through, tuple open_ids,
+                          object shared=*)
     @cython.locals(out=list, frame=object)
     cdef list _parse(self, list frames, object error, object op_of)
     @cython.locals(h=dict, header=bytes, reader=ReplyReader, op=object)
@@ -65,6 +68,6 @@ cpdef dict _header_map(object frame)
 
 cpdef tuple _ack_of(dict h)
 
-cdef object _prepared_request(object msg, object ack)
+cdef object _prepared_request(object msg, Py_ssize_t through, tuple open_ids)
 
 cdef list _prepared_chunks(object msg, bytes header)

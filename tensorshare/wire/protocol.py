@@ -1075,12 +1075,12 @@ class ServerConnection(_Side):
                           f"server's max_frame_bytes={frame.limit}; nothing was stored", name, h)
 
 
-def _prepared_request(msg: Request, ack: AckInfo | None) -> bytes | None:
+def _prepared_request(msg: Request, through: int, open_ids: tuple[int, ...]) -> bytes | None:
     """The header of a put, an append of one item or a fetch of the common shapes, from
-    prepared pieces (:mod:`.prepared`: the bytes the general encoder writes); ``None`` for
-    any other request."""
+    prepared pieces (:mod:`.prepared`: the bytes the general encoder writes), ``through``
+    and ``open_ids`` the acknowledgement (``through`` -1: none); ``None`` for any other
+    request."""
     cls = type(msg)
-    through, open_ids = (-1, ()) if ack is None else (ack.through, ack.open)
     if cls is Fetch:
         f: Fetch = msg  # type: ignore[assignment]
         return fetch_header(f.spec.remove, f.id, f.bin, f.spec, through, open_ids)
@@ -1166,16 +1166,24 @@ class ClientConnection(_Side):
             LimitExceeded: the frame or its header is over the server's limit; nothing
                 was sent, and the connection stays usable.
         """
-        header = _prepared_request(msg, ack)
+        if ack is None:
+            return self.send_acked(msg, -1, (), shared)
+        return self.send_acked(msg, ack.through, ack.open, shared)
+
+    def send_acked(self, msg: Request, through: int, open_ids: tuple[int, ...],
+                   shared: list[Any] | None = None) -> list[BytesLike]:
+        """:meth:`send` with the acknowledgement as its two fields (``through`` -1: none):
+        what a client session calls for every request, with no :class:`AckInfo` made."""
+        header = _prepared_request(msg, through, open_ids)
         if header is not None:
             header_len = len(header)
             chunks = _prepared_chunks(msg, header)
         else:
             extra: dict[str, Any] | None = None
-            if ack is not None:
-                extra = {"ack": ack.through}
-                if ack.open:
-                    extra["open"] = list(ack.open)
+            if through >= 0:
+                extra = {"ack": through}
+                if open_ids:
+                    extra["open"] = list(open_ids)
             chunks, header_len = encode_message(msg, extra, shared if self.shm else None)
         limits = self.limits
         size = 0

@@ -260,6 +260,20 @@ def test_a_fetched_reply_from_pieces_is_the_general_encoders_bytes(
     assert _joined(encode_reply(reply)) == _joined(encode_message(reply)[0])
 
 
+@settings(max_examples=400, deadline=None)
+@given(name=names, event=st.sampled_from(["put", "append", "get", "delete", "restore"]) | names,
+       n=uints, version=uints, skipped=st.integers(0, 1 << 40) | st.just(0),
+       dropped=uints | st.just(0))
+def test_a_notification_from_pieces_is_the_general_encoders_bytes(
+        name: str, event: str, n: int, version: int, skipped: int, dropped: int) -> None:
+    msg = Changed(name, event, n, version, skipped, dropped)
+    chunks = prepared.notify_chunks(msg)
+    assert _joined(chunks) == _joined(encode_message(msg)[0])
+    # and the client reads the usual one (neither skipped nor dropped) from its layout
+    expected = Changed(name, event, n, version) if not (skipped or dropped) else None
+    assert ReplyReader().notify(bytes(_frame(chunks).header)) == expected
+
+
 def _server_frame(raw: bytes) -> Any:
     (frame,) = FrameDecoder(1 << 30, 1 << 30).feed(raw)
     return frame
