@@ -118,7 +118,10 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         self._runner: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[AsyncClient] | None = None
         self._lost: asyncio.Future[str] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        # When it fires: uvloop's call_at gives a plain Handle (no ``when()``) for a time
+        # already past, so the time is kept here.
+        self._timer_at = 0.0
         self._flushing = False  # a flush is scheduled for this turn of the loop
         self._closing = False
         self._drop_reason: str | None = None
@@ -231,7 +234,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
                 assert self._loop is not None
                 self._loop.call_soon(self._flush)
         t, deadline = self._timer, call.deadline
-        if t is None or (deadline is not None and deadline < t.when()):
+        if t is None or (deadline is not None and deadline < self._timer_at):
             self._reschedule()
 
     def _cancelled(self, call: Call, fut: asyncio.Future[Any]) -> None:
@@ -432,7 +435,7 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
     def _ack_soon(self) -> None:
         """A get's items wait for their acknowledgement: wake up in time to send it."""
         due, t = self._session.ack_due(), self._timer
-        if due is not None and (t is None or due < t.when()):
+        if due is not None and (t is None or due < self._timer_at):
             self._reschedule()
 
     def _reschedule(self) -> None:
@@ -451,10 +454,11 @@ class AsyncClient(SessionFacts, SessionEvents, Ops):
         if wake is None:
             return
         if t is not None:
-            if t.when() <= wake + 1e-3:
+            if self._timer_at <= wake + 1e-3:
                 return
             t.cancel()
         self._timer = loop.call_at(wake, self._tick)
+        self._timer_at = wake
 
     def _tick(self) -> None:
         self._timer = None
