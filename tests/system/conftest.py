@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import pytest
 
-from tensorshare import Client
+from tensorshare import Client, EmbeddedServer
 from tests.chaos import ServerProcess
 from tests.conftest import wait_until
 
@@ -79,3 +80,10 @@ def fail_over_under(threads: list[threading.Thread], acked: list[list[int]],
             t.join(FAILOVER_TIMEOUT * 2)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., EmbeddedServer]]:
+    """``servers(**kw)``: an :class:`EmbeddedServer` on a free port, stopped at the end."""
+    with ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(EmbeddedServer(0, **kw))

@@ -9,8 +9,7 @@ thread. Nothing waits on a sleep: conditions are polled with deadlines.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ from tests.chaos import ChaosProxy
 from tests.conftest import wait_until
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[..., EmbeddedServer]]:
-    """``servers(**kw)``: an :class:`EmbeddedServer` on a free port, stopped at the end."""
-    with ExitStack() as stack:
-        yield lambda **kw: stack.enter_context(EmbeddedServer(0, **kw))
 
 
 def replays(srv: EmbeddedServer) -> dict[str, Any]:

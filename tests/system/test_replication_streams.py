@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -29,13 +29,6 @@ from tests.chaos import HOST, ServerProcess
 from tests.conftest import wait_until
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[..., EmbeddedServer]]:
-    """``servers(**kw)``: an :class:`EmbeddedServer` on a free port, stopped at the end."""
-    with ExitStack() as stack:
-        yield lambda **kw: stack.enter_context(EmbeddedServer(0, **kw))
 
 
 def streams(srv: EmbeddedServer) -> dict[str, Any]:
