@@ -269,7 +269,6 @@ def _with_id(request: Request, rid: int) -> Request:
 
 _NO_ACK: tuple[int, tuple[int, ...]] = (-1, ())  # (ClientSession._ack: nothing new to say)
 _EXPECTS = REPLY_EXPECTS  # (typed a dict in the compiled twin)
-_set_field = object.__setattr__
 
 
 class ClientSession:
